@@ -1,0 +1,51 @@
+# moeheal: `make heal` runs the bundled demo end to end, `make test` runs the tests.
+# Both create .venv and install the project into it when missing (a no-op afterwards).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+CONFIG ?= demo/heal.toml
+OUT    ?= export
+# torch is only for the parity tests (transformers loads our GGUFs); pin the CPU build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: heal test bench audit sql export report clean setup setup-test
+
+setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/python -m pip install -q "$(TORCH)" || $(BIN)/python -m pip install -q torch
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+heal: setup
+	$(BIN)/moeheal heal -c $(CONFIG)
+
+test: setup-test
+	$(BIN)/python -m pytest -q -m "not gpu"
+
+bench: setup-test
+	for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+audit: setup
+	$(BIN)/moeheal audit -c $(CONFIG)
+
+report: setup
+	$(BIN)/moeheal report -c $(CONFIG)
+
+# usage: make sql Q="SELECT * FROM comparisons"
+sql: setup
+	$(BIN)/moeheal sql -c $(CONFIG) "$(Q)"
+
+export: setup
+	$(BIN)/moeheal export -c $(CONFIG) --out $(OUT)
+
+clean:
+	find lake -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +

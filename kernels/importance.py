@@ -1,0 +1,287 @@
+"""Activation-importance weights and per-expert Hessians for quantizing experts.
+
+Quantizing a weight row w to w + dw changes a linear layer's output by dw . x,
+whose mean square is dw^T E[x x^T] dw. Keeping only the diagonal, the error of
+element j costs E[x_j^2] dw_j^2: E[x_j^2] is the diagonal-Hessian-optimal
+weight on squared weight error (beta = 1). We use E[x_j^2]^beta and call beta
+a tempering exponent: beta = 0.5 weights by the input RMS, beta = 0 is plain
+least squares. The same beta convention holds for gate/up (input: the MoE
+input x) and for down (input: the expert's hidden activation h), so
+`beta_gate_up = beta_down` means the same thing on both.
+
+For W_down the input is h_c = silu(g_c) * u_c with g = W_gate x, u = W_up x,
+and an expert sees only the tokens routed to it, often a few dozen. We compute
+the exact per-expert sum of h_c^2 over routed tokens and blend it with an
+analytic prior from the layer's diagonal input statistics, so thinly routed
+experts still get a sane weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Importance below this fraction of the mean is raised to it: a dimension that
+# never fired in calibration still deserves a nonzero (tiny) weight, and the
+# floor is relative so it does not depend on the activation scale.
+RELATIVE_FLOOR = 1e-8
+
+# Gauss-Hermite nodes for E[f(g)], g ~ N(0, s^2): exact for polynomials of
+# degree < 2*64; silu(g)^2 is g^2 times a smooth bounded function, so 64 nodes
+# are accurate to ~1e-12 relative (checked against scipy.integrate.quad).
+_GH_NODES, _GH_WEIGHTS = np.polynomial.hermite.hermgauss(64)
+
+
+def _tempered_mean_one(second_moment: np.ndarray, beta: float) -> np.ndarray:
+    """max(m, floor)^beta normalised to mean 1 along the last axis; all-zero rows give ones."""
+    m = np.asarray(second_moment, dtype=np.float64)  # (..., n)
+    mean = np.mean(m, axis=-1, keepdims=True)  # (..., 1)
+    floored = np.maximum(m, RELATIVE_FLOOR * mean)  # (..., n)
+    tempered = np.where(mean > 0, floored, 1.0) ** beta  # (..., n)
+    return (tempered / np.mean(tempered, axis=-1, keepdims=True)).astype(np.float32)  # (..., n)
+
+
+def gate_up_importance(mean_sq_x: np.ndarray, beta: float) -> np.ndarray:
+    """Per input-column weight for W_gate / W_up: w_j = E[x_j^2]^beta, mean 1.
+
+    mean_sq_x (d,) = E[x_j^2] over the layer's calibration tokens (the diagonal
+    of E[x x^T]). Values below RELATIVE_FLOOR * mean are floored first.
+    """
+    return _tempered_mean_one(mean_sq_x, beta)  # (d,)
+
+
+@dataclass(frozen=True)
+class ExpertStats:
+    """Per-expert sufficient statistics of one layer, additive over token chunks.
+
+    sum_h2 (E, f): sum over tokens routed to expert e of h_c^2.
+    counts (E,): number of tokens routed to expert e.
+    sum_xxT (E, d, d) or None: sum over those tokens of x x^T (GPTQ Hessians).
+    """
+
+    sum_h2: np.ndarray
+    counts: np.ndarray
+    sum_xxT: np.ndarray | None
+
+    def __add__(self, other: ExpertStats) -> ExpertStats:
+        both_moments = self.sum_xxT is not None and other.sum_xxT is not None
+        return ExpertStats(
+            sum_h2=self.sum_h2 + other.sum_h2,
+            counts=self.counts + other.counts,
+            sum_xxT=self.sum_xxT + other.sum_xxT if both_moments else None,
+        )
+
+
+def _expert_blocks(
+    experts: np.ndarray, n_expert: int, block_tokens: int, block_multiple: int = 16
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Group routed (token, expert) pairs into fixed-size single-expert blocks.
+
+    Returns block_expert (nb,), block_rows (nb, bt) token indices and
+    block_valid (nb, bt). Each expert's tokens fill ceil(n_e / bt) blocks, the
+    last one padded; nb is rounded up to a multiple of `block_multiple` with
+    empty blocks so that chunks of similar size reuse one compiled scan.
+    """
+    n_tokens, k = experts.shape
+    flat_expert = experts.reshape(-1).astype(np.int64)  # (N*k,)
+    flat_token = np.repeat(np.arange(n_tokens), k)  # (N*k,)
+    order = np.argsort(flat_expert, kind="stable")  # (N*k,)
+    sorted_expert, sorted_token = flat_expert[order], flat_token[order]  # (N*k,)
+    counts = np.bincount(flat_expert, minlength=n_expert)  # (E,)
+    blocks_per_expert = -(-counts // block_tokens)  # (E,)
+    first_pair = np.concatenate([[0], np.cumsum(counts)[:-1]])  # (E,)
+    first_block = np.concatenate([[0], np.cumsum(blocks_per_expert)[:-1]])  # (E,)
+    pos = np.arange(sorted_expert.size) - first_pair[sorted_expert]  # (N*k,) rank within its expert
+    block = first_block[sorted_expert] + pos // block_tokens  # (N*k,)
+    n_blocks = int(blocks_per_expert.sum())
+    n_padded = max(block_multiple, -(-n_blocks // block_multiple) * block_multiple)
+    block_expert = np.zeros(n_padded, dtype=np.int32)  # (nb,)
+    block_expert[:n_blocks] = np.repeat(np.arange(n_expert), blocks_per_expert)
+    block_rows = np.zeros((n_padded, block_tokens), dtype=np.int32)  # (nb, bt)
+    block_valid = np.zeros((n_padded, block_tokens), dtype=bool)  # (nb, bt)
+    block_rows[block, pos % block_tokens] = sorted_token
+    block_valid[block, pos % block_tokens] = True
+    return block_expert, block_rows, block_valid
+
+
+@partial(jax.jit, static_argnames=("with_second_moment",))
+def _blocked_expert_sums(
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    x: jax.Array,
+    block_expert: jax.Array,
+    block_rows: jax.Array,
+    block_valid: jax.Array,
+    with_second_moment: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Scan over single-expert token blocks: one (bt, d) x (d, f) product per block.
+
+    Memory is one block's activations plus the (E, f) and (E, d, d) sums, not
+    (N, k, f, d) gathered weights; work is the routed tokens' own matmuls plus
+    padding of at most one block per expert.
+    """
+    n_expert, width, d_model = w_gate.shape
+
+    def block_step(carry: tuple[jax.Array, jax.Array], block: tuple[jax.Array, jax.Array, jax.Array]):
+        sum_h2, sum_xxT = carry
+        expert, rows, valid = block  # (), (bt,), (bt,)
+        xb = jnp.where(valid[:, None], x[rows], 0.0)  # (bt, d) padding rows are zero, so h = 0 there
+        gate = xb @ w_gate[expert].T  # (bt, f)
+        up = xb @ w_up[expert].T  # (bt, f)
+        hidden = jax.nn.silu(gate) * up  # (bt, f)
+        sum_h2 = sum_h2.at[expert].add(jnp.sum(hidden * hidden, axis=0))  # (E, f)
+        if with_second_moment:
+            sum_xxT = sum_xxT.at[expert].add(xb.T @ xb)  # (E, d, d)
+        return (sum_h2, sum_xxT), None
+
+    moment_shape = (n_expert, d_model, d_model) if with_second_moment else (0,)
+    init = (jnp.zeros((n_expert, width), jnp.float32), jnp.zeros(moment_shape, jnp.float32))
+    (sum_h2, sum_xxT), _ = jax.lax.scan(block_step, init, (block_expert, block_rows, block_valid))
+    return sum_h2, sum_xxT
+
+
+def expert_hidden_stats(
+    w_gate: np.ndarray,
+    w_up: np.ndarray,
+    x: np.ndarray,
+    experts: np.ndarray,
+    with_second_moment: bool = True,
+    block_tokens: int = 64,
+) -> ExpertStats:
+    """Exact per-expert sum of h_c^2, token counts and sum of x x^T over routed tokens.
+
+    w_gate, w_up (E, f, d); x (N, d) the layer's MoE inputs (after ffn_norm);
+    experts (N, k) the routing. h = silu(W_gate[e] x) * (W_up[e] x) for each
+    (token, chosen expert) pair; routing weights are not applied (the weight
+    scales W_down's output, not its input). Results are additive over token
+    chunks (`ExpertStats.__add__`), so a dump can be streamed chunk by chunk.
+    Sums are float32 accumulated per block of `block_tokens` tokens.
+    """
+    n_expert = w_gate.shape[0]
+    routing = np.asarray(experts)  # (N, k)
+    block_expert, block_rows, block_valid = _expert_blocks(routing, n_expert, block_tokens)
+    sum_h2, sum_xxT = _blocked_expert_sums(
+        jnp.asarray(w_gate, jnp.float32),
+        jnp.asarray(w_up, jnp.float32),
+        jnp.asarray(x, jnp.float32),
+        jnp.asarray(block_expert),
+        jnp.asarray(block_rows),
+        jnp.asarray(block_valid),
+        with_second_moment,
+    )
+    return ExpertStats(
+        sum_h2=np.asarray(sum_h2),
+        counts=np.bincount(routing.reshape(-1), minlength=n_expert).astype(np.int64),
+        sum_xxT=np.asarray(sum_xxT) if with_second_moment else None,
+    )
+
+
+def gaussian_silu_moments(std: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """E[silu(g)^2] and E[silu(g)^2 g^2] for g ~ N(0, std^2), by 64-node Gauss-Hermite.
+
+    E[f(g)] = pi^-1/2 sum_i w_i f(sqrt(2) std x_i) for the Hermite nodes x_i, weights w_i.
+    """
+    s = np.asarray(std, dtype=np.float64)[..., None]  # (..., 1)
+    g = np.sqrt(2.0) * s * _GH_NODES  # (..., n)
+    silu_sq = (g / (1.0 + np.exp(-g))) ** 2  # (..., n)
+    w = _GH_WEIGHTS / np.sqrt(np.pi)  # (n,)
+    return silu_sq @ w, (silu_sq * g * g) @ w  # (...,), (...,)
+
+
+@jax.jit
+def _diag_projected_moments(w_gate: jax.Array, w_up: jax.Array, mean_sq_x: jax.Array) -> tuple[jax.Array, ...]:
+    """var_g, var_u, cov_gu (E, f) under a diagonal input second moment."""
+    var_gate = jnp.einsum("efd,efd,d->ef", w_gate, w_gate, mean_sq_x)  # (E, f)
+    var_up = jnp.einsum("efd,efd,d->ef", w_up, w_up, mean_sq_x)  # (E, f)
+    cov = jnp.einsum("efd,efd,d->ef", w_gate, w_up, mean_sq_x)  # (E, f)
+    return var_gate, var_up, cov
+
+
+def analytic_hidden_sq(w_gate: np.ndarray, w_up: np.ndarray, mean_sq_x: np.ndarray) -> np.ndarray:
+    """Prior estimate of E[h_c^2] per expert and hidden unit from diagonal input stats only.
+
+    Assumptions: the input x has a diagonal second moment E[x x^T] =
+    diag(mean_sq_x) and the pre-activations g = W_gate[e,c] . x, u = W_up[e,c] . x
+    are jointly Gaussian with zero mean (sums of many weakly dependent terms).
+    Their moments are then
+        var_g = sum_d W_gate[c,d]^2 E[x_d^2],  var_u = sum_d W_up[c,d]^2 E[x_d^2],
+        cov   = sum_d W_gate[c,d] W_up[c,d] E[x_d^2].
+    Writing u = a g + b z with a = cov / var_g, b^2 = var_u - cov^2 / var_g, z
+    independent standard normal, h = silu(g) u gives the closed form
+        E[h^2] = a^2 E[silu(g)^2 g^2] + b^2 E[silu(g)^2],
+    both expectations over g ~ N(0, var_g) by Gauss-Hermite quadrature. With
+    uncorrelated gate and up rows (cov = 0) this is E[silu(g)^2] var_u. It
+    ignores input means and off-diagonal input correlations, which is why it is
+    only a prior (see `down_importance`). w_gate, w_up (E, f, d) -> (E, f) float64.
+    """
+    var_gate, var_up, cov = (
+        np.asarray(m, dtype=np.float64)
+        for m in _diag_projected_moments(
+            jnp.asarray(w_gate, jnp.float32), jnp.asarray(w_up, jnp.float32), jnp.asarray(mean_sq_x, jnp.float32)
+        )
+    )  # (E, f) each
+    silu_sq, silu_sq_g_sq = gaussian_silu_moments(np.sqrt(var_gate))  # (E, f) each
+    safe_var = np.where(var_gate > 0, var_gate, 1.0)  # (E, f)
+    slope = np.where(var_gate > 0, cov / safe_var, 0.0)  # (E, f)
+    resid_var = np.maximum(var_up - slope * cov, 0.0)  # (E, f)
+    return slope**2 * silu_sq_g_sq + resid_var * silu_sq  # (E, f)
+
+
+def down_importance(
+    exact_sum: np.ndarray, analytic: np.ndarray, counts: np.ndarray, blend_tokens: float, beta: float
+) -> np.ndarray:
+    """Per input-column weight for W_down of every expert: (E, f), mean 1 per expert.
+
+    A pseudo-count blend of the exact routed-token statistic with the analytic prior:
+        m[e, c] = (exact_sum[e, c] + blend_tokens * analytic[e, c]) / (counts[e] + blend_tokens)
+        w[e, c] = max(m[e, c], floor)^beta, normalised to mean 1 over c,
+    i.e. the posterior mean of E[h_c^2] when the prior is worth `blend_tokens`
+    tokens. An expert with no routed tokens gets the prior; one with many gets
+    its own data. exact_sum (E, f) from `expert_hidden_stats`, analytic (E, f)
+    from `analytic_hidden_sq`, counts (E,).
+    """
+    exact = np.asarray(exact_sum, dtype=np.float64)  # (E, f)
+    prior = np.asarray(analytic, dtype=np.float64)  # (E, f)
+    n = np.asarray(counts, dtype=np.float64)[:, None]  # (E, 1)
+    denominator = n + blend_tokens  # (E, 1)
+    safe = np.where(denominator > 0, denominator, 1.0)  # (E, 1)
+    blended = np.where(denominator > 0, (exact + blend_tokens * prior) / safe, prior)  # (E, f)
+    return _tempered_mean_one(blended, beta)  # (E, f)
+
+
+def pooled_second_moment(sum_xxT: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The layer's E[x x^T] from per-expert sums: sum_e sum_xxT[e] / sum_e counts[e].
+
+    Every token is counted once per chosen expert, k times in both sums, so this
+    is the plain mean over the layer's tokens. (E, d, d), (E,) -> (d, d).
+    """
+    return (np.sum(sum_xxT, axis=0, dtype=np.float64) / max(int(np.sum(counts)), 1)).astype(np.float32)
+
+
+def shrink_hessian(
+    sum_xxT: np.ndarray, counts: np.ndarray, h_layer: np.ndarray, shrink: float, damp: float = 0.0
+) -> np.ndarray:
+    """Per-expert GPTQ Hessians E[x x^T], pulled toward the layer's and damped.
+
+        H[e] = (sum_xxT[e] + shrink * h_layer) / (counts[e] + shrink)
+        H[e] += damp * mean(diag(H[e])) * I
+    `shrink` is a pseudo-count: an expert with n_e << shrink tokens gets
+    essentially the layer's H (its own few tokens would give a rank-deficient,
+    noisy H); one with n_e >> shrink keeps its own. An expert with no tokens
+    and shrink 0 gets h_layer. `damp` is relative to H[e]'s mean diagonal, so it
+    is scale-free. sum_xxT (E, d, d), counts (E,), h_layer (d, d) -> (E, d, d) float32.
+    """
+    n = np.asarray(counts, dtype=np.float64)[:, None, None]  # (E, 1, 1)
+    denominator = n + shrink  # (E, 1, 1)
+    pooled = np.asarray(sum_xxT, dtype=np.float32) + np.float32(shrink) * np.asarray(h_layer, np.float32)  # (E, d, d)
+    safe = np.where(denominator > 0, denominator, 1.0).astype(np.float32)  # (E, 1, 1)
+    hessians = np.where(denominator > 0, pooled / safe, np.asarray(h_layer, np.float32)[None])  # (E, d, d)
+    if damp > 0:
+        diagonal = np.arange(hessians.shape[-1])  # (d,)
+        mean_diag = hessians[:, diagonal, diagonal].mean(axis=1, keepdims=True)  # (E, 1)
+        hessians[:, diagonal, diagonal] += np.float32(damp) * mean_diag  # (E, d)
+    return hessians.astype(np.float32)

@@ -1,0 +1,146 @@
+"""`moeheal` command line: parse, load the config, call the pipeline, print a summary.
+
+Errors a user can cause end here as one line on stderr and the contract's exit
+code (2 bad input, 3 audit violation); everything else is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+from pipeline.errors import MoehealError
+
+
+def _pipeline(args: argparse.Namespace):
+    from pipeline.config import load_config
+    from pipeline.heal import HealRun
+
+    return HealRun(load_config(args.config))
+
+
+def cmd_heal(args: argparse.Namespace) -> int:
+    run = _pipeline(args)
+    run.heal()
+    print(run.summary_table())
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    run = _pipeline(args)
+    print(run.audit_summary(run.audit()))
+    return 0
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    run = _pipeline(args)
+    for trace in ("calibration", "unseen"):
+        result = run.dump(trace)
+        print(f"{trace}: {result.path}")
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    run = _pipeline(args)
+    for variant in run.all_quantized_variants():
+        print(f"{variant.name}: {run.quantize(variant).path}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    run = _pipeline(args)
+    for variant in run.all_quantized_variants():
+        print(f"{variant.name}: {run.assemble(variant).path}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    run = _pipeline(args)
+    run.evaluate()
+    print(run.summary_table())
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    run = _pipeline(args)
+    print(run.report())
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    run = _pipeline(args)
+    print(run.export(Path(args.out)))
+    return 0
+
+
+def cmd_imatrix(args: argparse.Namespace) -> int:
+    run = _pipeline(args)
+    print(run.write_imatrix(Path(args.out)))
+    return 0
+
+
+def cmd_import_dump(args: argparse.Namespace) -> int:
+    run = _pipeline(args)
+    print(run.import_dump(Path(args.spec).resolve()).path)
+    return 0
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    from pipeline.config import load_config
+    from pipeline.lake import Lake
+    from pipeline.sqlcli import run_user_sql
+
+    lake = Lake(load_config(args.config).lake_root)
+    return run_user_sql(lake, args.query, args.format, args.out)
+
+
+COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
+    "heal": (cmd_heal, "run the whole DAG (every stage cached by fingerprint)"),
+    "audit": (cmd_audit, "split and n-gram overlap checks only (exit 3 on a violation)"),
+    "dump": (cmd_dump, "dump the reference model's MoE activations to Zarr"),
+    "quantize": (cmd_quantize, "quantize the routed experts of every variant"),
+    "calibrate": (cmd_calibrate, "alpha + ridge healing, write healed GGUFs"),
+    "eval": (cmd_eval, "KLD and top-1 of every variant against the reference"),
+    "report": (cmd_report, "write report.md and plots from the lake's tables"),
+    "imatrix": (cmd_imatrix, "write the calibration statistics as a llama.cpp imatrix GGUF"),
+    "import-dump": (cmd_import_dump, "import raw float32 dumps made by another engine"),
+    "sql": (cmd_sql, "query the lake's views"),
+    "export": (cmd_export, "reviewer bundle: tables as Parquet + report + plots"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moeheal", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (fn, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("-c", "--config", default="heal.toml", help="path to heal.toml")
+        p.set_defaults(fn=fn)
+        if name in ("export", "imatrix"):
+            p.add_argument("--out", required=True, help="output folder (export) or GGUF file (imatrix)")
+        if name == "import-dump":
+            p.add_argument("spec", help="TOML naming the raw files: trace, T, d, f, k, [[layers]]")
+        if name == "sql":
+            p.add_argument("query", help="a SELECT statement or a .sql file")
+            p.add_argument("--format", default="table", choices=("table", "csv", "parquet"))
+            p.add_argument("--out", help="output file for --format parquet")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except MoehealError as exc:
+        print(f"moeheal: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("moeheal: interrupted; finished stages are kept, unfinished ones resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

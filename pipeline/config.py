@@ -1,0 +1,236 @@
+"""`heal.toml` -> validated, frozen dataclasses.
+
+Every path in the file is relative to the file itself. Unknown keys, missing
+files and bad values raise `InputError` naming the file and the key, so a typo
+never silently falls back to a default (the audit's sweeps that "changed" a
+knob nobody read).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import InputError
+
+QUANT_FORMATS = ("tq2_0",)
+SHEXP_FORMATS = ("iq4_nl", "q8_0")
+ROUNDINGS = ("ls", "gptq")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One `[[variant]]`: a full set of healing knobs, or an outside GGUF."""
+
+    name: str
+    kind: str  # "healed" or "external"
+    quant: str = "tq2_0"
+    beta_gate_up: float = 0.5
+    beta_down: float = 0.5
+    down_blend_tokens: float = 16.0
+    alpha: bool = True
+    ridge_rho: float = 6.0
+    ridge_eta: float = 0.15
+    shexp_down: str = "iq4_nl"
+    round: str = "ls"
+    gptq_damp: float = 1.0
+    gptq_shrink: float = 64.0
+    importance: bool = True
+    gguf: Path | None = None
+
+    def knobs(self) -> dict[str, Any]:
+        """The parameters that define what this variant computes (its fingerprint input)."""
+        if self.kind == "external":
+            return {"gguf": str(self.gguf)}
+        return {
+            "quant": self.quant, "beta_gate_up": self.beta_gate_up, "beta_down": self.beta_down,
+            "down_blend_tokens": self.down_blend_tokens, "alpha": self.alpha,
+            "ridge_rho": self.ridge_rho, "ridge_eta": self.ridge_eta, "shexp_down": self.shexp_down,
+            "round": self.round, "gptq_damp": self.gptq_damp, "gptq_shrink": self.gptq_shrink,
+            "importance": self.importance,
+        }
+
+
+# The contract's baseline: same format, no calibration data, no alpha, no ridge.
+UNHEALED = Variant(name="unhealed", kind="unhealed", importance=False, alpha=False, ridge_rho=0.0,
+                   round="ls")
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path
+    lake_root: Path
+    reference: Path
+    source: Path
+    docs: Path
+    split: Path
+    cal_tokens: int
+    seq_tokens: int
+    mix: dict[str, float]
+    unseen_tokens: int
+    cal_seed: int
+    dump_chunk_tokens: int
+    windows: Path
+    ngram: int
+    bootstrap: int
+    eval_seed: int
+    variants: tuple[Variant, ...]
+    moce_bonus: tuple[float, ...]
+    cache_experts: int
+    moce_reps: int = 2
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def healed_variants(self) -> tuple[Variant, ...]:
+        return tuple(v for v in self.variants if v.kind == "healed")
+
+
+_SCHEMA: dict[str, set[str]] = {
+    "lake": {"root"},
+    "model": {"reference", "source"},
+    "corpus": {"docs", "split"},
+    "calibration": {"tokens", "seq_tokens", "mix", "unseen_tokens", "seed", "dump_chunk_tokens"},
+    "eval": {"windows", "ngram", "bootstrap", "seed"},
+    "moce": {"bonus", "cache_experts", "reps"},
+    "variant": {"name", "quant", "beta_gate_up", "beta_down", "down_blend_tokens", "alpha",
+                "ridge_rho", "ridge_eta", "shexp_down", "round", "gptq_damp", "gptq_shrink",
+                "importance", "gguf"},
+}
+
+
+class _Reader:
+    """Typed access to one TOML table that remembers the key path for error messages."""
+
+    def __init__(self, file: Path, section: str, table: dict[str, Any]):
+        self.file, self.section, self.table = file, section, table
+        unknown = sorted(set(table) - _SCHEMA[section.split("[")[0]])
+        if unknown:
+            self.fail(unknown[0], "unknown key")
+
+    def fail(self, key: str, why: str) -> None:
+        raise InputError(f"{self.file}: [{self.section}] {key}: {why}")
+
+    def get(self, key: str, kind: type, default: Any = None, required: bool = False) -> Any:
+        if key not in self.table:
+            if required:
+                self.fail(key, "missing")
+            return default
+        value = self.table[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            self.fail(key, f"expected {kind.__name__}, got {value!r}")
+        return value
+
+    def number(self, key: str, kind: type, default: Any, lo: float, hi: float = float("inf")) -> Any:
+        value = self.get(key, kind, default)
+        if not lo <= value <= hi:
+            self.fail(key, f"{value!r} out of range [{lo}, {hi}]")
+        return value
+
+    def path(self, key: str, base: Path, default: str | None = None, must_exist: bool = True) -> Path:
+        value = self.get(key, str, default, required=default is None)
+        resolved = (base / value).resolve()
+        if must_exist and not resolved.exists():
+            self.fail(key, f"file not found: {resolved}")
+        return resolved
+
+    def choice(self, key: str, options: tuple[str, ...], default: str) -> str:
+        value = self.get(key, str, default)
+        if value not in options:
+            self.fail(key, f"{value!r} is not one of {', '.join(options)}")
+        return value
+
+
+def _variant(file: Path, base: Path, index: int, table: dict[str, Any]) -> Variant:
+    r = _Reader(file, f"variant[{index}]", table)
+    name = r.get("name", str, required=True)
+    if "gguf" in table:
+        extra = sorted(set(table) - {"name", "gguf"})
+        if extra:
+            r.fail(extra[0], "an external variant (gguf = ...) takes no healing knobs")
+        return Variant(name=name, kind="external", gguf=r.path("gguf", base))
+    return Variant(
+        name=name, kind="healed",
+        quant=r.choice("quant", QUANT_FORMATS, "tq2_0"),
+        beta_gate_up=r.number("beta_gate_up", float, 0.5, 0.0, 4.0),
+        beta_down=r.number("beta_down", float, 0.5, 0.0, 4.0),
+        down_blend_tokens=r.number("down_blend_tokens", float, 16.0, 0.0),
+        alpha=r.get("alpha", bool, True),
+        ridge_rho=r.number("ridge_rho", float, 6.0, 0.0),
+        ridge_eta=r.number("ridge_eta", float, 0.15, 0.0, 1.0),
+        shexp_down=r.choice("shexp_down", SHEXP_FORMATS, "iq4_nl"),
+        round=r.choice("round", ROUNDINGS, "ls"),
+        gptq_damp=r.number("gptq_damp", float, 1.0, 0.0),
+        gptq_shrink=r.number("gptq_shrink", float, 64.0, 0.0),
+        importance=r.get("importance", bool, True),
+    )
+
+
+def load_config(path: str | Path) -> Config:
+    """Parse and validate `heal.toml`; raise InputError naming the key on any problem."""
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise InputError(f"{file}: config file not found")
+    try:
+        raw = tomllib.loads(file.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{file}: not valid TOML: {exc}") from None
+    base = file.parent
+    unknown = sorted(set(raw) - set(_SCHEMA) - {"variant"})
+    if unknown:
+        raise InputError(f"{file}: [{unknown[0]}]: unknown section")
+    section = {name: _Reader(file, name, raw.get(name, {})) for name in
+               ("lake", "model", "corpus", "calibration", "eval", "moce")}
+    lake, model, corpus = section["lake"], section["model"], section["corpus"]
+    cal, ev, moce = section["calibration"], section["eval"], section["moce"]
+
+    reference = model.path("reference", base)
+    source_name = model.get("source", str, "")
+    source = model.path("source", base) if source_name else reference
+
+    mix = cal.get("mix", dict, {})
+    for stratum, share in mix.items():
+        if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 <= share <= 1:
+            cal.fail(f"mix.{stratum}", f"share must be a number in [0, 1], got {share!r}")
+    if sum(mix.values()) > 1 + 1e-9:
+        cal.fail("mix", "shares add up to more than 1")
+
+    variants_raw = raw.get("variant", [])
+    if not isinstance(variants_raw, list):
+        raise InputError(f"{file}: [[variant]]: must be an array of tables")
+    variants = tuple(_variant(file, base, i, t) for i, t in enumerate(variants_raw))
+    names = [v.name for v in variants]
+    for name in names:
+        if names.count(name) > 1 or name == UNHEALED.name:
+            raise InputError(f"{file}: [[variant]] name: {name!r} is reserved or used twice")
+
+    bonus = moce.get("bonus", list, [0.0])
+    if not bonus or any(not isinstance(b, (int, float)) or isinstance(b, bool) or b < 0 for b in bonus):
+        moce.fail("bonus", f"expected a non-empty list of numbers >= 0, got {bonus!r}")
+    bonuses = tuple(sorted({float(b) for b in bonus} | {0.0}))
+
+    seq_tokens = cal.number("seq_tokens", int, 512, 16, 1 << 20)
+    return Config(
+        path=file,
+        lake_root=(base / lake.get("root", str, "lake")).resolve(),
+        reference=reference, source=source,
+        docs=corpus.path("docs", base), split=corpus.path("split", base),
+        cal_tokens=cal.number("tokens", int, 16384, 1, 1 << 26),
+        seq_tokens=seq_tokens,
+        mix={k: float(v) for k, v in mix.items()},
+        unseen_tokens=cal.number("unseen_tokens", int, 8192, 0, 1 << 26),
+        cal_seed=cal.number("seed", int, 0, 0),
+        dump_chunk_tokens=cal.number("dump_chunk_tokens", int, 4 * seq_tokens, 1, 1 << 26),
+        windows=ev.path("windows", base),
+        ngram=ev.number("ngram", int, 16, 2, 1024),
+        bootstrap=ev.number("bootstrap", int, 10000, 100, 10**6),
+        eval_seed=ev.number("seed", int, 0, 0),
+        variants=variants,
+        moce_bonus=bonuses,
+        cache_experts=moce.number("cache_experts", int, 8, 1),
+        moce_reps=moce.number("reps", int, 2, 1, 16),
+        raw=raw,
+    )

@@ -1,0 +1,190 @@
+"""Export a transformers Qwen2-MoE / Qwen3-MoE model to GGUF, as llama.cpp's converter does.
+
+Tensor names, shapes and metadata keys follow llama.cpp's `convert_hf_to_gguf.py`
+(Qwen2MoeModel / Qwen3MoeModel), so that llama.cpp, transformers'
+`from_pretrained(..., gguf_file=...)` and `GGUFModel` all load the result.
+Per-expert matrices are stacked into `*_exps` tensors `[E, rows, cols]`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType
+from gguf.constants import GGML_QUANT_VERSION
+from gguf.quants import quantize
+from tokenizers import Tokenizer
+
+from pipeline.gguf_write import KV, TensorItem, write_gguf
+
+MATRIX_TYPES = {
+    "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
+    "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
+    "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+}
+ARCH_BY_MODEL_TYPE = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+
+# HF parameter suffix (after `model.layers.{i}.`) -> llama.cpp tensor short name.
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+# Tensors llama.cpp keeps in F32 whatever the file type: routing decisions are
+# sensitive to them and they are tiny.
+KEEP_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
+def _tensor_type(short_name: str, data: np.ndarray, matrix_type: GGMLQuantizationType) -> GGMLQuantizationType:
+    """llama.cpp's rule: 2-D+ weight matrices whose rows split into 32-blocks get the file's type."""
+    if data.ndim < 2 or short_name.endswith(KEEP_F32) or data.shape[-1] % 32 != 0:
+        return GGMLQuantizationType.F32
+    return matrix_type
+
+
+def _encode(data: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    """Float32 weights as stored: floats for F32/F16, block bytes otherwise."""
+    if ggml_type == GGMLQuantizationType.F32:
+        return data.astype(np.float32)
+    if ggml_type == GGMLQuantizationType.F16:
+        return data.astype(np.float16)
+    return quantize(data.astype(np.float32), ggml_type)  # (..., row_bytes) uint8
+
+
+def _gguf_tensors(state: dict[str, np.ndarray], n_layer: int, tied: bool) -> Iterator[tuple[str, np.ndarray]]:
+    """(llama.cpp name, float32 array) for every parameter, experts stacked; errors on leftovers."""
+    used: set[str] = set()
+    for hf_name, gguf_name in GLOBAL_NAMES.items():
+        if hf_name in state:
+            used.add(hf_name)
+            if not (tied and gguf_name == "output.weight"):
+                yield gguf_name, state[hf_name]
+    for i in range(n_layer):
+        prefix = f"model.layers.{i}."
+        for suffix, short in LAYER_NAMES.items():
+            if prefix + suffix in state:
+                used.add(prefix + suffix)
+                w = state[prefix + suffix]
+                if short == "ffn_gate_inp_shexp.weight":
+                    w = w.reshape(-1)  # (1, d) -> (d,)
+                yield f"blk.{i}.{short}", w
+        fused = prefix + "mlp.experts.gate_up_proj"  # (E, 2f, d): gate rows first, then up rows
+        if fused in state:
+            used.add(fused)
+            f = state[fused].shape[1] // 2
+            yield f"blk.{i}.ffn_gate_exps.weight", state[fused][:, :f]  # (E, f, d)
+            yield f"blk.{i}.ffn_up_exps.weight", state[fused][:, f:]  # (E, f, d)
+    leftover = sorted(set(state) - used)
+    if leftover:
+        raise ValueError(f"no GGUF name for parameter {leftover[0]} (and {len(leftover) - 1} more)")
+
+
+def _vocab_kv(tokenizer: Tokenizer, bos: int | None, eos: int | None, pad: int | None) -> list[KV]:
+    """`tokenizer.ggml.*` for a byte-level BPE (llama.cpp's `_set_vocab_gpt2` keys)."""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    tokens = [""] * len(vocab)
+    for token, index in vocab.items():
+        tokens[index] = token
+    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    user = {t.content for t in tokenizer.get_added_tokens_decoder().values() if not t.special}
+    token_types = [3 if t in special else 4 if t in user else 1 for t in tokens]  # CONTROL / USER_DEFINED / NORMAL
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    kv: list[KV] = [
+        ("tokenizer.ggml.model", "gpt2", GGUFValueType.STRING),
+        ("tokenizer.ggml.pre", "qwen2", GGUFValueType.STRING),
+        ("tokenizer.ggml.tokens", tokens, None),
+        ("tokenizer.ggml.token_type", token_types, GGUFValueType.INT32),
+        ("tokenizer.ggml.merges", merges, None),
+    ]
+    for key, value in (("bos_token_id", bos), ("eos_token_id", eos), ("padding_token_id", pad)):
+        if value is not None:
+            kv.append((f"tokenizer.ggml.{key}", int(value), GGUFValueType.UINT32))
+    kv.append(("tokenizer.ggml.add_bos_token", False, GGUFValueType.BOOL))
+    return kv
+
+
+def _hparams_kv(config, arch: str, file_type: LlamaFileType) -> list[KV]:
+    """The `<arch>.*` keys llama.cpp's converter writes for Qwen2-MoE / Qwen3-MoE."""
+    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    rope_theta = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
+    n_expert = getattr(config, "num_experts", None) or config.num_local_experts
+    kv: list[KV] = [
+        ("general.name", getattr(config, "name_or_path", "") or arch, GGUFValueType.STRING),
+        ("general.file_type", int(file_type), u32),
+        ("general.quantization_version", GGML_QUANT_VERSION, u32),
+        (f"{arch}.context_length", config.max_position_embeddings, u32),
+        (f"{arch}.embedding_length", config.hidden_size, u32),
+        (f"{arch}.block_count", config.num_hidden_layers, u32),
+        (f"{arch}.feed_forward_length", config.intermediate_size, u32),
+        (f"{arch}.attention.head_count", config.num_attention_heads, u32),
+        (f"{arch}.attention.head_count_kv", config.num_key_value_heads, u32),
+        (f"{arch}.rope.freq_base", float(rope_theta), f32),
+        (f"{arch}.attention.layer_norm_rms_epsilon", float(config.rms_norm_eps), f32),
+        (f"{arch}.expert_count", n_expert, u32),
+        (f"{arch}.expert_used_count", config.num_experts_per_tok, u32),
+        (f"{arch}.expert_feed_forward_length", config.moe_intermediate_size, u32),
+    ]
+    if getattr(config, "head_dim", None):
+        kv += [(f"{arch}.attention.key_length", config.head_dim, u32),
+               (f"{arch}.attention.value_length", config.head_dim, u32)]
+    if getattr(config, "shared_expert_intermediate_size", None):
+        kv.append((f"{arch}.expert_shared_feed_forward_length", config.shared_expert_intermediate_size, u32))
+    return kv
+
+
+def _special_id(tokenizer: Tokenizer, config_id: int | None, fallback: str) -> int | None:
+    return config_id if config_id is not None else tokenizer.token_to_id(fallback)
+
+
+def hf_to_gguf(hf_model, tokenizer: Tokenizer, out_path: str | os.PathLike[str], matrix_type: str = "q8_0",
+               extra_kv: list[KV] | None = None) -> None:
+    """Write `hf_model` (Qwen2MoeForCausalLM / Qwen3MoeForCausalLM) and its tokenizer as one GGUF.
+
+    Matrices go to `matrix_type` ("q8_0", "f16" or "f32"); norms, biases, the
+    router and the shared-expert gate stay F32. BOS/EOS/PAD ids come from the
+    config, else `<|endoftext|>`; no BOS is added at encode time (Qwen's way).
+    """
+    config = hf_model.config
+    arch = ARCH_BY_MODEL_TYPE.get(config.model_type)
+    if arch is None:
+        raise ValueError(f"unsupported model type {config.model_type!r} (supported: {sorted(ARCH_BY_MODEL_TYPE)})")
+    ggml_matrix, file_type = MATRIX_TYPES[matrix_type]
+    state = {k: v.detach().to("cpu").float().numpy() for k, v in hf_model.state_dict().items()}
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    eos = _special_id(tokenizer, config.eos_token_id, "<|endoftext|>")
+    kv = _hparams_kv(config, arch, file_type)
+    kv += _vocab_kv(tokenizer,
+                    bos=_special_id(tokenizer, config.bos_token_id, "<|endoftext|>"),
+                    eos=eos,
+                    pad=_special_id(tokenizer, config.pad_token_id, "<|endoftext|>"))
+    kv += list(extra_kv or [])
+
+    def tensors() -> Iterator[TensorItem]:
+        for name, data in _gguf_tensors(state, config.num_hidden_layers, tied):
+            ggml_type = _tensor_type(name, data, ggml_matrix)
+            yield name, _encode(data, ggml_type), ggml_type
+
+    write_gguf(out_path, arch, kv, tensors())

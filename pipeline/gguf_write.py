@@ -1,0 +1,140 @@
+"""Writing GGUF files atomically, and copying one with some tensors replaced.
+
+A half-written model in the lake would later be read as a (corrupt) healed
+model, so every file is written to a temporary name in the destination folder
+and renamed into place only once complete (`os.replace` is atomic on one file
+system).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+from pipeline.gguf_model import GGUFModel
+
+KV = tuple[str, Any, GGUFValueType | None]
+TensorItem = tuple[str, np.ndarray, GGMLQuantizationType]
+
+# Fields the writer produces itself (header counts, architecture, alignment).
+_WRITER_OWNED_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture", "general.alignment")
+
+_FLOAT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+
+
+def _scalar_type(value: Any) -> GGUFValueType:
+    """The GGUF type llama.cpp's converter uses for a Python value."""
+    if isinstance(value, bool):
+        return GGUFValueType.BOOL
+    if isinstance(value, (int, np.integer)):
+        return GGUFValueType.UINT32 if value >= 0 else GGUFValueType.INT32
+    if isinstance(value, (float, np.floating)):
+        return GGUFValueType.FLOAT32
+    if isinstance(value, (str, bytes)):
+        return GGUFValueType.STRING
+    raise TypeError(f"no GGUF type for {type(value).__name__}")
+
+
+def _add_kv(writer: GGUFWriter, key: str, value: Any, vtype: GGUFValueType | None,
+            sub_type: GGUFValueType | None = None) -> None:
+    if isinstance(value, (list, tuple, np.ndarray)):
+        items = list(value)
+        if sub_type is None:
+            sub_type = _scalar_type(items[0]) if items else GGUFValueType.INT32
+            if sub_type == GGUFValueType.UINT32 and any(int(v) < 0 for v in items):
+                sub_type = GGUFValueType.INT32
+        writer.add_key_value(key, items, GGUFValueType.ARRAY, sub_type=sub_type)
+        return
+    writer.add_key_value(key, value, vtype if vtype is not None else _scalar_type(value))
+
+
+def _add_tensor(writer: GGUFWriter, name: str, data: np.ndarray, ggml_type: GGMLQuantizationType) -> None:
+    """Float arrays for F32/F16 tensors; uint8 block bytes `[..., row_bytes]` for any type."""
+    if data.dtype == np.uint8:
+        writer.add_tensor(name, data, raw_dtype=ggml_type)
+        return
+    float_dtype = _FLOAT_TYPES.get(ggml_type)
+    if float_dtype is None:
+        raise ValueError(f"tensor {name}: {ggml_type.name} data must be given as uint8 block bytes")
+    writer.add_tensor(name, np.ascontiguousarray(data, dtype=float_dtype))
+
+
+@contextmanager
+def _atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary sibling of `path`, renamed onto it when the block succeeds."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _write(path: Path, arch: str, fill) -> None:
+    with _atomic_path(path) as tmp:
+        writer = GGUFWriter(tmp, arch)
+        fill(writer)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+
+def write_gguf(path: str | os.PathLike[str], arch: str, kv: Sequence[KV], tensors: Iterable[TensorItem]) -> None:
+    """Write a GGUF file with the given metadata and tensors, atomically.
+
+    `kv` is a list of `(key, value, type)`; a `None` type is inferred (ints as
+    UINT32, floats as FLOAT32, lists as arrays of their first item's type).
+    Tensor data is float32/float16 for F32/F16, or uint8 block bytes of shape
+    `[..., row_bytes]` for a quantized type.
+    """
+
+    def fill(writer: GGUFWriter) -> None:
+        for key, value, vtype in kv:
+            _add_kv(writer, key, value, vtype)
+        for name, data, ggml_type in tensors:
+            _add_tensor(writer, name, data, ggml_type)
+
+    _write(Path(path), arch, fill)
+
+
+def copy_gguf(src: GGUFModel, path: str | os.PathLike[str],
+              replace: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
+              extra_kv: Sequence[KV] = ()) -> None:
+    """Copy every KV and tensor of `src` to `path`, replacing the tensors named in `replace`.
+
+    Unreplaced tensors are passed as views on the source's memory map, so the
+    copy streams from disk to disk. `extra_kv` entries are added, or overwrite
+    same-named keys of the source.
+    """
+    replace = replace or {}
+    unknown = sorted(set(replace) - set(src.tensor_names))
+    if unknown:
+        raise KeyError(f"{src.name}: no tensor named {unknown[0]}")
+    extra_keys = {key for key, _, _ in extra_kv}
+
+    def fill(writer: GGUFWriter) -> None:
+        for key, field in src.metadata_fields().items():
+            if key in _WRITER_OWNED_KEYS or key in extra_keys:
+                continue
+            sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+            _add_kv(writer, key, src.metadata(key), field.types[0], sub_type)
+        for key, value, vtype in extra_kv:
+            _add_kv(writer, key, value, vtype)
+        for name in src.tensor_names:
+            if name in replace:
+                data, ggml_type = replace[name]
+                _add_tensor(writer, name, data, ggml_type)
+            else:
+                raw = src.raw(name)
+                writer.add_tensor(name, raw.data, raw_dtype=raw.ggml_type)
+
+    _write(Path(path), src.arch, fill)

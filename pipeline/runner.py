@@ -1,0 +1,140 @@
+"""Layer-major forward pass over a GGUF MoE model.
+
+A batch of sequences goes through the model one layer at a time: the layer's
+tensors are dequantized from the memory-mapped file, used, and dropped before
+the next layer is read. Peak memory is therefore one layer's float32 weights
+plus the batch's activations, not the whole model, which is what lets a
+100B-parameter MoE run on a machine with far less memory than its weights.
+The same code runs on CPU and GPU JAX backends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+
+from pipeline import model as M
+from pipeline.errors import InputError
+from pipeline.gguf_model import GGUFModel
+
+# Output-matrix rows dequantized at a time, bounding the logits step's extra memory.
+OUTPUT_ROWS_PER_CHUNK = 16384
+
+
+@dataclass(frozen=True)
+class LayerCapture:
+    """One layer's MoE activations for a batch (NumPy, float32 unless noted)."""
+
+    mixed: np.ndarray  # (B, T, d) MoE input, after ffn_norm
+    router_logits: np.ndarray  # (B, T, E)
+    experts: np.ndarray  # (B, T, k) int32
+    weights: np.ndarray  # (B, T, k)
+    yr: np.ndarray  # (B, T, d) routed output, shared expert excluded
+    hh: np.ndarray  # (B, T, f_s) shared-expert hidden silu(gate)*up; f_s = 0 without one
+    shexp_gate: np.ndarray  # (B, T) sigmoid gate of the shared expert; ones without one
+
+
+RoutingHook = Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray]]
+LayerCallback = Callable[[int, LayerCapture], None]
+
+
+class Runner:
+    """Runs `model` layer by layer; `overrides` replace GGUF tensors by name (float32 arrays)."""
+
+    def __init__(self, model: GGUFModel, overrides: dict[str, np.ndarray] | None = None):
+        self.model = model
+        self.hp = model.hp
+        self.overrides = {name: np.asarray(w, np.float32) for name, w in (overrides or {}).items()}
+        for name, w in self.overrides.items():
+            if name not in model.tensor_names:
+                raise InputError(f"{model.name}: override {name}: no such tensor")
+            if w.shape != model.shape(name):
+                raise InputError(f"{model.name}: override {name}: shape {w.shape} != {model.shape(name)}")
+        self.output_name = "output.weight" if "output.weight" in model.tensor_names else "token_embd.weight"
+
+    # ---- weights ----------------------------------------------------------
+
+    def _tensor(self, name: str) -> np.ndarray:
+        return self.overrides[name] if name in self.overrides else self.model.tensor(name)
+
+    def _rows(self, name: str, index: np.ndarray | slice) -> np.ndarray:
+        """Rows of a 2-D tensor without dequantizing the rest of it."""
+        if name in self.overrides:
+            return self.overrides[name][index]
+        return self.model.rows(name, index)
+
+    def layer_params(self, i: int) -> dict[str, np.ndarray]:
+        """Layer i's tensors, dequantized, overrides applied, keyed by short name."""
+        prefix = f"blk.{i}."
+        return {n[len(prefix):]: self._tensor(n) for n in self.model.tensor_names if n.startswith(prefix)}
+
+    # ---- forward ----------------------------------------------------------
+
+    def _check_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2 or tokens.shape[1] == 0:
+            raise InputError(f"{self.model.name}: tokens: need shape (B, T) with T > 0, got {tokens.shape}")
+        if tokens.min() < 0 or tokens.max() >= self.hp.vocab_size:
+            raise InputError(f"{self.model.name}: tokens: ids outside [0, {self.hp.vocab_size})")
+        return tokens.astype(np.int32)
+
+    def embed(self, tokens: np.ndarray) -> jnp.ndarray:
+        """tokens (B, T) -> embeddings (B, T, d); only the rows used are dequantized."""
+        ids, inverse = np.unique(tokens, return_inverse=True)  # (U,), (B*T,)
+        rows = self._rows("token_embd.weight", ids)  # (U, d)
+        return jnp.asarray(rows[inverse.reshape(tokens.shape)])  # (B, T, d)
+
+    def _routing(self, layer: int, router_logits: jnp.ndarray,
+                 routing_hook: RoutingHook | None) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """Default softmax/top-k routing, or the hook's choice (checked)."""
+        if routing_hook is None:
+            return M.route(router_logits, self.hp.n_expert_used, self.hp.norm_topk_prob)
+        experts, weights = routing_hook(layer, np.asarray(router_logits))
+        experts, weights = np.asarray(experts), np.asarray(weights, np.float32)
+        want = router_logits.shape[:2]
+        if experts.shape[:2] != want or weights.shape != experts.shape or experts.ndim != 3:
+            raise ValueError(f"routing_hook layer {layer}: shapes {experts.shape}, {weights.shape} "
+                             f"do not match (B, T, k) with (B, T) = {want}")
+        if experts.min() < 0 or experts.max() >= self.hp.n_expert:
+            raise ValueError(f"routing_hook layer {layer}: expert ids outside [0, {self.hp.n_expert})")
+        return jnp.asarray(experts, jnp.int32), jnp.asarray(weights)
+
+    def forward(self, tokens: np.ndarray, capture: bool = False, routing_hook: RoutingHook | None = None,
+                on_layer: LayerCallback | None = None) -> np.ndarray:
+        """Logits (B, T, V) float32 for sequences that each start at position 0.
+
+        With `capture`, `on_layer(layer, LayerCapture)` is called after every layer.
+        `routing_hook(layer, router_logits)` returns `(experts, weights)` (B, T, k) that
+        replace softmax/top-k routing.
+        """
+        tokens = self._check_tokens(tokens)
+        hp = self.hp
+        cos, sin = M.rope_tables(tokens.shape[1], hp.head_dim, hp.rope_theta)  # (T, hd/2) each
+        h = self.embed(tokens)  # (B, T, d)
+        for i in range(hp.n_layer):
+            params = self.layer_params(i)  # the only layer resident
+            h_attn, mixed, router_logits = M.attention_block(params, h, cos, sin, hp)  # (B,T,d) x2, (B,T,E)
+            experts, weights = self._routing(i, router_logits, routing_hook)  # (B, T, k) each
+            h, yr, hh, gate = M.moe_block(params, h_attn, mixed, experts, weights)  # (B,T,d) x2, (B,T,f_s), (B,T)
+            if capture and on_layer is not None:
+                on_layer(i, LayerCapture(
+                    mixed=np.asarray(mixed), router_logits=np.asarray(router_logits),
+                    experts=np.asarray(experts, np.int32), weights=np.asarray(weights, np.float32),
+                    yr=np.asarray(yr), hh=np.asarray(hh), shexp_gate=np.asarray(gate)))
+            del params
+        return self.logits(h)
+
+    def logits(self, h: jnp.ndarray) -> np.ndarray:
+        """Final norm and output projection, h (B, T, d) -> (B, T, V), a chunk of vocabulary rows at a time."""
+        x = M.final_norm(h, jnp.asarray(self._tensor("output_norm.weight")), self.hp.rms_eps)  # (B, T, d)
+        B, T, _ = x.shape
+        V = self.hp.vocab_size
+        out = np.empty((B, T, V), np.float32)  # (B, T, V)
+        for start in range(0, V, OUTPUT_ROWS_PER_CHUNK):
+            stop = min(V, start + OUTPUT_ROWS_PER_CHUNK)
+            rows = self._rows(self.output_name, slice(start, stop))  # (chunk, d)
+            out[:, :, start:stop] = np.asarray(M.logits_chunk(x, jnp.asarray(rows)))  # (B, T, chunk)
+        return out

@@ -1,0 +1,151 @@
+"""Heal quantized experts: per-layer alpha, shared-expert ridge, the healed GGUF.
+
+Per layer, on the calibration dump (in_sample) and on the unseen dump:
+- y_ref = the reference's routed output (`yr`), y_q = the quantized experts run
+  on the same MoE inputs with the same routing (`moe_forward`).
+- alpha = <y_ref, y_q> / ||y_q||^2 on the calibration dump, always from the
+  unscaled quantization (idempotent), applied by scaling the fp16 block scales
+  of the down projection, so the format is unchanged.
+- ridge: R = y_ref - alpha y_q (what the routed experts still miss), Z = the
+  shared expert's hidden activation times its sigmoid gate; dW minimises
+  ||R - Z dW^T||^2 + lam ||dW||^2, lam = rho mean(diag(Z^T Z)); W' = W + eta dW,
+  requantized to `shexp_down`. A layer whose ridge does not help on held-out
+  blocks (lobo4) keeps W (still requantized), and `ridge_cv.applied` says so.
+- Every residual is ||y_ref - y||^2 / ||y_ref||^2 with y the layer's total
+  change in MoE output (routed + shared), so the ridge's "realized" gain
+  includes what requantizing the shared expert costs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+from gguf import GGMLQuantizationType
+
+import kernels
+from kernels.alpha import fit_alpha, relative_residual
+from kernels.ridge import effective_dof, matrix_rank, ridge_cv, ridge_stats, solve_ridge
+from pipeline.gguf_model import GGUFModel
+from pipeline.gguf_write import copy_gguf
+from pipeline.lake import write_parquet
+from pipeline.model import moe_forward
+from pipeline.progress import progress
+from pipeline.stages.quantize import EXPERT_TENSORS, load_quantized
+
+CALIBRATE_KNOBS = ("alpha", "ridge_rho", "ridge_eta", "shexp_down")
+RHO_GRID = (0.25, 1.0, 6.0, 24.0)
+CV_SPLITS = ("in_sample", "lobo4", "even_odd")
+GGML_TYPES = {"tq2_0": GGMLQuantizationType.TQ2_0, "iq4_nl": GGMLQuantizationType.IQ4_NL,
+              "q8_0": GGMLQuantizationType.Q8_0}
+
+
+def scale_block_scales(raw: np.ndarray, fmt: str, factor: float) -> np.ndarray:
+    """Multiply every block's fp16 scale by `factor` (TQ2_0: the last 2 bytes of a block)."""
+    cls = kernels.format_of(fmt)
+    blocks = np.array(raw, dtype=np.uint8).reshape(-1, cls.type_size)  # (n, type_size)
+    scales = blocks[:, -2:].copy().view(np.float16)  # (n, 1)
+    blocks[:, -2:] = (scales.astype(np.float32) * np.float32(factor)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(raw.shape)
+
+
+def dequantized_experts(arrays: dict[str, np.ndarray], fmt: str) -> dict[str, np.ndarray]:
+    return {name: kernels.dequantize(arrays[name], fmt, tuple(arrays[f"{name}.shape"]))
+            for name in EXPERT_TENSORS}
+
+
+def _routed(experts_f32: dict[str, np.ndarray], dump_group) -> np.ndarray:
+    return np.asarray(moe_forward(
+        {"gate_exps": experts_f32["ffn_gate_exps"], "up_exps": experts_f32["ffn_up_exps"],
+         "down_exps": experts_f32["ffn_down_exps"]},
+        dump_group["mixed"][:], dump_group["experts"][:], dump_group["weights"][:]))  # (T, d)
+
+
+def _gated_hidden(source: GGUFModel, layer: int, dump_group) -> np.ndarray:
+    """Z = sigmoid(x . w_gate_shexp) * hh: what the shared down projection multiplies."""
+    gate_w = source.tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight").reshape(-1)  # (d,)
+    mixed = dump_group["mixed"][:]  # (T, d)
+    gate = 1.0 / (1.0 + np.exp(-(mixed @ gate_w)))  # (T,)
+    return dump_group["hh"][:] * gate[:, None]  # (T, f)
+
+
+def calibrate_model(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, variant: str,
+                    knobs: dict[str, Any], log: Callable[[str], None] = print) -> None:
+    """Write healed tensors (`layer_<i>.npz`), `layer_metrics.parquet` and `ridge_cv.parquet`."""
+    out.mkdir(parents=True, exist_ok=True)
+    splits = {"in_sample": cal, **({"unseen": unseen} if unseen is not None else {})}
+    shared = source.hp.d_shexp > 0
+    metrics, cv_rows = [], []
+    for layer in progress(range(source.hp.n_layer), desc="calibrate", unit="layer"):
+        arrays = load_quantized(quant_dir, layer)
+        fmt = "tq2_0"
+        groups = {s: d[str(layer)] for s, d in splits.items()}
+        y_ref = {s: g["yr"][:] for s, g in groups.items()}  # (T, d) each
+        y_q = {s: _routed(dequantized_experts(arrays, fmt), g) for s, g in groups.items()}
+        alpha = fit_alpha(y_ref["in_sample"], y_q["in_sample"]) if knobs["alpha"] else 1.0
+        arrays["ffn_down_exps"] = scale_block_scales(arrays["ffn_down_exps"], fmt, alpha)
+        y_healed = {s: _routed(dequantized_experts(arrays, fmt), g) for s, g in groups.items()}
+
+        shexp_delta = {s: np.zeros_like(y) for s, y in y_ref.items()}
+        if shared:
+            w_down = source.tensor(f"blk.{layer}.ffn_down_shexp.weight")  # (d, f)
+            z = {s: _gated_hidden(source, layer, g) for s, g in groups.items()}
+            residual = y_ref["in_sample"] - y_healed["in_sample"]  # (T, d)
+            rho, eta = knobs["ridge_rho"], knobs["ridge_eta"]
+            gram, cross, _, _ = ridge_stats(z["in_sample"], residual)
+            rank, applied = matrix_rank(gram), False
+            for grid_rho in sorted({*RHO_GRID, rho} - {0.0}):
+                gains = {split: ridge_cv(z["in_sample"], residual, grid_rho, eta, split) for split in CV_SPLITS}
+                if grid_rho == rho:
+                    applied = gains["lobo4"] < 0
+                cv_rows += [{"variant": variant, "layer": layer, "rho": grid_rho, "split": split,
+                             "rel_gain": float(g), "rank_z": int(rank), "dof": float(effective_dof(gram, grid_rho)),
+                             "chosen": grid_rho == rho, "applied": bool(grid_rho == rho and applied)}
+                            for split, g in gains.items()]
+            corrected = w_down + eta * solve_ridge(gram, cross, rho) if applied else w_down  # (d, f)
+            arrays["ffn_down_shexp"] = kernels.quantize(corrected, knobs["shexp_down"])
+            w_requant = kernels.dequantize(arrays["ffn_down_shexp"], knobs["shexp_down"], w_down.shape)
+            shexp_delta = {s: z[s] @ (w_requant - w_down).T for s in groups}  # (T, d)
+            if rho > 0:  # realized gain of the chosen rho after requantization, per split
+                cv_rows += [{"variant": variant, "layer": layer, "rho": rho, "split": f"{s}_realized",
+                             "rel_gain": float(relative_residual(y_ref[s] - y_healed[s], shexp_delta[s]) - 1.0),
+                             "rank_z": int(rank), "dof": float(effective_dof(gram, rho)),
+                             "chosen": True, "applied": bool(applied)} for s in groups]
+        for s in groups:
+            oracle = fit_alpha(y_ref[s], y_q[s])
+            metrics.append({
+                "variant": variant, "layer": layer, "split": s,
+                "resid_alpha1": relative_residual(y_ref[s], y_q[s]),
+                "alpha": float(alpha),
+                "resid_alpha": relative_residual(y_ref[s], y_healed[s]),
+                "alpha_oracle": float(oracle),
+                "resid_oracle": relative_residual(y_ref[s], oracle * y_q[s]),
+                "resid_ridge": relative_residual(y_ref[s], y_healed[s] + shexp_delta[s]),
+            })
+        np.savez(out / f"layer_{layer}.npz", **arrays, alpha=np.float32(alpha))
+    write_parquet(out / "layer_metrics.parquet", pa.Table.from_pylist(metrics))
+    cv_schema = pa.schema([("variant", pa.string()), ("layer", pa.int32()), ("rho", pa.float64()),
+                           ("split", pa.string()), ("rel_gain", pa.float64()), ("rank_z", pa.int32()),
+                           ("dof", pa.float64()), ("chosen", pa.bool_()), ("applied", pa.bool_())])
+    write_parquet(out / "ridge_cv.parquet", pa.Table.from_pylist(cv_rows, schema=cv_schema))
+
+
+def assemble_gguf(out: Path, source: GGUFModel, calibrated: Path, variant: str, params: dict[str, Any]) -> None:
+    """The healed model: the source GGUF with routed experts (TQ2_0) and the shared
+    down projection replaced; `moeheal.*` keys record the variant and its knobs."""
+    replace: dict[str, tuple[np.ndarray, GGMLQuantizationType]] = {}
+    shexp_type = GGML_TYPES[params["knobs"].get("shexp_down", "iq4_nl")]
+    for layer in range(source.hp.n_layer):
+        arrays = load_quantized(calibrated, layer)
+        for name in EXPERT_TENSORS:
+            replace[f"blk.{layer}.{name}.weight"] = (arrays[name], GGMLQuantizationType.TQ2_0)
+        if "ffn_down_shexp" in arrays:
+            replace[f"blk.{layer}.ffn_down_shexp.weight"] = (arrays["ffn_down_shexp"], shexp_type)
+    copy_gguf(source, out, replace, extra_kv=[
+        ("moeheal.variant", variant, None),
+        ("moeheal.params", json.dumps(params, sort_keys=True), None),
+        ("moeheal.source_sha256", source.digest(), None),
+    ])

@@ -1,0 +1,223 @@
+"""Dump the reference model's MoE activations over a trace into chunked Zarr.
+
+Streaming, bounded memory, O(T) I/O: the trace is processed a chunk of
+sequences at a time and each layer's arrays are *appended* (resize + write of
+the new rows only). Zarr's chunk is one sequence long, so appends never
+rewrite an earlier chunk. After every processing chunk the root attribute
+`rows_done` is advanced, last; a killed dump resumes from there, truncating
+anything written past it. Each sequence runs on its own from position 0, so
+how the trace is cut into processing chunks cannot change a single byte.
+
+Layout (SPEC.md): group per layer (`"0"`, `"1"`, ...) with `mixed` [T,d],
+`yr` [T,d], `hh` [T,f], plus `experts` [T,k] and `weights` [T,k] (the routing
+that produced `yr`); group attrs name the trace. Routing also goes to Parquet
+(`routing/*.parquet` inside the dump) for the `routing` table.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zarr
+
+from pipeline.errors import InputError
+from pipeline.lake import write_parquet
+from pipeline.progress import progress
+
+ARRAYS = ("mixed", "yr", "hh", "experts", "weights")
+
+
+def _widths(hp, k: int) -> dict[str, tuple[int, str]]:
+    return {"mixed": (hp.d_model, "float32"), "yr": (hp.d_model, "float32"),
+            "hh": (hp.d_shexp, "float32"), "experts": (k, "int32"), "weights": (k, "float32")}
+
+
+def _open_or_create(path: Path, trace: str, n_layer: int, widths: dict[str, tuple[int, str]],
+                    chunk_rows: int, total_rows: int) -> zarr.Group:
+    """Open a partial dump to resume, or create an empty one."""
+    if (path / "zarr.json").exists():
+        root = zarr.open_group(str(path), mode="r+")
+        if root.attrs.get("total_rows") == total_rows and root.attrs.get("trace") == trace:
+            return root
+        shutil.rmtree(path)
+    root = zarr.open_group(str(path), mode="w")
+    root.attrs.update({"trace": trace, "total_rows": total_rows, "rows_done": 0, "chunk_rows": chunk_rows})
+    for layer in range(n_layer):
+        group = root.create_group(str(layer))
+        group.attrs["trace"] = trace
+        for name, (width, dtype) in widths.items():
+            group.create_array(name, shape=(0, width), chunks=(chunk_rows, max(width, 1)), dtype=dtype)
+    return root
+
+
+def _truncate(root: zarr.Group, n_layer: int, rows: int, routing_dir: Path) -> None:
+    """Drop anything a killed run wrote past the last complete chunk."""
+    for layer in range(n_layer):
+        for name in ARRAYS:
+            arr = root[str(layer)][name]
+            if arr.shape[0] != rows:
+                arr.resize((rows, arr.shape[1]))
+    for part in routing_dir.glob("*.parquet"):
+        if int(part.stem) >= rows:
+            part.unlink()
+
+
+def _check_finite(name: str, layer: int, values: np.ndarray, first_pos: int) -> None:
+    bad = ~np.isfinite(values)
+    if bad.any():
+        row = int(np.argwhere(bad)[0][0])
+        raise InputError(f"dump: layer {layer}: NaN or Inf in {name} at token position {first_pos + row}")
+
+
+def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: str, chunk_tokens: int,
+               seq_tokens: int, log: Callable[[str], None] = print) -> None:
+    """Run `runner` over every sequence of the trace and append its activations to `out`.
+
+    tokens (T,) int32, seq (T,) sequence index per position (non-decreasing).
+    """
+    hp = runner.hp
+    k = hp.n_expert_used
+    widths = _widths(hp, k)
+    total = int(len(tokens))
+    root = _open_or_create(out, trace, hp.n_layer, widths, seq_tokens, total)
+    routing_dir = out / "routing"
+    routing_dir.mkdir(exist_ok=True)
+    done = int(root.attrs["rows_done"])
+    _truncate(root, hp.n_layer, done, routing_dir)
+    starts = np.flatnonzero(np.diff(seq, prepend=-1))  # first position of each sequence
+    bounds = list(zip(starts, list(starts[1:]) + [total]))
+    per_chunk = max(1, chunk_tokens // seq_tokens)
+    chunks = [bounds[i:i + per_chunk] for i in range(0, len(bounds), per_chunk)]
+    arrays = {(layer, name): root[str(layer)][name] for layer in range(hp.n_layer) for name in ARRAYS}
+    if done:
+        log(f"[dump:{trace}] resuming after {done} of {total} tokens")
+    for chunk in progress([c for c in chunks if c[0][0] >= done], desc=f"dump {trace}", unit="chunk"):
+        lo, hi = int(chunk[0][0]), int(chunk[-1][1])
+        buffers: dict[tuple[int, str], list[np.ndarray]] = {key: [] for key in arrays}
+        for s, e in chunk:
+            def on_layer(layer: int, cap, s=int(s)) -> None:
+                for name in ARRAYS:
+                    values = np.asarray(getattr(cap, name))[0]  # (T_seq, width)
+                    if values.dtype.kind == "f":
+                        _check_finite(name, layer, values, s)
+                    buffers[(layer, name)].append(values.astype(widths[name][1]))
+            runner.forward(tokens[None, s:e], capture=True, on_layer=on_layer)
+        routing_rows = []
+        for (layer, name), arr in arrays.items():
+            block = np.concatenate(buffers[(layer, name)], axis=0)  # (hi - lo, width)
+            arr.resize((hi, arr.shape[1]))
+            arr[lo:hi] = block
+        for layer in range(hp.n_layer):
+            experts = np.concatenate(buffers[(layer, "experts")])  # (n, k)
+            weights = np.concatenate(buffers[(layer, "weights")])  # (n, k)
+            n = experts.shape[0]
+            routing_rows.append(pa.table({
+                "trace": pa.array([trace] * n * k, pa.string()),
+                "layer": pa.array(np.full(n * k, layer, np.int32)),
+                "pos": pa.array(np.repeat(np.arange(lo, hi, dtype=np.int64), k)),
+                "k": pa.array(np.tile(np.arange(k, dtype=np.int32), n)),
+                "expert": pa.array(experts.reshape(-1).astype(np.int32)),
+                "weight": pa.array(weights.reshape(-1).astype(np.float32)),
+            }))
+        write_parquet(routing_dir / f"{lo:012d}.parquet", pa.concat_tables(routing_rows))
+        root.attrs["rows_done"] = hi  # last: the chunk is complete
+    root.attrs["complete"] = True
+
+
+def read_routing(dump: Path) -> pa.Table:
+    """The dump's routing rows in position order."""
+    parts = sorted((dump / "routing").glob("*.parquet"))
+    return pa.concat_tables([pq.read_table(p) for p in parts]).sort_by([("layer", "ascending"), ("pos", "ascending"), ("k", "ascending")])
+
+
+def open_dump(path: Path) -> zarr.Group:
+    root = zarr.open_group(str(path), mode="r")
+    if not root.attrs.get("complete"):
+        raise InputError(f"{path}: dump is incomplete ({root.attrs.get('rows_done')} of "
+                         f"{root.attrs.get('total_rows')} rows)")
+    return root
+
+
+def _read_spec(spec_path: Path) -> dict:
+    import tomllib
+
+    try:
+        spec = tomllib.loads(spec_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise InputError(f"{spec_path}: cannot read dump spec: {exc}") from None
+    for key in ("T", "d", "f", "k", "layers"):
+        if key not in spec:
+            raise InputError(f"{spec_path}: key {key!r} missing")
+    return spec
+
+
+def raw_dump_files(spec_path: Path) -> dict[str, Path]:
+    """Every raw file a dump spec names, keyed `layer<i>.<array>` (the import's inputs)."""
+    spec = _read_spec(spec_path)
+    files = {}
+    for i, layer in enumerate(spec["layers"]):
+        for name in ARRAYS:
+            if name not in layer:
+                raise InputError(f"{spec_path}: layers[{i}].{name}: missing")
+            path = (spec_path.parent / layer[name]).resolve()
+            if not path.is_file():
+                raise InputError(f"{path}: layer {i} {name}: file not found")
+            files[f"layer{i}.{name}"] = path
+    return files
+
+
+def import_raw_dump(spec_path: Path, out: Path) -> None:
+    """Build a dump from raw little-endian row-major files made by another engine.
+
+    The spec (TOML) gives `trace`, `T`, `d`, `f`, `k`, and per layer
+    (`[[layers]]`) the files `mixed`, `yr`, `hh` (float32), `experts` (int32)
+    and `weights` (float32); every file's size is checked against T x width
+    before anything is written, and NaN/Inf is refused with layer and row.
+    """
+    spec = _read_spec(spec_path)
+    files = raw_dump_files(spec_path)
+    T, k = int(spec["T"]), int(spec["k"])
+    widths = {"mixed": (int(spec["d"]), "float32"), "yr": (int(spec["d"]), "float32"),
+              "hh": (int(spec["f"]), "float32"), "experts": (k, "int32"), "weights": (k, "float32")}
+    arrays: list[dict[str, np.ndarray]] = []
+    for i in range(len(spec["layers"])):
+        layer_arrays = {}
+        for name, (width, dtype) in widths.items():
+            file = files[f"layer{i}.{name}"]
+            expected = T * width * 4
+            if file.stat().st_size != expected:
+                raise InputError(f"{file}: layer {i} {name}: {file.stat().st_size} bytes, expected "
+                                 f"{expected} (T={T} x {width} x 4)")
+            values = np.fromfile(file, dtype="<" + ("i4" if dtype == "int32" else "f4")).reshape(T, width)
+            if values.dtype.kind == "f":
+                _check_finite(name, i, values, 0)
+            layer_arrays[name] = values
+        arrays.append(layer_arrays)
+    trace = str(spec.get("trace", "calibration"))
+    root = zarr.open_group(str(out), mode="w")
+    root.attrs.update({"trace": trace, "total_rows": T, "rows_done": T, "chunk_rows": min(T, 512),
+                       "imported_from": str(spec_path)})
+    (out / "routing").mkdir(exist_ok=True)
+    routing_rows = []
+    for layer, layer_arrays in enumerate(arrays):
+        group = root.create_group(str(layer))
+        group.attrs["trace"] = trace
+        for name, values in layer_arrays.items():
+            arr = group.create_array(name, shape=values.shape, chunks=(min(T, 512), max(values.shape[1], 1)),
+                                     dtype=values.dtype)
+            arr[:] = values
+        routing_rows.append(pa.table({
+            "trace": pa.array([trace] * T * k, pa.string()),
+            "layer": pa.array(np.full(T * k, layer, np.int32)),
+            "pos": pa.array(np.repeat(np.arange(T, dtype=np.int64), k)),
+            "k": pa.array(np.tile(np.arange(k, dtype=np.int32), T)),
+            "expert": pa.array(layer_arrays["experts"].reshape(-1)),
+            "weight": pa.array(layer_arrays["weights"].reshape(-1)),
+        }))
+    write_parquet(out / "routing" / f"{0:012d}.parquet", pa.concat_tables(routing_rows))
+    root.attrs["complete"] = True

@@ -1,0 +1,140 @@
+"""Evaluate a model against the reference on every window, at every MoCE bonus.
+
+The reference's logits over each window's scored span are computed once and
+cached (`reference_logits`). For a variant, each window runs as its own
+sequence from its context start; per scored token we keep KL(ref || variant)
+in nats over the full vocabulary, the two top-1 tokens and whether they agree
+(`token_kld`). The same forward passes drive the expert-cache simulation:
+with cache-aware routing at each bonus, hit rate and misses per token over
+the whole window (every layer), against LRU and Belady on the plain (bonus 0)
+routing of the same model, and whether a repeat run is bit-identical
+(`hitrate`).
+
+Windows are padded at the end to a bucket length so a handful of shapes are
+compiled; causal attention and the in-order cache scan make padding invisible
+to every real position.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+
+from kernels.kld import token_kld
+from kernels.moce import belady_hits, lru_hits, make_routing_hook
+from pipeline.gguf_model import GGUFModel
+from pipeline.lake import write_parquet
+from pipeline.progress import progress
+from pipeline.runner import Runner
+
+BUCKET = 64
+BATCH = 8
+
+
+def _batches(windows: list[dict], tokens: dict[str, np.ndarray]) -> list[tuple[list[dict], np.ndarray]]:
+    """Windows grouped by padded length: (windows, tokens (B, T_pad) int32)."""
+    by_len: dict[int, list[dict]] = {}
+    for w in windows:
+        n = len(tokens[w["window_id"]])
+        by_len.setdefault(-(-n // BUCKET) * BUCKET, []).append(w)
+    out = []
+    for length, group in sorted(by_len.items()):
+        for i in range(0, len(group), BATCH):
+            chunk = group[i:i + BATCH]
+            batch = np.zeros((len(chunk), length), np.int32)  # (B, T_pad)
+            for row, w in enumerate(chunk):
+                seq = tokens[w["window_id"]]
+                batch[row, :len(seq)] = seq
+            out.append((chunk, batch))
+    return out
+
+
+def _scored(w: dict) -> slice:
+    """Positions (within the window) whose next-token logits are scored.
+
+    The logits at position p predict token p+1, so scoring tokens
+    [score_start, score_end) of the doc uses logits at window positions
+    [score_start - ctx_start - 1, score_end - ctx_start - 1).
+    """
+    lo = w["score_start"] - w["ctx_start"]
+    return slice(max(lo - 1, 0), w["score_end"] - w["ctx_start"] - 1)
+
+
+def reference_logits(out: Path, reference: GGUFModel, windows: pa.Table, tokens: dict[str, np.ndarray],
+                     log: Callable[[str], None] = print) -> None:
+    """`<window_id>.npy`: the reference's float32 logits at the scored positions (n, V)."""
+    out.mkdir(parents=True, exist_ok=True)
+    runner = Runner(reference)
+    for chunk, batch in progress(_batches(windows.to_pylist(), tokens), desc="reference", unit="batch"):
+        logits = runner.forward(batch)  # (B, T_pad, V)
+        for row, w in enumerate(chunk):
+            np.save(out / f"{w['window_id']}.npy", np.asarray(logits[row, _scored(w)], np.float32))
+
+
+def _forward_with_cache(runner: Runner, batch: np.ndarray, bonus: float, cache_experts: int):
+    """Logits (B, T, V), per layer experts (B, T, k), hits (B, T) and misses (B, T)."""
+    hp = runner.hp
+    hook = make_routing_hook(cache_experts, bonus, hp.n_expert_used, hp.norm_topk_prob)
+    experts: dict[int, np.ndarray] = {}
+
+    def on_layer(layer: int, cap) -> None:
+        experts[layer] = np.asarray(cap.experts)
+
+    logits = runner.forward(batch, capture=True, routing_hook=hook, on_layer=on_layer)
+    return np.asarray(logits), experts, hook.stats
+
+
+def evaluate_model(out: Path, model: GGUFModel, variant: str, ref_dir: Path, windows: pa.Table,
+                   tokens: dict[str, np.ndarray], bonuses: tuple[float, ...], cache_experts: int, reps: int,
+                   log: Callable[[str], None] = print) -> None:
+    """Write `token_kld.parquet` and `hitrate.parquet` for one model."""
+    out.mkdir(parents=True, exist_ok=True)
+    runner = Runner(model)
+    n_layer = model.hp.n_layer
+    kld_parts, hit_rows = [], []
+    plain_experts: dict[str, dict[int, np.ndarray]] = {}
+    for bonus in sorted(bonuses):  # 0 first: its routing is the baselines' trace
+        for chunk, batch in progress(_batches(windows.to_pylist(), tokens), desc=f"{variant}@{bonus}",
+                                     unit="batch"):
+            runs = [_forward_with_cache(runner, batch, bonus, cache_experts) for _ in range(reps)]
+            logits, experts, _ = runs[0]
+            for row, w in enumerate(chunk):
+                wid, n = w["window_id"], len(tokens[w["window_id"]])
+                span = _scored(w)
+                ref = np.load(ref_dir / f"{wid}.npy")  # (n_scored, V)
+                kld, ref_top1, top1 = (np.asarray(a) for a in token_kld(ref, logits[row, span]))
+                positions = np.arange(span.start, span.stop, dtype=np.int32) + 1 + w["ctx_start"]
+                kld_parts.append(pa.table({
+                    "variant": pa.array([variant] * len(kld), pa.string()),
+                    "moce_bonus": pa.array(np.full(len(kld), bonus, np.float64)),
+                    "window_id": pa.array([wid] * len(kld), pa.string()),
+                    "pos": pa.array(positions),
+                    "kld": pa.array(kld.astype(np.float64)),
+                    "ref_top1": pa.array(ref_top1.astype(np.int32)),
+                    "top1": pa.array(top1.astype(np.int32)),
+                    "same_top1": pa.array(ref_top1 == top1),
+                }))
+                layer_experts = {layer: experts[layer][row, :n] for layer in range(n_layer)}  # (n, k)
+                if bonus == 0:
+                    plain_experts[wid] = layer_experts
+                lru = sum(int(lru_hits(plain_experts[wid][layer], cache_experts).sum()) for layer in range(n_layer))
+                belady = sum(int(belady_hits(plain_experts[wid][layer], cache_experts).sum())
+                             for layer in range(n_layer))
+                for rep, (rep_logits, rep_experts, rep_stats) in enumerate(runs):
+                    hits = sum(int(rep_stats[layer][0][row, :n].sum()) for layer in range(n_layer))
+                    misses = sum(int(rep_stats[layer][1][row, :n].sum()) for layer in range(n_layer))
+                    lookups = hits + misses
+                    same = bool(np.array_equal(rep_logits[row, :n], logits[row, :n]) and all(
+                        np.array_equal(rep_experts[layer][row, :n], experts[layer][row, :n])
+                        for layer in range(n_layer)))
+                    hit_rows.append({
+                        "variant": variant, "moce_bonus": float(bonus), "cache_experts": cache_experts,
+                        "prompt_id": wid, "rep": rep, "hit_rate": hits / lookups,
+                        "misses_per_token": misses / n, "hit_rate_lru": lru / lookups,
+                        "hit_rate_belady": belady / lookups, "same_as_rep0": same,
+                    })
+    write_parquet(out / "token_kld.parquet", pa.concat_tables(kld_parts))
+    write_parquet(out / "hitrate.parquet", pa.Table.from_pylist(hit_rows))

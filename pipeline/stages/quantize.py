@@ -1,0 +1,121 @@
+"""Quantize every routed expert tensor to the variant's 2-bit format.
+
+Importance comes from the calibration dump (the audit's §1.1, with its
+inconsistencies fixed and both exponents explicit):
+
+- gate/up, per input channel d:   w_d = E[x_d^2] ^ beta_gate_up
+  over every token of the layer's dump (x = the MoE input `mixed`).
+- down, per hidden channel c of expert e:   w_ec = Ehat[h_ec^2] ^ beta_down
+  where Ehat blends the exact mean of h^2 over the tokens routed to e with an
+  analytic estimate from diagonal input statistics, weighted by
+  `down_blend_tokens` pseudo-tokens (an expert that saw 3 tokens is mostly
+  prior, one that saw 3000 is all data).
+- round = "gptq": per expert H_e = E[x x^T] over its routed tokens, shrunk to
+  the layer's H with `gptq_shrink` pseudo-tokens and damped by `gptq_damp`
+  times its mean diagonal (for down, x is the expert's hidden activation h).
+
+Without importance (the `unhealed` baseline) every weight counts the same and
+the dump is not read at all.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+import kernels
+from kernels import importance as imp
+from kernels.gptq import damp_hessian
+from pipeline.gguf_model import GGUFModel
+from pipeline.progress import progress
+
+QUANTIZE_KNOBS = ("quant", "beta_gate_up", "beta_down", "down_blend_tokens", "round", "gptq_damp",
+                  "gptq_shrink", "importance")
+IMPORTANCE_KNOBS = ("beta_gate_up", "beta_down", "down_blend_tokens", "gptq_damp", "gptq_shrink")
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def expert_weights(model: GGUFModel, layer: int) -> dict[str, np.ndarray]:
+    """gate/up (E, f, d) and down (E, d, f) of one layer, dequantized to float32."""
+    return {name: model.tensor(f"blk.{layer}.{name}.weight") for name in EXPERT_TENSORS}
+
+
+def _damped(hessians: np.ndarray, damp: float) -> np.ndarray:
+    return np.stack([np.asarray(damp_hessian(h, damp)) for h in hessians])  # (E, n, n)
+
+
+def layer_importance(weights: dict[str, np.ndarray], mixed: np.ndarray, experts: np.ndarray,
+                     knobs: dict[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
+    """Per tensor: (importance (E, cols), damped hessians (E, cols, cols) or None)."""
+    gate, up = weights["ffn_gate_exps"], weights["ffn_up_exps"]
+    n_expert = gate.shape[0]
+    gptq = knobs["round"] == "gptq"
+    stats = imp.expert_hidden_stats(gate, up, mixed, experts, with_hessians=gptq)
+    mean_sq_x = np.mean(np.square(mixed, dtype=np.float64), axis=0)  # (d,)
+    gate_up = imp.gate_up_importance(mean_sq_x, knobs["beta_gate_up"])  # (d,)
+    gate_up = np.broadcast_to(gate_up, (n_expert, gate_up.shape[0]))  # (E, d)
+    analytic = imp.analytic_hidden_sq(gate, up, mean_sq_x)  # (E, f)
+    down = imp.down_importance(stats.sum_h_sq, stats.counts, analytic, knobs["down_blend_tokens"],
+                               knobs["beta_down"])  # (E, f)
+    h_x = h_h = None
+    if gptq:
+        n_tokens = max(int(mixed.shape[0]), 1)
+        layer_x = mixed.astype(np.float64).T @ mixed.astype(np.float64) / n_tokens  # (d, d)
+        layer_h = stats.sum_hh_t.sum(axis=0) / max(int(stats.counts.sum()), 1)  # (f, f)
+        h_x = _damped(imp.shrink_hessian(stats.sum_xx_t, stats.counts, layer_x, knobs["gptq_shrink"]),
+                      knobs["gptq_damp"])
+        h_h = _damped(imp.shrink_hessian(stats.sum_hh_t, stats.counts, layer_h, knobs["gptq_shrink"]),
+                      knobs["gptq_damp"])
+    return {"ffn_gate_exps": (gate_up, h_x), "ffn_up_exps": (gate_up, h_x), "ffn_down_exps": (down, h_h)}
+
+
+def quantize_model(out: Path, source: GGUFModel, dump_root, knobs: dict[str, Any],
+                   log: Callable[[str], None] = print) -> None:
+    """Write `layer_<i>.npz` under `out`: each expert tensor's block bytes and the importance used."""
+    out.mkdir(parents=True, exist_ok=True)
+    fmt = knobs["quant"]
+    for layer in progress(range(source.hp.n_layer), desc="quantize", unit="layer"):
+        weights = expert_weights(source, layer)
+        if dump_root is not None:
+            group = dump_root[str(layer)]
+            plan = layer_importance(weights, group["mixed"][:], group["experts"][:], knobs)
+        else:
+            plan = {name: (None, None) for name in EXPERT_TENSORS}
+        arrays: dict[str, np.ndarray] = {}
+        for name, w in weights.items():
+            importance, hessians = plan[name]
+            arrays[name] = kernels.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
+            arrays[f"{name}.shape"] = np.asarray(w.shape)
+            if importance is not None:
+                arrays[f"{name}.importance"] = np.asarray(importance, np.float32)
+        np.savez(out / f"layer_{layer}.npz", **arrays)
+
+
+def load_quantized(path: Path, layer: int) -> dict[str, np.ndarray]:
+    with np.load(path / f"layer_{layer}.npz") as data:
+        return {key: data[key] for key in data.files}
+
+
+def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size: int) -> None:
+    """The calibration statistics as a llama.cpp importance matrix (sum of x^2 per input column).
+
+    Per expert for `*_exps` tensors: gate/up see the MoE input x of the tokens
+    routed to that expert, down sees that expert's hidden activation h.
+    """
+    from pipeline.imatrix import write_imatrix
+
+    stats: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for layer in range(source.hp.n_layer):
+        group = dump_root[str(layer)]
+        weights = expert_weights(source, layer)
+        mixed, experts = group["mixed"][:], group["experts"][:]
+        hidden = imp.expert_hidden_stats(weights["ffn_gate_exps"], weights["ffn_up_exps"], mixed, experts,
+                                         with_hessians=False)
+        counts = hidden.counts.astype(np.float32)  # (E,)
+        for name in ("ffn_gate_exps", "ffn_up_exps"):
+            stats[f"blk.{layer}.{name}.weight"] = (hidden.sum_x_sq.astype(np.float32), counts)
+        stats[f"blk.{layer}.ffn_down_exps.weight"] = (hidden.sum_h_sq.astype(np.float32), counts)
+    n_tokens = int(dump_root.attrs["total_rows"])
+    write_imatrix(out, stats, chunk_count=max(1, n_tokens // max(chunk_size, 1)), datasets=["calibration"])

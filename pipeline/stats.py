@@ -1,0 +1,80 @@
+"""Pooled KLD per window and stratum, and paired bootstrap comparisons, in SQL.
+
+The numbers the report rests on: per-window KLD and top-1 agreement
+(`sql/window_kld.sql`), pooled per stratum (`sql/pooled.sql`), and for pairs of
+(variant, MoCE bonus) the pooled KLD change with a 95% CI from a window
+bootstrap stratified by stratum (`sql/compare.sql`). Sums are exact and the
+bootstrap draws come from a documented counter-based hash, so the same inputs
+and seed give the same table to the last bit on any thread count.
+
+Comparison rows keep the contract's `a`, `b`, `moce_bonus` and add
+`moce_bonus_a` / `moce_bonus_b`: `a` and `b` are always plain variant names and
+`moce_bonus` is b's bonus. An isolated-MoCE row (what cache-aware routing alone
+costs a variant) is the variant against itself, `a == b`, with
+`moce_bonus_a = 0` and `moce_bonus = moce_bonus_b` the nonzero bonus.
+"""
+
+import duckdb
+import pyarrow as pa
+
+from pipeline.errors import InputError
+from pipeline.sqlrun import run_sql
+
+Pair = tuple[str, float, str, float]  # (a, moce_bonus_a, b, moce_bonus_b)
+
+BASELINE = "unhealed"
+
+
+def window_kld(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    """The `window_kld` table from the `token_kld` and `windows` relations."""
+    return run_sql(con, "window_kld")
+
+
+def pooled(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    """Pooled KLD and top-1 per variant, bonus, set and stratum (+ 'all') from `window_kld`."""
+    return run_sql(con, "pooled")
+
+
+def comparison_pairs(variants: list[str], bonuses: list[float], baseline: str = BASELINE) -> list[Pair]:
+    """The comparisons the report makes, in a stable order, without repeats.
+
+    `variants` are the evaluated variants in config order (the baseline among
+    them or not). At every bonus: each variant against the baseline, then each
+    pair of consecutive variants. Then, for the baseline and every variant,
+    isolated MoCE: the variant at bonus 0 against itself at each nonzero bonus.
+    """
+    others = [v for v in variants if v != baseline]
+    pairs: list[Pair] = []
+    for bonus in bonuses:
+        pairs += [(baseline, bonus, v, bonus) for v in others]
+        pairs += [(a, bonus, b, bonus) for a, b in zip(others, others[1:])]
+    pairs += [(v, 0.0, v, bonus) for v in [baseline, *others] for bonus in bonuses if bonus != 0.0]
+    return list(dict.fromkeys(pairs))
+
+
+def compare(con: duckdb.DuckDBPyConnection, pairs: list[Pair], n_boot: int, seed: int) -> pa.Table:
+    """The `comparisons` table for `pairs`, from the `window_kld` and `overlap` relations.
+
+    Columns: a, b, moce_bonus (= b's), moce_bonus_a, moce_bonus_b, set,
+    stratum ('all' pools every stratum), subset (all / clean), kld_a, kld_b,
+    delta_pct, ci_lo, ci_hi, wins, n_windows, top1_a, top1_b, top1_delta,
+    top1_lo, top1_hi. See `sql/compare.sql` for the bootstrap.
+    """
+    if n_boot < 1:
+        raise InputError(f"heal.toml: eval.bootstrap: must be at least 1, got {n_boot}")
+    if not 0 <= seed < 2**63:
+        raise InputError(f"heal.toml: eval.seed: must be a non-negative 63-bit integer, got {seed}")
+    table = pa.table(
+        {
+            "pair_id": pa.array(range(len(pairs)), pa.int64()),
+            "a": pa.array([p[0] for p in pairs], pa.string()),
+            "moce_bonus_a": pa.array([float(p[1]) for p in pairs], pa.float64()),
+            "b": pa.array([p[2] for p in pairs], pa.string()),
+            "moce_bonus_b": pa.array([float(p[3]) for p in pairs], pa.float64()),
+        }
+    )
+    con.register("comparison_pairs", table)
+    try:
+        return run_sql(con, "compare", n_boot=n_boot, seed=seed)
+    finally:
+        con.unregister("comparison_pairs")

@@ -1,0 +1,113 @@
+"""Tiny random GGUF models for tests, built the way a real one is.
+
+A seeded random transformers Qwen2-MoE / Qwen3-MoE model is exported with
+`pipeline.convert.hf_to_gguf`, with a byte-level BPE trained on generated text
+(English, Japanese, code, JSON, emoji) so tokenizer tests exercise real merges.
+F32 matrices make transformers and our runner see bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pipeline.convert import hf_to_gguf
+from pipeline.tokenizer import QWEN2_SPLIT
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_WORDS = ("the model routes every token to two experts while the shared expert sees all tokens "
+          "quantized weights lose accuracy unless healed from calibration activations").split()
+_JA = ["東京は日本の首都です。", "今日はいい天気ですね。", "量子化されたモデルを評価します。", "こんにちは、世界！"]
+_CODE = ["def f(x):\n    return x * 2\n", "for i in range(10):\n\tprint(i)\n", "if (a && b) { return -1; }\n"]
+_EMOJI = ["🙂", "🚀", "👍🏽", "🇯🇵", "∑"]
+
+
+def sample_texts(n_lines: int, seed: int) -> list[str]:
+    """Mixed-script lines to train the tiny BPE on (and to tokenize in tests)."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n_lines):
+        kind = i % 4
+        if kind == 0:
+            lines.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 12))) + ".")
+        elif kind == 1:
+            lines.append(rng.choice(_JA) + rng.choice(_JA))
+        elif kind == 2:
+            lines.append(rng.choice(_CODE))
+        else:
+            lines.append('{"id": %d, "text": "%s %s", "ok": true}' % (i, rng.choice(_WORDS), rng.choice(_EMOJI)))
+    return lines
+
+
+def train_tiny_bpe(vocab_size: int = 400, seed: int = 0) -> Tokenizer:
+    """A byte-level BPE with Qwen2's pre-tokenizer and Qwen's special tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(sample_texts(400, seed), trainer=trainer)
+    return tok
+
+
+def tiny_hf_model(arch: str, vocab_size: int, seed: int, n_layer: int = 2, d_model: int = 64,
+                  n_expert: int = 8, k: int = 2, rope_theta: float = 1e6):
+    """A seeded random transformers MoE model, float32, eval mode."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=96, moe_intermediate_size=32,
+                  num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2, num_experts=n_expert,
+                  num_experts_per_tok=k, max_position_embeddings=1024, rope_theta=rope_theta, rms_norm_eps=1e-6,
+                  initializer_range=0.2, tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    if arch == "qwen2moe":
+        config = Qwen2MoeConfig(shared_expert_intermediate_size=64, **common)
+        model = Qwen2MoeForCausalLM(config)
+    elif arch == "qwen3moe":
+        config = Qwen3MoeConfig(head_dim=16, norm_topk_prob=True, **common)
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        raise ValueError(arch)
+    # Norm weights initialise to ones; randomise them so a swapped norm would show.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    return model.float().eval()
+
+
+def make_tiny_gguf(path: str | Path, arch: str = "qwen2moe", seed: int = 0, n_layer: int = 2, d_model: int = 64,
+                   n_expert: int = 8, k: int = 2, matrix_type: str = "f32") -> Path:
+    """Build a tiny random model of `arch` and export it to `path` (F32 matrices by default)."""
+    tokenizer = train_tiny_bpe(seed=seed)
+    model = tiny_hf_model(arch, tokenizer.get_vocab_size(), seed, n_layer, d_model, n_expert, k)
+    hf_to_gguf(model, tokenizer, path, matrix_type=matrix_type)
+    return Path(path)
+
+
+def truncated_copy(src: str | Path, dst: str | Path, drop_bytes: int = 100) -> Path:
+    """`src` without its last `drop_bytes` bytes (an interrupted download)."""
+    data = Path(src).read_bytes()
+    Path(dst).write_bytes(data[:-drop_bytes])
+    return Path(dst)
+
+
+def garbage_file(dst: str | Path, n_bytes: int = 4096, seed: int = 0) -> Path:
+    """Random bytes with a .gguf name."""
+    Path(dst).write_bytes(random.Random(seed).randbytes(n_bytes))
+    return Path(dst)
+
+
+def copy_file(src: str | Path, dst: str | Path) -> Path:
+    shutil.copyfile(src, dst)
+    return Path(dst)

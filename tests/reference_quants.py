@@ -1,0 +1,136 @@
+"""Float64 NumPy references for the quantization kernels.
+
+Written loop-by-loop from the algorithms' descriptions, independently of the
+JAX code, so the tests can check the kernels against them (and against ggml's
+own iq4_nl search). Importable by any test that wants a reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TQ2_0_LEVELS = np.array([-1.0, 0.0, 1.0, 2.0])
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float64)
+
+
+def fp16(d: np.ndarray) -> np.ndarray:
+    """Round to the nearest fp16 value, as float64."""
+    return np.asarray(d, np.float64).astype(np.float16).astype(np.float64)
+
+
+def nearest_index(y: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    """Index of the level nearest to each y (levels ascending), by brute force."""
+    dist = np.abs(y[..., None] - levels)  # (..., K)
+    return np.argmin(dist, axis=-1)
+
+
+def assign(x: np.ndarray, d: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    """Nearest level indices for x (n, B) and scales d (n,); d = 0 -> the level nearest 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.where(d[:, None] == 0, 0.0, x / d[:, None])  # (n, B)
+    return nearest_index(y, levels)
+
+
+def weighted_error(x: np.ndarray, w: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """sum_i w_i (x_i - v_i)^2 per row, in float64: (n, B) -> (n,)."""
+    r = np.asarray(x, np.float64) - np.asarray(values, np.float64)
+    return np.sum(np.asarray(w, np.float64) * r * r, axis=-1)
+
+
+def grid_search(x: np.ndarray, w: np.ndarray, levels: np.ndarray, divisors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' scale search in float64: per block, for each candidate
+    d = x_ext / divisor, assign nearest levels, refit d by weighted least
+    squares; score both d's after fp16 rounding and re-assignment; keep the
+    best (starting from d = 0). Returns (d (n,), idx (n, B))."""
+    x = np.asarray(x, np.float64)
+    w = np.asarray(w, np.float64)
+    n = x.shape[0]
+    x_ext = x[np.arange(n), np.argmax(np.abs(x), axis=1)]  # (n,)
+    best_d = np.zeros(n)
+    best_idx = assign(x, best_d, levels)
+    best_err = weighted_error(x, w, best_d[:, None] * levels[best_idx])
+    for divisor in divisors:
+        d_cand = x_ext / divisor
+        q = levels[assign(x, d_cand, levels)]
+        num = np.sum(w * x * q, axis=1)
+        den = np.sum(w * q * q, axis=1)
+        d_fit = np.where(den > 0, num / np.where(den > 0, den, 1.0), d_cand)
+        for d in (d_cand, d_fit):
+            d16 = fp16(d)
+            idx = assign(x, d16, levels)
+            err = weighted_error(x, w, d16[:, None] * levels[idx])
+            better = err < best_err
+            best_err = np.where(better, err, best_err)
+            best_d = np.where(better, d16, best_d)
+            best_idx = np.where(better[:, None], idx, best_idx)
+    return best_d, best_idx
+
+
+def ggml_iq4_nl_block(x: np.ndarray, w: np.ndarray) -> tuple[float, np.ndarray]:
+    """ggml's quantize_row_iq4_nl_impl for one 32-weight block (ntry = 7), with
+    the weights w given directly. Returns (fp16 d, level indices)."""
+    x = np.asarray(x, np.float64)
+    w = np.asarray(w, np.float64)
+    values = KVALUES_IQ4NL
+    amax_pos = int(np.argmax(np.abs(x)))
+    amax, vmax = abs(x[amax_pos]), x[amax_pos]
+    if amax < 1e-15:
+        return 0.0, nearest_index(np.zeros_like(x), values)
+
+    def fit(inv_scale: float) -> tuple[float, float]:
+        q = values[nearest_index(inv_scale * x, values)]
+        return float(np.sum(w * q * x)), float(np.sum(w * q * q))
+
+    sumqx, sumq2 = fit(1.0 / (-vmax / values[0]))
+    d = sumqx / sumq2 if sumq2 > 0 else 0.0
+    best = d * sumqx
+    for itry in range(-7, 8):
+        sumqx, sumq2 = fit((itry + values[0]) / vmax)
+        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+            d = sumqx / sumq2
+            best = d * sumqx
+    d16 = float(fp16(np.array(d)))
+    inv = 1.0 / d if d else 0.0
+    return d16, nearest_index(inv * x, values)
+
+
+def ggml_iq4_nl(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Dequantized values of ggml's iq4_nl search over blocks: (n, 32) -> (n, 32)."""
+    out = np.empty(x.shape, np.float64)
+    for i in range(x.shape[0]):
+        d16, idx = ggml_iq4_nl_block(x[i], w[i])
+        out[i] = d16 * KVALUES_IQ4NL[idx]
+    return out
+
+
+def gptq(
+    w: np.ndarray, hessian: np.ndarray, levels: np.ndarray, divisors: np.ndarray, block: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Textbook (unblocked) GPTQ in float64 with block scales chosen at each
+    group start from the error-updated weights (importance = diag(H)).
+
+    Returns (d (rows, n_groups), dequantized values (rows, cols))."""
+    W = np.array(w, np.float64)
+    H = np.asarray(hessian, np.float64)
+    rows, cols = W.shape
+    U = np.linalg.cholesky(np.linalg.inv(H)).T  # H^-1 = U^T U
+    importance = np.diag(H)
+    Q = np.zeros_like(W)
+    d = np.zeros(rows)
+    scales = np.zeros((rows, cols // block))
+    for i in range(cols):
+        if i % block == 0:
+            g = i // block
+            d, _ = grid_search(W[:, i:i + block], np.broadcast_to(importance[i:i + block], (rows, block)), levels, divisors)
+            scales[:, g] = d
+        q = d * levels[assign(W[:, i:i + 1], d, levels)[:, 0]]
+        Q[:, i] = q
+        err = (W[:, i] - q) / U[i, i]
+        W[:, i + 1:] -= np.outer(err, U[i, i + 1:])
+    return scales, Q
+
+
+def output_error(w: np.ndarray, q: np.ndarray, hessian: np.ndarray) -> float:
+    """tr((W - Q) H (W - Q)^T): the layer's expected squared output error."""
+    D = np.asarray(w, np.float64) - np.asarray(q, np.float64)
+    return float(np.einsum("ij,jk,ik->", D, np.asarray(hessian, np.float64), D))

@@ -1,0 +1,159 @@
+"""Importance weights and expert statistics against float64 NumPy loops and scipy quadrature."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np
+import pytest
+from scipy import integrate, stats
+
+from kernels.importance import (
+    RELATIVE_FLOOR,
+    analytic_hidden_sq,
+    down_importance,
+    expert_hidden_stats,
+    gate_up_importance,
+    gaussian_silu_moments,
+    pooled_second_moment,
+    shrink_hessian,
+)
+
+
+def silu(v: np.ndarray) -> np.ndarray:
+    return v / (1.0 + np.exp(-v))
+
+
+def loop_expert_stats(w_gate, w_up, x, experts):
+    """Token-by-token float64 reference for expert_hidden_stats."""
+    n_expert, width, d_model = w_gate.shape
+    sum_h2 = np.zeros((n_expert, width))
+    counts = np.zeros(n_expert, dtype=np.int64)
+    sum_xxT = np.zeros((n_expert, d_model, d_model))
+    for token, chosen in zip(x.astype(np.float64), experts):
+        for e in chosen:
+            h = silu(w_gate[e].astype(np.float64) @ token) * (w_up[e].astype(np.float64) @ token)  # (f,)
+            sum_h2[e] += h * h
+            counts[e] += 1
+            sum_xxT[e] += np.outer(token, token)
+    return sum_h2, counts, sum_xxT
+
+
+def random_layer(rng: np.random.Generator, n_expert=6, width=8, d_model=12, n_tokens=90, k=2):
+    w_gate = (rng.normal(size=(n_expert, width, d_model)) / np.sqrt(d_model)).astype(np.float32)
+    w_up = (rng.normal(size=(n_expert, width, d_model)) / np.sqrt(d_model)).astype(np.float32)
+    x = (rng.normal(size=(n_tokens, d_model)) * rng.uniform(0.2, 3.0, size=d_model)).astype(np.float32)
+    # skewed routing: expert 5 is never chosen, expert 0 often
+    popularity = np.array([0.4, 0.2, 0.2, 0.15, 0.05, 0.0])[:n_expert]
+    experts = np.array([rng.choice(n_expert, size=k, replace=False, p=popularity / popularity.sum()) for _ in range(n_tokens)])
+    return w_gate, w_up, x, experts
+
+
+def test_gate_up_importance_is_tempered_mean_one() -> None:
+    mean_sq = np.array([4.0, 1.0, 0.25, 0.0, 9.0])
+    w = gate_up_importance(mean_sq, 0.5)
+    floored = np.maximum(mean_sq, RELATIVE_FLOOR * mean_sq.mean())
+    expected = np.sqrt(floored) / np.sqrt(floored).mean()
+    np.testing.assert_allclose(w, expected, rtol=1e-6)
+    assert w.mean() == pytest.approx(1.0, rel=1e-6) and w[3] > 0
+    np.testing.assert_allclose(gate_up_importance(mean_sq, 0.0), np.ones(5))
+    np.testing.assert_allclose(gate_up_importance(np.zeros(3), 0.5), np.ones(3))
+    # scale-free: multiplying activations by 10 leaves the weights unchanged
+    np.testing.assert_allclose(gate_up_importance(100 * mean_sq, 0.7), gate_up_importance(mean_sq, 0.7), rtol=1e-6)
+
+
+@pytest.mark.parametrize("block_tokens", [4, 64])
+def test_expert_hidden_stats_match_token_loop(block_tokens: int) -> None:
+    rng = np.random.default_rng(0)
+    w_gate, w_up, x, experts = random_layer(rng)
+    got = expert_hidden_stats(w_gate, w_up, x, experts, block_tokens=block_tokens)
+    ref_h2, ref_counts, ref_xxT = loop_expert_stats(w_gate, w_up, x, experts)
+    np.testing.assert_array_equal(got.counts, ref_counts)
+    assert got.counts[5] == 0 and np.all(got.sum_h2[5] == 0) and np.all(got.sum_xxT[5] == 0)
+    np.testing.assert_allclose(got.sum_h2, ref_h2, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(got.sum_xxT, ref_xxT, rtol=2e-5, atol=1e-4)
+
+
+def test_expert_hidden_stats_are_additive_over_chunks() -> None:
+    rng = np.random.default_rng(1)
+    w_gate, w_up, x, experts = random_layer(rng)
+    whole = expert_hidden_stats(w_gate, w_up, x, experts)
+    parts = expert_hidden_stats(w_gate, w_up, x[:37], experts[:37]) + expert_hidden_stats(
+        w_gate, w_up, x[37:], experts[37:]
+    )
+    np.testing.assert_array_equal(parts.counts, whole.counts)
+    np.testing.assert_allclose(parts.sum_h2, whole.sum_h2, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(parts.sum_xxT, whole.sum_xxT, rtol=1e-5, atol=1e-4)
+    no_moment = expert_hidden_stats(w_gate, w_up, x, experts, with_second_moment=False)
+    assert no_moment.sum_xxT is None
+    np.testing.assert_allclose(no_moment.sum_h2, whole.sum_h2, rtol=1e-6)
+
+
+def test_gaussian_silu_moments_match_quadrature() -> None:
+    for std in (0.05, 0.7, 3.0, 20.0):
+        density = stats.norm(scale=std).pdf
+        ref_sq = integrate.quad(lambda g: silu(g) ** 2 * density(g), -np.inf, np.inf, epsabs=0, epsrel=1e-12)[0]
+        ref_sq_g2 = integrate.quad(lambda g: silu(g) ** 2 * g * g * density(g), -np.inf, np.inf, epsabs=0, epsrel=1e-12)[0]
+        got_sq, got_sq_g2 = gaussian_silu_moments(np.array(std))
+        assert got_sq == pytest.approx(ref_sq, rel=1e-9)
+        assert got_sq_g2 == pytest.approx(ref_sq_g2, rel=1e-9)
+
+
+def test_analytic_prior_is_exact_for_gaussian_diagonal_inputs() -> None:
+    """With x ~ N(0, diag(s^2)), g and u are exactly jointly Gaussian: the prior equals E[h^2]."""
+    rng = np.random.default_rng(2)
+    d_model, width, n_tokens = 10, 6, 200_000
+    scales = rng.uniform(0.3, 2.0, size=d_model)
+    w_gate = rng.normal(size=(1, width, d_model)) / np.sqrt(d_model)
+    # correlated gate/up rows, as trained SwiGLU rows are, so the covariance term matters
+    w_up = 0.8 * w_gate + 0.6 * rng.normal(size=(1, width, d_model)) / np.sqrt(d_model)
+    x = rng.normal(size=(n_tokens, d_model)) * scales  # (N, d)
+    h = silu(x @ w_gate[0].T) * (x @ w_up[0].T)  # (N, f)
+    monte_carlo = np.mean(h * h, axis=0)  # (f,)
+    prior = analytic_hidden_sq(w_gate.astype(np.float32), w_up.astype(np.float32), scales**2)  # (1, f)
+    np.testing.assert_allclose(prior[0], monte_carlo, rtol=0.03)
+    # ignoring the gate/up correlation would be visibly wrong here
+    silu_sq, _ = gaussian_silu_moments(np.sqrt((w_gate[0] ** 2) @ scales**2))
+    independent = silu_sq * ((w_up[0] ** 2) @ scales**2)
+    assert np.max(np.abs(independent / monte_carlo - 1)) > 0.1
+
+
+def test_down_importance_blends_exact_and_prior() -> None:
+    rng = np.random.default_rng(3)
+    exact_sum = rng.uniform(0, 5, size=(3, 8))
+    analytic = rng.uniform(0.1, 1, size=(3, 8))
+    counts = np.array([0, 4, 1000])
+    exact_sum[0] = 0.0
+    got = down_importance(exact_sum, analytic, counts, blend_tokens=16.0, beta=0.5)
+    blend = (exact_sum + 16.0 * analytic) / (counts[:, None] + 16.0)
+    expected = np.sqrt(blend) / np.sqrt(blend).mean(axis=1, keepdims=True)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    np.testing.assert_allclose(got.mean(axis=1), 1.0, rtol=1e-6)
+    prior_only = np.sqrt(analytic[0]) / np.sqrt(analytic[0]).mean()
+    np.testing.assert_allclose(got[0], prior_only, rtol=1e-6)  # no tokens: the prior
+    no_blend = down_importance(exact_sum, analytic, counts, blend_tokens=0.0, beta=1.0)
+    np.testing.assert_allclose(no_blend[0], analytic[0] / analytic[0].mean(), rtol=1e-6)  # 0/0 falls back to the prior
+    np.testing.assert_allclose(no_blend[2], exact_sum[2] / exact_sum[2].mean(), rtol=1e-6)
+
+
+def test_shrink_hessian_and_pooled_moment() -> None:
+    rng = np.random.default_rng(4)
+    w_gate, w_up, x, experts = random_layer(rng)
+    stats_ = expert_hidden_stats(w_gate, w_up, x, experts)
+    h_layer = pooled_second_moment(stats_.sum_xxT, stats_.counts)
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(h_layer, x64.T @ x64 / len(x), rtol=1e-5, atol=1e-6)
+    shrunk = shrink_hessian(stats_.sum_xxT, stats_.counts, h_layer, shrink=8.0)
+    for e in range(w_gate.shape[0]):
+        own = x64[np.any(experts == e, axis=1)]
+        expected = (own.T @ own + 8.0 * h_layer) / (len(own) + 8.0)
+        np.testing.assert_allclose(shrunk[e], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(shrunk[5], h_layer, rtol=1e-6)  # unrouted expert: the layer's H
+    damped = shrink_hessian(stats_.sum_xxT, stats_.counts, h_layer, shrink=8.0, damp=0.1)
+    offsets = damped - shrunk
+    for e in range(w_gate.shape[0]):
+        np.testing.assert_allclose(offsets[e], 0.1 * np.trace(shrunk[e]) / 12 * np.eye(12), rtol=1e-5, atol=1e-6)
+    no_shrink = shrink_hessian(stats_.sum_xxT, stats_.counts, h_layer, shrink=0.0)
+    np.testing.assert_allclose(no_shrink[5], h_layer)
