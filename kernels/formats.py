@@ -20,7 +20,7 @@ Every function here is a pure, jit-able function of arrays: no files, no config.
 from __future__ import annotations
 
 from functools import partial
-from typing import ClassVar
+from typing import ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,24 +54,40 @@ def bytes_to_fp16(b: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------
 
 
-def nearest_level(y: jax.Array, levels: jax.Array) -> jax.Array:
+def nearest_level(y: jax.Array, levels: Sequence[float]) -> jax.Array:
     """Index of the grid level nearest to each y (levels sorted ascending).
 
     Counting the midpoints below y is branch-free and works for any sorted
-    grid (4 levels for tq2_0, 16 non-uniform ones for iq4_nl).
+    grid (4 levels for tq2_0, 16 non-uniform ones for iq4_nl). The levels are
+    Python constants, so the loop unrolls into elementwise ops XLA fuses.
     """
-    midpoints = 0.5 * (levels[1:] + levels[:-1])  # (K-1,)
-    return jnp.sum(y[..., None] > midpoints, axis=-1).astype(jnp.int32)  # (..., )
+    idx = jnp.zeros(y.shape, jnp.int32)  # (...,)
+    for lo, hi in zip(levels[:-1], levels[1:]):
+        idx = idx + (y > 0.5 * (lo + hi)).astype(jnp.int32)
+    return idx
 
 
-def assign_levels(x: jax.Array, d: jax.Array, levels: jax.Array) -> jax.Array:
-    """Nearest level indices of x (n, B) for per-block scales d (n,).
+def nearest_level_value(y: jax.Array, levels: Sequence[float]) -> jax.Array:
+    """The grid level nearest to each y, by the same midpoint comparisons.
 
-    A zero scale represents every weight as 0, so map to the level nearest 0.
+    A staircase sum instead of ``levels[nearest_level(y)]``: no gather, which
+    is what the scale search evaluates tens of times per block.
     """
+    value = jnp.full(y.shape, levels[0], jnp.float32)  # (...,)
+    for lo, hi in zip(levels[:-1], levels[1:]):
+        value = value + jnp.where(y > 0.5 * (lo + hi), hi - lo, 0.0)
+    return value
+
+
+def scaled(x: jax.Array, d: jax.Array) -> jax.Array:
+    """x (n, B) / d (n,), with 0 where d = 0 (a zero scale represents every weight as 0)."""
     safe_d = jnp.where(d == 0, 1.0, d)  # (n,)
-    y = jnp.where(d[:, None] == 0, 0.0, x / safe_d[:, None])  # (n, B)
-    return nearest_level(y, levels)  # (n, B)
+    return jnp.where(d[:, None] == 0, 0.0, x / safe_d[:, None])  # (n, B)
+
+
+def assign_levels(x: jax.Array, d: jax.Array, levels: Sequence[float]) -> jax.Array:
+    """Nearest level indices of x (n, B) for per-block scales d (n,)."""
+    return nearest_level(scaled(x, d), levels)  # (n, B)
 
 
 def weighted_error(x: jax.Array, w: jax.Array, d: jax.Array, q: jax.Array) -> jax.Array:
@@ -92,52 +108,44 @@ def refit_scale(x: jax.Array, w: jax.Array, q: jax.Array, d_fallback: jax.Array)
 
 
 def search_grid_scale(
-    x: jax.Array, w: jax.Array, levels: jax.Array, divisors: jax.Array
+    x: jax.Array, w: jax.Array, levels: Sequence[float], divisors: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """Choose fp16 scale and level indices per block minimising weighted error.
 
-    x, w: (n, B) float32 weights and importance; levels (K,) grid; divisors (C,)
+    x, w: (n, B) float32 weights and importance; levels: the K grid values,
+    ascending, as Python floats; divisors (C,)
     candidate ratios: candidate scale = x_ext / divisor, where x_ext is the
     block's signed largest-magnitude value (as ggml's make_qx_quants starts
     from). Positive and negative divisors try both orientations of an
     asymmetric grid. Each candidate is refit by weighted least squares; both
     the raw and the refit scale are rounded to fp16, the levels re-assigned for
-    the rounded scale, and scored; the best survives. Scanning over candidates
-    keeps memory at O(n * B) whatever the number of candidates.
+    the rounded scale, and scored; the best survives (d = 0, all weights 0,
+    is the starting point). Scanning over candidates and carrying only the
+    best scale keeps memory at O(n * B) whatever the number of candidates; the
+    levels are assigned once at the end.
 
     Returns (d (n,) float32 holding fp16 values, idx (n, B) int32).
     """
     amax_pos = jnp.argmax(jnp.abs(x), axis=-1)  # (n,)
     x_ext = jnp.take_along_axis(x, amax_pos[:, None], axis=-1)[:, 0]  # (n,)
-    grid = levels.astype(jnp.float32)  # (K,)
+    grid = tuple(float(v) for v in levels)
 
-    def score(d: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def keep_better(best: tuple[jax.Array, jax.Array], d: jax.Array) -> tuple[jax.Array, jax.Array]:
+        err_b, d_b = best
         d16 = fp16_round(d)  # (n,)
-        idx = assign_levels(x, d16, grid)  # (n, B)
-        return weighted_error(x, w, d16, grid[idx]), d16, idx  # (n,), (n,), (n, B)
-
-    def keep_better(best, cand):
-        err_b, d_b, idx_b = best
-        err_c, d_c, idx_c = cand
-        better = err_c < err_b  # (n,)
-        return (
-            jnp.where(better, err_c, err_b),
-            jnp.where(better, d_c, d_b),
-            jnp.where(better[:, None], idx_c, idx_b),
-        )
+        err = weighted_error(x, w, d16, nearest_level_value(scaled(x, d16), grid))  # (n,)
+        better = err < err_b  # (n,)
+        return jnp.where(better, err, err_b), jnp.where(better, d16, d_b)
 
     def step(best, divisor):
         d_cand = x_ext / divisor  # (n,)
-        q = grid[assign_levels(x, d_cand, grid)]  # (n, B)
+        q = nearest_level_value(scaled(x, d_cand), grid)  # (n, B)
         d_fit = refit_scale(x, w, q, d_cand)  # (n,)
-        best = keep_better(best, score(d_cand))
-        best = keep_better(best, score(d_fit))
-        return best, None
+        return keep_better(keep_better(best, d_cand), d_fit), None
 
-    zero_d = jnp.zeros(x.shape[:1], jnp.float32)  # (n,)
-    init = score(zero_d)  # the all-zero block is always a valid answer
-    (_, d, idx), _ = jax.lax.scan(step, init, divisors.astype(jnp.float32))
-    return d, idx
+    init = (jnp.sum(w * x * x, axis=-1), jnp.zeros(x.shape[:1], jnp.float32))  # error and d of the all-zero block
+    (_, d), _ = jax.lax.scan(step, init, divisors.astype(jnp.float32))
+    return d, assign_levels(x, d, grid)
 
 
 def uniform_importance(x: jax.Array, importance: jax.Array | None) -> jax.Array:
@@ -193,7 +201,7 @@ class GridFormat(BlockFormat):
     @classmethod
     def search(cls, x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Importance-weighted scale search: (n, B) x, w -> d (n,), idx (n, B)."""
-        return search_grid_scale(x, w, cls.level_grid(), jnp.asarray(cls.divisors, jnp.float32))
+        return search_grid_scale(x, w, cls.levels, jnp.asarray(cls.divisors, jnp.float32))
 
     @classmethod
     def quantize_blocks(cls, x: jax.Array, importance: jax.Array | None = None) -> jax.Array:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.formats import GridFormat, assign_levels, search_grid_scale
+from kernels.formats import GridFormat, nearest_level, nearest_level_value, scaled, search_grid_scale
 
 
 def damp_hessian(hessian: jax.Array, damp: float) -> jax.Array:
@@ -56,7 +56,7 @@ def gptq_levels(
     rows, cols = w.shape
     block = fmt.block_size
     n_groups = cols // block
-    grid = fmt.level_grid()  # (K,)
+    grid = tuple(float(v) for v in fmt.levels)
     divisors = jnp.asarray(fmt.divisors, jnp.float32)  # (C,)
     importance = jnp.diag(hessian)  # (cols,)
     upper = inverse_cholesky_upper(hessian)  # (cols, cols)
@@ -72,8 +72,9 @@ def gptq_levels(
         def col_step(j, carry):
             w_grp, idx, err = carry
             col = w_grp[:, j]  # (rows,)
-            col_idx = assign_levels(col[:, None], d, grid)[:, 0]  # (rows,)
-            col_err = (col - d * grid[col_idx]) / u_grp[j, j]  # (rows,)
+            col_y = scaled(col[:, None], d)  # (rows, 1)
+            col_idx = nearest_level(col_y, grid)[:, 0]  # (rows,)
+            col_err = (col - d * nearest_level_value(col_y, grid)[:, 0]) / u_grp[j, j]  # (rows,)
             w_grp = w_grp - col_err[:, None] * u_grp[j][None, :]  # (rows, B); U upper: only columns >= j move
             return w_grp, idx.at[:, j].set(col_idx), err.at[:, j].set(col_err)
 

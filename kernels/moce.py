@@ -17,6 +17,10 @@ The bonus used here (the paper's cache prior, with one deliberate change):
     experts_t = top_k(score_t)
     weights_t = softmax(z_t)[experts_t]     (renormalised over the k iff norm_topk_prob)
 
+When no expert gets a bonus (bonus 0, or an empty cache) the top-k is taken
+of softmax(z_t), exactly as plain routing does; the order is the same as on
+z_t up to float rounding ties, which this keeps bit-identical.
+
 The paper scales the bonus by a running average of the logit range; we use each
 token's own range, so there is no state to warm up and one `bonus` means the
 same on a router whose logits span 2 and on one whose logits span 20. The
@@ -78,16 +82,16 @@ def route_weights(router_logits: jax.Array, experts: jax.Array, norm_topk_prob: 
 
 @partial(jax.jit, static_argnames=("k",))
 def _topk_experts(router_logits: jax.Array, k: int) -> jax.Array:
-    """Plain top-k expert ids; ties go to the lower expert id (lax.top_k's order)."""
-    return jax.lax.top_k(router_logits.astype(jnp.float32), k)[1].astype(jnp.int32)  # (..., k)
+    """Plain top-k expert ids of the router probabilities; ties go to the lower expert id."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # (..., E)
+    return jax.lax.top_k(probs, k)[1].astype(jnp.int32)  # (..., k)
 
 
 def topk_route(router_logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
-    """Plain routing: top-k of the logits, weights from `route_weights`.
+    """Plain routing, as qwen2moe / qwen3moe do it: softmax, top-k of the probabilities.
 
-    The reference `cache_aware_route(bonus=0)` must reproduce exactly; the
-    runner's default routing should be this function so the two agree bit for
-    bit. router_logits (..., E) -> (experts (..., k) int32, weights (..., k) float32).
+    router_logits (..., E) -> (experts (..., k) int32, weights (..., k) float32);
+    the reference that `cache_aware_route(bonus=0)` reproduces bit for bit.
     """
     experts = _topk_experts(router_logits, k)  # (..., k)
     return experts, route_weights(router_logits, experts, norm_topk_prob)
@@ -100,22 +104,25 @@ def _cache_aware_select(
     """Scan one sequence of one layer: (T, E) logits -> (experts (T, k), hits (T,))."""
     n_tokens, n_expert = router_logits.shape
     logits = router_logits.astype(jnp.float32)  # (T, E)
+    probs = jax.nn.softmax(logits, axis=-1)  # (T, E)
     rank_offsets = jnp.arange(k - 1, -1, -1, dtype=jnp.int32)  # (k,) rank 0 is touched last
 
-    def step(stamps: jax.Array, token: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        t, z = token  # (), (E,)
+    def step(stamps: jax.Array, token: tuple[jax.Array, ...]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        t, z, p = token  # (), (E,), (E,)
         resident = _resident_mask(stamps, cache_size)  # (E,)
-        logit_range = jnp.max(z) - jnp.min(z)  # ()
-        # where() rather than z + 0*...: at bonus 0 the scores ARE the logits, bit for bit.
-        score = jnp.where(resident & (bonus > 0), z + bonus * logit_range, z)  # (E,)
-        chosen = jax.lax.top_k(score, k)[1].astype(jnp.int32)  # (k,)
+        boosted = resident & (bonus > 0)  # (E,)
+        score = jnp.where(boosted, z + bonus * (jnp.max(z) - jnp.min(z)), z)  # (E,)
+        # With nothing boosted (bonus 0, or an empty cache) select exactly as plain
+        # routing does, on the probabilities, so even rounding ties agree.
+        chosen = jnp.where(jnp.any(boosted), jax.lax.top_k(score, k)[1], jax.lax.top_k(p, k)[1])  # (k,)
+        chosen = chosen.astype(jnp.int32)  # (k,)
         hits = jnp.sum(resident[chosen]).astype(jnp.int32)  # ()
         stamps = stamps.at[chosen].set(t * k + rank_offsets)  # (E,)
         return stamps, (chosen, hits)
 
     stamps0 = jnp.full((n_expert,), _NEVER_USED, dtype=jnp.int32)  # (E,) empty cache
     positions = jnp.arange(n_tokens, dtype=jnp.int32)  # (T,)
-    _, (experts, hits) = jax.lax.scan(step, stamps0, (positions, logits))  # (T, k), (T,)
+    _, (experts, hits) = jax.lax.scan(step, stamps0, (positions, logits, probs))  # (T, k), (T,)
     return experts, hits
 
 
@@ -182,8 +189,8 @@ def _check_trace(experts: np.ndarray, cache_size: int) -> np.ndarray:
     sorted_ids = np.sort(trace, axis=1)  # (T, k)
     if np.any(sorted_ids[:, 1:] == sorted_ids[:, :-1]):
         raise ValueError("routing trace repeats an expert within a token")
-    n_expert = int(trace.max()) + 1 if trace.size else 1
-    _check_sizes(trace.shape[1], cache_size, max(n_expert, trace.shape[1]))
+    if not trace.shape[1] <= cache_size:
+        raise ValueError(f"cache_size={cache_size} must be >= k={trace.shape[1]} (a token's experts must all be resident)")
     return trace
 
 

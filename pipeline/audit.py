@@ -32,7 +32,7 @@ SPLIT_CHECKS = (
 )
 
 # Relations `sql/overlap.sql` reads besides `windows`; registered only while it runs.
-OVERLAP_RELATIONS = ("ngrams_cal", "tokens_cal", "ngrams_window", "tokens_window")
+OVERLAP_RELATIONS = ("segments_cal", "ngrams_cal", "tokens_cal", "ngrams_window", "tokens_window")
 
 CalSegment = tuple[str, int, np.ndarray]  # (doc_id, doc_pos of the first token, tokens)
 
@@ -71,14 +71,14 @@ def trace_segments(con: duckdb.DuckDBPyConnection, trace: str = "calibration") -
     segment = rows["segment"].to_numpy()  # (T,)
     doc_pos = rows["doc_pos"].to_numpy()  # (T,)
     tokens = rows["token"].to_numpy()  # (T,)
-    doc_ids = rows["doc_id"].to_pylist()
     starts = np.flatnonzero(np.diff(segment, prepend=-1))  # (S,)
     ends = np.append(starts[1:], segment.shape[0])  # (S,)
-    return [(str(doc_ids[s]), int(doc_pos[s]), tokens[s:e]) for s, e in zip(starts, ends)]
+    doc_ids = rows["doc_id"].take(pa.array(starts)).to_pylist()  # (S,)
+    return [(str(d), int(doc_pos[s]), tokens[s:e]) for d, s, e in zip(doc_ids, starts, ends)]
 
 
 def _cal_relations(cal_segments: list[CalSegment], n: int) -> dict[str, pa.Table]:
-    """`ngrams_cal` and `tokens_cal`: the segments' n-grams and their concatenated tokens."""
+    """`segments_cal`, `ngrams_cal` and `tokens_cal`: the segments, their n-grams, their tokens."""
     lengths = np.array([len(t) for _, _, t in cal_segments], dtype=np.int64)  # (S,)
     tokens = (
         np.concatenate([np.asarray(t, dtype=np.int64) for _, _, t in cal_segments])
@@ -86,18 +86,23 @@ def _cal_relations(cal_segments: list[CalSegment], n: int) -> dict[str, pa.Table
         else np.zeros(0, dtype=np.int64)
     )  # (T,)
     hashes, segment, offset, cpos = ngram.segmented_ngram_hashes(tokens, lengths, n)  # (G,) each
-    doc_ids = np.array([d for d, _, _ in cal_segments], dtype=object)  # (S,)
     doc_starts = np.array([s for _, s, _ in cal_segments], dtype=np.int64)  # (S,)
+    segments_cal = pa.table(
+        {
+            "seg": pa.array(np.arange(lengths.shape[0]), pa.int64()),
+            "doc_id": pa.array([str(d) for d, _, _ in cal_segments], pa.string()),
+        }
+    )
     ngrams_cal = pa.table(
         {
             "hash": pa.array(hashes, pa.uint64()),
             "cpos": pa.array(cpos, pa.int64()),
-            "doc_id": pa.array(doc_ids[segment], pa.string()),
+            "seg": pa.array(segment, pa.int64()),
             "doc_pos": pa.array(doc_starts[segment] + offset, pa.int64()),
         }
     )
     tokens_cal = pa.table({"cpos": np.arange(tokens.shape[0], dtype=np.int64), "token": tokens})
-    return {"ngrams_cal": ngrams_cal, "tokens_cal": tokens_cal}
+    return {"segments_cal": segments_cal, "ngrams_cal": ngrams_cal, "tokens_cal": tokens_cal}
 
 
 def _window_relations(window_tokens: dict[str, np.ndarray], n: int) -> dict[str, pa.Table]:

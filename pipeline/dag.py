@@ -29,6 +29,7 @@ class Stage:
     kind: str  # lake folder: dumps, quant, models, parts
     suffix: str  # ".zarr", ".gguf", "" (a folder)
     code: tuple[Callable[..., Any] | ModuleType, ...]
+    resumable: bool = False  # True: a killed build's partial work is handed back to `build`
 
     def source(self) -> str:
         return "\n".join(inspect.getsource(obj) for obj in self.code)
@@ -53,4 +54,5 @@ def run_stage(lake: Lake, stage: Stage, params: dict[str, Any], inputs: dict[str
               log: Callable[[str], None] = print) -> StageResult:
     """Run `build(work_path)` unless an output with the same fingerprint is complete."""
     fp, provenance = stage_fingerprint(stage, params, inputs, upstream)
-    return lake.materialize(stage.name, stage.kind, fp, stage.suffix, build, provenance, log)
+    return lake.materialize(stage.name, stage.kind, fp, stage.suffix, build, provenance, log,
+                            resume=stage.resumable)

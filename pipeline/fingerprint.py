@@ -30,8 +30,12 @@ def _file_sha256(path: Path) -> str:
 
 
 @lru_cache(maxsize=4096)
-def _cached_digest(path: str, size: int, mtime_ns: int, inode: int) -> str:
-    """Digest memo keyed by the file's identity; the key is never trusted across processes."""
+def _cached_digest(path: str, size: int, mtime_ns: int, ctime_ns: int, inode: int) -> str:
+    """Digest memo keyed by the file's identity, within one process only.
+
+    ctime is in the key because it cannot be set back: a file rewritten with the
+    same size and a restored mtime still gets a fresh digest.
+    """
     p = Path(path)
     if p.is_dir():
         return tree_digest(p)
@@ -42,7 +46,7 @@ def content_digest(path: str | Path) -> str:
     """SHA-256 of a file's bytes, or of a folder's sorted (relative path, file digest) list."""
     p = Path(path)
     st = p.stat()
-    return _cached_digest(str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    return _cached_digest(str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 def tree_digest(root: Path) -> str:

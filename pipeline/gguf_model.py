@@ -94,6 +94,34 @@ def _dequantizable(ggml_type: GGMLQuantizationType) -> bool:
     return block_size > 0
 
 
+class _CheckedReader(GGUFReader):
+    """GGUFReader that checks each tensor's type and byte range before mapping it.
+
+    gguf-py would otherwise fail with a bare reshape error on a truncated file;
+    this names the first tensor whose bytes run past the end of the file.
+    """
+
+    def __init__(self, path: Path):
+        self._label = path.name
+        super().__init__(path, "r")
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        file_size = len(self.data)
+        for field in fields:
+            _name_len, name_data, _n_dims, dims, raw_dtype, offset_tensor = field.parts
+            name = bytes(name_data).decode("utf-8", errors="replace")
+            try:
+                ggml_type = GGMLQuantizationType(int(raw_dtype[0]))
+            except ValueError:
+                raise InputError(f"{self._label}: tensor {name}: unknown tensor type {int(raw_dtype[0])}") from None
+            block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+            end = int(start_offs + offset_tensor[0]) + int(np.prod(dims)) * type_size // block_size
+            if end > file_size:
+                raise InputError(f"{self._label}: tensor {name}: truncated "
+                                 f"(data ends at byte {end}, file has {file_size})")
+        super()._build_tensors(start_offs, fields)
+
+
 class GGUFModel:
     """A memory-mapped, validated GGUF file of a supported MoE architecture."""
 
@@ -104,7 +132,6 @@ class GGUFModel:
             raise InputError(f"{self.path}: no such file")
         self._reader = self._open_reader()
         self._tensors = {t.name: t for t in self._reader.tensors}
-        self._check_tensor_bounds()
         self.arch = self._read_arch()
         self._check_tensor_types()
         self._check_required_tensors()
@@ -114,19 +141,11 @@ class GGUFModel:
 
     def _open_reader(self) -> GGUFReader:
         try:
-            return GGUFReader(self.path, "r")
+            return _CheckedReader(self.path)
+        except InputError:
+            raise
         except Exception as exc:  # gguf-py raises ValueError, struct/IndexError on garbage
             raise InputError(f"{self.name}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
-
-    def _check_tensor_bounds(self) -> None:
-        """Every tensor's bytes must lie inside the file (catches truncated copies)."""
-        file_size = self.path.stat().st_size
-        for t in self._reader.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > file_size or t.data.nbytes != int(t.n_bytes):
-                raise InputError(
-                    f"{self.name}: tensor {t.name}: truncated (data ends at byte {end}, file has {file_size})"
-                )
 
     def _read_arch(self) -> str:
         arch = self.metadata("general.architecture")

@@ -43,7 +43,7 @@ CORPUS = Stage("corpus", "parts", "", (corpus.read_documents, corpus.read_split,
 TRACES = Stage("traces", "parts", "", (corpus.draw_trace, corpus._stratum_quotas))
 WINDOWS = Stage("windows", "parts", "", (corpus.read_windows,))
 AUDIT = Stage("audit", "parts", "", (audit_mod, kernels.ngram))
-DUMP = Stage("dump", "dumps", ".zarr", (dump, runner_mod, model_mod))
+DUMP = Stage("dump", "dumps", ".zarr", (dump, runner_mod, model_mod), resumable=True)
 IMPORT_DUMP = Stage("import-dump", "dumps", ".zarr", (dump.import_raw_dump, dump._check_finite))
 QUANTIZE = Stage("quantize", "quant", "", (quantize, kernels.importance, kernels.gptq, kernels))
 CALIBRATE = Stage("calibrate", "quant", "", (calibrate, kernels.alpha, kernels.ridge, model_mod))
@@ -339,7 +339,7 @@ class HealRun:
         names = [v.name for v in self.evaluated_variants()]
         con = self.lake.connect()
         try:
-            comparisons = stats_mod.compare(con, stats_mod.default_pairs(names, self.cfg.moce_bonus),
+            comparisons = stats_mod.compare(con, stats_mod.comparison_pairs(names, list(self.cfg.moce_bonus)),
                                             self.cfg.bootstrap, self.cfg.eval_seed)
         finally:
             con.close()

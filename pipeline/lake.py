@@ -107,14 +107,20 @@ class Lake:
 
     def materialize(self, stage: str, kind: str, fingerprint: str, suffix: str,
                     build: Callable[[Path], None], provenance: dict[str, Any],
-                    log: Callable[[str], None] = print) -> StageResult:
-        """Return the output for `fingerprint`, building it under tmp/ and publishing it if absent."""
+                    log: Callable[[str], None] = print, resume: bool = False) -> StageResult:
+        """Return the output for `fingerprint`, building it under tmp/ and publishing it if absent.
+
+        A build that was killed leaves its work under tmp/; it is discarded, or
+        handed to `build` again when the stage can `resume` from it.
+        """
         final = self.output_path(kind, fingerprint, suffix)
         with self._lock(fingerprint):
             if self.is_complete(kind, fingerprint, suffix):
                 log(f"[{stage}] cache hit {fingerprint[:12]}")
                 return StageResult(stage, fingerprint, final, cached=True)
             work = self.work_path(kind, fingerprint, suffix)
+            if work.exists() and not resume:
+                shutil.rmtree(work) if work.is_dir() else work.unlink()
             started = time.time()
             log(f"[{stage}] computing {fingerprint[:12]}")
             build(work)

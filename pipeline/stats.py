@@ -75,6 +75,29 @@ def compare(con: duckdb.DuckDBPyConnection, pairs: list[Pair], n_boot: int, seed
     )
     con.register("comparison_pairs", table)
     try:
+        incomplete = run_sql(con, "comparison_coverage").to_pylist()
+        if incomplete:
+            arm = incomplete[0]
+            raise InputError(
+                f"window_kld: variant {arm['variant']} at moce_bonus {arm['moce_bonus']}: "
+                f"no KLD for {arm['n_missing']} window(s), first {arm['first_missing']}"
+            )
         return run_sql(con, "compare", n_boot=n_boot, seed=seed)
     finally:
         con.unregister("comparison_pairs")
+
+
+def summary_table(lake) -> str:
+    """The pooled comparison table (`sql/summary.sql`) as aligned text, for the terminal."""
+    table = lake.query("summary")
+    if table.num_rows == 0:
+        return "no comparisons in the lake yet"
+    rows = [[str(v) for v in row.values()] for row in table.to_pylist()]
+    header = table.column_names
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths))
+
+    title = "pooled KLD vs reference, 95% window-bootstrap CI (clean = windows sharing no n-gram with calibration)"
+    return "\n".join([title, line(header), line(["-" * w for w in widths]), *map(line, rows)])

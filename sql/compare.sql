@@ -1,59 +1,78 @@
 -- Paired comparisons of pooled KLD and top-1 agreement, with 95% percentile
 -- confidence intervals from a window bootstrap stratified by stratum.
 -- From: window_kld (per-window kld_sum, top1_sum, n_tokens, kld_mean),
--- overlap (window_id, clean), and comparison_pairs (pair_id, a, moce_bonus_a,
--- b, moce_bonus_b), registered by the caller. Parameters: $n_boot replicates,
--- $seed.
+-- overlap (window_id, clean; a window without a row is not clean), and
+-- comparison_pairs (pair_id, a, moce_bonus_a, b, moce_bonus_b), registered by
+-- the caller. Parameters: $n_boot replicates, $seed.
 --
 -- For each pair, window set (eval / canary), subset (all windows / clean
 -- windows) and stratum, plus stratum 'all': pooled KLD of a and b (sum of token
--- KLDs / scored tokens, over the windows both were evaluated on), delta_pct =
--- 100 * (pooled_b / pooled_a - 1), top1_delta = 100 * (top1_b - top1_a) in
--- points, wins = windows where b's mean KLD is below a's, and the 2.5% / 97.5%
--- quantiles (linear interpolation) of delta_pct and top1_delta over $n_boot
--- replicates. A replicate draws, within every stratum s of n_s windows, n_s
--- windows with replacement; the same draws serve a and b (paired) and every
--- stratum's own row and the 'all' row (which sums the strata's draws).
+-- KLDs / scored tokens), delta_pct = 100 * (pooled_b / pooled_a - 1),
+-- top1_delta = 100 * (top1_b - top1_a) in points, wins = windows where b's mean
+-- KLD is below a's, and the 2.5% / 97.5% quantiles (linear interpolation) of
+-- delta_pct and top1_delta over $n_boot replicates. A replicate draws, within
+-- every stratum of n_s windows, n_s windows with replacement; the same draws
+-- serve a and b (paired), every pair, and both a stratum's own row and the
+-- 'all' row (which adds up the strata's draws).
 --
 -- Draws are reproducible to the last bit. Draw k of stratum s in replicate r is
--- window number h mod n_s (windows numbered 0.. by window_id within the
--- stratum), where h is a chain of murmur3's 32-bit finaliser
---     fmix32(x) = x ^= x >> 16; x *= 0x85EBCA6B; x ^= x >> 13; x *= 0xC2B2AE35; x ^= x >> 16   (mod 2^32)
+-- window number h mod n_s (windows numbered from 0 by window_id within the
+-- stratum, set and subset), where h chains murmur3's 32-bit finaliser
+--     fmix32(x): x ^= x >> 16; x *= 0x85EBCA6B; x ^= x >> 13; x *= 0xC2B2AE35; x ^= x >> 16  (mod 2^32)
 --     h = fmix32(fmix32(fmix32(fmix32(seed mod 2^32) ^ r) ^ stratum_id) ^ k)
--- with stratum_id the stratum's rank (from 0) among the strata of window_kld,
--- in name order. Products of two 32-bit numbers are below 2^64, so UBIGINT
--- arithmetic is exact. Sums run in DECIMAL(38,18) (integer arithmetic, exact in
--- any order), so thread count cannot change a digit.
-WITH paired AS (
-    SELECT
-        p.pair_id,
-        wa.set,
-        wa.stratum,
-        wa.window_id,
-        wa.kld_sum::DECIMAL(38, 18) AS kld_a,
-        wb.kld_sum::DECIMAL(38, 18) AS kld_b,
-        wa.n_tokens AS n_a,
-        wb.n_tokens AS n_b,
-        wa.top1_sum AS top1_a,
-        wb.top1_sum AS top1_b,
-        (wb.kld_mean < wa.kld_mean)::INTEGER AS b_wins,
-        coalesce(o.clean, false) AS clean
+-- and stratum_id is the stratum's rank (from 0) among window_kld's strata in
+-- name order. Two 32-bit factors multiply to less than 2^64, so UBIGINT
+-- arithmetic is exact. Every sum is integer arithmetic, exact in any order:
+-- point estimates add DECIMAL(38,18) window sums, replicates add window sums
+-- in fixed point (integer multiples of 1e-12 nats, BIGINT products, HUGEINT
+-- totals; an overflow is an error, never a wrong digit). So the table does not
+-- depend on the thread count.
+--
+-- The work scales with arms (distinct variant/bonus), not pairs: each arm's
+-- replicate totals are built once, then pairs join them by integer keys.
+WITH arm_names AS (
+    SELECT a AS variant, moce_bonus_a AS moce_bonus FROM comparison_pairs
+    UNION
+    SELECT b, moce_bonus_b FROM comparison_pairs
+),
+arms AS (
+    SELECT variant, moce_bonus, row_number() OVER (ORDER BY variant, moce_bonus) AS arm_id
+    FROM arm_names
+),
+pair_arms AS (
+    SELECT p.pair_id, ia.arm_id AS arm_a, ib.arm_id AS arm_b
     FROM comparison_pairs AS p
-    JOIN window_kld AS wa
-        ON wa.variant = p.a AND abs(wa.moce_bonus - p.moce_bonus_a) <= 1e-6
-    JOIN window_kld AS wb
-        ON wb.variant = p.b AND abs(wb.moce_bonus - p.moce_bonus_b) <= 1e-6
-        AND wb.window_id = wa.window_id
-    LEFT JOIN overlap AS o ON o.window_id = wa.window_id
+    JOIN arms AS ia ON ia.variant = p.a AND ia.moce_bonus = p.moce_bonus_a
+    JOIN arms AS ib ON ib.variant = p.b AND ib.moce_bonus = p.moce_bonus_b
+),
+arm_windows AS (
+    SELECT
+        m.arm_id,
+        k.window_id,
+        round(k.kld_sum * 1e12)::BIGINT AS kld_fx,
+        k.n_tokens,
+        k.top1_sum
+    FROM arms AS m
+    JOIN window_kld AS k
+        ON k.variant = m.variant AND abs(k.moce_bonus - m.moce_bonus) <= 1e-6
+),
+universe AS (
+    SELECT DISTINCT k.window_id, k.set, k.stratum, coalesce(o.clean, false) AS clean
+    FROM window_kld AS k
+    LEFT JOIN overlap AS o USING (window_id)
 ),
 population AS (
     SELECT
-        q.*,
+        u.window_id,
+        u.set,
+        u.stratum,
         s.subset,
-        row_number() OVER (PARTITION BY q.pair_id, q.set, s.subset, q.stratum ORDER BY q.window_id) - 1 AS idx,
-        count(*) OVER (PARTITION BY q.pair_id, q.set, s.subset, q.stratum) AS n_s
-    FROM paired AS q
-    JOIN (VALUES ('all'), ('clean')) AS s(subset) ON s.subset = 'all' OR q.clean
+        dense_rank() OVER (ORDER BY u.set, s.subset, u.stratum) AS stratum_group,
+        dense_rank() OVER (ORDER BY u.set, s.subset) AS set_group,
+        row_number() OVER (PARTITION BY u.set, s.subset, u.stratum ORDER BY u.window_id) - 1 AS idx,
+        count(*) OVER (PARTITION BY u.set, s.subset, u.stratum) AS n_s
+    FROM universe AS u
+    JOIN (VALUES ('all'), ('clean')) AS s(subset) ON s.subset = 'all' OR u.clean
 ),
 stratum_ids AS (
     SELECT stratum, (row_number() OVER (ORDER BY stratum) - 1)::UBIGINT AS stratum_id
@@ -104,41 +123,70 @@ draws AS (
         xor(d4, d4 >> 16) % n_s::UBIGINT AS idx
     FROM stratum_key
 ),
-draw_counts AS (
-    SELECT stratum, n_s, rep, idx, count(*) AS times
-    FROM draws
-    GROUP BY stratum, n_s, rep, idx
+resampled AS (
+    SELECT p.window_id, p.stratum_group, p.set_group, d.rep, count(*) AS times
+    FROM draws AS d
+    JOIN population AS p ON p.stratum = d.stratum AND p.n_s = d.n_s AND p.idx = d.idx
+    GROUP BY p.window_id, p.stratum_group, p.set_group, d.rep
 ),
-replicate_stratum AS (
+arm_replicate_stratum AS (
     SELECT
-        p.pair_id, p.set, p.subset, p.stratum, d.rep,
-        sum(d.times * p.kld_a) AS kld_a,
-        sum(d.times * p.kld_b) AS kld_b,
-        sum(d.times * p.n_a) AS n_a,
-        sum(d.times * p.n_b) AS n_b,
-        sum(d.times * p.top1_a) AS top1_a,
-        sum(d.times * p.top1_b) AS top1_b
-    FROM population AS p
-    JOIN draw_counts AS d ON d.stratum = p.stratum AND d.n_s = p.n_s AND d.idx = p.idx
-    GROUP BY p.pair_id, p.set, p.subset, p.stratum, d.rep
+        m.arm_id, r.stratum_group, r.set_group, r.rep,
+        sum(r.times * m.kld_fx) AS kld,
+        sum(r.times * m.n_tokens) AS n,
+        sum(r.times * m.top1_sum) AS top1
+    FROM resampled AS r
+    JOIN arm_windows AS m USING (window_id)
+    GROUP BY m.arm_id, r.stratum_group, r.set_group, r.rep
 ),
-replicate AS (
-    SELECT pair_id, set, subset, stratum, kld_a, kld_b, n_a, n_b, top1_a, top1_b
-    FROM replicate_stratum
+arm_replicate AS (
+    SELECT arm_id, stratum_group AS grp, rep, kld, n, top1
+    FROM arm_replicate_stratum
     UNION ALL
-    SELECT pair_id, set, subset, 'all', sum(kld_a), sum(kld_b), sum(n_a), sum(n_b), sum(top1_a), sum(top1_b)
-    FROM replicate_stratum
-    GROUP BY pair_id, set, subset, rep
+    SELECT arm_id, -set_group, rep, sum(kld), sum(n), sum(top1)
+    FROM arm_replicate_stratum
+    GROUP BY arm_id, set_group, rep
+),
+interval_by_group AS (
+    SELECT
+        p.pair_id, ra.grp,
+        quantile_cont(100 * ((rb.kld::DOUBLE / rb.n) / (ra.kld::DOUBLE / ra.n) - 1), [0.025, 0.975]) AS ci,
+        quantile_cont(100 * (rb.top1 / rb.n - ra.top1 / ra.n), [0.025, 0.975]) AS top1_ci
+    FROM pair_arms AS p
+    JOIN arm_replicate AS ra ON ra.arm_id = p.arm_a
+    JOIN arm_replicate AS rb ON rb.arm_id = p.arm_b AND rb.grp = ra.grp AND rb.rep = ra.rep
+    GROUP BY p.pair_id, ra.grp
+),
+groups AS (
+    SELECT DISTINCT stratum_group AS grp, set, subset, stratum FROM population
+    UNION ALL
+    SELECT DISTINCT -set_group, set, subset, 'all' FROM population
 ),
 interval AS (
+    SELECT i.pair_id, g.set, g.subset, g.stratum, i.ci, i.top1_ci
+    FROM interval_by_group AS i
+    JOIN groups AS g USING (grp)
+),
+paired AS (
     SELECT
-        pair_id, set, subset, stratum,
-        quantile_cont(100 * ((kld_b::DOUBLE / n_b) / (kld_a::DOUBLE / n_a) - 1), 0.025) AS ci_lo,
-        quantile_cont(100 * ((kld_b::DOUBLE / n_b) / (kld_a::DOUBLE / n_a) - 1), 0.975) AS ci_hi,
-        quantile_cont(100 * (top1_b / n_b - top1_a / n_a), 0.025) AS top1_lo,
-        quantile_cont(100 * (top1_b / n_b - top1_a / n_a), 0.975) AS top1_hi
-    FROM replicate
-    GROUP BY pair_id, set, subset, stratum
+        p.pair_id,
+        pop.set,
+        pop.subset,
+        pop.stratum,
+        wa.kld_sum::DECIMAL(38, 18) AS kld_a,
+        wb.kld_sum::DECIMAL(38, 18) AS kld_b,
+        wa.n_tokens AS n_a,
+        wb.n_tokens AS n_b,
+        wa.top1_sum AS top1_a,
+        wb.top1_sum AS top1_b,
+        (wb.kld_mean < wa.kld_mean)::INTEGER AS b_wins
+    FROM comparison_pairs AS p
+    JOIN window_kld AS wa
+        ON wa.variant = p.a AND abs(wa.moce_bonus - p.moce_bonus_a) <= 1e-6
+    JOIN window_kld AS wb
+        ON wb.variant = p.b AND abs(wb.moce_bonus - p.moce_bonus_b) <= 1e-6
+        AND wb.window_id = wa.window_id
+    JOIN population AS pop ON pop.window_id = wa.window_id
 ),
 observed AS (
     SELECT
@@ -150,7 +198,7 @@ observed AS (
         sum(top1_b) / sum(n_b) AS top1_b,
         sum(b_wins)::BIGINT AS wins,
         count(*) AS n_windows
-    FROM population
+    FROM paired
     GROUP BY GROUPING SETS ((pair_id, set, subset, stratum), (pair_id, set, subset))
 )
 SELECT
@@ -165,15 +213,15 @@ SELECT
     o.kld_a,
     o.kld_b,
     100 * (o.kld_b / o.kld_a - 1) AS delta_pct,
-    i.ci_lo,
-    i.ci_hi,
+    i.ci[1] AS ci_lo,
+    i.ci[2] AS ci_hi,
     o.wins,
     o.n_windows,
     o.top1_a,
     o.top1_b,
     100 * (o.top1_b - o.top1_a) AS top1_delta,
-    i.top1_lo,
-    i.top1_hi
+    i.top1_ci[1] AS top1_lo,
+    i.top1_ci[2] AS top1_hi
 FROM observed AS o
 JOIN interval AS i USING (pair_id, set, subset, stratum)
 JOIN comparison_pairs AS p USING (pair_id)

@@ -2,16 +2,18 @@
 -- occur in the calibration trace, split by where they sit in the window.
 -- From: windows (window_id, doc_id, ctx_start, score_start, score_end) and four
 -- relations the audit registers for the trace and the windows:
---   ngrams_cal (hash, cpos, doc_id, doc_pos): every n-gram of every trace segment;
---       cpos is its start in tokens_cal, doc_pos its start in its document
---   tokens_cal (cpos, token): the trace's segments, concatenated
+--   segments_cal (seg, doc_id): the trace's segments (runs of consecutive tokens of one doc)
+--   ngrams_cal (hash, cpos, seg, doc_pos): every n-gram of every segment; cpos is
+--       its start in tokens_cal, doc_pos its start in its document
+--   tokens_cal (cpos, token): the segments, concatenated
 --   ngrams_window (window_id, hash, window_pos, wpos): every n-gram of a window's
 --       tokens [ctx_start, score_end); window_pos counts from ctx_start, wpos is
 --       its start in tokens_window
 --   tokens_window (wpos, token): the windows' tokens, concatenated
 -- Parameter $n: the n-gram length the hashes were built with.
--- A hash match counts only after its n tokens are compared one by one, so a
--- hash collision can never inflate a count: each window n-gram is checked
+-- Only trace n-grams whose hash some window has (cal_hit) go past the first
+-- join. A hash match counts only after its n tokens are compared one by one, so
+-- a hash collision can never inflate a count: each window n-gram is checked
 -- against one representative trace occurrence of its hash, and only when that
 -- differs (a collision) against every trace occurrence of the hash.
 -- One row per window: window_id, doc_id, n, shared_scored (n-grams touching
@@ -22,9 +24,14 @@
 WITH offsets AS (
     SELECT range AS k FROM range($n)
 ),
+cal_hit AS (
+    SELECT c.hash, c.cpos, c.seg
+    FROM ngrams_cal AS c
+    SEMI JOIN ngrams_window AS w USING (hash)
+),
 representative AS (
     SELECT hash, min(cpos) AS cpos
-    FROM ngrams_cal
+    FROM cal_hit
     GROUP BY hash
 ),
 candidate AS (
@@ -43,7 +50,7 @@ checked AS (
 collided AS (
     SELECT k.window_id, k.window_pos, k.wpos, a.cpos
     FROM checked AS k
-    JOIN ngrams_cal AS a ON a.hash = k.hash AND a.cpos <> k.cpos
+    JOIN cal_hit AS a ON a.hash = k.hash AND a.cpos <> k.cpos
     WHERE NOT k.same
 ),
 rechecked AS (
@@ -69,10 +76,11 @@ counted AS (
         s.window_id,
         count(*) FILTER (WHERE s.window_pos + $n > sp.scored_from) AS shared_scored,
         count(*) FILTER (WHERE s.window_pos + $n <= sp.scored_from) AS shared_context,
-        min(a.doc_id::VARCHAR) FILTER (WHERE s.window_pos + $n > sp.scored_from) AS leak_doc_id
+        min(g.doc_id::VARCHAR) FILTER (WHERE s.window_pos + $n > sp.scored_from) AS leak_doc_id
     FROM shared AS s
     JOIN span AS sp USING (window_id)
-    JOIN ngrams_cal AS a ON a.cpos = s.cpos
+    JOIN cal_hit AS a ON a.cpos = s.cpos
+    JOIN segments_cal AS g ON g.seg = a.seg
     GROUP BY s.window_id
 )
 SELECT

@@ -1,8 +1,15 @@
 -- Ridge cross-validation per variant, split and rho, over layers: mean relative
 -- gain of the ridge correction (percent; negative = smaller residual), the
--- range of rank(Z) and of the effective degrees of freedom.
--- From: ridge_cv (variant, layer, rho, split, rel_gain as a fraction, rank_z, dof).
--- One row per (variant, split, rho).
+-- range of rank(Z) and of the effective degrees of freedom, and in how many
+-- layers the correction was applied (NULL when ridge_cv has no `applied`
+-- column; the UNION ALL BY NAME below adds it as NULL then).
+-- From: ridge_cv (variant, layer, rho, split, rel_gain as a fraction, rank_z,
+-- dof; applied when present). One row per (variant, split, rho).
+WITH r AS (
+    SELECT * FROM ridge_cv
+    UNION ALL BY NAME
+    SELECT NULL::BOOLEAN AS applied WHERE false
+)
 SELECT
     variant,
     split,
@@ -12,7 +19,8 @@ SELECT
     min(rank_z) AS rank_z_min,
     max(rank_z) AS rank_z_max,
     min(dof) AS dof_min,
-    max(dof) AS dof_max
-FROM ridge_cv
+    max(dof) AS dof_max,
+    CASE WHEN count(applied) = 0 THEN NULL ELSE count(*) FILTER (WHERE applied) END AS layers_applied
+FROM r
 GROUP BY variant, split, rho
 ORDER BY variant, split, rho;

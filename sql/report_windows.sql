@@ -2,10 +2,10 @@
 -- bonus, with the window's overlap with the calibration trace and its change
 -- against the unhealed baseline on the same window at the same bonus.
 -- From: window_kld (variant, moce_bonus, window_id, stratum, set, n_tokens,
--- kld_mean, top1_agree), overlap (window_id, clean, shared_context,
+-- kld_mean, top1_agree), overlap (window_id, n, clean, shared_context,
 -- shared_scored, ngrams_whole) and variants (variant, kind): the baseline is
 -- the variant of kind 'unhealed'.
--- One row per (window_id, variant, moce_bonus): kld_mean, top1_pct, clean,
+-- One row per (window_id, variant, moce_bonus): kld_mean, top1_pct, n, clean,
 -- shared_context, shared_scored, ngrams_whole, delta_pct
 -- (= 100 * (kld_mean / baseline kld_mean - 1); NULL without a baseline row).
 WITH baseline AS (
@@ -22,6 +22,7 @@ SELECT
     w.n_tokens,
     w.kld_mean,
     100 * w.top1_agree AS top1_pct,
+    o.n,
     o.clean,
     o.shared_context,
     o.shared_scored,

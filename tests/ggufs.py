@@ -59,17 +59,17 @@ def train_tiny_bpe(vocab_size: int = 400, seed: int = 0) -> Tokenizer:
 
 
 def tiny_hf_model(arch: str, vocab_size: int, seed: int, n_layer: int = 2, d_model: int = 64,
-                  n_expert: int = 8, k: int = 2, rope_theta: float = 1e6):
+                  n_expert: int = 8, k: int = 2, rope_theta: float = 1e6, d_expert: int = 32, d_shexp: int = 64):
     """A seeded random transformers MoE model, float32, eval mode."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=96, moe_intermediate_size=32,
+    common = dict(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=96, moe_intermediate_size=d_expert,
                   num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2, num_experts=n_expert,
                   num_experts_per_tok=k, max_position_embeddings=1024, rope_theta=rope_theta, rms_norm_eps=1e-6,
                   initializer_range=0.2, tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, pad_token_id=0)
     if arch == "qwen2moe":
-        config = Qwen2MoeConfig(shared_expert_intermediate_size=64, **common)
+        config = Qwen2MoeConfig(shared_expert_intermediate_size=d_shexp, **common)
         model = Qwen2MoeForCausalLM(config)
     elif arch == "qwen3moe":
         config = Qwen3MoeConfig(head_dim=16, norm_topk_prob=True, **common)
@@ -87,10 +87,12 @@ def tiny_hf_model(arch: str, vocab_size: int, seed: int, n_layer: int = 2, d_mod
 
 
 def make_tiny_gguf(path: str | Path, arch: str = "qwen2moe", seed: int = 0, n_layer: int = 2, d_model: int = 64,
-                   n_expert: int = 8, k: int = 2, matrix_type: str = "f32") -> Path:
+                   n_expert: int = 8, k: int = 2, matrix_type: str = "f32", d_expert: int = 32,
+                   d_shexp: int = 64) -> Path:
     """Build a tiny random model of `arch` and export it to `path` (F32 matrices by default)."""
     tokenizer = train_tiny_bpe(seed=seed)
-    model = tiny_hf_model(arch, tokenizer.get_vocab_size(), seed, n_layer, d_model, n_expert, k)
+    model = tiny_hf_model(arch, tokenizer.get_vocab_size(), seed, n_layer, d_model, n_expert, k,
+                          d_expert=d_expert, d_shexp=d_shexp)
     hf_to_gguf(model, tokenizer, path, matrix_type=matrix_type)
     return Path(path)
 

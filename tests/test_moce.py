@@ -12,6 +12,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from collections import OrderedDict
+from itertools import combinations
 
 import jax.numpy as jnp
 import numpy as np
@@ -67,6 +68,23 @@ def test_bonus_zero_is_plain_topk_bit_for_bit(norm_topk_prob: bool) -> None:
     plain_experts, plain_weights = topk_route(logits, 4, norm_topk_prob)
     np.testing.assert_array_equal(np.asarray(experts), np.asarray(plain_experts))
     np.testing.assert_array_equal(np.asarray(weights).view(np.uint32), np.asarray(plain_weights).view(np.uint32))
+
+
+def test_bonus_zero_reproduces_the_runner_routing_bit_for_bit() -> None:
+    from pipeline.model import route
+
+    rng = np.random.default_rng(7)
+    logits = random_logits(rng, 128, 60)  # (T, E)
+    logits[:5, :8] = 1.0  # exact ties: the lower expert id wins in both
+    for norm_topk_prob in (False, True):
+        experts, weights, _, _ = cache_aware_route(logits, 4, 8, 0.0, norm_topk_prob)
+        runner_experts, runner_weights = route(jnp.asarray(logits), 4, norm_topk_prob)
+        np.testing.assert_array_equal(np.asarray(experts), np.asarray(runner_experts))
+        np.testing.assert_array_equal(np.asarray(weights).view(np.uint32), np.asarray(runner_weights).view(np.uint32))
+    hook_experts, hook_weights = make_routing_hook(8, 0.0, 4, True)(0, jnp.asarray(logits[None]))
+    runner_experts, runner_weights = route(jnp.asarray(logits[None]), 4, True)
+    np.testing.assert_array_equal(np.asarray(hook_experts), np.asarray(runner_experts))
+    np.testing.assert_array_equal(np.asarray(hook_weights), np.asarray(runner_weights))
 
 
 def test_plain_topk_matches_torch_softmax_topk() -> None:
@@ -131,8 +149,6 @@ def test_hand_checked_trace() -> None:
 
 def brute_force_optimal_hits(trace: np.ndarray, cache_size: int) -> int:
     """Best total hits over every sequence of eviction choices (dynamic programming over cache sets)."""
-    from itertools import combinations
-
     best: dict[frozenset[int], int] = {frozenset(): 0}
     for chosen in trace.tolist():
         following: dict[frozenset[int], int] = {}

@@ -122,7 +122,7 @@ def calibrate_model(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
                 "alpha": float(alpha),
                 "resid_alpha": relative_residual(y_ref[s], y_healed[s]),
                 "alpha_oracle": float(oracle),
-                "resid_oracle": relative_residual(y_ref[s], oracle * y_q[s]),
+                "resid_oracle": relative_residual(y_ref[s], y_q[s], oracle),
                 "resid_ridge": relative_residual(y_ref[s], y_healed[s] + shexp_delta[s]),
             })
         np.savez(out / f"layer_{layer}.npz", **arrays, alpha=np.float32(alpha))

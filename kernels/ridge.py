@@ -1,0 +1,168 @@
+"""Ridge correction of the shared expert's down projection, and its cross-validation.
+
+After the routed experts are quantized, a residual R = y_ref - y_healed (N, d)
+is left in the MoE output. The shared expert's down projection sees
+Z = sigmoid(shared gate) * h_shexp (N, f), so an additive correction dW (d, f)
+to W_down_shexp changes the output by Z dW^T. We fit
+
+    dW = argmin ||R - Z dW^T||^2 + lam ||dW||^2,   lam = rho * mean(diag(Z^T Z))
+       = ((G + lam I)^-1 C)^T,                     G = Z^T Z (f, f), C = Z^T R (f, d)
+
+and apply eta * dW (eta <= 1 shrinks further). lam is relative to the mean
+diagonal of G so rho is scale-free. Everything is computed from the additive
+sufficient statistics (G, C, ||R||^2, n) accumulated in float64, so a dump can
+be streamed chunk by chunk, and cross-validation needs one pass: the fit on
+the other folds uses total - fold statistics, and the held-out error is a
+quadratic form in the fold's own statistics:
+
+    ||R_f - eta Z_f dW^T||^2 = ||R_f||^2 - 2 eta <C_f^T, dW> + eta^2 <dW G_f, dW>.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import scipy.linalg
+
+_CHUNK_ROWS = 2048
+CV_SCHEMES = ("in_sample", "lobo4", "even_odd")
+
+
+class RidgeStats(NamedTuple):
+    """Sufficient statistics of (Z, R), float64, additive over row chunks.
+
+    gram (f, f) = Z^T Z, cross (f, d) = Z^T R, sum_sq_r = ||R||^2, n = rows.
+    Unpacks as a tuple; `+` / `-` add / subtract the statistics (not tuple
+    concatenation), for streaming and for leaving a fold out.
+    """
+
+    gram: np.ndarray
+    cross: np.ndarray
+    sum_sq_r: float
+    n: int
+
+    def __add__(self, other: RidgeStats) -> RidgeStats:  # type: ignore[override]
+        return RidgeStats(self.gram + other.gram, self.cross + other.cross, self.sum_sq_r + other.sum_sq_r, self.n + other.n)
+
+    def __sub__(self, other: RidgeStats) -> RidgeStats:
+        return RidgeStats(self.gram - other.gram, self.cross - other.cross, self.sum_sq_r - other.sum_sq_r, self.n - other.n)
+
+
+def ridge_stats(z: np.ndarray, r: np.ndarray) -> RidgeStats:
+    """(G = Z^T Z, C = Z^T R, ||R||^2, n) in float64 from Z (N, f), R (N, d)."""
+    if z.shape[0] != r.shape[0]:
+        raise ValueError(f"Z has {z.shape[0]} rows, R has {r.shape[0]}")
+    gram = np.zeros((z.shape[1], z.shape[1]))  # (f, f)
+    cross = np.zeros((z.shape[1], r.shape[1]))  # (f, d)
+    sum_sq_r = 0.0
+    for start in range(0, z.shape[0], _CHUNK_ROWS):
+        zc = np.asarray(z[start : start + _CHUNK_ROWS], dtype=np.float64)  # (n, f)
+        rc = np.asarray(r[start : start + _CHUNK_ROWS], dtype=np.float64)  # (n, d)
+        gram += zc.T @ zc
+        cross += zc.T @ rc
+        sum_sq_r += float(np.einsum("nd,nd->", rc, rc))
+    return RidgeStats(gram, cross, sum_sq_r, int(z.shape[0]))
+
+
+def ridge_lambda(gram: np.ndarray, rho: float) -> float:
+    """lam = rho * mean(diag(G)): the penalty relative to the average feature energy."""
+    return float(rho) * float(np.mean(np.diag(gram)))
+
+
+def solve_ridge(gram: np.ndarray, cross: np.ndarray, rho: float) -> np.ndarray:
+    """dW (d, f) = ((G + lam I)^-1 C)^T, float64.
+
+    lam > 0 makes G + lam I positive definite (Cholesky solve); rho = 0 is
+    ordinary least squares, solved by lstsq (minimum-norm when G is singular).
+    """
+    lam = ridge_lambda(gram, rho)
+    if lam > 0:
+        regularised = gram + lam * np.eye(gram.shape[0])  # (f, f)
+        return scipy.linalg.solve(regularised, cross, assume_a="pos").T  # (d, f)
+    return np.linalg.lstsq(gram, cross, rcond=None)[0].T  # (d, f)
+
+
+def fit_ridge(z: np.ndarray, r: np.ndarray, rho: float) -> np.ndarray:
+    """dW (d, f) minimising ||R - Z dW^T||^2 + rho * mean(diag(Z^T Z)) ||dW||^2."""
+    stats = ridge_stats(z, r)
+    return solve_ridge(stats.gram, stats.cross, rho)
+
+
+def effective_dof(gram: np.ndarray, rho: float) -> float:
+    """Effective degrees of freedom tr(G (G + lam I)^-1) = sum_i s_i / (s_i + lam), s = eig(G).
+
+    Between 0 and rank(Z): how many directions the ridge actually fits.
+    """
+    eigenvalues = np.clip(np.linalg.eigvalsh(gram), 0.0, None)  # (f,)
+    lam = ridge_lambda(gram, rho)
+    if lam == 0:
+        return float(np.linalg.matrix_rank(gram, hermitian=True))  # tr(G G^+) = rank(G)
+    return float(np.sum(eigenvalues / (eigenvalues + lam)))
+
+
+def matrix_rank(gram: np.ndarray, n_rows: int | None = None, eps: float = float(np.finfo(np.float32).eps)) -> int:
+    """Numerical rank of Z (n_rows, f) from G = Z^T Z.
+
+    Z's singular values are sigma_i = sqrt(max(eig_i(G), 0)); we count those
+    above sigma_max * max(n_rows, f) * eps, numpy.linalg.matrix_rank's default
+    tolerance for Z itself, with eps of float32 because Z is float32 data
+    (n_rows defaults to f, i.e. the tolerance sigma_max * f * eps). G
+    accumulated in float64 resolves sigma down to ~1e-8 sigma_max, well below
+    this tolerance, so going through G loses nothing.
+    """
+    sigma = np.sqrt(np.clip(np.linalg.eigvalsh(gram), 0.0, None))  # (f,)
+    if sigma.size == 0 or sigma.max() == 0:
+        return 0
+    tolerance = sigma.max() * max(n_rows or 0, gram.shape[0]) * eps
+    return int(np.sum(sigma > tolerance))
+
+
+def cv_folds(n_rows: int, scheme: str) -> list[np.ndarray]:
+    """Held-out row sets of a cross-validation scheme; each is fitted on the other rows.
+
+    lobo4: 4 contiguous blocks (np.array_split). even_odd: even rows, odd rows.
+    in_sample has no held-out set (fit and evaluate on all rows) and is not a fold list.
+    """
+    rows = np.arange(n_rows)
+    if scheme == "lobo4":
+        return np.array_split(rows, 4)
+    if scheme == "even_odd":
+        return [rows[0::2], rows[1::2]]
+    raise ValueError(f"unknown cross-validation scheme {scheme!r}; expected one of {CV_SCHEMES}")
+
+
+def held_out_error(eval_stats: RidgeStats, d_w: np.ndarray, eta: float) -> float:
+    """||R - eta Z dW^T||^2 on the rows of eval_stats, from their statistics alone."""
+    explained = np.einsum("fd,df->", eval_stats.cross, d_w)  # <Z^T R, dW^T> = <R, Z dW^T>
+    energy = np.einsum("df,fg,dg->", d_w, eval_stats.gram, d_w)  # ||Z dW^T||^2
+    return eval_stats.sum_sq_r - 2.0 * eta * explained + eta**2 * energy
+
+
+def ridge_cv_sweep(z: np.ndarray, r: np.ndarray, rhos: Sequence[float], eta: float, scheme: str) -> np.ndarray:
+    """rel_gain for each rho: sum over folds of ||R_f - eta Z_f dW_f^T||^2 / sum ||R_f||^2 - 1.
+
+    dW_f is fitted on the rows outside fold f (on all rows for "in_sample",
+    which evaluates there too). Negative = the correction helps. The statistics
+    are accumulated once and shared by every rho.
+    """
+    if scheme == "in_sample":
+        total = ridge_stats(z, r)
+        splits = [(total, total)]
+    else:
+        fold_stats = [ridge_stats(z[rows], r[rows]) for rows in cv_folds(z.shape[0], scheme)]
+        total = sum(fold_stats[1:], fold_stats[0])
+        splits = [(total - held_out, held_out) for held_out in fold_stats]
+    if not total.sum_sq_r > 0:
+        raise ValueError("R is zero: the relative gain is undefined")
+    gains = []
+    for rho in rhos:
+        err = sum(held_out_error(held_out, solve_ridge(fit.gram, fit.cross, rho), eta) for fit, held_out in splits)
+        gains.append(err / total.sum_sq_r - 1.0)
+    return np.array(gains)
+
+
+def ridge_cv(z: np.ndarray, r: np.ndarray, rho: float, eta: float, scheme: str) -> float:
+    """rel_gain of the ridge correction under one scheme in CV_SCHEMES; see ridge_cv_sweep."""
+    return float(ridge_cv_sweep(z, r, [rho], eta, scheme)[0])

@@ -1,0 +1,338 @@
+"""`moeheal export`: a self-contained reviewer bundle.
+
+A reviewer gets the lake's tables as Parquet, the same tables inside one
+DuckDB file (real tables, not views over paths on our machine, so
+`duckdb lake.duckdb -c "select * from comparisons"` works wherever the folder
+lands), the report and its plots, the SQL files that computed the tables and
+the report, the provenance records of the evaluated models, and a README that
+says what every column of every table means. The column meanings live in
+`COLUMN_DOCS` below, one place, so the README cannot drift from the code that
+writes it; a column missing there shows up as undocumented in the README.
+
+The bundle is built in a temp folder next to `out` and renamed into place, so
+a crash never leaves a half-written bundle under the requested name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import duckdb
+import pyarrow.parquet as pq
+
+from pipeline.errors import InputError
+from pipeline.lake import Lake
+from pipeline.sqlrun import SQL_DIR
+from pipeline.stages.report import plot_files
+
+BUNDLE_TITLE = "# moeheal reviewer bundle"
+UNDOCUMENTED = "(undocumented)"
+
+TABLE_DOCS: dict[str, str] = {
+    "docs": "One row per document and role of the frozen doc-level split.",
+    "cal_trace": "The calibration and unseen traces, token by token, traced back to their documents.",
+    "windows": "Evaluation windows: a context span and a scored span of one document.",
+    "overlap": "n-gram overlap of every window with the calibration trace (token-verified).",
+    "routing": "The reference model's expert routing on the traces, per layer and token.",
+    "variants": "Every model evaluated: the reference, the unhealed baseline, healed and external variants.",
+    "token_kld": "Per scored token: KL(reference || variant) and top-1 agreement.",
+    "window_kld": "Per window: mean KLD and top-1 agreement of its scored tokens.",
+    "layer_metrics": "Per layer: relative residual of the routed-expert output before and after healing.",
+    "ridge_cv": "Per layer and rho: cross-validated gain of the shared-expert ridge correction.",
+    "comparisons": "Paired comparisons of pooled KLD and top-1, with window-bootstrap 95% CIs.",
+    "hitrate": "Expert-cache simulation per prompt: hit rates with cache-aware routing and references.",
+}
+
+_VARIANT = "variant name (see `variants`)"
+_BONUS = "MoCE cache-aware routing bonus the variant was run with (0 = plain top-k routing)"
+_WINDOW = "evaluation window id (see `windows`)"
+_STRATUM = "content stratum of the document (e.g. code, ja)"
+_SET = "window set: eval (the reported benchmark) or canary (a small early-warning set)"
+_LAYER = "transformer layer index, from 0"
+
+COLUMN_DOCS: dict[str, dict[str, str]] = {
+    "docs": {
+        "doc_id": "document id, as in the corpus",
+        "stratum": _STRATUM,
+        "role": "role in the frozen split: cal, eval, canary or unused",
+        "n_tokens": "document length in tokens (reference tokenizer)",
+        "sha256": "SHA-256 of the document's UTF-8 text (same text under two ids shows as equal digests)",
+    },
+    "cal_trace": {
+        "trace": "calibration (drawn from cal docs) or unseen (drawn from unused docs, for held-out metrics)",
+        "pos": "position in the trace, from 0; row t of the dumps is pos t",
+        "seq": "sequence number: the trace is cut into sequences, each run from its own start",
+        "doc_id": "document the token comes from",
+        "doc_pos": "position of the token in its document",
+        "token": "token id",
+    },
+    "windows": {
+        "window_id": "window id",
+        "doc_id": "document the window is cut from",
+        "stratum": _STRATUM,
+        "set": _SET,
+        "ctx_start": "document position where the context starts (the window runs from here)",
+        "score_start": "document position of the first scored token",
+        "score_end": "document position after the last scored token",
+    },
+    "overlap": {
+        "window_id": _WINDOW,
+        "doc_id": "document the window is cut from",
+        "n": "n-gram length in tokens",
+        "shared_scored": "n-grams touching the scored span that also occur in the calibration trace (a leak)",
+        "shared_context": "n-grams wholly inside the context that also occur in the calibration trace",
+        "shared_whole": "shared_scored + shared_context",
+        "ngrams_whole": "number of n-grams in the window [ctx_start, score_end)",
+        "clean": "true when the window shares no n-gram with the calibration trace",
+        "leak_doc_id": "a calibration doc sharing an n-gram with the scored span; NULL when none",
+    },
+    "routing": {
+        "trace": "calibration or unseen",
+        "layer": _LAYER,
+        "pos": "position in the trace (see `cal_trace.pos`)",
+        "k": "rank of the choice among the token's top-k experts, from 0",
+        "expert": "chosen expert index",
+        "weight": "routing weight of the chosen expert",
+    },
+    "variants": {
+        "variant": "variant name from the config; `reference` and `unhealed` are built in",
+        "kind": "reference, unhealed (quantized with no calibration data), healed, or external (a given GGUF)",
+        "fingerprint": "stage fingerprint of the built model (its record is provenance/<fingerprint>.json); "
+                       "for reference and external models, the first 32 hex digits of the GGUF's SHA-256",
+        "params": "the variant's knobs as JSON",
+        "gguf": "path of the model file on the machine that ran the pipeline",
+    },
+    "token_kld": {
+        "variant": _VARIANT,
+        "moce_bonus": _BONUS,
+        "window_id": _WINDOW,
+        "pos": "document position of the scored token",
+        "kld": "KL(reference || variant) in nats over the full vocabulary",
+        "ref_top1": "the reference's most likely next token",
+        "top1": "the variant's most likely next token",
+        "same_top1": "ref_top1 = top1",
+    },
+    "window_kld": {
+        "variant": _VARIANT,
+        "moce_bonus": _BONUS,
+        "window_id": _WINDOW,
+        "stratum": _STRATUM,
+        "set": _SET,
+        "n_tokens": "scored tokens in the window",
+        "kld_mean": "mean token KLD over the scored tokens (nats)",
+        "top1_agree": "fraction of scored tokens whose top-1 matches the reference's",
+        "kld_sum": "sum of token KLDs (exact), for pooling: pooled KLD = sum(kld_sum) / sum(n_tokens)",
+        "top1_sum": "number of scored tokens whose top-1 matches the reference's",
+    },
+    "layer_metrics": {
+        "variant": _VARIANT,
+        "layer": _LAYER,
+        "split": "in_sample (calibration trace, the data alpha was fitted on) or unseen (held-out trace)",
+        "resid_alpha1": "relative residual ||y_ref - y||^2 / ||y_ref||^2 of the quantized experts with alpha = 1",
+        "alpha": "output scale fitted on the calibration trace and applied to the down projection",
+        "resid_alpha": "relative residual with the fitted alpha",
+        "alpha_oracle": "the least-squares alpha of this split's own data (the best any alpha can do here)",
+        "resid_oracle": "relative residual with alpha_oracle",
+        "resid_ridge": "relative residual with the fitted alpha and the requantized ridge-corrected "
+                       "shared-expert down projection",
+    },
+    "ridge_cv": {
+        "variant": _VARIANT,
+        "layer": _LAYER,
+        "rho": "ridge strength: lambda = rho * mean(diag(Z^T Z))",
+        "split": "in_sample (fit and score on the same tokens), lobo4 (leave one of 4 contiguous blocks out), "
+                 "even_odd (fit on even, score on odd tokens and back), or <split>_realized (the chosen rho "
+                 "after requantizing, on the calibration or unseen trace)",
+        "rel_gain": "relative change of the residual from the correction (fraction; -0.029 = 2.9% smaller)",
+        "rank_z": "numerical rank of Z (the gated shared-expert hidden activations)",
+        "dof": "effective degrees of freedom of the ridge fit at this rho",
+        "chosen": "true for the rho the variant's config selects",
+        "applied": "true when the correction was kept (it helped on held-out blocks) at the chosen rho",
+    },
+    "comparisons": {
+        "a": "baseline side of the comparison (variant name)",
+        "b": "compared side (variant name)",
+        "moce_bonus": "b's MoCE bonus",
+        "moce_bonus_a": "a's MoCE bonus (differs from b's only for isolated-MoCE rows, where a = b)",
+        "moce_bonus_b": "b's MoCE bonus (= moce_bonus)",
+        "set": _SET,
+        "stratum": "stratum the windows come from; 'all' pools every stratum",
+        "subset": "all windows, or only the clean ones (no n-gram shared with the calibration trace)",
+        "kld_a": "pooled KLD of a: sum of token KLDs / scored tokens (nats)",
+        "kld_b": "pooled KLD of b",
+        "delta_pct": "100 * (kld_b / kld_a - 1); negative = b is closer to the reference",
+        "ci_lo": "2.5% quantile of delta_pct over window-bootstrap replicates (paired, within stratum)",
+        "ci_hi": "97.5% quantile of delta_pct",
+        "wins": "windows where b's mean KLD is below a's",
+        "n_windows": "windows compared",
+        "top1_a": "pooled top-1 agreement of a (fraction of tokens)",
+        "top1_b": "pooled top-1 agreement of b (fraction of tokens)",
+        "top1_delta": "100 * (top1_b - top1_a), in percentage points",
+        "top1_lo": "2.5% quantile of top1_delta over the bootstrap replicates",
+        "top1_hi": "97.5% quantile of top1_delta",
+    },
+    "hitrate": {
+        "variant": _VARIANT,
+        "moce_bonus": _BONUS,
+        "cache_experts": "resident experts per layer in the simulated cache",
+        "prompt_id": "prompt (evaluation window) the model was run on",
+        "rep": "repetition of the run, from 0",
+        "hit_rate": "expert lookups served from the cache / all lookups, over every layer",
+        "misses_per_token": "cache misses per token, summed over layers",
+        "hit_rate_lru": "hit rate of a plain LRU cache on the model's bonus-0 routing",
+        "hit_rate_belady": "hit rate of optimal (Belady) eviction on the model's bonus-0 routing",
+        "same_as_rep0": "true when logits and routing are bit-identical to repetition 0",
+    },
+}
+
+
+def undocumented_columns(schemas: dict[str, list[str]]) -> list[tuple[str, str]]:
+    """(table, column) pairs that COLUMN_DOCS does not describe."""
+    return [(table, column) for table, columns in sorted(schemas.items())
+            for column in columns if column not in COLUMN_DOCS.get(table, {})]
+
+
+def table_schemas(lake: Lake) -> dict[str, list[str]]:
+    """Column names of every lake table, read from the Parquet footers only."""
+    return {name: pq.read_schema(lake.table_path(name)).names for name in lake.table_names()}
+
+
+def column_types(lake: Lake, name: str) -> dict[str, str]:
+    """Arrow type of each column of one table, as printed in the README."""
+    return {field.name: str(field.type) for field in pq.read_schema(lake.table_path(name))}
+
+
+def readme_text(lake: Lake) -> str:
+    """The bundle's README: layout, how to query it, and every column of every table."""
+    lines = [
+        BUNDLE_TITLE, "",
+        "Everything needed to check the numbers of `report.md` without our code:", "",
+        "- `report.md` and `*.png`: the report; each table names the lake tables and the `sql/` file it comes from.",
+        "- `tables/<name>.parquet`: every table of the lake.",
+        "- `lake.duckdb`: the same tables as DuckDB tables: "
+        "`duckdb lake.duckdb -c \"select * from comparisons\"`, or "
+        "`duckdb lake.duckdb < sql/report_strata.sql` to recompute a report table.",
+        "- `sql/`: the queries that computed the tables and the report ($name are DuckDB named parameters).",
+        "- `provenance/<fingerprint>.json`: how each evaluated model was built (inputs' digests, "
+        "parameters, code and library versions, times), and the records of the stages it was built from.",
+        "",
+        "KLD is KL(reference || variant) in nats per scored token. Pooled KLD = sum of token KLDs / "
+        "number of scored tokens.", "",
+    ]
+    schemas = table_schemas(lake)
+    missing = undocumented_columns(schemas)
+    if missing:
+        lines += ["Columns without a description yet: "
+                  + ", ".join(f"`{t}.{c}`" for t, c in missing) + ".", ""]
+    lines += ["## Tables", ""]
+    for name, columns in schemas.items():
+        rows = pq.read_metadata(lake.table_path(name)).num_rows
+        lines += [f"### {name} ({rows} rows)", "", TABLE_DOCS.get(name, UNDOCUMENTED), "",
+                  "| column | type | meaning |", "|---|---|---|"]
+        docs, types = COLUMN_DOCS.get(name, {}), column_types(lake, name)
+        lines += [f"| {c} | {types[c]} | {docs.get(c, UNDOCUMENTED)} |" for c in columns]
+        lines += [""]
+    return "\n".join(lines)
+
+
+def provenance_closure(lake: Lake, fingerprints: list[str]) -> list[Path]:
+    """Run records of `fingerprints` and, transitively, of the upstream stages they name.
+
+    Fingerprints with no record (the reference's and external models' file
+    digests) are skipped: the digest itself is their provenance.
+    """
+    found: dict[str, Path] = {}
+    todo = list(fingerprints)
+    while todo:
+        fp = todo.pop()
+        path = lake.provenance_path(fp)
+        if fp in found or not path.is_file():
+            continue
+        found[fp] = path
+        record = json.loads(path.read_text(encoding="utf-8"))
+        todo += [up["fingerprint"] for up in record.get("upstream", {}).values()]
+    return [found[fp] for fp in sorted(found)]
+
+
+def variant_fingerprints(lake: Lake) -> list[str]:
+    if "variants" not in lake.table_names():
+        return []
+    return [str(fp) for fp in lake.read_table("variants").column("fingerprint").to_pylist() if fp]
+
+
+def write_duckdb(path: Path, tables: dict[str, Path]) -> None:
+    """A DuckDB file holding each Parquet file as a real table (data copied in).
+
+    DDL takes no bound parameters, so the identifier and the path literal are
+    quoted here; table names come from the lake's own file names.
+    """
+    con = duckdb.connect(str(path))
+    try:
+        for name, parquet in tables.items():
+            if not name.replace("_", "").isalnum():
+                raise InputError(f"{parquet}: table name {name!r} is not a plain identifier")
+            literal = str(parquet).replace("'", "''")
+            con.execute(f"CREATE TABLE \"{name}\" AS SELECT * FROM read_parquet('{literal}')")
+    finally:
+        con.close()
+
+
+def build_bundle(lake: Lake, report_dir: Path, work: Path) -> None:
+    """Write the whole bundle into `work` (an empty folder)."""
+    report = report_dir / "report.md"
+    if not report.is_file():
+        raise InputError(f"{report}: file: no report to export (run `moeheal report` first)")
+    tables = {name: work / "tables" / f"{name}.parquet" for name in lake.table_names()}
+    (work / "tables").mkdir(parents=True)
+    for name, dest in tables.items():
+        shutil.copyfile(lake.table_path(name), dest)
+    write_duckdb(work / "lake.duckdb", tables)
+    for file in [report, *plot_files(report_dir)]:
+        shutil.copyfile(file, work / file.name)
+    (work / "sql").mkdir()
+    for query in sorted(SQL_DIR.glob("*.sql")):
+        shutil.copyfile(query, work / "sql" / query.name)
+    (work / "provenance").mkdir()
+    for record in provenance_closure(lake, variant_fingerprints(lake)):
+        shutil.copyfile(record, work / "provenance" / record.name)
+    (work / "README.md").write_text(readme_text(lake), encoding="utf-8")
+
+
+def is_replaceable(out: Path) -> bool:
+    """An absent or empty folder, or an earlier bundle: never someone else's folder."""
+    if not out.exists():
+        return True
+    if not out.is_dir():
+        return False
+    if not any(out.iterdir()):
+        return True
+    readme = out / "README.md"
+    return (out / "lake.duckdb").is_file() and readme.is_file() and \
+        readme.read_text(encoding="utf-8").startswith(BUNDLE_TITLE)
+
+
+def export_bundle(lake: Lake, report_dir: Path, out: Path) -> Path:
+    """Write the reviewer bundle to `out` atomically (replacing an earlier bundle); returns `out`."""
+    out = Path(out).resolve()
+    if not is_replaceable(out):
+        raise InputError(f"{out}: --out: exists and is not a moeheal export; refusing to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir()
+    try:
+        build_bundle(lake, Path(report_dir), work)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(work, out)
+    if old.exists():
+        shutil.rmtree(old)
+    return out

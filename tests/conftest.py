@@ -1,0 +1,31 @@
+"""Session-wide tiny GGUF models (built once per test run, a few seconds each)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+from tests.ggufs import make_tiny_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2moe(tmp_path_factory) -> Path:
+    """Random 2-layer qwen2moe (shared expert, qkv biases), F32 matrices."""
+    return make_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-qwen2moe-f32.gguf", arch="qwen2moe", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3moe(tmp_path_factory) -> Path:
+    """Random 2-layer qwen3moe (q/k norms, no shared expert), F32 matrices."""
+    return make_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-qwen3moe-f32.gguf", arch="qwen3moe", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2moe_q8(tmp_path_factory) -> Path:
+    """The qwen2moe recipe with Q8_0 matrices (routers, norms, biases stay F32)."""
+    return make_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-qwen2moe-q8_0.gguf", arch="qwen2moe", seed=2,
+                          matrix_type="q8_0")

@@ -1,0 +1,102 @@
+"""`heal.toml` validation: every mistake names its key and file, and exits 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import main
+from pipeline.config import load_config
+from pipeline.errors import InputError
+
+BASE = """
+[lake]
+root = "lake"
+[model]
+reference = "ref.gguf"
+[corpus]
+docs = "docs.jsonl"
+split = "split.csv"
+[calibration]
+tokens = 1024
+seq_tokens = 256
+mix = {{ ops = 0.5 }}
+[eval]
+windows = "windows.csv"
+[[variant]]
+name = "v1"
+beta_down = 0.25
+round = "gptq"
+[[variant]]
+name = "peer"
+gguf = "ref.gguf"
+[moce]
+bonus = [0.85]
+{extra}
+"""
+
+
+def write_config(tmp_path: Path, extra: str = "", text: str | None = None) -> Path:
+    for name in ("ref.gguf", "docs.jsonl", "split.csv", "windows.csv"):
+        (tmp_path / name).write_text("x")
+    path = tmp_path / "heal.toml"
+    path.write_text(text if text is not None else BASE.format(extra=extra))
+    return path
+
+
+def test_valid_config_resolves_paths_and_defaults(tmp_path):
+    cfg = load_config(write_config(tmp_path))
+    assert cfg.reference == (tmp_path / "ref.gguf").resolve() and cfg.source == cfg.reference
+    assert cfg.lake_root == (tmp_path / "lake").resolve()
+    assert cfg.moce_bonus == (0.0, 0.85)  # bonus 0 is always evaluated: the isolated-MoCE baseline
+    v1, peer = cfg.variants
+    assert (v1.kind, v1.beta_down, v1.round, v1.beta_gate_up) == ("healed", 0.25, "gptq", 0.5)
+    assert peer.kind == "external" and peer.gguf == (tmp_path / "ref.gguf").resolve()
+    assert cfg.mix == {"ops": 0.5}
+
+
+@pytest.mark.parametrize("extra, key", [
+    ("[typo]\nx = 1", "[typo]"),
+    ("[[variant]]\nname = \"v2\"\nbeta_gu = 0.5", "beta_gu"),
+    ("[[variant]]\nname = \"v2\"\nround = \"nearest\"", "round"),
+    ("[[variant]]\nname = \"v2\"\nridge_eta = 2.0", "ridge_eta"),
+    ("[[variant]]\nname = \"v1\"", "v1"),
+    ("[[variant]]\nname = \"unhealed\"", "unhealed"),
+    ("[[variant]]\nname = \"x\"\ngguf = \"missing.gguf\"", "gguf"),
+    ("[[variant]]\nname = \"x\"\ngguf = \"ref.gguf\"\nalpha = false", "alpha"),
+])
+def test_bad_values_name_the_key(tmp_path, extra, key):
+    with pytest.raises(InputError) as err:
+        load_config(write_config(tmp_path, extra))
+    assert key in str(err.value) and "heal.toml" in str(err.value)
+
+
+def test_missing_file_names_key(tmp_path):
+    path = write_config(tmp_path)
+    (tmp_path / "split.csv").unlink()
+    with pytest.raises(InputError, match=r"\[corpus\] split: file not found"):
+        load_config(path)
+
+
+def test_wrong_type_and_bad_mix(tmp_path):
+    with pytest.raises(InputError, match=r"\[calibration\] tokens: expected int"):
+        load_config(write_config(tmp_path, text=BASE.format(extra="").replace("tokens = 1024", 'tokens = "many"')))
+    with pytest.raises(InputError, match=r"mix.ops"):
+        load_config(write_config(tmp_path, text=BASE.format(extra="").replace("ops = 0.5", "ops = 1.5")))
+
+
+def test_cli_exits_2_with_one_line(tmp_path, capsys):
+    path = write_config(tmp_path, "[[variant]]\nname = \"v2\"\nbeta_gu = 0.5")
+    assert main(["audit", "-c", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moeheal: error:") and "beta_gu" in err[0]
+
+
+def test_help_lists_the_contract_commands(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("heal", "audit", "dump", "quantize", "calibrate", "eval", "report", "imatrix",
+                    "import-dump", "sql", "export"):
+        assert command in out

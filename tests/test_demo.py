@@ -1,0 +1,157 @@
+"""The bundled demo: corpus, frozen split, windows and model are consistent and reproducible."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import sys
+import tomllib
+from collections import Counter
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+DEMO = Path(__file__).resolve().parents[1] / "demo"
+GGUF_PATH = DEMO / "model" / "demo-q8_0.gguf"
+STRATA = {"ops", "chat_json", "ja", "persona"}
+
+
+def load_generator():
+    """Import demo/corpus/generate.py as a module (it is a script, not a package)."""
+    spec = importlib.util.spec_from_file_location("demo_generate", DEMO / "corpus" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["demo_generate"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def docs() -> dict[str, dict]:
+    """doc_id -> document, from demo/docs.jsonl."""
+    with (DEMO / "docs.jsonl").open(encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    assert len({r["doc_id"] for r in rows}) == len(rows), "duplicate doc_id"
+    return {r["doc_id"]: r for r in rows}
+
+
+@pytest.fixture(scope="module")
+def roles() -> dict[str, str]:
+    """doc_id -> role, from demo/split.csv."""
+    with (DEMO / "split.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len({r["doc_id"] for r in rows}) == len(rows), "doc listed twice in the split"
+    return {r["doc_id"]: r["role"] for r in rows}
+
+
+@pytest.fixture(scope="module")
+def windows() -> list[dict]:
+    """Rows of demo/windows.csv."""
+    with (DEMO / "windows.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    """The demo model's tokenizer."""
+    return Tokenizer.from_file(str(DEMO / "tokenizer.json"))
+
+
+def test_corpus_has_four_strata_and_enough_docs(docs):
+    counts = Counter(d["stratum"] for d in docs.values())
+    assert set(counts) == STRATA
+    assert len(docs) >= 400
+    assert min(counts.values()) >= 100
+    assert all(d["text"].strip() for d in docs.values())
+
+
+def test_every_doc_has_exactly_one_role(docs, roles):
+    assert set(roles) == set(docs)
+    assert set(roles.values()) == {"cal", "eval", "canary", "unused"}
+    for stratum in STRATA:
+        in_stratum = [roles[i] for i, d in docs.items() if d["stratum"] == stratum]
+        shares = Counter(in_stratum)
+        assert shares["cal"] / len(in_stratum) == pytest.approx(0.45, abs=0.02)
+        assert shares["eval"] / len(in_stratum) == pytest.approx(0.20, abs=0.02)
+
+
+def test_windows_sit_inside_eval_and_canary_docs(docs, roles, windows, tokenizer):
+    assert len({w["window_id"] for w in windows}) == len(windows)
+    per_set = Counter((w["set"], w["stratum"]) for w in windows)
+    assert sum(n for (s, _), n in per_set.items() if s == "eval") >= 24
+    assert {st for (s, st) in per_set if s == "eval"} == STRATA
+    assert any(s == "canary" for s, _ in per_set)
+    for w in windows:
+        doc = docs[w["doc_id"]]
+        assert w["set"] in {"eval", "canary"}
+        assert roles[w["doc_id"]] == w["set"], w["window_id"]
+        assert doc["stratum"] == w["stratum"], w["window_id"]
+        n_tokens = len(tokenizer.encode(doc["text"], add_special_tokens=False).ids)
+        end = int(w["start"]) + int(w["ctx_tokens"]) + int(w["scored_tokens"])
+        assert int(w["start"]) >= 0 and end <= n_tokens, w["window_id"]
+
+
+def test_shared_boilerplate_is_present_but_docs_are_distinct(docs):
+    """The overlap audit needs real shared context: many chat_json docs open with the same tools block."""
+    chat = [d["text"] for d in docs.values() if d["stratum"] == "chat_json"]
+    heads = Counter(t[:1500] for t in chat if t.startswith("<|im_start|>system\nYou are a helpful assistant."))
+    assert heads.most_common(1)[0][1] >= 20
+    assert len({d["text"] for d in docs.values()}) == len(docs)
+
+
+def test_tokenizer_round_trips_utf8(tokenizer, docs):
+    samples = [d["text"] for d in list(docs.values())[::50]] + ["tab\tcr\r\nnul\x00 ÿ 🙂 ｶﾀｶﾅ  two  spaces"]
+    for text in samples:
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_generator_is_deterministic(tmp_path):
+    generate = load_generator()
+    generate.write_demo(tmp_path, DEMO / "tokenizer.json")
+    for name in ("docs.jsonl", "split.csv", "windows.csv"):
+        assert (tmp_path / name).read_bytes() == (DEMO / name).read_bytes(), name
+
+
+def test_heal_toml_names_existing_files_and_two_variants():
+    config = tomllib.loads((DEMO / "heal.toml").read_text())
+    for rel in (config["corpus"]["docs"], config["corpus"]["split"], config["eval"]["windows"]):
+        assert (DEMO / rel).exists(), rel
+    assert [v["name"] for v in config["variant"]] == ["v1", "v2"]
+    assert config["moce"]["bonus"] == [0.0, 0.85]
+    assert set(config["calibration"]["mix"]) == STRATA
+
+
+@pytest.mark.skipif(not GGUF_PATH.exists(), reason="demo model not built")
+def test_gguf_model_shape():
+    reader = gguf.GGUFReader(str(GGUF_PATH))
+
+    def field(key: str):
+        f = reader.fields[key]
+        return f.contents()
+
+    assert field("general.architecture") == "qwen2moe"
+    assert field("qwen2moe.embedding_length") >= 256
+    assert field("qwen2moe.block_count") >= 4
+    assert field("qwen2moe.expert_count") >= 16
+    assert field("qwen2moe.expert_used_count") >= 2
+    assert field("tokenizer.ggml.model") == "gpt2"
+    assert len(field("tokenizer.ggml.tokens")) == 8192
+    tensors = {t.name: t for t in reader.tensors}
+    n_layer = field("qwen2moe.block_count")
+    for i in range(n_layer):
+        for short in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_up_shexp", "ffn_down_shexp",
+                      "ffn_gate_inp_shexp"):
+            assert f"blk.{i}.{short}.weight" in tensors
+    for t in reader.tensors:
+        if len(t.shape) >= 2:
+            assert int(t.shape[0]) % 256 == 0, t.name  # gguf order: shape[0] is the row length
+    for i in range(n_layer):
+        for short in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+            assert tensors[f"blk.{i}.{short}.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
+    assert GGUF_PATH.stat().st_size <= 25 * 1024 * 1024
+    assert np.isfinite(gguf.quants.dequantize(tensors["blk.0.ffn_down_exps.weight"].data,
+                                              tensors["blk.0.ffn_down_exps.weight"].tensor_type)).all()

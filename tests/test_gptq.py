@@ -1,0 +1,76 @@
+"""GPTQ error-feedback rounding against a float64 textbook implementation."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np
+import pytest
+
+from kernels import damp_hessian, dequantize, quantize, quantize_experts
+from kernels.formats import IQ4_NL, TQ2_0
+from tests import reference_quants as ref
+
+
+def correlated_hessian(rng: np.random.Generator, cols: int, mixing: float) -> np.ndarray:
+    """E[x x^T] of inputs with correlated columns and uneven scales, float64."""
+    mix = np.eye(cols) + mixing * rng.standard_normal((cols, cols)) / np.sqrt(cols)  # (cols, cols)
+    scale = np.exp(0.5 * rng.standard_normal(cols))  # (cols,)
+    x = (rng.standard_normal((4 * cols, cols)) @ mix) * scale  # (T, cols)
+    return x.T @ x / x.shape[0]  # (cols, cols)
+
+
+def test_damp_hessian_adds_a_fraction_of_the_mean_diagonal() -> None:
+    rng = np.random.default_rng(0)
+    h = correlated_hessian(rng, 64, 1.0)
+    expected = h + 0.1 * np.mean(np.diag(h)) * np.eye(64)
+    np.testing.assert_allclose(np.asarray(damp_hessian(h, 0.1)), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls,cols", [(TQ2_0, 256), (TQ2_0, 512), (IQ4_NL, 256)], ids=["tq2_0-256", "tq2_0-512", "iq4_nl-256"])
+def test_gptq_equals_float64_reference(cls, cols: int) -> None:
+    rng = np.random.default_rng(cols)
+    rows = 16
+    h = np.asarray(damp_hessian(correlated_hessian(rng, cols, 2.0), 0.01), np.float64)  # (cols, cols)
+    w = (0.02 * rng.standard_t(4, (rows, cols))).astype(np.float32)
+    ours = dequantize(quantize(w, cls.name, hessian=h.astype(np.float32)), cls.name, w.shape)  # (rows, cols)
+    _, theirs = ref.gptq(w, h, np.asarray(cls.levels, np.float64), np.asarray(cls.divisors), cls.block_size)
+    assert np.mean(np.isclose(ours, theirs, rtol=1e-6, atol=0)) > 0.99  # same codes and scales
+    err_ours = ref.output_error(w, ours, h)
+    err_ref = ref.output_error(w, theirs, h)
+    assert abs(err_ours / err_ref - 1) < 1e-4
+
+
+@pytest.mark.parametrize("fmt", ["tq2_0", "iq4_nl"])
+def test_gptq_lowers_output_error_on_correlated_inputs(fmt: str) -> None:
+    rng = np.random.default_rng(1)
+    cols = 512
+    h = np.asarray(damp_hessian(correlated_hessian(rng, cols, 3.0), 0.01), np.float64)
+    w = (0.02 * rng.standard_t(4, (32, cols))).astype(np.float32)
+    gptq = dequantize(quantize(w, fmt, hessian=h.astype(np.float32)), fmt, w.shape)
+    least_squares = dequantize(quantize(w, fmt, importance=np.diag(h).astype(np.float32)), fmt, w.shape)
+    assert ref.output_error(w, gptq, h) < 0.85 * ref.output_error(w, least_squares, h)
+
+
+def test_quantize_experts_with_hessians_equals_per_expert() -> None:
+    rng = np.random.default_rng(2)
+    n_expert, rows, cols = 3, 8, 256
+    hessians = np.stack([damp_hessian(correlated_hessian(rng, cols, 2.0), 0.05) for _ in range(n_expert)])
+    hessians = hessians.astype(np.float32)  # (E, cols, cols)
+    w = (0.02 * rng.standard_t(4, (n_expert, rows, cols))).astype(np.float32)
+    stacked = quantize_experts(w, "tq2_0", hessians=hessians, batch_weights=2 * rows * cols)
+    for e in range(n_expert):
+        assert np.array_equal(stacked[e], quantize(w[e], "tq2_0", hessian=hessians[e]))
+
+
+def test_undamped_singular_hessian_is_refused() -> None:
+    h = np.zeros((256, 256), np.float32)
+    h[0, 0] = 1.0  # only one input column ever active
+    with pytest.raises(ValueError, match="positive definite"):
+        quantize(np.ones((2, 256), np.float32), "tq2_0", hessian=h)
+    with pytest.raises(ValueError, match="gptq"):
+        quantize(np.ones((2, 256), np.float32), "q8_0", hessian=np.eye(256, dtype=np.float32))
+    damped = np.asarray(damp_hessian(h, 0.01))
+    assert quantize(np.ones((2, 256), np.float32), "tq2_0", hessian=damped).shape == (2, 66)

@@ -1,0 +1,500 @@
+"""Report and reviewer export, on a small lake with the contract's tables.
+
+The lake is generated from a seeded RNG with realistic shapes (3 strata, eval
+and canary windows, 3 variants at 2 MoCE bonuses, 6 layers, a ridge grid,
+repeated hit-rate runs). Every number checked in report.md is recomputed here
+in float64 NumPy from the arrays the tables were written from, formatted the
+way the report prints it, and looked up in the row where it must appear.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import matplotlib.image
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.errors import InputError
+from pipeline.lake import Lake
+from pipeline.stages.export import COLUMN_DOCS, UNDOCUMENTED, export_bundle, undocumented_columns
+from pipeline.stages.report import write_report
+
+STRATA = ("chat", "code", "ja")
+VARIANTS = ("unhealed", "v1", "v2")
+BONUSES = (0.0, 0.85)
+N_LAYERS = 6
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make_windows(rng: np.random.Generator) -> pa.Table:
+    """4 eval + 1 canary windows per stratum, each from its own document."""
+    rows = {k: [] for k in ("window_id", "doc_id", "stratum", "set", "ctx_start", "score_start", "score_end")}
+    for stratum in STRATA:
+        for i, wset in enumerate(("eval",) * 4 + ("canary",)):
+            ctx = int(rng.integers(50, 200))
+            scored = int(rng.integers(20, 80))
+            rows["window_id"].append(f"{stratum}{i:02d}")
+            rows["doc_id"].append(f"doc_{stratum}{i:02d}")
+            rows["stratum"].append(stratum)
+            rows["set"].append(wset)
+            rows["ctx_start"].append(0)
+            rows["score_start"].append(ctx)
+            rows["score_end"].append(ctx + scored)
+    return pa.table({k: (pa.array(v, pa.int32()) if k.endswith(("start", "end")) else pa.array(v))
+                     for k, v in rows.items()})
+
+
+def make_docs(windows: pa.Table) -> pa.Table:
+    w = windows.to_pylist()
+    roles = ["eval" if r["set"] == "eval" else "canary" for r in w]
+    return pa.table({
+        "doc_id": [r["doc_id"] for r in w] + ["cal_a", "cal_b"],
+        "stratum": [r["stratum"] for r in w] + ["code", "ja"],
+        "role": roles + ["cal", "cal"],
+        "n_tokens": pa.array([r["score_end"] for r in w] + [900, 700], pa.int32()),
+        "sha256": [f"{i:064x}" for i in range(len(w) + 2)],
+    })
+
+
+def make_overlap(windows: pa.Table) -> pa.Table:
+    """Two windows (code01, ja02) share context n-grams with the calibration trace."""
+    dirty = {"code01": 117, "ja02": 43}
+    ids = windows.column("window_id").to_pylist()
+    lengths = [e - s for s, e in zip(windows.column("ctx_start").to_pylist(), windows.column("score_end").to_pylist())]
+    shared = [dirty.get(i, 0) for i in ids]
+    return pa.table({
+        "window_id": ids, "doc_id": windows.column("doc_id"),
+        "n": pa.array([16] * len(ids), pa.int32()),
+        "shared_scored": pa.array([0] * len(ids), pa.int64()),
+        "shared_context": pa.array(shared, pa.int64()),
+        "shared_whole": pa.array(shared, pa.int64()),
+        "ngrams_whole": pa.array([n - 15 for n in lengths], pa.int64()),
+        "clean": [s == 0 for s in shared],
+        "leak_doc_id": pa.array([None] * len(ids), pa.string()),
+    })
+
+
+def make_window_kld(rng: np.random.Generator, windows: pa.Table) -> pa.Table:
+    """Per-window mean KLD: a per-window difficulty times a per-variant factor, plus noise."""
+    w = windows.to_pylist()
+    difficulty = rng.lognormal(np.log(0.15), 0.6, len(w))  # (W,)
+    factor = {"unhealed": 1.0, "v1": 0.75, "v2": 0.71}
+    rows = {k: [] for k in ("variant", "moce_bonus", "window_id", "stratum", "set", "n_tokens",
+                            "kld_mean", "top1_agree")}
+    for variant in VARIANTS:
+        for bonus in BONUSES:
+            kld = difficulty * factor[variant] * (1 + 0.05 * bonus) * rng.lognormal(0, 0.08, len(w))  # (W,)
+            for i, r in enumerate(w):
+                rows["variant"].append(variant)
+                rows["moce_bonus"].append(bonus)
+                rows["window_id"].append(r["window_id"])
+                rows["stratum"].append(r["stratum"])
+                rows["set"].append(r["set"])
+                rows["n_tokens"].append(r["score_end"] - r["score_start"])
+                rows["kld_mean"].append(float(kld[i]))
+                rows["top1_agree"].append(float(np.clip(1 - 0.6 * kld[i] + rng.normal(0, 0.01), 0, 1)))
+    return pa.table({**rows, "n_tokens": pa.array(rows["n_tokens"], pa.int64())})
+
+
+def pooled(kld: pa.Table, **where) -> tuple[float, float, int]:
+    """(pooled KLD, pooled top-1 fraction, windows) over the rows matching `where`, in float64."""
+    mask = np.ones(kld.num_rows, bool)
+    for column, value in where.items():
+        mask &= np.asarray(kld.column(column).to_pylist(), dtype=object) == value
+    n = np.asarray(kld.column("n_tokens").to_pylist(), np.float64)[mask]  # (W,)
+    k = np.asarray(kld.column("kld_mean").to_pylist(), np.float64)[mask]  # (W,)
+    t = np.asarray(kld.column("top1_agree").to_pylist(), np.float64)[mask]  # (W,)
+    return float((k * n).sum() / n.sum()), float((t * n).sum() / n.sum()), int(mask.sum())
+
+
+def stratified_draws(rng: np.random.Generator, strata: list[str], reps: int) -> np.ndarray:
+    """(reps, W) window indices: each replicate redraws every stratum's windows from that stratum."""
+    groups = [np.flatnonzero(np.asarray(strata) == s) for s in sorted(set(strata))]
+    return np.concatenate([g[rng.integers(0, len(g), (reps, len(g)))] for g in groups], axis=1)
+
+
+def make_comparisons(rng: np.random.Generator, kld: pa.Table, clean: dict[str, bool]) -> pa.Table:
+    """unhealed -> v1, unhealed -> v2, v1 -> v2 at each bonus, per set, subset and stratum,
+    with a NumPy paired window bootstrap, stratified as the contract says, for the CIs."""
+    rows = []
+    by = {(r["variant"], r["moce_bonus"], r["window_id"]): r for r in kld.to_pylist()}
+    windows = sorted({(r["window_id"], r["stratum"], r["set"]) for r in kld.to_pylist()})
+    for a, b in (("unhealed", "v1"), ("unhealed", "v2"), ("v1", "v2")):
+        for bonus in BONUSES:
+            for wset in ("eval", "canary"):
+                for subset in ("all", "clean"):
+                    chosen = [w for w in windows if w[2] == wset and (subset == "all" or clean[w[0]])]
+                    for stratum in ("all", *STRATA):
+                        ws = [w for w in chosen if stratum == "all" or w[1] == stratum]
+                        ra = [by[(a, bonus, w[0])] for w in ws]
+                        rb = [by[(b, bonus, w[0])] for w in ws]
+                        n = np.array([r["n_tokens"] for r in ra], np.float64)  # (W,)
+                        ka = np.array([r["kld_mean"] for r in ra]) * n  # (W,)
+                        kb = np.array([r["kld_mean"] for r in rb]) * n  # (W,)
+                        ta = np.array([r["top1_agree"] for r in ra]) * n  # (W,)
+                        tb = np.array([r["top1_agree"] for r in rb]) * n  # (W,)
+                        draws = stratified_draws(rng, [w[1] for w in ws], 200)  # (R, W)
+                        delta = 100 * (kb[draws].sum(1) / ka[draws].sum(1) - 1)  # (R,)
+                        dtop = 100 * (tb[draws].sum(1) - ta[draws].sum(1)) / n[draws].sum(1)  # (R,)
+                        rows.append({
+                            "a": a, "b": b, "moce_bonus": bonus, "set": wset, "stratum": stratum,
+                            "subset": subset, "kld_a": ka.sum() / n.sum(), "kld_b": kb.sum() / n.sum(),
+                            "delta_pct": 100 * (kb.sum() / ka.sum() - 1),
+                            "ci_lo": float(np.quantile(delta, 0.025)), "ci_hi": float(np.quantile(delta, 0.975)),
+                            "wins": int((kb / n < ka / n).sum()), "n_windows": len(ws),
+                            "top1_delta": 100 * (tb.sum() - ta.sum()) / n.sum(),
+                            "top1_lo": float(np.quantile(dtop, 0.025)), "top1_hi": float(np.quantile(dtop, 0.975)),
+                        })
+    return pa.Table.from_pylist(rows)
+
+
+def with_isolated_moce(comparisons: pa.Table) -> pa.Table:
+    """Add `moce_bonus_a` (= moce_bonus) and one isolated-MoCE row: v2 at 0 against v2 at 0.85."""
+    rows = [{**r, "moce_bonus_a": r["moce_bonus"]} for r in comparisons.to_pylist()]
+    template = next(r for r in rows if r["a"] == "v1" and r["b"] == "v2" and r["set"] == "eval"
+                    and r["stratum"] == "all" and r["subset"] == "all" and r["moce_bonus"] == 0.85)
+    rows.append({**template, "a": "v2", "moce_bonus_a": 0.0, "kld_a": 0.0953, "kld_b": 0.0997,
+                 "delta_pct": 100 * (0.0997 / 0.0953 - 1)})
+    return pa.Table.from_pylist(rows)
+
+
+def make_layer_metrics(rng: np.random.Generator) -> pa.Table:
+    rows = []
+    for variant in VARIANTS:
+        for layer in range(N_LAYERS):
+            alpha = 1.0 if variant == "unhealed" else float(rng.uniform(1.0, 1.06))
+            for split in ("in_sample", "unseen"):
+                r1 = float(rng.uniform(0.22, 0.26))
+                ra = r1 - float(rng.normal(0.004, 0.004))
+                rows.append({"variant": variant, "layer": layer, "split": split, "resid_alpha1": r1,
+                             "alpha": alpha, "resid_alpha": ra, "alpha_oracle": alpha + float(rng.normal(0, 0.01)),
+                             "resid_oracle": ra - 0.0005, "resid_ridge": ra - float(rng.uniform(0, 0.003))})
+    return pa.Table.from_pylist(rows)
+
+
+def make_ridge_cv(rng: np.random.Generator) -> pa.Table:
+    rows = []
+    for variant in ("v1", "v2"):
+        for layer in range(N_LAYERS):
+            rank = int(rng.integers(400, 641))
+            for rho in (0.25, 1.0, 6.0, 24.0):
+                for split, scale in (("in_sample", 0.10), ("lobo4", 0.015), ("even_odd", 0.03)):
+                    rows.append({"variant": variant, "layer": layer, "rho": rho, "split": split,
+                                 "rel_gain": -scale / np.sqrt(rho) * float(rng.uniform(0.5, 1.5)),
+                                 "rank_z": rank, "dof": float(640 / (1 + rho) * rng.uniform(0.05, 0.2))})
+    return pa.Table.from_pylist(rows)
+
+
+def make_hitrate(rng: np.random.Generator) -> pa.Table:
+    rows = []
+    for variant in VARIANTS:
+        for bonus in BONUSES:
+            for prompt in range(5):
+                hit = float(rng.uniform(0.84, 0.87) + 0.08 * bonus)
+                for rep in range(2):
+                    rows.append({"variant": variant, "moce_bonus": bonus, "cache_experts": 8,
+                                 "prompt_id": f"p{prompt}", "rep": rep, "hit_rate": hit,
+                                 "misses_per_token": float((1 - hit) * 8 * 24),
+                                 "hit_rate_lru": hit - 0.05, "hit_rate_belady": hit + 0.03,
+                                 "same_as_rep0": rep == 0 or not (variant == "v2" and bonus > 0 and prompt == 3)})
+    return pa.Table.from_pylist(rows)
+
+
+def write_run(lake: Lake, fingerprint: str, upstream: dict[str, str]) -> None:
+    record = {"stage": "assemble", "fingerprint": fingerprint,
+              "upstream": {k: {"stage": k, "fingerprint": fp} for k, fp in upstream.items()}}
+    lake.provenance_path(fingerprint).write_text(json.dumps(record))
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory) -> tuple[Lake, dict[str, pa.Table]]:
+    rng = np.random.default_rng(20240611)
+    lake = Lake(tmp_path_factory.mktemp("lake"))
+    windows = make_windows(rng)
+    overlap = make_overlap(windows)
+    kld = make_window_kld(rng, windows)
+    clean = dict(zip(overlap.column("window_id").to_pylist(), overlap.column("clean").to_pylist()))
+    fps = {"reference": "f" * 32, "unhealed": "a" * 64, "v1": "b" * 64, "v2": "c" * 64}
+    tables = {
+        "docs": make_docs(windows), "windows": windows, "overlap": overlap,
+        "variants": pa.table({"variant": ["reference", "unhealed", "v1", "v2"],
+                              "kind": ["reference", "unhealed", "healed", "healed"],
+                              "fingerprint": [fps[v] for v in ("reference", "unhealed", "v1", "v2")],
+                              "params": ["{}"] * 4, "gguf": ["ref.gguf", "u.gguf", "v1.gguf", "v2.gguf"]}),
+        "window_kld": kld, "comparisons": with_isolated_moce(make_comparisons(rng, kld, clean)),
+        "layer_metrics": make_layer_metrics(rng), "ridge_cv": make_ridge_cv(rng), "hitrate": make_hitrate(rng),
+    }
+    for name, table in tables.items():
+        lake.write_table(name, table)
+    write_run(lake, fps["v1"], {"calibrated": "d" * 64})
+    write_run(lake, "d" * 64, {})
+    write_run(lake, fps["unhealed"], {})
+    write_run(lake, fps["v2"], {})
+    write_run(lake, "e" * 64, {})  # a stale run no variant references
+    return lake, tables
+
+
+@pytest.fixture(scope="module")
+def report(lake, tmp_path_factory) -> tuple[Path, str]:
+    out = write_report(lake[0], tmp_path_factory.mktemp("report"))
+    return out, (out / "report.md").read_text(encoding="utf-8")
+
+
+def section(text: str, heading: str) -> str:
+    """The text from `heading` up to the next heading of the same or higher level."""
+    level = heading.split(" ")[0]
+    start = text.index(heading + "\n") if (heading + "\n") in text else text.index(heading)
+    rest = text[start + len(heading):]
+    ends = [rest.find("\n" + "#" * n + " ") for n in range(1, len(level) + 1)]
+    ends = [e for e in ends if e >= 0]
+    return text[start:start + len(heading) + (min(ends) if ends else len(rest))]
+
+
+def row_of(text: str, first_cell: str) -> str:
+    """The Markdown table line whose first cell is `first_cell`."""
+    lines = [ln for ln in text.splitlines() if ln.startswith(f"| {first_cell} |")]
+    assert len(lines) == 1, (first_cell, lines)
+    return lines[0]
+
+
+def test_report_has_every_section_with_its_source(report):
+    _, text = report
+    for heading in ("## 0. Inputs", "## 1. Pooled comparisons", "## 2. Per stratum", "## 3. Per window",
+                    "## 4. Local MoE metrics", "## 5. Ridge cross-validation", "## 6. Expert-cache hit rates"):
+        assert heading in text
+    for stem in ("report_comparisons", "report_strata", "report_windows", "report_layers", "report_ridge",
+                 "report_hitrate", "report_docs", "report_window_sets"):
+        assert f"`sql/{stem}.sql`" in text
+    assert "Not computed" not in text
+
+
+def test_per_stratum_pooled_kld_matches_numpy(lake, report):
+    _, tables = lake
+    _, text = report
+    for wset in ("eval", "canary"):
+        block = section(section(text, "## 2. Per stratum"), f"### {wset} set")
+        for variant in VARIANTS:
+            for bonus in BONUSES:
+                row = row_of(block, f"{variant}, MoCE {bonus:g}")
+                cells = [c.strip() for c in row.strip("|").split("|")]
+                for j, stratum in enumerate(STRATA):
+                    k, t, _ = pooled(tables["window_kld"], variant=variant, moce_bonus=bonus,
+                                     set=wset, stratum=stratum)
+                    assert cells[1 + j] == f"{k:.4f} / {100 * t:.2f}"
+                k, t, n = pooled(tables["window_kld"], variant=variant, moce_bonus=bonus, set=wset)
+                assert cells[-1] == f"{k:.4f} / {100 * t:.2f}"
+        assert f"pooled (n={n})" in block
+
+
+def test_comparisons_show_full_and_clean_side_by_side_per_set(lake, report):
+    _, tables = lake
+    _, text = report
+    comparisons = tables["comparisons"].to_pylist()
+    for wset in ("eval", "canary"):
+        block = section(section(text, "## 1. Pooled comparisons"), f"### {wset} set")
+        for a, b in (("unhealed", "v1"), ("unhealed", "v2"), ("v1", "v2")):
+            for bonus in BONUSES:
+                full, clean = (next(r for r in comparisons if r["a"] == a and r["b"] == b and r["set"] == wset
+                                    and r["moce_bonus"] == bonus and r["stratum"] == "all" and r["subset"] == s)
+                               for s in ("all", "clean"))
+                line = next(ln for ln in block.splitlines()
+                            if ln.startswith(f"| {a} \u2192 {b} | {bonus:g} |"))
+                mark, clean_mark = (" \u2021" if r["ci_lo"] == r["ci_hi"] else "" for r in (full, clean))
+                expected = [f"{full['kld_a']:.4f} \u2192 {full['kld_b']:.4f}",
+                            f"{full['delta_pct']:+.2f}% ({full['ci_lo']:+.1f}, {full['ci_hi']:+.1f}){mark}",
+                            f"{full['wins']}/{full['n_windows']}",
+                            f"{full['top1_delta']:+.2f} ({full['top1_lo']:+.1f}, {full['top1_hi']:+.1f}){mark}",
+                            f"{clean['kld_a']:.4f} \u2192 {clean['kld_b']:.4f}",
+                            f"{clean['delta_pct']:+.2f}% ({clean['ci_lo']:+.1f}, {clean['ci_hi']:+.1f}){clean_mark}",
+                            f"{clean['wins']}/{clean['n_windows']}"]
+                cells = [c.strip() for c in line.strip("|").split("|")]
+                assert cells[2:9] == expected
+    eval_block = section(text, "### eval set")
+    assert "/10 |" in eval_block and "/12 |" in eval_block  # 12 eval windows, 10 of them clean
+    assert "\u2021" not in eval_block  # 4 windows per stratum: the bootstrap varies
+    canary_block = section(section(text, "## 1. Pooled comparisons"), "### canary set")
+    table_lines = [ln for ln in canary_block.splitlines() if ln.startswith("| ")]
+    assert sum(ln.count("\u2021") for ln in table_lines) == 6 * 4  # 1 window per stratum: flagged
+    assert "zero width" in section(text, "## 1. Pooled comparisons")
+    isolated = row_of(eval_block, "isolated MoCE: v2")
+    assert f"| 0 \u2192 0.85 | 0.0953 \u2192 0.0997 | {100 * (0.0997 / 0.0953 - 1):+.2f}% (" in isolated
+    assert eval_block.index("| v1 \u2192 v2 |") < eval_block.index("| isolated MoCE: v2 |")
+
+
+def test_per_window_marks_overlap_and_deltas(lake, report):
+    _, tables = lake
+    _, text = report
+    block = section(section(text, "## 3. Per window"), "### eval set, MoCE 0")
+    kld = {(r["variant"], r["window_id"]): r["kld_mean"] for r in tables["window_kld"].to_pylist()
+           if r["moce_bonus"] == 0.0}
+    dirty = row_of(block, "code01 \u2020")
+    assert "117 / 0 of" in dirty
+    assert f"{kld[('v2', 'code01')]:.4f}" in dirty
+    delta = 100 * (kld[("v2", "code01")] / kld[("unhealed", "code01")] - 1)
+    assert f"{delta:+.1f}%" in dirty
+    clean_row = row_of(block, "chat00")
+    assert "0 / 0 of" in clean_row
+    assert "canary" not in block and "chat04" not in block  # canary windows go to their own table
+    assert "chat04" in section(section(text, "## 3. Per window"), "### canary set, MoCE 0")
+
+
+def test_layer_metrics_in_sample_and_held_out(lake, report):
+    _, tables = lake
+    _, text = report
+    block = section(text, "## 4. Local MoE metrics")
+    rows = tables["layer_metrics"].to_pylist()
+    for variant in VARIANTS:
+        for split, label in (("in_sample", "in-sample (calibration trace)"), ("unseen", "held-out (unseen trace)")):
+            mine = [r for r in rows if r["variant"] == variant and r["split"] == split]
+            worse = sum(r["resid_alpha"] > r["resid_alpha1"] for r in mine)
+            line = next(ln for ln in block.splitlines() if ln.startswith(f"| {variant} | {label} |"))
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            assert cells[3] == f"{100 * np.mean([r['resid_alpha1'] for r in mine]):.2f}%"
+            assert cells[8] == f"{100 * np.mean([r['resid_ridge'] for r in mine]):.2f}%"
+            assert cells[9] == f"{worse}/{N_LAYERS}"
+
+
+def test_ridge_and_hitrate_tables(lake, report):
+    _, tables = lake
+    _, text = report
+    ridge = [r for r in tables["ridge_cv"].to_pylist() if r["variant"] == "v2"]
+    block = section(section(text, "## 5. Ridge cross-validation"), "### v2")
+    line = row_of(block, "held-out (leave one of 4 blocks out)")
+    gain = 100 * np.mean([r["rel_gain"] for r in ridge if r["split"] == "lobo4" and r["rho"] == 6.0])
+    assert [c.strip() for c in line.strip("|").split("|")][3] == f"{gain:+.2f}%"
+    hits = [r for r in tables["hitrate"].to_pylist() if r["variant"] == "v2" and r["moce_bonus"] == 0.85]
+    line = next(ln for ln in section(text, "## 6. Expert-cache hit rates").splitlines()
+                if ln.startswith("| v2 | 0.85 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[4] == f"{100 * np.mean([r['hit_rate'] for r in hits]):.2f}%"
+    assert cells[6] == f"{100 * np.mean([r['hit_rate_lru'] for r in hits]):.2f}%"
+    assert cells[8] == "4/5"  # prompt 3's repeat differs
+
+
+def test_plots_are_valid_pngs(report):
+    out, text = report
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == ["hitrate.png", "layers.png", "strata_kld_canary.png", "strata_kld_eval.png",
+                    "window_deltas_canary.png", "window_deltas_eval.png"]
+    for name in pngs:
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+        image = matplotlib.image.imread(out / name)  # (H, W, 4)
+        assert image.shape[0] > 100 and image.shape[1] > 100
+        assert image[..., :3].std() > 0.01  # something was drawn
+        assert f"]({name})" in text
+
+
+def test_missing_tables_say_not_computed(tmp_path, lake):
+    _, tables = lake
+    partial = Lake(tmp_path / "lake")
+    partial.write_table("window_kld", tables["window_kld"])
+    contract_rows = [{k: v for k, v in r.items() if k not in ("set", "moce_bonus_a")}
+                     for r in tables["comparisons"].to_pylist() if r["a"] != r["b"]]
+    comparisons = pa.Table.from_pylist(contract_rows)  # the contract's columns only
+    partial.write_table("comparisons", comparisons)
+    partial.write_table("hitrate", tables["hitrate"].slice(0, 0))
+    out = write_report(partial, tmp_path / "report")
+    text = (out / "report.md").read_text(encoding="utf-8")
+    for heading in ("## 3. Per window", "## 4. Local MoE metrics", "## 5. Ridge", "## 6. Expert-cache"):
+        assert "Not computed" in section(text, heading)
+    assert "`sql/report_hitrate.sql` returns no rows" in section(text, "## 6. Expert-cache")
+    assert sorted(p.name for p in out.glob("*.png")) == ["strata_kld_canary.png", "strata_kld_eval.png"]
+    assert "`overlap`" in section(text, "## 3. Per window")
+    block = section(text, "## 1. Pooled comparisons")
+    assert "### set not recorded" in block and "### eval set" not in block
+    assert "| unhealed \u2192 v1 | 0.85 |" in block
+    k, t, _ = pooled(tables["window_kld"], variant="v1", moce_bonus=0.0, set="eval")
+    assert f"{k:.4f} / {100 * t:.2f}" in row_of(section(text, "### eval set"), "v1, MoCE 0")
+
+
+@pytest.fixture(scope="module")
+def bundle(lake, report, tmp_path_factory) -> Path:
+    return export_bundle(lake[0], report[0], tmp_path_factory.mktemp("export") / "bundle")
+
+
+def test_bundle_duckdb_answers_from_another_folder(lake, bundle, tmp_path):
+    _, tables = lake
+    code = ("import duckdb, sys; con = duckdb.connect(sys.argv[1], read_only=True); "
+            "print(con.execute('select count(*) from comparisons').fetchone()[0]); "
+            "print(con.execute(\"select table_type from information_schema.tables "
+            "where table_name = 'window_kld'\").fetchone()[0])")
+    (tmp_path / "elsewhere").mkdir()
+    moved = tmp_path / "moved"
+    os.rename(bundle, moved)  # the tables must not point back at the lake or the old folder
+    try:
+        result = subprocess.run([sys.executable, "-c", code, str(moved / "lake.duckdb")],
+                                cwd=tmp_path / "elsewhere", capture_output=True, text=True, check=True)
+    finally:
+        os.rename(moved, bundle)
+    count, kind = result.stdout.splitlines()
+    assert int(count) == tables["comparisons"].num_rows
+    assert kind == "BASE TABLE"
+
+
+def test_bundle_layout_and_provenance(lake, bundle):
+    lake_obj, tables = lake
+    assert sorted(p.stem for p in (bundle / "tables").glob("*.parquet")) == sorted(tables)
+    for name, table in tables.items():
+        assert pq.read_table(bundle / "tables" / f"{name}.parquet").equals(lake_obj.read_table(name))
+    assert (bundle / "report.md").is_file() and (bundle / "strata_kld_eval.png").is_file()
+    assert (bundle / "sql" / "report_strata.sql").is_file()
+    # v1's record and its upstream calibrate record, unhealed and v2; not the stale run,
+    # and nothing for the reference (its fingerprint is a file digest with no record)
+    assert sorted(p.stem for p in (bundle / "provenance").glob("*.json")) == \
+        sorted(["a" * 64, "b" * 64, "c" * 64, "d" * 64])
+    con = duckdb.connect(str(bundle / "lake.duckdb"), read_only=True)
+    try:
+        query = (bundle / "sql" / "report_strata.sql").read_text()
+        from_bundle = con.sql(query).to_arrow_table()
+    finally:
+        con.close()
+    assert from_bundle.equals(lake_obj.query("report_strata"))
+
+
+def test_readme_documents_every_column(bundle):
+    readme = (bundle / "README.md").read_text(encoding="utf-8")
+    assert UNDOCUMENTED not in readme
+    schemas = {p.stem: pq.read_schema(p) for p in (bundle / "tables").glob("*.parquet")}
+    assert undocumented_columns({t: s.names for t, s in schemas.items()}) == []
+    for table, schema in schemas.items():
+        block = section(readme, f"### {table} (")
+        for field in schema:
+            assert f"| {field.name} | {field.type} | {COLUMN_DOCS[table][field.name]} |" in block
+
+
+def test_undocumented_column_is_caught(lake, tmp_path):
+    assert undocumented_columns({"hitrate": ["variant", "tok_per_s"], "mystery": ["x"]}) == \
+        [("hitrate", "tok_per_s"), ("mystery", "x")]
+    _, tables = lake
+    extended = Lake(tmp_path / "lake")
+    hitrate = tables["hitrate"]
+    extended.write_table("hitrate", hitrate.append_column("tok_per_s", pa.array([10.0] * hitrate.num_rows)))
+    out = export_bundle(extended, write_report(extended, tmp_path / "report"), tmp_path / "bundle")
+    readme = (out / "README.md").read_text(encoding="utf-8")
+    assert "Columns without a description yet: `hitrate.tok_per_s`." in readme
+    assert f"| tok_per_s | double | {UNDOCUMENTED} |" in readme
+
+
+def test_export_replaces_only_an_earlier_bundle(lake, report, tmp_path):
+    lake_obj, _ = lake
+    out = tmp_path / "bundle"
+    export_bundle(lake_obj, report[0], out)
+    stamp = out / "README.md"
+    stamp.write_text(stamp.read_text() + "\nlocal edit\n")
+    export_bundle(lake_obj, report[0], out)  # an earlier bundle is replaced whole
+    assert "local edit" not in stamp.read_text()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".bundle")]
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(InputError, match="not a moeheal export"):
+        export_bundle(lake_obj, report[0], foreign)
+    assert (foreign / "notes.txt").read_text() == "keep me"
