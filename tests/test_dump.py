@@ -1,0 +1,140 @@
+"""Streaming Zarr dumps: chunking changes no byte, a killed dump resumes, NaN is refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import zarr
+
+from pipeline.errors import InputError
+from pipeline.gguf_model import GGUFModel
+from pipeline.runner import Runner
+from pipeline.stages.dump import ARRAYS, dump_trace, import_raw_dump, open_dump, read_routing
+
+SEQ = 64
+REPO = Path(__file__).resolve().parents[1]
+
+
+def trace(vocab: int, n_tokens: int = 5 * SEQ + 17, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    tokens = np.random.default_rng(seed).integers(0, vocab, n_tokens).astype(np.int32)
+    return tokens, (np.arange(n_tokens) // SEQ).astype(np.int32)
+
+
+def array_files(dump: Path) -> dict[str, bytes]:
+    """Every stored byte of the dump except the routing parts (compared as a table)."""
+    return {str(p.relative_to(dump)): p.read_bytes() for p in sorted(dump.rglob("*"))
+            if p.is_file() and "routing" not in p.parts}
+
+
+def test_chunking_changes_no_byte(tiny_qwen2moe, tmp_path):
+    model = GGUFModel(tiny_qwen2moe)
+    runner = Runner(model)
+    tokens, seq = trace(model.hp.vocab_size)
+    dump_trace(tmp_path / "one.zarr", runner, tokens, seq, "calibration", chunk_tokens=10 * SEQ, seq_tokens=SEQ)
+    dump_trace(tmp_path / "three.zarr", runner, tokens, seq, "calibration", chunk_tokens=2 * SEQ, seq_tokens=SEQ)
+    one, three = array_files(tmp_path / "one.zarr"), array_files(tmp_path / "three.zarr")
+    assert one.keys() == three.keys() and all(one[k] == three[k] for k in one)
+    assert len(list((tmp_path / "three.zarr" / "routing").iterdir())) == 3
+    assert read_routing(tmp_path / "one.zarr").equals(read_routing(tmp_path / "three.zarr"))
+    group = open_dump(tmp_path / "one.zarr")["1"]
+    assert group["mixed"].shape == (len(tokens), model.hp.d_model)
+    assert group["hh"].shape == (len(tokens), model.hp.d_shexp)
+    assert group.attrs["trace"] == "calibration"
+
+
+def test_dump_rows_are_the_runner_captures(tiny_qwen2moe, tmp_path):
+    model = GGUFModel(tiny_qwen2moe)
+    runner = Runner(model)
+    tokens, seq = trace(model.hp.vocab_size, n_tokens=2 * SEQ)
+    dump_trace(tmp_path / "d.zarr", runner, tokens, seq, "unseen", chunk_tokens=SEQ, seq_tokens=SEQ)
+    captured = {}
+    runner.forward(tokens[None, SEQ:], capture=True,
+                   on_layer=lambda layer, cap: captured.setdefault(layer, np.asarray(cap.yr)[0]))
+    np.testing.assert_array_equal(open_dump(tmp_path / "d.zarr")["1"]["yr"][SEQ:], captured[1])
+
+
+def test_killed_dump_resumes_without_gaps_or_duplicates(tiny_qwen2moe, tmp_path):
+    model = GGUFModel(tiny_qwen2moe)
+    tokens, seq = trace(model.hp.vocab_size, n_tokens=8 * SEQ)
+    np.save(tmp_path / "tokens.npy", tokens)
+    np.save(tmp_path / "seq.npy", seq)
+    script = tmp_path / "dump.py"
+    script.write_text(f"""
+import sys, time
+sys.path.insert(0, {str(REPO)!r})
+import numpy as np
+from pathlib import Path
+from pipeline.gguf_model import GGUFModel
+from pipeline.runner import Runner
+from pipeline.stages import dump
+slow = len(sys.argv) > 1
+runner = Runner(GGUFModel({str(tiny_qwen2moe)!r}))
+forward = runner.forward
+def paced(*a, **k):
+    out = forward(*a, **k)
+    if slow:
+        time.sleep(0.3)
+    return out
+runner.forward = paced
+t = Path({str(tmp_path)!r})
+dump.dump_trace(t / "d.zarr", runner, np.load(t / "tokens.npy"), np.load(t / "seq.npy"), "calibration", {SEQ}, {SEQ})
+""")
+    proc = subprocess.Popen([sys.executable, str(script), "slow"], env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin"})
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            done = zarr.open_group(str(tmp_path / "d.zarr"), mode="r").attrs.get("rows_done", 0)
+        except Exception:  # not created yet
+            done = 0
+        if done >= 2 * SEQ:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    partial = zarr.open_group(str(tmp_path / "d.zarr"), mode="r").attrs
+    assert 0 < partial["rows_done"] < len(tokens) and not partial.get("complete")
+    subprocess.run([sys.executable, str(script)], check=True, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin"})
+    dump_trace(tmp_path / "fresh.zarr", Runner(GGUFModel(tiny_qwen2moe)), tokens, seq, "calibration", SEQ, SEQ)
+    resumed, fresh = open_dump(tmp_path / "d.zarr"), open_dump(tmp_path / "fresh.zarr")
+    for layer in range(model.hp.n_layer):
+        for name in ARRAYS:
+            np.testing.assert_array_equal(resumed[str(layer)][name][:], fresh[str(layer)][name][:])
+    routing = read_routing(tmp_path / "d.zarr")
+    assert routing.num_rows == model.hp.n_layer * len(tokens) * model.hp.n_expert_used  # none missing, none twice
+    assert routing.equals(read_routing(tmp_path / "fresh.zarr"))
+
+
+def test_nan_names_layer_and_position(tiny_qwen2moe, tmp_path):
+    model = GGUFModel(tiny_qwen2moe)
+    up = model.tensor("blk.1.ffn_up_exps.weight").copy()
+    up[:] = np.nan
+    runner = Runner(model, overrides={"blk.1.ffn_up_exps.weight": up})
+    tokens, seq = trace(model.hp.vocab_size, n_tokens=SEQ)
+    with pytest.raises(InputError, match=r"layer 1: NaN or Inf in yr at token position 0"):
+        dump_trace(tmp_path / "d.zarr", runner, tokens, seq, "calibration", SEQ, SEQ)
+
+
+def test_import_checks_sizes_against_T(tmp_path):
+    T, d, f, k = 10, 8, 4, 2
+    rng = np.random.default_rng(0)
+    arrays = {"mixed": rng.normal(size=(T, d)), "yr": rng.normal(size=(T, d)), "hh": rng.normal(size=(T, f)),
+              "experts": rng.integers(0, 4, (T, k)), "weights": rng.random((T, k))}
+    for name, values in arrays.items():
+        values.astype("<i4" if name == "experts" else "<f4").tofile(tmp_path / f"{name}.bin")
+    spec = tmp_path / "dump.toml"
+    layer = "\n".join(f'{name} = "{name}.bin"' for name in arrays)
+    spec.write_text(f"trace = \"calibration\"\nT = {T}\nd = {d}\nf = {f}\nk = {k}\n[[layers]]\n{layer}\n")
+    import_raw_dump(spec, tmp_path / "ok.zarr")
+    group = open_dump(tmp_path / "ok.zarr")["0"]
+    np.testing.assert_array_equal(group["mixed"][:], arrays["mixed"].astype(np.float32))
+    assert pq.read_table(next((tmp_path / "ok.zarr" / "routing").iterdir())).num_rows == T * k
+    (tmp_path / "hh.bin").write_bytes((tmp_path / "hh.bin").read_bytes()[:-4])
+    with pytest.raises(InputError, match=r"hh.bin: layer 0 hh: 156 bytes, expected 160"):
+        import_raw_dump(spec, tmp_path / "bad.zarr")
+    assert not (tmp_path / "bad.zarr").exists()

@@ -1,0 +1,180 @@
+"""End to end on a small world: every stage, every table, the cache, and healing's claims."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+import kernels
+from kernels.alpha import fit_alpha, relative_residual
+from pipeline.cli import main
+from pipeline.config import load_config
+from pipeline.gguf_model import GGUFModel
+from pipeline.heal import HealRun
+from pipeline.model import moe_forward
+from pipeline.stages.dump import open_dump
+from tests.healworld import write_world
+
+TABLES = ("docs", "cal_trace", "windows", "overlap", "routing", "variants", "token_kld", "window_kld",
+          "layer_metrics", "ridge_cv", "comparisons", "hitrate")
+
+
+class Log(list):
+    def __call__(self, message: str) -> None:
+        self.append(message)
+
+    def computed(self) -> list[str]:
+        return [m.split("]")[0][1:] for m in self if "computing" in m]
+
+
+@pytest.fixture(scope="module")
+def healed(tmp_path_factory) -> tuple[Path, HealRun]:
+    config = write_world(tmp_path_factory.mktemp("world"))
+    run = HealRun(load_config(config), log=Log())
+    run.heal()
+    return config, run
+
+
+def rerun(config: Path) -> tuple[HealRun, Log]:
+    log = Log()
+    run = HealRun(load_config(config), log=log)
+    run.heal()
+    return run, log
+
+
+def test_every_table_is_published_and_queryable(healed):
+    config, run = healed
+    con = duckdb.connect(str(run.lake.root / "lake.duckdb"), read_only=True)
+    for name in TABLES:
+        assert con.execute(f"SELECT count(*) FROM {name}").fetchone()[0] > 0, name
+    variants = dict(con.execute("SELECT variant, kind FROM variants").fetchall())
+    assert variants == {"reference": "reference", "unhealed": "unhealed", "v1": "healed", "v2": "healed"}
+    assert (run.lake.root / "report" / "report.md").exists()
+
+
+def test_second_run_is_all_cache_hits(healed):
+    config, _ = healed
+    _, log = rerun(config)
+    assert log.computed() == []
+    assert sum("cache hit" in m for m in log) >= 10
+
+
+def test_healed_gguf_holds_our_formats_and_loads(healed):
+    _, run = healed
+    gguf = run.assemble(run.cfg.variants[0]).path
+    model = GGUFModel(gguf)
+    assert model.raw("blk.0.ffn_down_exps.weight").ggml_type == GGMLQuantizationType.TQ2_0
+    assert model.raw("blk.1.ffn_gate_exps.weight").ggml_type == GGMLQuantizationType.TQ2_0
+    assert model.raw("blk.0.ffn_down_shexp.weight").ggml_type == GGMLQuantizationType.IQ4_NL
+    assert model.raw("blk.0.attn_q.weight").ggml_type == GGMLQuantizationType.Q8_0  # copied as is
+    assert model.metadata("moeheal.variant") == "v1"
+
+
+def test_alpha_is_fitted_from_the_unscaled_quantization_and_applied_to_the_scales(healed):
+    _, run = healed
+    variant = run.cfg.variants[0]
+    quantized = np.load(run.quantize(variant).path / "layer_0.npz")
+    group = open_dump(run.dump("calibration").path)["0"]
+    experts = {f"{name}.weight": kernels.dequantize(quantized[name], "tq2_0", tuple(quantized[f"{name}.shape"]))
+               for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+    y_q = np.asarray(moe_forward(experts, group["mixed"][:], group["experts"][:], group["weights"][:]))
+    alpha = fit_alpha(group["yr"][:], y_q)
+    rows = run.lake.read_table("layer_metrics").to_pylist()
+    row = next(r for r in rows if r["variant"] == "v1" and r["layer"] == 0 and r["split"] == "in_sample")
+    assert row["alpha"] == pytest.approx(alpha, rel=1e-6)
+    assert row["resid_alpha1"] == pytest.approx(relative_residual(group["yr"][:], y_q), rel=1e-5)
+    # the healed GGUF's down scales are the unscaled ones times alpha (rounded to fp16)
+    healed_down = GGUFModel(run.assemble(variant).path).raw("blk.0.ffn_down_exps.weight").data
+    d_unscaled = quantized["ffn_down_exps"].reshape(-1, 66)[:, 64:].copy().view(np.float16)
+    d_healed = healed_down.reshape(-1, 66)[:, 64:].copy().view(np.float16)
+    np.testing.assert_array_equal(d_healed, (d_unscaled.astype(np.float32) * np.float32(alpha)).astype(np.float16))
+
+
+def test_realized_ridge_gain_matches_the_healed_model(healed):
+    """resid_ridge on unseen data, recomputed from the healed GGUF's own tensors."""
+    _, run = healed
+    model, source = GGUFModel(run.assemble(run.cfg.variants[0]).path), run.source
+    group = open_dump(run.dump("unseen").path)["1"]
+    mixed = group["mixed"][:]
+    routed = np.asarray(moe_forward(model.layer(1), mixed, group["experts"][:], group["weights"][:]))
+    gate = 1 / (1 + np.exp(-(mixed @ source.tensor("blk.1.ffn_gate_inp_shexp.weight").reshape(-1))))
+    delta_w = model.tensor("blk.1.ffn_down_shexp.weight") - source.tensor("blk.1.ffn_down_shexp.weight")
+    shared_change = (group["hh"][:] * gate[:, None]) @ delta_w.T
+    expected = relative_residual(group["yr"][:], routed + shared_change)
+    row = next(r for r in run.lake.read_table("layer_metrics").to_pylist()
+               if r["variant"] == "v1" and r["layer"] == 1 and r["split"] == "unseen")
+    assert row["resid_ridge"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_pooled_kld_equals_numpy_from_token_kld(healed):
+    _, run = healed
+    window_set = {w["window_id"]: w["set"] for w in run.lake.read_table("windows").to_pylist()}
+    klds: dict[str, list[float]] = {}
+    for t in run.lake.read_table("token_kld").to_pylist():
+        if window_set[t["window_id"]] == "eval" and t["moce_bonus"] == 0:
+            klds.setdefault(t["variant"], []).append(t["kld"])
+    row = next(r for r in run.lake.read_table("comparisons").to_pylist()
+               if r["set"] == "eval" and r["stratum"] == "all" and r["subset"] == "all"
+               and (r["a"], r["b"], r["moce_bonus_b"]) == ("unhealed", "v1", 0.0))
+    assert row["kld_a"] == pytest.approx(np.mean(np.float64(klds["unhealed"])), rel=1e-12)
+    assert row["kld_b"] == pytest.approx(np.mean(np.float64(klds["v1"])), rel=1e-12)
+
+
+def test_hitrate_at_bonus_zero_is_the_lru_baseline(healed):
+    _, run = healed
+    rows = run.lake.read_table("hitrate").to_pylist()
+    plain = [r for r in rows if r["moce_bonus"] == 0]
+    assert plain and all(r["hit_rate"] == pytest.approx(r["hit_rate_lru"]) for r in plain)
+    assert all(r["hit_rate_belady"] >= r["hit_rate_lru"] - 1e-12 for r in rows)
+    assert all(r["same_as_rep0"] for r in rows)
+    bonus = [r for r in rows if r["moce_bonus"] > 0]
+    assert np.mean([r["hit_rate"] for r in bonus]) > np.mean([r["hit_rate"] for r in plain])
+
+
+def copy_world(config: Path, dest: Path) -> Path:
+    shutil.copytree(config.parent, dest)
+    return dest / config.name
+
+
+def test_one_knob_recomputes_its_variant_and_nothing_else(healed, tmp_path):
+    config = copy_world(healed[0], tmp_path / "w")
+    text = config.read_text().replace('name = "v1"\nbeta_gate_up = 0.5', 'name = "v1"\nbeta_gate_up = 0.7')
+    config.write_text(text)
+    _, log = rerun(config)
+    assert sorted(log.computed()) == ["assemble", "calibrate", "evaluate", "quantize"]
+
+
+def test_reference_swap_recomputes_dumps(healed, tmp_path):
+    config = copy_world(healed[0], tmp_path / "w")
+    data = bytearray((config.parent / "ref.gguf").read_bytes())
+    data[-8:] = bytes(8)  # the last weights of the last tensor only
+    (config.parent / "ref.gguf").write_bytes(bytes(data))
+    run = HealRun(load_config(config), log=Log())
+    run.dump("calibration")
+    assert "dump" in run.log.computed()
+
+
+def test_audit_exit_3_names_the_window_reading_a_cal_doc(healed, tmp_path, capsys):
+    config = copy_world(healed[0], tmp_path / "w")
+    windows = config.parent / "windows.csv"
+    windows.write_text(windows.read_text() + "leaky,ops_00,ops,eval,16,16,0\n")
+    assert main(["audit", "-c", str(config)]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "leaky" in err[0] and "ops_00" in err[0]
+
+
+def test_truncated_reference_exits_2_and_leaves_the_lake_alone(healed, tmp_path, capsys):
+    config = copy_world(healed[0], tmp_path / "w")
+    lake_tables = config.parent / "lake" / "tables"
+    before = {p.name: p.read_bytes() for p in lake_tables.iterdir()}
+    ref = config.parent / "ref.gguf"
+    ref.write_bytes(ref.read_bytes()[:-5000])
+    assert main(["heal", "-c", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ref.gguf" in err[0]
+    assert {p.name: p.read_bytes() for p in lake_tables.iterdir()} == before
