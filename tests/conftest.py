@@ -29,3 +29,16 @@ def tiny_qwen2moe_q8(tmp_path_factory) -> Path:
     """The qwen2moe recipe with Q8_0 matrices (routers, norms, biases stay F32)."""
     return make_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-qwen2moe-q8_0.gguf", arch="qwen2moe", seed=2,
                           matrix_type="q8_0")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """`gpu` tests run only where JAX sees a GPU; `llamacpp` tests only with LLAMA_CPP_DIR set."""
+    import jax
+
+    has_gpu = jax.default_backend() in ("gpu", "cuda", "rocm", "METAL")
+    llama = os.environ.get("LLAMA_CPP_DIR")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason=f"needs a GPU JAX backend (have {jax.default_backend()})"))
+        if "llamacpp" in item.keywords and not (llama and Path(llama, "bin").is_dir()):
+            item.add_marker(pytest.mark.skip(reason="needs llama.cpp binaries under LLAMA_CPP_DIR/bin"))
