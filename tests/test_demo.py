@@ -20,11 +20,13 @@ GGUF_PATH = DEMO / "model" / "demo-q8_0.gguf"
 STRATA = {"ops", "chat_json", "ja", "persona"}
 
 
-def load_generator():
-    """Import demo/corpus/generate.py as a module (it is a script, not a package)."""
-    spec = importlib.util.spec_from_file_location("demo_generate", DEMO / "corpus" / "generate.py")
+def load_script(name: str, path: Path):
+    """Import a demo script as a module (the demo's scripts are not a package); registered so dataclasses resolve."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["demo_generate"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -110,7 +112,7 @@ def test_tokenizer_round_trips_utf8(tokenizer, docs):
 
 
 def test_generator_is_deterministic(tmp_path):
-    generate = load_generator()
+    generate = load_script("demo_generate", DEMO / "corpus" / "generate.py")
     generate.write_demo(tmp_path, DEMO / "tokenizer.json")
     for name in ("docs.jsonl", "split.csv", "windows.csv"):
         assert (tmp_path / name).read_bytes() == (DEMO / name).read_bytes(), name
@@ -155,3 +157,36 @@ def test_gguf_model_shape():
     assert GGUF_PATH.stat().st_size <= 25 * 1024 * 1024
     assert np.isfinite(gguf.quants.dequantize(tensors["blk.0.ffn_down_exps.weight"].data,
                                               tensors["blk.0.ffn_down_exps.weight"].tensor_type)).all()
+
+
+def test_per_layer_balance_loss_matches_references():
+    """Against a float64 NumPy Switch loss per layer, and transformers' loss on a single layer (which is k times ours)."""
+    import torch
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss_func
+
+    train = load_script("demo_train", DEMO / "train" / "train.py")
+    rng = np.random.default_rng(0)
+    n_tokens, n_expert, top_k = 64, 8, 2
+    layers = [rng.normal(size=(n_tokens, n_expert)) * scale for scale in (0.5, 3.0)]  # (N, E) each
+    ours = train.per_layer_balance_loss(tuple(torch.tensor(x, dtype=torch.float32) for x in layers), top_k).item()
+
+    def switch_loss(logits: np.ndarray) -> float:
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)  # (N, E)
+        chosen = np.argsort(-probs, axis=-1)[:, :top_k]  # (N, k)
+        share = np.bincount(chosen.ravel(), minlength=n_expert) / chosen.size  # (E,)
+        return n_expert * float(np.sum(share * probs.mean(0)))
+
+    assert ours == pytest.approx(np.mean([switch_loss(x) for x in layers]), rel=1e-5)
+    single = train.per_layer_balance_loss((torch.tensor(layers[1], dtype=torch.float32),), top_k).item()
+    reference = load_balancing_loss_func((torch.tensor(layers[1], dtype=torch.float32),), n_expert, top_k).item()
+    assert top_k * single == pytest.approx(reference, rel=1e-5)
+
+
+def test_learning_rate_schedule_warms_up_then_decays_to_a_tenth():
+    train = load_script("demo_train", DEMO / "train" / "train.py")
+    assert train.lr_at(0.0, 1.0, 0.1) == 0.0
+    assert train.lr_at(0.05, 1.0, 0.1) == pytest.approx(0.5)
+    assert train.lr_at(0.1, 1.0, 0.1) == pytest.approx(1.0)
+    assert train.lr_at(0.55, 1.0, 0.1) == pytest.approx(0.55)
+    assert train.lr_at(1.0, 1.0, 0.1) == pytest.approx(0.1)

@@ -19,8 +19,9 @@ clean at the document level.
 Outputs (``python demo/corpus/generate.py``, run from anywhere):
 ``demo/docs.jsonl``, ``demo/split.csv`` and, once ``demo/tokenizer.json``
 exists, ``demo/windows.csv`` (windows are placed by token counts, which need
-the tokenizer the demo model was trained with). ``--train-docs N --seed S``
-writes training-only documents instead (never part of the split).
+the tokenizer the demo model was trained with). Training-only documents come
+from the same generators under other seeds (``iter_docs(seed, n, "train_")``,
+used by ``demo/train/gather_text.py``) and are never part of the split.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ CORPUS_SEED = 20240611
 # Shares of each stratum's documents per role; the remainder is "unused".
 ROLE_SHARES: tuple[tuple[str, float], ...] = (("cal", 0.45), ("eval", 0.20), ("canary", 0.05))
 EVAL_WINDOWS_PER_STRATUM = 8
-CANARY_WINDOWS_PER_STRATUM = 2
+CANARY_WINDOWS_PER_STRATUM = 3
 WINDOW_SEED = 7
+WINDOW_NGRAM = 16  # the audit's n: a scored span shares no n-gram with calibration documents
 
 # --------------------------------------------------------------------------- shared vocabulary
 
@@ -711,13 +713,43 @@ def split_csv(docs: list[dict[str, str]], roles: dict[str, str]) -> str:
     return buf.getvalue()
 
 
-def window_rows(docs: list[dict[str, str]], roles: dict[str, str], n_tokens: Callable[[str], int], seed: int) -> list[list]:
-    """Evaluation and canary windows: one per document, inside it, placed at a seeded offset.
+def calibration_ngrams(docs: list[dict[str, str]], roles: dict[str, str], encode: Callable[[str], list[int]],
+                       n: int = WINDOW_NGRAM) -> set[tuple[int, ...]]:
+    """Every token n-gram of every `cal` document (a superset of any calibration trace)."""
+    grams: set[tuple[int, ...]] = set()
+    for d in docs:
+        if roles[d["doc_id"]] == "cal":
+            ids = encode(d["text"])
+            grams.update(tuple(ids[i:i + n]) for i in range(len(ids) - n + 1))
+    return grams
+
+
+def clean_score_starts(ids: list[int], scored: int, cal_grams: set[tuple[int, ...]],
+                       n: int = WINDOW_NGRAM) -> list[int]:
+    """Every s such that no n-gram touching [s, s + scored) occurs in a calibration document."""
+    starts = range(max(len(ids) - n + 1, 0))
+    shared = [tuple(ids[i:i + n]) in cal_grams for i in starts]  # n-gram starting at i is shared
+    clean = []
+    for s in range(len(ids) - scored + 1):
+        touching = shared[max(s - n + 1, 0):min(s + scored, len(shared))]
+        if not any(touching):
+            clean.append(s)
+    return clean
+
+
+def window_rows(docs: list[dict[str, str]], roles: dict[str, str], encode: Callable[[str], list[int]],
+                seed: int) -> list[list]:
+    """Evaluation and canary windows: inside one document each, at a seeded offset.
 
     Each window is ``ctx_tokens`` of context then ``scored_tokens`` scored
     tokens, starting at token ``start`` of its document, so it never crosses a
-    document boundary. Documents too short for a window are skipped.
+    document boundary. The scored span shares no n-gram with any `cal`
+    document (the audit would refuse it); the context may, which is the
+    realistic hazard the overlap table reports (shared boilerplate). Templated
+    documents leave few clean spans, so shorter scored spans are tried before a
+    document is skipped.
     """
+    cal_grams = calibration_ngrams(docs, roles, encode)
     rows: list[list] = []
     for stratum in STRATA:
         for set_name, count in (("eval", EVAL_WINDOWS_PER_STRATUM), ("canary", CANARY_WINDOWS_PER_STRATUM)):
@@ -728,14 +760,16 @@ def window_rows(docs: list[dict[str, str]], roles: dict[str, str], n_tokens: Cal
             for d in candidates:
                 if made == count:
                     break
+                ids = encode(d["text"])
                 ctx = rng.choice([128, 160, 192, 224, 256])
-                scored = rng.choice([64, 96, 128])
-                total = n_tokens(d["text"])
-                if total < ctx + scored:
-                    continue
-                start = rng.randint(0, total - ctx - scored)
-                rows.append([f"{set_name}_{stratum}_{made:02d}", d["doc_id"], stratum, set_name, ctx, scored, start])
-                made += 1
+                for scored in (rng.choice([64, 96, 128]), 48, 32):
+                    starts = [s for s in clean_score_starts(ids, scored, cal_grams) if s >= ctx]
+                    if starts:
+                        score_start = rng.choice(starts)
+                        rows.append([f"{set_name}_{stratum}_{made:02d}", d["doc_id"], stratum, set_name, ctx,
+                                     scored, score_start - ctx])
+                        made += 1
+                        break
             if made < count:
                 raise RuntimeError(f"only {made} {set_name} windows fit in stratum {stratum}")
     return rows
@@ -761,32 +795,17 @@ def write_demo(out_dir: Path, tokenizer_path: Path | None) -> None:
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(tokenizer_path))
-        rows = window_rows(docs, roles, lambda text: len(tok.encode(text, add_special_tokens=False).ids), WINDOW_SEED)
+        rows = window_rows(docs, roles, lambda text: tok.encode(text, add_special_tokens=False).ids, WINDOW_SEED)
         (out_dir / "windows.csv").write_text(windows_csv(rows), encoding="utf-8")
 
 
-def write_train_docs(path: Path, n_per_stratum: int, seed: int) -> None:
-    """Training-only documents (ids prefixed ``train_``), never listed in the split."""
-    with path.open("w", encoding="utf-8") as f:
-        for d in iter_docs(seed, n_per_stratum, prefix="train_"):
-            f.write(json.dumps(d, ensure_ascii=False) + "\n")
-
-
 def main() -> None:
-    """Command line: the demo files by default, or ``--train-docs`` training text."""
+    """Command line: write the demo files (training documents are drawn by gather_text.py)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEMO_DIR, help="folder for docs.jsonl, split.csv, windows.csv")
     parser.add_argument("--tokenizer", type=Path, default=DEMO_DIR / "tokenizer.json")
-    parser.add_argument("--train-docs", type=int, default=0, help="write this many training docs per stratum instead")
-    parser.add_argument("--seed", type=int, default=1, help="seed of the training docs (must differ from the corpus seed)")
-    parser.add_argument("--train-out", type=Path, default=None)
     args = parser.parse_args()
-    if args.train_docs:
-        if args.seed == CORPUS_SEED:
-            raise SystemExit("training docs must use a seed other than the corpus seed")
-        write_train_docs(args.train_out, args.train_docs, args.seed)
-    else:
-        write_demo(args.out, args.tokenizer)
+    write_demo(args.out, args.tokenizer)
 
 
 if __name__ == "__main__":

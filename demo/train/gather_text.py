@@ -33,7 +33,7 @@ import random
 import re
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -99,7 +99,8 @@ def strip_troff(text: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def sample_files(paths: list[Path], max_chars: int, seed: int, transform=None) -> Iterator[str]:
+def sample_files(paths: list[Path], max_chars: int, seed: int,
+                 transform: Callable[[str], str] | None = None) -> Iterator[str]:
     """Texts of files drawn in a seeded order until ``max_chars`` characters are collected."""
     order = sorted(paths)
     random.Random(seed).shuffle(order)

@@ -173,7 +173,11 @@ class RunResult:
 
 def train(model: Qwen2MoeForCausalLM, tokens: torch.Tensor, args: argparse.Namespace, seconds: float,
           max_steps: int | None) -> RunResult:
-    """Train for ``seconds`` of wall time (or ``max_steps``), with the time-based schedule."""
+    """Train for ``seconds`` of wall time (or ``max_steps``), with the time-based schedule.
+
+    With ``seconds=inf`` (kernel timing, smoke run) the schedule stays at its
+    start, learning rate 0: those runs exercise every code path, not learning.
+    """
     device = tokens.device
     amp = device.type == "cuda"
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
