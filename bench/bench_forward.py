@@ -26,20 +26,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.timing import best_of  # noqa: E402
+
 from pipeline.gguf_model import GGUFModel  # noqa: E402
 from pipeline.runner import Runner  # noqa: E402
 
 DEFAULT_GGUF = ROOT / "demo" / "model" / "demo-q8_0.gguf"
-
-
-def best_of(fn, reps: int) -> float:
-    """Shortest wall time of `reps` calls (seconds)."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def bench_jax(model: GGUFModel, tokens: np.ndarray, reps: int) -> list[tuple[str, str, float]]:

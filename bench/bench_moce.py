@@ -17,9 +17,11 @@ Run from the repository root: JAX_PLATFORMS=cpu .venv/bin/python -m bench.bench_
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -28,7 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.signal
 
-from kernels.moce import belady_hits, cache_aware_route, lru_hits, make_routing_hook
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.timing import best_of  # noqa: E402
+from kernels.moce import belady_hits, cache_aware_route, lru_hits, make_routing_hook  # noqa: E402
 
 N_TOKENS = 4096
 BATCH = 8
@@ -66,13 +71,7 @@ def python_cache_aware_route(logits: list[list[float]], k: int, cache_size: int,
 def best_seconds(run: Callable[[], object]) -> float:
     """Fastest of REPEATS timed calls, after one untimed warm-up (compilation)."""
     run()
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
+    return best_of(run, REPEATS)
 
 def bench_case(rng: np.random.Generator, n_expert: int, k: int) -> list[tuple[str, float, float]]:
     """(method, token-layer steps per second, hit rate) for one (E, k)."""

@@ -24,6 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.timing import best_of  # noqa: E402
+
 H200_HBM_GBPS = 4300.0  # H200 HBM3e bandwidth, GB/s
 
 CPU_SHAPES = [(16, 256, 256), (8, 512, 2048)]
@@ -34,16 +36,6 @@ def heavy_tailed_experts(shape: tuple[int, int, int], seed: int = 0) -> np.ndarr
     """Expert weights with LLM-like heavy tails, float32 (E, rows, cols)."""
     rng = np.random.default_rng(seed)
     return (0.02 * rng.standard_t(4, shape)).astype(np.float32)
-
-
-def best_of(fn: Callable[[], object], repeats: int) -> float:
-    """Fastest of ``repeats`` timed calls, in seconds."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def timed_first_call(fn: Callable[[], object]) -> float:

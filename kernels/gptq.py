@@ -82,7 +82,8 @@ def gptq_levels(
         _, idx, err = jax.lax.fori_loop(0, block, col_step, init)  # (rows, B) x2
         u_rows = jax.lax.dynamic_slice(upper, (start, 0), (block, cols))  # (B, cols)
         later = (col_ids >= start + block).astype(jnp.float32)  # (cols,)
-        w_cur = w_cur - (err @ u_rows) * later[None, :]  # (rows, cols)
+        w_cur = w_cur - jnp.matmul(err, u_rows, precision=jax.lax.Precision.HIGHEST) * later[None, :]  # (rows, cols)
+        # HIGHEST: GPUs would otherwise multiply in TF32 and the error feedback would drift
         return w_cur, (d, idx)
 
     _, (d, idx) = jax.lax.scan(group_step, jnp.asarray(w, jnp.float32), jnp.arange(n_groups))

@@ -45,6 +45,8 @@ def _add_kv(writer: GGUFWriter, key: str, value: Any, vtype: GGUFValueType | Non
             sub_type: GGUFValueType | None = None) -> None:
     if isinstance(value, (list, tuple, np.ndarray)):
         items = list(value)
+        if sub_type is None and vtype not in (None, GGUFValueType.ARRAY):
+            sub_type = vtype  # the element type, as the caller named it (llama.cpp insists on some)
         if sub_type is None:
             sub_type = _scalar_type(items[0]) if items else GGUFValueType.INT32
             if sub_type == GGUFValueType.UINT32 and any(int(v) < 0 for v in items):

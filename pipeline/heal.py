@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 import kernels
 import kernels.alpha
+import kernels.formats
 import kernels.gptq
 import kernels.importance
 import kernels.kld
@@ -28,9 +29,12 @@ import kernels.moce
 import kernels.ngram
 import kernels.ridge
 from pipeline import audit as audit_mod
+from pipeline import gguf_model as gguf_model_mod
+from pipeline import gguf_write as gguf_write_mod
 from pipeline import model as model_mod
 from pipeline import runner as runner_mod
 from pipeline import stats as stats_mod
+from pipeline import tokenizer as tokenizer_mod
 from pipeline.config import UNHEALED, Config, Variant
 from pipeline.dag import Stage, run_stage
 from pipeline.errors import InputError
@@ -39,17 +43,25 @@ from pipeline.lake import Lake, StageResult, write_parquet
 from pipeline.stages import calibrate, corpus, dump, evaluate, quantize
 from pipeline.tokenizer import build_tokenizer, encode
 
-CORPUS = Stage("corpus", "parts", "", (corpus.read_documents, corpus.read_split, corpus.build_docs))
+CORPUS = Stage("corpus", "parts", "", (corpus.read_documents, corpus.read_split, corpus.build_docs, tokenizer_mod))
 TRACES = Stage("traces", "parts", "", (corpus.draw_trace, corpus._stratum_quotas))
 WINDOWS = Stage("windows", "parts", "", (corpus.read_windows,))
 AUDIT = Stage("audit", "parts", "", (audit_mod, kernels.ngram))
-DUMP = Stage("dump", "dumps", ".zarr", (dump, runner_mod, model_mod), resumable=True)
-IMPORT_DUMP = Stage("import-dump", "dumps", ".zarr", (dump.import_raw_dump, dump._check_finite))
-QUANTIZE = Stage("quantize", "quant", "", (quantize, kernels.importance, kernels.gptq, kernels))
-CALIBRATE = Stage("calibrate", "quant", "", (calibrate, kernels.alpha, kernels.ridge, model_mod))
-ASSEMBLE = Stage("assemble", "models", ".gguf", (calibrate.assemble_gguf,))
-REFERENCE = Stage("reference-logits", "parts", "", (evaluate, runner_mod, model_mod))
-EVALUATE = Stage("evaluate", "parts", "", (evaluate, runner_mod, model_mod, kernels.kld, kernels.moce))
+FORWARD = (runner_mod, model_mod, gguf_model_mod)  # what a forward pass's numbers depend on
+DUMP = Stage("dump", "dumps", ".zarr", (dump.dump_trace, dump._open_or_create, dump._truncate, dump._check_finite,
+                                        dump._widths, *FORWARD), resumable=True)
+IMPORT_DUMP = Stage("import-dump", "dumps", ".zarr", (dump.import_raw_dump, dump._read_spec, dump._check_finite))
+QUANT_KERNELS = (kernels, kernels.formats, kernels.gptq)
+QUANTIZE = Stage("quantize", "quant", "", (quantize.expert_weights, quantize._damped, quantize.layer_importance,
+                                           quantize.quantize_model, kernels.importance, *QUANT_KERNELS,
+                                           gguf_model_mod))
+CALIBRATE = Stage("calibrate", "quant", "", (calibrate.calibrate_model, calibrate.scale_block_scales,
+                                             calibrate.dequantized_experts, calibrate._routed, calibrate._gated_hidden,
+                                             kernels.alpha, kernels.ridge, *QUANT_KERNELS, *FORWARD))
+ASSEMBLE = Stage("assemble", "models", ".gguf", (calibrate.assemble_gguf, gguf_write_mod))
+REFERENCE = Stage("reference-logits", "parts", "", (evaluate.reference_logits, evaluate._batches, evaluate._scored,
+                                                     *FORWARD))
+EVALUATE = Stage("evaluate", "parts", "", (evaluate, kernels.kld, kernels.moce, *FORWARD))
 
 
 def _read_parts(result: StageResult, name: str) -> pa.Table:
@@ -369,5 +381,5 @@ class HealRun:
 
     def write_imatrix(self, out: Path) -> Path:
         quantize.write_imatrix_from_dump(out, self.source, dump.open_dump(self.dump("calibration").path),
-                                         self.cfg.cal_tokens)
+                                         self.cfg.seq_tokens)
         return out

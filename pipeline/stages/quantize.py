@@ -118,4 +118,5 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
             stats[f"blk.{layer}.{name}.weight"] = (hidden.sum_x_sq.astype(np.float32), counts)
         stats[f"blk.{layer}.ffn_down_exps.weight"] = (hidden.sum_h_sq.astype(np.float32), counts)
     n_tokens = int(dump_root.attrs["total_rows"])
-    write_imatrix(out, stats, chunk_count=max(1, n_tokens // max(chunk_size, 1)), datasets=["calibration"])
+    write_imatrix(out, stats, chunk_count=max(1, n_tokens // chunk_size), datasets=["calibration"],
+                  chunk_size=chunk_size)

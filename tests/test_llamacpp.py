@@ -1,0 +1,81 @@
+"""Cross-checks against llama.cpp, our main peer (skipped unless LLAMA_CPP_DIR has a build).
+
+llama.cpp reads our GGUFs (the demo model and healed models with TQ2_0 experts
+and an IQ4_NL shared down projection) and its perplexity agrees with our
+runner's on the same file and text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.config import load_config
+from pipeline.gguf_model import GGUFModel
+from pipeline.heal import HealRun
+from pipeline.runner import Runner
+from pipeline.tokenizer import build_tokenizer, encode
+from tests.healworld import write_world
+
+pytestmark = pytest.mark.llamacpp
+REPO = Path(__file__).resolve().parents[1]
+N_CTX = 256
+
+
+def llama_perplexity(model: Path, text_file: Path, chunks: int) -> float:
+    """llama-perplexity's final estimate. Its log is written by a background thread that can
+    lose the last lines at exit, so a run whose output lacks them is repeated (up to 3 times)."""
+    binary = Path(os.environ["LLAMA_CPP_DIR"]) / "bin" / "llama-perplexity"
+    for _ in range(3):
+        out = subprocess.run([str(binary), "-m", str(model), "-f", str(text_file), "-c", str(N_CTX), "-b",
+                              str(N_CTX), "--chunks", str(chunks), "-t", "2"], capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, (out.stdout + out.stderr)[-2000:]
+        match = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+        if match:
+            return float(match.group(1))
+    raise AssertionError(f"no final estimate in llama-perplexity's output: {(out.stdout + out.stderr)[-2000:]}")
+
+
+def our_perplexity(model: GGUFModel, text: str, chunks: int) -> float:
+    """llama-perplexity's definition: per chunk of N_CTX tokens, the NLL of its second half."""
+    ids = np.asarray(encode(build_tokenizer(model), text), np.int32)[: chunks * N_CTX].reshape(chunks, N_CTX)
+    logits = Runner(model).forward(ids).astype(np.float64)  # (chunks, N_CTX, V)
+    first = N_CTX // 2
+    logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    targets = ids[:, first + 1:]  # (chunks, N_CTX - first - 1)
+    nll = -np.take_along_axis(logp[:, first:-1], targets[..., None], -1)[..., 0]
+    return float(np.exp(nll.mean()))
+
+
+def eval_text(tmp_path: Path, docs_file: Path, chunks: int) -> Path:
+    docs = [json.loads(line)["text"] for line in docs_file.read_text(encoding="utf-8").splitlines()]
+    path = tmp_path / "text.txt"
+    path.write_text("\n".join(docs[: 12 * chunks]), encoding="utf-8")
+    return path
+
+
+@pytest.mark.skipif(not (REPO / "demo" / "model" / "demo-q8_0.gguf").exists(), reason="demo model absent")
+def test_demo_model_perplexity_agrees_with_llama_cpp(tmp_path):
+    model_path = REPO / "demo" / "model" / "demo-q8_0.gguf"
+    text = eval_text(tmp_path, REPO / "demo" / "docs.jsonl", chunks=4)
+    ours = our_perplexity(GGUFModel(model_path), text.read_text(encoding="utf-8"), chunks=4)
+    theirs = llama_perplexity(model_path, text, chunks=4)
+    assert ours == pytest.approx(theirs, rel=0.02)  # llama.cpp quantizes activations for Q8_0 dot products
+
+
+def test_healed_model_runs_in_llama_cpp_and_agrees(tmp_path):
+    config = write_world(tmp_path / "world")
+    run = HealRun(load_config(config), log=lambda m: None)
+    healed = run.assemble(run.cfg.variants[0]).path
+    text = eval_text(tmp_path, config.parent / "docs.jsonl", chunks=2)
+    theirs = llama_perplexity(healed, text, chunks=2)
+    ours = our_perplexity(GGUFModel(healed), text.read_text(encoding="utf-8"), chunks=2)
+    assert np.isfinite(theirs) and ours == pytest.approx(theirs, rel=0.03)
