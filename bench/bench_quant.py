@@ -118,7 +118,7 @@ def bench_llama_quantize(gguf_path: str | None) -> list[str]:
     n_weights = sum(int(np.prod(t.shape)) for t in reader.tensors if len(t.shape) >= 2)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        subprocess.run([str(binary), "--pure", gguf_path, str(Path(tmp, "out.gguf")), "TQ2_0"],
+        subprocess.run([str(binary), "--allow-requantize", "--pure", gguf_path, str(Path(tmp, "out.gguf")), "TQ2_0"],
                        check=True, capture_output=True)
         seconds = time.perf_counter() - t0
     return [f"| llama-quantize TQ2_0 (whole model, all threads) | {n_weights} weights | {seconds:.3f} | "

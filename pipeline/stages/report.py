@@ -42,6 +42,7 @@ QUERY_TABLES: dict[str, tuple[str, ...]] = {
     "report_layer_curves": ("layer_metrics",),
     "report_ridge": ("ridge_cv",),
     "report_hitrate": ("hitrate",),
+    "report_rank_check": ("layer_metrics", "window_kld"),
 }
 
 KIND_ORDER = {"reference": 0, "unhealed": 1, "healed": 2, "external": 3}
@@ -449,6 +450,25 @@ def section_ridge(data: ReportData, order: dict[str, int]) -> list[str]:
     return lines + [source_note("report_ridge"), ""]
 
 
+def section_rank_check(data: ReportData) -> list[str]:
+    """Whether the local residual (in-sample, unseen) orders the variants as pooled KLD does."""
+    lines = ["## 4b. Does the local metric rank variants as KLD does?", ""]
+    if data.missing("report_rank_check") or data.empty("report_rank_check"):
+        return lines + data.not_computed("report_rank_check")
+    rows = data.rows("report_rank_check")
+    for split in sorted({r["split"] for r in rows}):
+        mine = [r for r in rows if r["split"] == split]
+        agree = all(r["rank_local"] == r["rank_kld"] for r in mine)
+        lines += [f"{SPLIT_LABELS.get(split, split)}: ranks {'agree' if agree else 'DISAGREE'} "
+                  f"for {len(mine)} variants.", ""]
+        lines += markdown_table(["variant", "residual after alpha + ridge", "pooled KLD (eval, bonus 0)",
+                                 "rank (local)", "rank (KLD)"],
+                                ([r["variant"], f"{fmt_num(r['resid_pct'], 2)}%", fmt_num(r["kld"], 4),
+                                  str(r["rank_local"]), str(r["rank_kld"])] for r in mine))
+        lines += [""]
+    return lines + [source_note("report_rank_check"), ""]
+
+
 # ---- section 6: hit rates ---------------------------------------------------------------
 def section_hitrate(data: ReportData, order: dict[str, int], plot: str | None) -> list[str]:
     lines = ["## 6. Expert-cache hit rates", ""]
@@ -541,6 +561,7 @@ def render_report(data: ReportData, plots: dict[str, dict[str, str]], order: dic
     lines += section_strata(data, order, plots["strata"])
     lines += section_windows(data, order, baseline, plots["windows"])
     lines += section_layers(data, order, plots["layers"].get("all"))
+    lines += section_rank_check(data)
     lines += section_ridge(data, order)
     lines += section_hitrate(data, order, plots["hitrate"].get("all"))
     return "\n".join(lines).rstrip() + "\n"
