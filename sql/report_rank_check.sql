@@ -5,13 +5,14 @@
 -- rank of each (1 = best) within the split. A local metric is only useful for
 -- choosing knobs (damping, shrinkage, calibration length) if its ranks match.
 -- From: layer_metrics (variant, split, resid_ridge), window_kld (variant,
--- moce_bonus, set, kld_sum, n_tokens; summed exactly as DECIMAL).
+-- moce_bonus, set, kld_mean, n_tokens; pooled as sum(kld_mean * n_tokens) / sum(n_tokens),
+-- summed exactly as DECIMAL).
 WITH local_metric AS (
     SELECT variant, split, avg(resid_ridge) AS resid
     FROM layer_metrics
     GROUP BY variant, split
 ), pooled AS (
-    SELECT variant, sum(kld_sum::DECIMAL(38, 18))::DOUBLE / sum(n_tokens) AS kld
+    SELECT variant, sum((kld_mean * n_tokens)::DECIMAL(38, 18))::DOUBLE / sum(n_tokens) AS kld
     FROM window_kld
     WHERE moce_bonus = 0 AND set = 'eval'
     GROUP BY variant

@@ -362,6 +362,24 @@ def test_layer_metrics_in_sample_and_held_out(lake, report):
             assert cells[9] == f"{worse}/{N_LAYERS}"
 
 
+def test_rank_check_orders_variants_like_numpy(lake, report):
+    """Section 4b: the unseen residual's ranking beside pooled eval KLD at bonus 0, both from NumPy."""
+    _, tables = lake
+    _, text = report
+    block = section(text, "## 4b. Does the local metric rank variants as KLD does?")
+    metrics = [r for r in tables["layer_metrics"].to_pylist() if r["split"] == "unseen"]
+    resid = {v: np.mean([r["resid_ridge"] for r in metrics if r["variant"] == v]) for v in VARIANTS}
+    kld = {v: pooled(tables["window_kld"], variant=v, moce_bonus=0.0, set="eval")[0] for v in VARIANTS}
+    rank_local = {v: i + 1 for i, v in enumerate(sorted(VARIANTS, key=resid.get))}
+    rank_kld = {v: i + 1 for i, v in enumerate(sorted(VARIANTS, key=kld.get))}
+    held_out = block[block.index("held-out"):]
+    for v in VARIANTS:
+        cells = [c.strip() for c in row_of(held_out, v).strip("|").split("|")]
+        assert cells[1:] == [f"{100 * resid[v]:.2f}%", f"{kld[v]:.4f}", str(rank_local[v]), str(rank_kld[v])]
+    agree = all(rank_local[v] == rank_kld[v] for v in VARIANTS)
+    assert f"ranks {'agree' if agree else 'DISAGREE'} for {len(VARIANTS)} variants" in held_out
+
+
 def test_ridge_and_hitrate_tables(lake, report):
     _, tables = lake
     _, text = report
