@@ -59,6 +59,16 @@ UNHEALED = Variant(name="unhealed", kind="unhealed", importance=False, alpha=Fal
 
 
 @dataclass(frozen=True)
+class WindowGeneration:
+    """`[eval] generate`: windows drawn from the eval/canary docs instead of a windows file."""
+
+    eval_per_stratum: int
+    canary_per_stratum: int
+    ctx_tokens: int
+    scored_tokens: int
+
+
+@dataclass(frozen=True)
 class Config:
     path: Path
     lake_root: Path
@@ -72,7 +82,8 @@ class Config:
     unseen_tokens: int
     cal_seed: int
     dump_chunk_tokens: int
-    windows: Path
+    windows: Path | None
+    window_generation: WindowGeneration | None
     ngram: int
     bootstrap: int
     eval_seed: int
@@ -92,7 +103,8 @@ _SCHEMA: dict[str, set[str]] = {
     "model": {"reference", "source"},
     "corpus": {"docs", "split"},
     "calibration": {"tokens", "seq_tokens", "mix", "unseen_tokens", "seed", "dump_chunk_tokens"},
-    "eval": {"windows", "ngram", "bootstrap", "seed"},
+    "eval": {"windows", "generate", "ngram", "bootstrap", "seed"},
+    "eval.generate": {"eval_per_stratum", "canary_per_stratum", "ctx_tokens", "scored_tokens"},
     "moce": {"bonus", "cache_experts", "reps"},
     "variant": {"name", "quant", "beta_gate_up", "beta_down", "down_blend_tokens", "alpha",
                 "ridge_rho", "ridge_eta", "shexp_down", "round", "gptq_damp", "gptq_shrink",
@@ -105,7 +117,7 @@ class _Reader:
 
     def __init__(self, file: Path, section: str, table: dict[str, Any]):
         self.file, self.section, self.table = file, section, table
-        unknown = sorted(set(table) - _SCHEMA[section.split("[")[0]])
+        unknown = sorted(set(table) - _SCHEMA[section.split("[")[0].strip()])
         if unknown:
             self.fail(unknown[0], "unknown key")
 
@@ -169,6 +181,21 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any]) -> Varia
     )
 
 
+def _windows(file: Path, base: Path, ev: _Reader) -> tuple[Path | None, WindowGeneration | None]:
+    """Exactly one of `[eval] windows` (a file) and `[eval] generate` (counts and lengths)."""
+    if ("windows" in ev.table) == ("generate" in ev.table):
+        ev.fail("windows", "give either a windows file or a `generate` table, not both or neither")
+    if "windows" in ev.table:
+        return ev.path("windows", base), None
+    gen = _Reader(file, "eval.generate", ev.get("generate", dict))
+    return None, WindowGeneration(
+        eval_per_stratum=gen.number("eval_per_stratum", int, 8, 0, 10**5),
+        canary_per_stratum=gen.number("canary_per_stratum", int, 2, 0, 10**5),
+        ctx_tokens=gen.number("ctx_tokens", int, 192, 0, 1 << 20),
+        scored_tokens=gen.number("scored_tokens", int, 64, 1, 1 << 20),
+    )
+
+
 def load_config(path: str | Path) -> Config:
     """Parse and validate `heal.toml`; raise InputError naming the key on any problem."""
     file = Path(path).resolve()
@@ -213,6 +240,7 @@ def load_config(path: str | Path) -> Config:
     bonuses = tuple(sorted({float(b) for b in bonus} | {0.0}))
 
     seq_tokens = cal.number("seq_tokens", int, 512, 16, 1 << 20)
+    windows, generation = _windows(file, base, ev)
     return Config(
         path=file,
         lake_root=(base / lake.get("root", str, "lake")).resolve(),
@@ -224,7 +252,8 @@ def load_config(path: str | Path) -> Config:
         unseen_tokens=cal.number("unseen_tokens", int, 8192, 0, 1 << 26),
         cal_seed=cal.number("seed", int, 0, 0),
         dump_chunk_tokens=cal.number("dump_chunk_tokens", int, 4 * seq_tokens, 1, 1 << 26),
-        windows=ev.path("windows", base),
+        windows=windows,
+        window_generation=generation,
         ngram=ev.number("ngram", int, 16, 2, 1024),
         bootstrap=ev.number("bootstrap", int, 10000, 100, 10**6),
         eval_seed=ev.number("seed", int, 0, 0),

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 import kernels
@@ -45,7 +46,8 @@ from pipeline.tokenizer import build_tokenizer, encode
 
 CORPUS = Stage("corpus", "parts", "", (corpus.read_documents, corpus.read_split, corpus.build_docs, tokenizer_mod))
 TRACES = Stage("traces", "parts", "", (corpus.draw_trace, corpus._stratum_quotas))
-WINDOWS = Stage("windows", "parts", "", (corpus.read_windows,))
+WINDOWS = Stage("windows", "parts", "", (corpus.read_windows, corpus.generate_windows, corpus.clean_score_starts,
+                                         kernels.ngram))
 AUDIT = Stage("audit", "parts", "", (audit_mod, kernels.ngram))
 FORWARD = (runner_mod, model_mod, gguf_model_mod)  # what a forward pass's numbers depend on
 DUMP = Stage("dump", "dumps", ".zarr", (dump.dump_trace, dump._open_or_create, dump._truncate, dump._check_finite,
@@ -142,20 +144,46 @@ class HealRun:
     def trace_tokens(self, trace: str) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, seq) of one trace, in position order."""
         table = _read_parts(self.traces(), "cal_trace")
-        rows = table.filter(pa.compute.equal(table.column("trace"), trace))
+        rows = table.filter(pc.equal(table.column("trace"), trace))
         if rows.num_rows == 0:
             raise InputError(f"{self.cfg.path}: trace {trace!r} is empty (check [calibration] and the split)")
         return rows.column("token").to_numpy(), rows.column("seq").to_numpy()
 
     def windows(self) -> StageResult:
-        def build(out: Path) -> None:
-            docs = _read_parts(self.corpus(), "docs").to_pylist()
-            lengths = {r["doc_id"]: r["n_tokens"] for r in docs}
-            strata = {r["doc_id"]: r["stratum"] for r in docs}
-            write_parquet(out / "windows.parquet", corpus.read_windows(self.cfg.windows, lengths, strata))
+        """From the windows file, or generated from the eval/canary docs (then the calibration
+        trace is an input too: scored spans are placed clear of its n-grams)."""
+        gen = self.cfg.window_generation
 
+        def build(out: Path) -> None:
+            docs = _read_parts(self.corpus(), "docs")
+            rows = docs.to_pylist()
+            if gen is None:
+                table = corpus.read_windows(self.cfg.windows, {r["doc_id"]: r["n_tokens"] for r in rows},
+                                            {r["doc_id"]: r["stratum"] for r in rows})
+            else:
+                table = corpus.generate_windows(
+                    docs, self.doc_tokens, self._calibration_hashes(), self.cfg.ngram,
+                    {"eval": gen.eval_per_stratum, "canary": gen.canary_per_stratum},
+                    gen.ctx_tokens, gen.scored_tokens, self.cfg.eval_seed)
+            write_parquet(out / "windows.parquet", table)
+
+        if gen is None:
+            params, inputs, upstream = {}, {"windows": self.cfg.windows}, {"corpus": self.corpus()}
+        else:
+            params = {"generate": vars(gen), "ngram": self.cfg.ngram, "seed": self.cfg.eval_seed}
+            inputs, upstream = {}, {"corpus": self.corpus(), "traces": self.traces()}
         return self._once(("windows",), lambda: run_stage(
-            self.lake, WINDOWS, {}, {"windows": self.cfg.windows}, {"corpus": self.corpus()}, build, self.log))
+            self.lake, WINDOWS, params, inputs, upstream, build, self.log))
+
+    def _calibration_hashes(self) -> np.ndarray:
+        """Sorted n-gram hashes of the calibration trace, per doc segment (never across docs)."""
+        table = _read_parts(self.traces(), "cal_trace")
+        rows = table.filter(pc.equal(table.column("trace"), "calibration"))
+        doc_ids = rows.column("doc_id").to_numpy(zero_copy_only=False)
+        tokens = rows.column("token").to_numpy()
+        cuts = np.flatnonzero(doc_ids[1:] != doc_ids[:-1]) + 1
+        parts = [kernels.ngram.ngram_hashes(seg, self.cfg.ngram) for seg in np.split(tokens, cuts)]
+        return np.unique(np.concatenate(parts)) if parts else np.array([], np.uint64)
 
     def window_tokens(self) -> dict[str, np.ndarray]:
         """Each window's tokens over [ctx_start, score_end) of its doc."""

@@ -100,3 +100,18 @@ def test_help_lists_the_contract_commands(capsys):
     for command in ("heal", "audit", "dump", "quantize", "calibrate", "eval", "report", "imatrix",
                     "import-dump", "sql", "export"):
         assert command in out
+
+
+def test_windows_file_or_generation_not_both(tmp_path):
+    both = BASE.format(extra="").replace('windows = "windows.csv"',
+                                         'windows = "windows.csv"\ngenerate = { eval_per_stratum = 4 }')
+    with pytest.raises(InputError, match=r"\[eval\] windows: give either a windows file or a `generate` table"):
+        load_config(write_config(tmp_path, text=both))
+    generated = BASE.format(extra="").replace('windows = "windows.csv"',
+                                              'generate = { eval_per_stratum = 4, ctx_tokens = 32 }')
+    cfg = load_config(write_config(tmp_path, text=generated))
+    assert cfg.windows is None and cfg.window_generation.eval_per_stratum == 4
+    assert (cfg.window_generation.ctx_tokens, cfg.window_generation.scored_tokens) == (32, 64)
+    typo = generated.replace("ctx_tokens = 32", "ctx = 32")
+    with pytest.raises(InputError, match=r"\[eval.generate\] ctx: unknown key"):
+        load_config(write_config(tmp_path, text=typo))

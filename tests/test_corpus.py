@@ -6,10 +6,13 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from pipeline.errors import InputError
-from pipeline.stages.corpus import build_docs, draw_trace, read_documents, read_split, read_windows
+from kernels.ngram import ngram_hashes
+from pipeline.stages.corpus import (build_docs, clean_score_starts, draw_trace, generate_windows, read_documents,
+                                    read_split, read_windows)
 
 
 def write_jsonl(path: Path, docs: list[dict]) -> Path:
@@ -84,3 +87,39 @@ def test_windows_table_and_errors(tmp_path):
     path.write_text("window_id,doc_id,stratum,set,ctx_tokens,scored_tokens\nw1,zz,s,eval,1,1\n")
     with pytest.raises(InputError, match=r"doc 'zz' is not in the corpus"):
         read_windows(path, {"a": 20}, {"a": "s"})
+
+
+def test_clean_score_starts_equals_brute_force():
+    rng = np.random.default_rng(1)
+    n, ctx, scored = 4, 5, 6
+    for _ in range(20):
+        n_tokens = int(rng.integers(n, 60))
+        shared = rng.random(n_tokens - n + 1) < 0.15
+        brute = [s for s in range(ctx, n_tokens - scored + 1)
+                 if not shared[max(s - n + 1, 0):min(s + scored, len(shared))].any()]
+        assert clean_score_starts(shared, n_tokens, n, ctx, scored).tolist() == brute
+
+
+def test_generated_windows_keep_scored_spans_clear_of_the_trace():
+    rng = np.random.default_rng(2)
+    tokens = {f"{s}{i}": rng.integers(0, 50, 300).astype(np.int32) for s in "ab" for i in range(6)}
+    roles = {d: ("cal" if d.endswith(("0", "1")) else "eval" if d.endswith(("2", "3", "4")) else "canary")
+             for d in tokens}
+    boiler = tokens["a0"][:40]
+    for d in ("a2", "a3"):  # calibration boilerplate inside eval docs
+        tokens[d][100:140] = boiler
+    docs = pa.table({"doc_id": list(tokens), "stratum": [d[0] for d in tokens], "role": [roles[d] for d in tokens],
+                     "n_tokens": [300] * len(tokens)})
+    cal_hashes = np.unique(np.concatenate([ngram_hashes(tokens[d], 8) for d in tokens if roles[d] == "cal"]))
+    args = (docs, tokens, cal_hashes, 8, {"eval": 3, "canary": 1}, 64, 32, 0)
+    windows = generate_windows(*args)
+    assert windows.equals(generate_windows(*args))  # seeded
+    rows = windows.to_pylist()
+    assert sorted((r["set"], r["stratum"]) for r in rows) == sorted([("eval", "a")] * 3 + [("eval", "b")] * 3
+                                                                     + [("canary", "a"), ("canary", "b")])
+    for r in rows:
+        assert roles[r["doc_id"]] == r["set"] and r["score_start"] - r["ctx_start"] == 64
+        scored = ngram_hashes(tokens[r["doc_id"]][r["score_start"] - 7:r["score_end"]], 8)
+        assert not np.isin(scored, cal_hashes).any()
+    with pytest.raises(InputError, match=r"only 1 of 2 canary windows"):
+        generate_windows(docs, tokens, cal_hashes, 8, {"canary": 2}, 64, 32, 0)

@@ -122,7 +122,7 @@ def test_heal_toml_names_existing_files_and_two_variants():
     config = tomllib.loads((DEMO / "heal.toml").read_text())
     for rel in (config["corpus"]["docs"], config["corpus"]["split"], config["eval"]["windows"]):
         assert (DEMO / rel).exists(), rel
-    assert [v["name"] for v in config["variant"]][:2] == ["v1", "v2"]
+    assert {"v1", "v2"} <= {v["name"] for v in config["variant"]}
     assert {0.0, 0.85} <= set(config["moce"]["bonus"])
     assert set(config["calibration"]["mix"]) == STRATA
 

@@ -178,3 +178,16 @@ def test_truncated_reference_exits_2_and_leaves_the_lake_alone(healed, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ref.gguf" in err[0]
     assert {p.name: p.read_bytes() for p in lake_tables.iterdir()} == before
+
+
+def test_generated_windows_pass_the_audit(healed, tmp_path):
+    config = copy_world(healed[0], tmp_path / "w")
+    text = config.read_text().replace('windows = "windows.csv"',
+                                      "generate = { eval_per_stratum = 2, canary_per_stratum = 1, "
+                                      "ctx_tokens = 32, scored_tokens = 24 }")
+    config.write_text(text)
+    run = HealRun(load_config(config), log=Log())
+    overlap = run.audit()  # raises on any scored-span leak
+    windows = run.lake.read_table("windows").to_pylist()
+    assert len(windows) == 4 * 3 and overlap.num_rows == 12
+    assert all(w["score_end"] - w["score_start"] == 24 for w in windows)
