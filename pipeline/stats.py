@@ -31,7 +31,8 @@ def window_kld(con: duckdb.DuckDBPyConnection) -> pa.Table:
 
 
 def pooled(con: duckdb.DuckDBPyConnection) -> pa.Table:
-    """Pooled KLD and top-1 per variant, bonus, set and stratum (+ 'all') from `window_kld`."""
+    """Pooled KLD and top-1 (percent) per set, variant, bonus and stratum (+ 'all') from `window_kld`;
+    the same query the report's per-stratum table shows."""
     return run_sql(con, "pooled")
 
 

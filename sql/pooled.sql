@@ -1,19 +1,21 @@
--- Pooled KL divergence and top-1 agreement per variant, MoCE bonus, window set
--- and stratum, plus stratum 'all' pooling every stratum of the set.
--- From: window_kld (kld_sum, top1_sum, n_tokens per window).
--- Pooled KLD = sum of token KLDs / number of scored tokens (so long windows
--- weigh more than short ones), summed exactly as DECIMAL(38,18).
--- One row per (variant, moce_bonus, set, stratum): n_windows, n_tokens,
--- kld_pooled, top1_agree.
+-- Token-pooled KL divergence and top-1 agreement per variant, MoCE bonus, window
+-- set and stratum, plus stratum 'all' pooling every stratum of the set.
+-- From: window_kld (variant, moce_bonus, set, stratum, n_tokens, kld_mean,
+-- top1_agree as a fraction). Pooled KLD = sum(kld_mean * n_tokens) /
+-- sum(n_tokens), i.e. the sum of token KLDs over the number of scored tokens.
+-- The per-window products are summed as DECIMAL(38,18), exact in any order, so
+-- the result is the same to the last bit whatever the thread count or storage.
+-- One row per (set, variant, moce_bonus, stratum): n_windows, n_tokens,
+-- kld_pooled (nats), top1_pct (percent of tokens).
 SELECT
+    set,
     variant,
     moce_bonus,
-    set,
     CASE WHEN grouping(stratum) = 1 THEN 'all' ELSE stratum END AS stratum,
     count(*) AS n_windows,
     sum(n_tokens)::BIGINT AS n_tokens,
-    sum(kld_sum::DECIMAL(38, 18))::DOUBLE / sum(n_tokens) AS kld_pooled,
-    sum(top1_sum) / sum(n_tokens) AS top1_agree
+    sum((kld_mean * n_tokens)::DECIMAL(38, 18))::DOUBLE / sum(n_tokens) AS kld_pooled,
+    100 * sum((top1_agree * n_tokens)::DECIMAL(38, 18))::DOUBLE / sum(n_tokens) AS top1_pct
 FROM window_kld
-GROUP BY GROUPING SETS ((variant, moce_bonus, set, stratum), (variant, moce_bonus, set))
-ORDER BY variant, moce_bonus, set, grouping(stratum) DESC, stratum;
+GROUP BY GROUPING SETS ((set, variant, moce_bonus, stratum), (set, variant, moce_bonus))
+ORDER BY set, variant, moce_bonus, grouping(stratum), stratum;

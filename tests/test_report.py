@@ -270,7 +270,7 @@ def test_report_has_every_section_with_its_source(report):
     for heading in ("## 0. Inputs", "## 1. Pooled comparisons", "## 2. Per stratum", "## 3. Per window",
                     "## 4. Local MoE metrics", "## 5. Ridge cross-validation", "## 6. Expert-cache hit rates"):
         assert heading in text
-    for stem in ("report_comparisons", "report_strata", "report_windows", "report_layers", "report_ridge",
+    for stem in ("report_comparisons", "pooled", "report_windows", "report_layers", "report_ridge",
                  "report_hitrate", "report_docs", "report_window_sets"):
         assert f"`sql/{stem}.sql`" in text
     assert "Not computed" not in text
@@ -463,18 +463,18 @@ def test_bundle_layout_and_provenance(lake, bundle):
     for name, table in tables.items():
         assert pq.read_table(bundle / "tables" / f"{name}.parquet").equals(lake_obj.read_table(name))
     assert (bundle / "report.md").is_file() and (bundle / "strata_kld_eval.png").is_file()
-    assert (bundle / "sql" / "report_strata.sql").is_file()
+    assert (bundle / "sql" / "pooled.sql").is_file()
     # v1's record and its upstream calibrate record, unhealed and v2; not the stale run,
     # and nothing for the reference (its fingerprint is a file digest with no record)
     assert sorted(p.stem for p in (bundle / "provenance").glob("*.json")) == \
         sorted(["a" * 64, "b" * 64, "c" * 64, "d" * 64])
     con = duckdb.connect(str(bundle / "lake.duckdb"), read_only=True)
     try:
-        query = (bundle / "sql" / "report_strata.sql").read_text()
+        query = (bundle / "sql" / "pooled.sql").read_text()
         from_bundle = con.sql(query).to_arrow_table()
     finally:
         con.close()
-    assert from_bundle.equals(lake_obj.query("report_strata"))
+    assert from_bundle.equals(lake_obj.query("pooled"))
 
 
 def test_readme_documents_every_column(bundle):

@@ -214,7 +214,7 @@ def readme_text(lake: Lake) -> str:
         "- `tables/<name>.parquet`: every table of the lake.",
         "- `lake.duckdb`: the same tables as DuckDB tables: "
         "`duckdb lake.duckdb -c \"select * from comparisons\"`, or "
-        "`duckdb lake.duckdb < sql/report_strata.sql` to recompute a report table.",
+        "`duckdb lake.duckdb < sql/pooled.sql` to recompute a report table.",
         "- `sql/`: the queries that computed the tables and the report ($name are DuckDB named parameters).",
         "- `provenance/<fingerprint>.json`: how each evaluated model was built (inputs' digests, "
         "parameters, code and library versions, times), and the records of the stages it was built from.",

@@ -3,7 +3,7 @@
 Every number in the report is a value some `sql/report_*.sql` query returns
 over the lake's tables, only rounded for print, and every table in the report
 names the lake tables and the query it comes from, so a reader can re-run the
-query (`moeheal sql sql/report_strata.sql`, or `duckdb lake/lake.duckdb`) and
+query (`moeheal sql sql/pooled.sql`, or `duckdb lake/lake.duckdb`) and
 find the digits. Python here formats and plots; it computes nothing.
 
 A section whose tables are not in the lake (a stage that has not run yet) says
@@ -36,7 +36,7 @@ QUERY_TABLES: dict[str, tuple[str, ...]] = {
     "report_window_sets": ("windows", "overlap"),
     "report_comparisons": ("comparisons",),
     "report_stratum_ci": ("comparisons", "variants"),
-    "report_strata": ("window_kld",),
+    "pooled": ("window_kld",),
     "report_windows": ("window_kld", "overlap", "variants"),
     "report_layers": ("layer_metrics",),
     "report_layer_curves": ("layer_metrics",),
@@ -247,9 +247,9 @@ def strata_table(rows: list[Row], order: dict[str, int]) -> list[str]:
 
 def section_strata(data: ReportData, order: dict[str, int], plots: dict[str, str]) -> list[str]:
     lines = ["## 2. Per stratum: KLD / top-1 % (token-pooled)", ""]
-    if data.missing("report_strata") or data.empty("report_strata"):
-        return lines + data.not_computed("report_strata")
-    rows = data.rows("report_strata")
+    if data.missing("pooled") or data.empty("pooled"):
+        return lines + data.not_computed("pooled")
+    rows = data.rows("pooled")
     lines += ["Each cell: pooled KLD (nats per token) / top-1 agreement (% of tokens); "
               "n = windows. All windows of the set.", ""]
     for name in sorted_sets(r["set"] for r in rows):
@@ -258,11 +258,11 @@ def section_strata(data: ReportData, order: dict[str, int], plots: dict[str, str
         lines += [""]
         if name in plots:
             lines += [f"![per-stratum KLD, {set_label(name)}]({plots[name]})", "",
-                      "_Bars: pooled KLD per stratum (`sql/report_strata.sql`). Whiskers: the 95% window-"
+                      "_Bars: pooled KLD per stratum (`sql/pooled.sql`). Whiskers: the 95% window-"
                       "bootstrap CI of the comparison against unhealed at the same MoCE bonus, drawn as "
                       "unhealed's pooled KLD \u00d7 (1 + CI of \u0394 KLD / 100) (`comparisons` via "
                       "`sql/report_stratum_ci.sql`); unhealed itself has none._", ""]
-    return lines + [source_note("report_strata"), ""]
+    return lines + [source_note("pooled"), ""]
 
 
 def plot_strata(strata_rows: list[Row], ci_rows: list[Row], order: dict[str, int], out: Path) -> None:
@@ -526,7 +526,7 @@ def draw_plots(data: ReportData, order: dict[str, int], baseline: str | None,
                out_dir: Path) -> dict[str, dict[str, str]]:
     """Write every plot the lake has data for; returns {section: {key: file name}}."""
     plots: dict[str, dict[str, str]] = {"strata": {}, "windows": {}, "layers": {}, "hitrate": {}}
-    strata = data.rows("report_strata")
+    strata = data.rows("pooled")
     ci = data.rows("report_stratum_ci")
     for name in sorted_sets(r["set"] for r in strata):
         file = f"strata_kld_{name or 'all'}.png"
@@ -583,7 +583,7 @@ def write_report(lake: Lake, out_dir: Path) -> Path:
         old.unlink()
     data = ReportData(lake)
     variants = data.rows("report_variants")
-    seen = {r["variant"] for r in data.rows("report_strata")}
+    seen = {r["variant"] for r in data.rows("pooled")}
     order = variant_order(variants, seen)
     baseline = baseline_name(variants)
     plots = draw_plots(data, order, baseline, out_dir)
