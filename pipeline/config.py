@@ -91,6 +91,7 @@ class Config:
     moce_bonus: tuple[float, ...]
     cache_experts: int
     moce_reps: int = 2
+    imported_dumps: dict[str, Path] = field(default_factory=dict)  # trace -> spec of an outside dump
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -102,7 +103,8 @@ _SCHEMA: dict[str, set[str]] = {
     "lake": {"root"},
     "model": {"reference", "source"},
     "corpus": {"docs", "split"},
-    "calibration": {"tokens", "seq_tokens", "mix", "unseen_tokens", "seed", "dump_chunk_tokens"},
+    "calibration": {"tokens", "seq_tokens", "mix", "unseen_tokens", "seed", "dump_chunk_tokens", "import_dump",
+                    "import_unseen_dump"},
     "eval": {"windows", "generate", "ngram", "bootstrap", "seed"},
     "eval.generate": {"eval_per_stratum", "canary_per_stratum", "ctx_tokens", "scored_tokens"},
     "moce": {"bonus", "cache_experts", "reps"},
@@ -261,5 +263,7 @@ def load_config(path: str | Path) -> Config:
         moce_bonus=bonuses,
         cache_experts=moce.number("cache_experts", int, 8, 1),
         moce_reps=moce.number("reps", int, 2, 1, 16),
+        imported_dumps={trace: cal.path(key, base) for trace, key in
+                        (("calibration", "import_dump"), ("unseen", "import_unseen_dump")) if key in cal.table},
         raw=raw,
     )

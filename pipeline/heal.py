@@ -243,6 +243,8 @@ class HealRun:
 
         def run() -> StageResult:
             self.audit()  # never dump from a trace that leaks into evaluation
+            if trace in self.cfg.imported_dumps:  # made by another engine: `[calibration] import_dump`
+                return self.import_dump(self.cfg.imported_dumps[trace])
             return run_stage(self.lake, DUMP, {"trace": trace, "seq_tokens": self.cfg.seq_tokens},
                              {"reference": self.cfg.reference}, {"traces": self.traces()}, build, self.log)
 

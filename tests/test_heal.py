@@ -191,3 +191,34 @@ def test_generated_windows_pass_the_audit(healed, tmp_path):
     windows = run.lake.read_table("windows").to_pylist()
     assert len(windows) == 4 * 3 and overlap.num_rows == 12
     assert all(w["score_end"] - w["score_start"] == 24 for w in windows)
+
+
+def test_imported_dump_feeds_quantization_like_our_own(healed, tmp_path):
+    """`[calibration] import_dump`: another engine's raw files replace our dump, sizes checked."""
+    config, run = healed
+    native = open_dump(run.dump("calibration").path)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    layers = []
+    for layer in range(run.source.hp.n_layer):
+        files = {}
+        for name in ("mixed", "yr", "hh", "experts", "weights"):
+            values = native[str(layer)][name][:]
+            values.astype("<i4" if name == "experts" else "<f4").tofile(raw / f"{layer}.{name}.bin")
+            files[name] = f"{layer}.{name}.bin"
+        layers.append("[[layers]]\n" + "\n".join(f'{k} = "{v}"' for k, v in files.items()))
+    hp = run.source.hp
+    spec = raw / "dump.toml"
+    spec.write_text(f'trace = "calibration"\nT = {native["0"]["mixed"].shape[0]}\nd = {hp.d_model}\n'
+                    f'f = {hp.d_shexp}\nk = {hp.n_expert_used}\n' + "\n".join(layers) + "\n")
+    world = copy_world(config, tmp_path / "w")
+    world.write_text(world.read_text().replace("seed = 0\n[eval]", f'seed = 0\nimport_dump = "{spec}"\n[eval]', 1))
+    imported_run = HealRun(load_config(world), log=Log())
+    imported = imported_run.dump("calibration")
+    assert imported.stage == "import-dump"
+    variant = run.cfg.variants[0]
+    ours = np.load(run.quantize(variant).path / "layer_1.npz")
+    theirs = np.load(imported_run.quantize(variant).path / "layer_1.npz")
+    assert imported_run.quantize(variant).fingerprint != run.quantize(variant).fingerprint
+    for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+        np.testing.assert_array_equal(ours[name], theirs[name])
