@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from pipeline.errors import MoehealError
+from pipeline.errors import InputError, MoehealError
 
 
 def _pipeline(args: argparse.Namespace):
@@ -94,7 +94,10 @@ def cmd_sql(args: argparse.Namespace) -> int:
     from pipeline.sqlcli import run_user_sql
 
     lake = Lake(load_config(args.config).lake_root)
-    return run_user_sql(lake, args.query, args.format, args.out)
+    fmt, *rest = args.format
+    if fmt not in ("table", "csv", "parquet") or len(rest) > (fmt == "parquet"):
+        raise InputError(f"sql: --format {' '.join(args.format)}: expected table, csv or parquet OUT")
+    return run_user_sql(lake, args.query, fmt, rest[0] if rest else args.out)
 
 
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
@@ -125,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("spec", help="TOML naming the raw files: trace, T, d, f, k, [[layers]]")
         if name == "sql":
             p.add_argument("query", help="a SELECT statement or a .sql file")
-            p.add_argument("--format", default="table", choices=("table", "csv", "parquet"))
+            p.add_argument("--format", nargs="+", default=["table"], metavar="FORMAT [OUT]",
+                           help="table (default), csv, or parquet OUT")
             p.add_argument("--out", help="output file for --format parquet")
     return parser
 

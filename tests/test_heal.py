@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import duckdb
+import pyarrow.parquet as pq
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -222,3 +223,17 @@ def test_imported_dump_feeds_quantization_like_our_own(healed, tmp_path):
     assert imported_run.quantize(variant).fingerprint != run.quantize(variant).fingerprint
     for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
         np.testing.assert_array_equal(ours[name], theirs[name])
+
+
+def test_sql_command_prints_csv_and_writes_parquet(healed, tmp_path, capsys):
+    config, _ = healed
+    assert main(["sql", "-c", str(config), "SELECT count(*) AS n FROM variants", "--format", "csv"]) == 0
+    assert capsys.readouterr().out.split() == ['"n"', "4"]
+    out = tmp_path / "v.parquet"
+    assert main(["sql", "-c", str(config), "SELECT variant FROM variants", "--format", "parquet", str(out)]) == 0
+    assert sorted(pq.read_table(out).column("variant").to_pylist()) == ["reference", "unhealed", "v1", "v2"]
+    query = tmp_path / "q.sql"
+    query.write_text("SELECT count(*) AS n FROM windows")
+    assert main(["sql", "-c", str(config), str(query), "--format", "csv"]) == 0
+    assert capsys.readouterr().out.split() == ['"n"', "16"]
+    assert main(["sql", "-c", str(config), "SELECT * FROM no_such_table"]) == 2
