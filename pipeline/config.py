@@ -38,6 +38,7 @@ class Variant:
     gptq_damp: float = 1.0
     gptq_shrink: float = 64.0
     importance: bool = True
+    cal_tokens: int = 0  # 0 = the whole calibration dump; else its first cal_tokens rows
     gguf: Path | None = None
 
     def knobs(self) -> dict[str, Any]:
@@ -49,7 +50,7 @@ class Variant:
             "down_blend_tokens": self.down_blend_tokens, "alpha": self.alpha,
             "ridge_rho": self.ridge_rho, "ridge_eta": self.ridge_eta, "shexp_down": self.shexp_down,
             "round": self.round, "gptq_damp": self.gptq_damp, "gptq_shrink": self.gptq_shrink,
-            "importance": self.importance,
+            "importance": self.importance, "cal_tokens": self.cal_tokens,
         }
 
 
@@ -110,7 +111,7 @@ _SCHEMA: dict[str, set[str]] = {
     "moce": {"bonus", "cache_experts", "reps"},
     "variant": {"name", "quant", "beta_gate_up", "beta_down", "down_blend_tokens", "alpha",
                 "ridge_rho", "ridge_eta", "shexp_down", "round", "gptq_damp", "gptq_shrink",
-                "importance", "gguf"},
+                "importance", "cal_tokens", "gguf"},
 }
 
 
@@ -180,6 +181,7 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any]) -> Varia
         gptq_damp=r.number("gptq_damp", float, 1.0, 0.0),
         gptq_shrink=r.number("gptq_shrink", float, 64.0, 0.0),
         importance=r.get("importance", bool, True),
+        cal_tokens=r.number("cal_tokens", int, 0, 0, 1 << 26),
     )
 
 

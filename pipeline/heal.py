@@ -58,7 +58,8 @@ QUANTIZE = Stage("quantize", "quant", "", (quantize.expert_weights, quantize._da
                                            quantize.quantize_model, kernels.importance, *QUANT_KERNELS,
                                            gguf_model_mod))
 CALIBRATE = Stage("calibrate", "quant", "", (calibrate.calibrate_model, calibrate.scale_block_scales,
-                                             calibrate.dequantized_experts, calibrate._routed, calibrate._gated_hidden,
+                                             calibrate.dequantized_experts, calibrate._load, calibrate._routed,
+                                             calibrate._gated_hidden,
                                              kernels.alpha, kernels.ridge, *QUANT_KERNELS, *FORWARD))
 ASSEMBLE = Stage("assemble", "models", ".gguf", (calibrate.assemble_gguf, gguf_write_mod))
 REFERENCE = Stage("reference-logits", "parts", "", (evaluate.reference_logits, evaluate._batches, evaluate._scored,

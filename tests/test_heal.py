@@ -237,3 +237,28 @@ def test_sql_command_prints_csv_and_writes_parquet(healed, tmp_path, capsys):
     assert main(["sql", "-c", str(config), str(query), "--format", "csv"]) == 0
     assert capsys.readouterr().out.split() == ['"n"', "16"]
     assert main(["sql", "-c", str(config), "SELECT * FROM no_such_table"]) == 2
+
+
+def test_cal_tokens_uses_a_prefix_of_the_calibration_dump(healed):
+    """Calibration length is a variant knob: importance and alpha come from the first rows only."""
+    from dataclasses import replace
+
+    from kernels.alpha import fit_alpha as alpha_of
+    from kernels.importance import gate_up_importance
+
+    _, run = healed
+    full = run.cfg.variants[0]
+    short = replace(full, name="v1_512", cal_tokens=512)
+    assert run.quantize(short).fingerprint != run.quantize(full).fingerprint
+    mixed = open_dump(run.dump("calibration").path)["0"]["mixed"][:]
+    stored = np.load(run.quantize(short).path / "layer_0.npz")["ffn_gate_exps.importance"][0]
+    for rows, expected_equal in ((512, True), (len(mixed), False)):
+        expected = gate_up_importance(np.mean(np.square(mixed[:rows], dtype=np.float64), axis=0), 0.5)
+        assert np.allclose(stored, expected, rtol=1e-6) == expected_equal
+    calibrated = np.load(run.calibrate(short).path / "layer_0.npz")
+    quantized = np.load(run.quantize(short).path / "layer_0.npz")
+    group = open_dump(run.dump("calibration").path)["0"]
+    experts = {f"{n}.weight": kernels.dequantize(quantized[n], "tq2_0", tuple(quantized[f"{n}.shape"]))
+               for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+    y_q = np.asarray(moe_forward(experts, group["mixed"][:512], group["experts"][:512], group["weights"][:512]))
+    assert float(calibrated["alpha"]) == pytest.approx(alpha_of(group["yr"][:512], y_q), rel=1e-6)

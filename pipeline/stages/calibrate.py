@@ -36,7 +36,8 @@ from pipeline.model import moe_forward
 from pipeline.progress import progress
 from pipeline.stages.quantize import EXPERT_TENSORS, load_quantized
 
-CALIBRATE_KNOBS = ("alpha", "ridge_rho", "ridge_eta", "shexp_down")
+CALIBRATE_KNOBS = ("alpha", "ridge_rho", "ridge_eta", "shexp_down", "cal_tokens")
+DUMP_ARRAYS = ("mixed", "experts", "weights", "yr", "hh")
 RHO_GRID = (0.25, 1.0, 6.0, 24.0)
 CV_SPLITS = ("in_sample", "lobo4", "even_odd")
 GGML_TYPES = {"tq2_0": GGMLQuantizationType.TQ2_0, "iq4_nl": GGMLQuantizationType.IQ4_NL,
@@ -57,19 +58,23 @@ def dequantized_experts(arrays: dict[str, np.ndarray], fmt: str) -> dict[str, np
             for name in EXPERT_TENSORS}
 
 
-def _routed(experts_f32: dict[str, np.ndarray], dump_group) -> np.ndarray:
+def _load(group, rows: slice) -> dict[str, np.ndarray]:
+    """One layer's dumped arrays over `rows`, read once."""
+    return {name: group[name][rows] for name in DUMP_ARRAYS}
+
+
+def _routed(experts_f32: dict[str, np.ndarray], data: dict[str, np.ndarray]) -> np.ndarray:
     return np.asarray(moe_forward(
         {"gate_exps": experts_f32["ffn_gate_exps"], "up_exps": experts_f32["ffn_up_exps"],
          "down_exps": experts_f32["ffn_down_exps"]},
-        dump_group["mixed"][:], dump_group["experts"][:], dump_group["weights"][:]))  # (T, d)
+        data["mixed"], data["experts"], data["weights"]))  # (T, d)
 
 
-def _gated_hidden(source: GGUFModel, layer: int, dump_group) -> np.ndarray:
+def _gated_hidden(source: GGUFModel, layer: int, data: dict[str, np.ndarray]) -> np.ndarray:
     """Z = sigmoid(x . w_gate_shexp) * hh: what the shared down projection multiplies."""
     gate_w = source.tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight").reshape(-1)  # (d,)
-    mixed = dump_group["mixed"][:]  # (T, d)
-    gate = 1.0 / (1.0 + np.exp(-(mixed @ gate_w)))  # (T,)
-    return dump_group["hh"][:] * gate[:, None]  # (T, f)
+    gate = 1.0 / (1.0 + np.exp(-(data["mixed"] @ gate_w)))  # (T,)
+    return data["hh"] * gate[:, None]  # (T, f)
 
 
 def calibrate_model(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, variant: str,
@@ -82,8 +87,10 @@ def calibrate_model(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
     for layer in progress(range(source.hp.n_layer), desc="calibrate", unit="layer"):
         arrays = load_quantized(quant_dir, layer)
         fmt = "tq2_0"
-        groups = {s: d[str(layer)] for s, d in splits.items()}
-        y_ref = {s: g["yr"][:] for s, g in groups.items()}  # (T, d) each
+        in_sample_rows = slice(0, knobs["cal_tokens"] or None)  # the rows quantization saw
+        groups = {s: _load(d[str(layer)], in_sample_rows if s == "in_sample" else slice(None))
+                  for s, d in splits.items()}
+        y_ref = {s: g["yr"] for s, g in groups.items()}  # (T, d) each
         y_q = {s: _routed(dequantized_experts(arrays, fmt), g) for s, g in groups.items()}
         alpha = fit_alpha(y_ref["in_sample"], y_q["in_sample"]) if knobs["alpha"] else 1.0
         arrays["ffn_down_exps"] = scale_block_scales(arrays["ffn_down_exps"], fmt, alpha)

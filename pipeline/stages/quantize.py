@@ -15,7 +15,9 @@ inconsistencies fixed and both exponents explicit):
   times its mean diagonal (for down, x is the expert's hidden activation h).
 
 Without importance (the `unhealed` baseline) every weight counts the same and
-the dump is not read at all.
+the dump is not read at all. `cal_tokens` > 0 uses only the first rows of the
+dump (the trace interleaves strata document by document), so calibration
+length is a knob that variants of one config can differ in.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from pipeline.gguf_model import GGUFModel
 from pipeline.progress import progress
 
 QUANTIZE_KNOBS = ("quant", "beta_gate_up", "beta_down", "down_blend_tokens", "round", "gptq_damp",
-                  "gptq_shrink", "importance")
-IMPORTANCE_KNOBS = ("beta_gate_up", "beta_down", "down_blend_tokens", "gptq_damp", "gptq_shrink")
+                  "gptq_shrink", "importance", "cal_tokens")
+IMPORTANCE_KNOBS = ("beta_gate_up", "beta_down", "down_blend_tokens", "gptq_damp", "gptq_shrink", "cal_tokens")
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
@@ -80,7 +82,8 @@ def quantize_model(out: Path, source: GGUFModel, dump_root, knobs: dict[str, Any
         weights = expert_weights(source, layer)
         if dump_root is not None:
             group = dump_root[str(layer)]
-            plan = layer_importance(weights, group["mixed"][:], group["experts"][:], knobs)
+            rows = slice(0, knobs["cal_tokens"] or None)  # a prefix: the trace interleaves strata
+            plan = layer_importance(weights, group["mixed"][rows], group["experts"][rows], knobs)
         else:
             plan = {name: (None, None) for name in EXPERT_TENSORS}
         arrays: dict[str, np.ndarray] = {}
