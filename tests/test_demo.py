@@ -190,3 +190,13 @@ def test_learning_rate_schedule_warms_up_then_decays_to_a_tenth():
     assert train.lr_at(0.1, 1.0, 0.1) == pytest.approx(1.0)
     assert train.lr_at(0.55, 1.0, 0.1) == pytest.approx(0.55)
     assert train.lr_at(1.0, 1.0, 0.1) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (DEMO / "ablations").glob("*.toml")))
+def test_ablation_configs_load_and_keep_their_own_lake(config):
+    from pipeline.config import load_config
+
+    cfg = load_config(DEMO / "ablations" / config)
+    demo = load_config(DEMO / "heal.toml")
+    assert cfg.reference == demo.reference and cfg.windows == demo.windows and cfg.split == demo.split
+    assert cfg.lake_root != demo.lake_root and demo.lake_root in cfg.lake_root.parents
