@@ -345,12 +345,6 @@ FORMATS: dict[str, type[BlockFormat]] = {f.name: f for f in (TQ2_0, IQ4_NL, Q8_0
 
 
 @partial(jax.jit, static_argnames=("fmt",))
-def quantize_blocks_jit(fmt: str, x: jax.Array, importance: jax.Array | None) -> jax.Array:
-    """Jitted ``FORMATS[fmt].quantize_blocks``; compiled once per (fmt, shape)."""
-    return FORMATS[fmt].quantize_blocks(x, importance)
-
-
-@partial(jax.jit, static_argnames=("fmt",))
 def dequantize_blocks_jit(fmt: str, blocks: jax.Array) -> jax.Array:
     """Jitted ``FORMATS[fmt].dequantize_blocks``; compiled once per (fmt, shape)."""
     return FORMATS[fmt].dequantize_blocks(blocks)

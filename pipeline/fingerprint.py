@@ -12,11 +12,10 @@ under the same path, layer 0 only).
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 _CHUNK = 1 << 20
 
@@ -60,11 +59,6 @@ def tree_digest(root: Path) -> str:
 def canonical_json(value: Any) -> str:
     """JSON with sorted keys and no whitespace, so equal parameters hash equal."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def source_of(functions: Iterable[Callable[..., Any]]) -> str:
-    """The source text of the given functions: a stage's code is one of its inputs."""
-    return "\n".join(inspect.getsource(fn) for fn in functions)
 
 
 @lru_cache(maxsize=1)

@@ -91,19 +91,6 @@ def attention_block(params: dict, h: jax.Array, cos: jax.Array, sin: jax.Array,
     return h_attn, mixed, router_logits
 
 
-@partial(jax.jit, static_argnames=("k", "norm_topk_prob"))
-def route(router_logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
-    """Softmax over all experts, keep the top k; renormalise their weights iff norm_topk_prob.
-
-    router_logits (..., E) -> experts (..., k) int32, weights (..., k) float32.
-    """
-    probs = jax.nn.softmax(router_logits, axis=-1)  # (..., E)
-    weights, experts = jax.lax.top_k(probs, k)  # (..., k) each
-    if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)  # (..., k)
-    return experts.astype(jnp.int32), weights
-
-
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
     """silu(x Wg^T) * (x Wu^T): x (n, d), W (f, d) -> hidden (n, f)."""
     return jax.nn.silu(einsum("nd,fd->nf", x, w_gate)) * einsum("nd,fd->nf", x, w_up)  # (n, f)

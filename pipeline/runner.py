@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.moce import topk_route
 from pipeline import model as M
 from pipeline.errors import InputError
 from pipeline.gguf_model import GGUFModel
@@ -91,7 +92,7 @@ class Runner:
                  routing_hook: RoutingHook | None) -> tuple[jnp.ndarray, jnp.ndarray]:
         """Default softmax/top-k routing, or the hook's choice (checked)."""
         if routing_hook is None:
-            return M.route(router_logits, self.hp.n_expert_used, self.hp.norm_topk_prob)
+            return topk_route(router_logits, self.hp.n_expert_used, self.hp.norm_topk_prob)
         experts, weights = routing_hook(layer, np.asarray(router_logits))
         experts, weights = np.asarray(experts), np.asarray(weights, np.float32)
         want = router_logits.shape[:2]

@@ -70,21 +70,17 @@ def test_bonus_zero_is_plain_topk_bit_for_bit(norm_topk_prob: bool) -> None:
     np.testing.assert_array_equal(np.asarray(weights).view(np.uint32), np.asarray(plain_weights).view(np.uint32))
 
 
-def test_bonus_zero_reproduces_the_runner_routing_bit_for_bit() -> None:
-    from pipeline.model import route
-
+def test_bonus_zero_hook_is_the_runner_default_routing_bit_for_bit() -> None:
+    """The runner routes with `topk_route` when no hook is given; the bonus-0 hook must equal it."""
     rng = np.random.default_rng(7)
-    logits = random_logits(rng, 128, 60)  # (T, E)
-    logits[:5, :8] = 1.0  # exact ties: the lower expert id wins in both
+    logits = random_logits(rng, 128, 60)[None]  # (1, T, E)
+    logits[0, :5, :8] = 1.0  # exact ties: the lower expert id wins in both
     for norm_topk_prob in (False, True):
-        experts, weights, _, _ = cache_aware_route(logits, 4, 8, 0.0, norm_topk_prob)
-        runner_experts, runner_weights = route(jnp.asarray(logits), 4, norm_topk_prob)
-        np.testing.assert_array_equal(np.asarray(experts), np.asarray(runner_experts))
-        np.testing.assert_array_equal(np.asarray(weights).view(np.uint32), np.asarray(runner_weights).view(np.uint32))
-    hook_experts, hook_weights = make_routing_hook(8, 0.0, 4, True)(0, jnp.asarray(logits[None]))
-    runner_experts, runner_weights = route(jnp.asarray(logits[None]), 4, True)
-    np.testing.assert_array_equal(np.asarray(hook_experts), np.asarray(runner_experts))
-    np.testing.assert_array_equal(np.asarray(hook_weights), np.asarray(runner_weights))
+        hook_experts, hook_weights = make_routing_hook(8, 0.0, 4, norm_topk_prob)(0, jnp.asarray(logits))
+        plain_experts, plain_weights = topk_route(jnp.asarray(logits), 4, norm_topk_prob)
+        np.testing.assert_array_equal(np.asarray(hook_experts), np.asarray(plain_experts))
+        np.testing.assert_array_equal(np.asarray(hook_weights).view(np.uint32),
+                                      np.asarray(plain_weights).view(np.uint32))
 
 
 def test_plain_topk_matches_torch_softmax_topk() -> None:

@@ -27,7 +27,7 @@ import pyarrow as pa
 from gguf import GGMLQuantizationType
 
 import kernels
-from kernels.alpha import fit_alpha, relative_residual
+from kernels.alpha import fit_alpha, oracle_alpha, relative_residual
 from kernels.ridge import effective_dof, matrix_rank, ridge_cv, ridge_stats, solve_ridge
 from pipeline.gguf_model import GGUFModel
 from pipeline.gguf_write import copy_gguf
@@ -122,14 +122,14 @@ def calibrate_model(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
                              "rank_z": int(rank), "dof": float(effective_dof(gram, rho)),
                              "chosen": True, "applied": bool(applied)} for s in groups]
         for s in groups:
-            oracle = fit_alpha(y_ref[s], y_q[s])
+            oracle, resid_oracle = oracle_alpha(y_ref[s], y_q[s])
             metrics.append({
                 "variant": variant, "layer": layer, "split": s,
                 "resid_alpha1": relative_residual(y_ref[s], y_q[s]),
                 "alpha": float(alpha),
                 "resid_alpha": relative_residual(y_ref[s], y_healed[s]),
                 "alpha_oracle": float(oracle),
-                "resid_oracle": relative_residual(y_ref[s], y_q[s], oracle),
+                "resid_oracle": resid_oracle,
                 "resid_ridge": relative_residual(y_ref[s], y_healed[s] + shexp_delta[s]),
             })
         np.savez(out / f"layer_{layer}.npz", **arrays, alpha=np.float32(alpha))

@@ -63,9 +63,8 @@ def layer_importance(weights: dict[str, np.ndarray], mixed: np.ndarray, experts:
                                knobs["beta_down"])  # (E, f)
     h_x = h_h = None
     if gptq:
-        n_tokens = max(int(mixed.shape[0]), 1)
-        layer_x = mixed.astype(np.float64).T @ mixed.astype(np.float64) / n_tokens  # (d, d)
-        layer_h = stats.sum_hh_t.sum(axis=0) / max(int(stats.counts.sum()), 1)  # (f, f)
+        layer_x = imp.pooled_second_moment(stats.sum_xx_t, stats.counts)  # (d, d) the layer's E[x x^T]
+        layer_h = imp.pooled_second_moment(stats.sum_hh_t, stats.counts)  # (f, f) over routed pairs
         h_x = _damped(imp.shrink_hessian(stats.sum_xx_t, stats.counts, layer_x, knobs["gptq_shrink"]),
                       knobs["gptq_damp"])
         h_h = _damped(imp.shrink_hessian(stats.sum_hh_t, stats.counts, layer_h, knobs["gptq_shrink"]),

@@ -93,6 +93,11 @@ def markdown_table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
     return [line(header), "|" + "|".join("---" for _ in header) + "|", *(line(r) for r in rows)]
 
 
+def figure(path: str, alt: str, caption: str) -> list[str]:
+    """A plot and its italic caption, as report lines."""
+    return [f"![{alt}]({path})", "", f"_{caption}_", ""]
+
+
 def source_note(stem: str) -> str:
     """The provenance line every report table carries."""
     tables = ", ".join(f"`{t}`" for t in QUERY_TABLES[stem])
@@ -257,11 +262,11 @@ def section_strata(data: ReportData, order: dict[str, int], plots: dict[str, str
         lines += strata_table([r for r in rows if r["set"] == name], order)
         lines += [""]
         if name in plots:
-            lines += [f"![per-stratum KLD, {set_label(name)}]({plots[name]})", "",
-                      "_Bars: pooled KLD per stratum (`sql/pooled.sql`). Whiskers: the 95% window-"
-                      "bootstrap CI of the comparison against unhealed at the same MoCE bonus, drawn as "
-                      "unhealed's pooled KLD \u00d7 (1 + CI of \u0394 KLD / 100) (`comparisons` via "
-                      "`sql/report_stratum_ci.sql`); unhealed itself has none._", ""]
+            lines += figure(plots[name], f"per-stratum KLD, {set_label(name)}",
+                            "Bars: pooled KLD per stratum (`sql/pooled.sql`). Whiskers: the 95% window-"
+                            "bootstrap CI of the comparison against unhealed at the same MoCE bonus, drawn as "
+                            "unhealed's pooled KLD \u00d7 (1 + CI of \u0394 KLD / 100) (`comparisons` via "
+                            "`sql/report_stratum_ci.sql`); unhealed itself has none.")
     return lines + [source_note("pooled"), ""]
 
 
@@ -338,9 +343,9 @@ def section_windows(data: ReportData, order: dict[str, int], baseline: str | Non
                                    order, baseline)
             lines += [""]
         if name in plots:
-            lines += [f"![per-window change vs {baseline}, {set_label(name)}]({plots[name]})", "",
-                      f"_Per-window KLD change against {baseline} on the same window and MoCE bonus, "
-                      f"sorted; below 0 = better than {baseline}._", ""]
+            lines += figure(plots[name], f"per-window change vs {baseline}, {set_label(name)}",
+                            f"Per-window KLD change against {baseline} on the same window and MoCE bonus, "
+                            f"sorted; below 0 = better than {baseline}.")
     return lines + [source_note("report_windows"), ""]
 
 
@@ -386,9 +391,9 @@ def section_layers(data: ReportData, order: dict[str, int], plot: str | None) ->
         f"{r['layers_alpha_worse']}/{r['n_layers']}"] for r in rows))
     lines += ["", source_note("report_layers"), ""]
     if plot:
-        lines += [f"![alpha and residuals by layer]({plot})", "",
-                  "_Per layer (`sql/report_layer_curves.sql`): left, fitted and oracle alpha; right, "
-                  "residuals; solid = held-out (unseen), dashed = in-sample._", ""]
+        lines += figure(plot, "alpha and residuals by layer",
+                        "Per layer (`sql/report_layer_curves.sql`): left, fitted and oracle alpha; right, "
+                        "residuals; solid = held-out (unseen), dashed = in-sample.")
     return lines
 
 
@@ -488,9 +493,8 @@ def section_hitrate(data: ReportData, order: dict[str, int], plot: str | None) -
           f"{r['reps_same']}/{r['reps_checked']}"] for r in rows))
     lines += ["", source_note("report_hitrate"), ""]
     if plot:
-        lines += [f"![hit rates]({plot})", "",
-                  "_Bars: mean hit rate per variant and MoCE bonus; markers: LRU (x) and Belady (^) "
-                  "on the plain routing._", ""]
+        lines += figure(plot, "hit rates", "Bars: mean hit rate per variant and MoCE bonus; markers: "
+                        "LRU (x) and Belady (^) on the plain routing.")
     return lines
 
 
