@@ -25,9 +25,9 @@ import json, resource, sys, time
 sys.path.insert(0, {repo!r})
 import numpy as np
 from pathlib import Path
-from pipeline.gguf_model import GGUFModel
-from pipeline.runner import Runner
-from pipeline.stages.dump import dump_trace
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.stages.dump import dump_trace
 model = GGUFModel({gguf!r})
 n, seq_tokens = {n}, 512
 tokens = np.random.default_rng(0).integers(0, model.hp.vocab_size, n).astype(np.int32)

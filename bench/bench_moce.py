@@ -33,7 +33,7 @@ import scipy.signal
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.timing import best_of  # noqa: E402
-from kernels.moce import belady_hits, cache_aware_route, lru_hits, make_routing_hook  # noqa: E402
+from moeheal.kernels.moce import belady_hits, cache_aware_route, lru_hits, make_routing_hook  # noqa: E402
 
 N_TOKENS = 4096
 BATCH = 8

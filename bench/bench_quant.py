@@ -59,7 +59,7 @@ def bench_cpu(repeats: int) -> list[str]:
     """Rows for the CPU run: gguf-py TQ2_0 first, then our kernels through the public API."""
     import gguf
 
-    import kernels
+    from moeheal import kernels
 
     lines = []
     for shape in CPU_SHAPES:
@@ -87,7 +87,7 @@ def bench_gpu(repeats: int) -> list[str]:
     """Rows for the GPU run: device-resident jitted kernels, in GB/s of float32 weights."""
     import jax
 
-    from kernels import _quantize_experts_jit
+    from moeheal.kernels import _quantize_experts_jit
 
     if jax.default_backend() == "cpu":
         raise SystemExit("--gpu: JAX has no GPU backend here (install jax[cuda12])")

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.formats import FORMATS, BlockFormat, GridFormat, dequantize_blocks_jit
-from kernels.gptq import damp_hessian, gptq_quantize
+from moeheal.kernels.formats import FORMATS, BlockFormat, GridFormat, dequantize_blocks_jit
+from moeheal.kernels.gptq import damp_hessian, gptq_quantize
 
 __all__ = [
     "FORMATS",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.formats import GridFormat, nearest_level, nearest_level_value, scaled, search_grid_scale
+from moeheal.kernels.formats import GridFormat, nearest_level, nearest_level_value, scaled, search_grid_scale
 
 
 def damp_hessian(hessian: jax.Array, damp: float) -> jax.Array:

@@ -19,9 +19,9 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from kernels import ngram
-from pipeline.errors import AuditViolation, InputError
-from pipeline.sqlrun import run_sql
+from moeheal.kernels import ngram
+from moeheal.pipeline.errors import AuditViolation, InputError
+from moeheal.pipeline.sqlrun import run_sql
 
 SPLIT_CHECKS = (
     "split_roles",

@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from pipeline.errors import InputError, MoehealError
+from moeheal.pipeline.errors import InputError, MoehealError
 
 
 def _pipeline(args: argparse.Namespace):
-    from pipeline.config import load_config
-    from pipeline.heal import HealRun
+    from moeheal.pipeline.config import load_config
+    from moeheal.pipeline.heal import HealRun
 
     return HealRun(load_config(args.config))
 
@@ -89,9 +89,9 @@ def cmd_import_dump(args: argparse.Namespace) -> int:
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
-    from pipeline.config import load_config
-    from pipeline.lake import Lake
-    from pipeline.sqlcli import run_user_sql
+    from moeheal.pipeline.config import load_config
+    from moeheal.pipeline.lake import Lake
+    from moeheal.pipeline.sqlcli import run_user_sql
 
     lake = Lake(load_config(args.config).lake_root)
     fmt, *rest = args.format

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import InputError
+from moeheal.pipeline.errors import InputError
 
 QUANT_FORMATS = ("tq2_0",)
 SHEXP_FORMATS = ("iq4_nl", "q8_0")

@@ -18,7 +18,7 @@ from gguf.constants import GGML_QUANT_VERSION
 from gguf.quants import quantize
 from tokenizers import Tokenizer
 
-from pipeline.gguf_write import KV, TensorItem, write_gguf
+from moeheal.pipeline.gguf_write import KV, TensorItem, write_gguf
 
 MATRIX_TYPES = {
     "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),

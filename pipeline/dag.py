@@ -17,8 +17,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from pipeline.fingerprint import content_digest, fingerprint
-from pipeline.lake import Lake, StageResult
+from moeheal.pipeline.fingerprint import content_digest, fingerprint
+from moeheal.pipeline.lake import Lake, StageResult
 
 
 @dataclass(frozen=True)

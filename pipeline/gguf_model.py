@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from pipeline.errors import InputError
+from moeheal.pipeline.errors import InputError
 
 SUPPORTED_ARCHS = ("qwen2moe", "qwen3moe")
 
@@ -268,7 +268,7 @@ class GGUFModel:
 
     def tokenizer(self):  # -> tokenizers.Tokenizer
         """The file's byte-level BPE tokenizer (see `pipeline.tokenizer`)."""
-        from pipeline.tokenizer import build_tokenizer
+        from moeheal.pipeline.tokenizer import build_tokenizer
 
         return build_tokenizer(self)
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf_model import GGUFModel
 
 KV = tuple[str, Any, GGUFValueType | None]
 TensorItem = tuple[str, np.ndarray, GGMLQuantizationType]

@@ -20,29 +20,29 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-import kernels
-import kernels.alpha
-import kernels.formats
-import kernels.gptq
-import kernels.importance
-import kernels.kld
-import kernels.moce
-import kernels.ngram
-import kernels.ridge
-from pipeline import audit as audit_mod
-from pipeline import gguf_model as gguf_model_mod
-from pipeline import gguf_write as gguf_write_mod
-from pipeline import model as model_mod
-from pipeline import runner as runner_mod
-from pipeline import stats as stats_mod
-from pipeline import tokenizer as tokenizer_mod
-from pipeline.config import UNHEALED, Config, Variant
-from pipeline.dag import Stage, run_stage
-from pipeline.errors import InputError
-from pipeline.gguf_model import GGUFModel
-from pipeline.lake import Lake, StageResult, write_parquet
-from pipeline.stages import calibrate, corpus, dump, evaluate, quantize
-from pipeline.tokenizer import build_tokenizer, encode
+from moeheal import kernels
+import moeheal.kernels.alpha
+import moeheal.kernels.formats
+import moeheal.kernels.gptq
+import moeheal.kernels.importance
+import moeheal.kernels.kld
+import moeheal.kernels.moce
+import moeheal.kernels.ngram
+import moeheal.kernels.ridge
+from moeheal.pipeline import audit as audit_mod
+from moeheal.pipeline import gguf_model as gguf_model_mod
+from moeheal.pipeline import gguf_write as gguf_write_mod
+from moeheal.pipeline import model as model_mod
+from moeheal.pipeline import runner as runner_mod
+from moeheal.pipeline import stats as stats_mod
+from moeheal.pipeline import tokenizer as tokenizer_mod
+from moeheal.pipeline.config import UNHEALED, Config, Variant
+from moeheal.pipeline.dag import Stage, run_stage
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.lake import Lake, StageResult, write_parquet
+from moeheal.pipeline.stages import calibrate, corpus, dump, evaluate, quantize
+from moeheal.pipeline.tokenizer import build_tokenizer, encode
 
 CORPUS = Stage("corpus", "parts", "", (corpus.read_documents, corpus.read_split, corpus.build_docs, tokenizer_mod))
 TRACES = Stage("traces", "parts", "", (corpus.draw_trace, corpus._stratum_quotas))
@@ -401,12 +401,12 @@ class HealRun:
         return stats_mod.summary_table(self.lake)
 
     def report(self) -> Path:
-        from pipeline.stages.report import write_report
+        from moeheal.pipeline.stages.report import write_report
 
         return write_report(self.lake, self.lake.root / "report")
 
     def export(self, out: Path) -> Path:
-        from pipeline.stages.export import export_bundle
+        from moeheal.pipeline.stages.export import export_bundle
 
         return export_bundle(self.lake, self.report(), out)
 

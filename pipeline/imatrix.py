@@ -25,7 +25,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from pipeline.errors import InputError
+from moeheal.pipeline.errors import InputError
 
 
 def imatrix_arrays(path: str | os.PathLike, name: str, in_sum2: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

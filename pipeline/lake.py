@@ -27,8 +27,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.fingerprint import content_digest, library_versions
-from pipeline.sqlrun import run_sql
+from moeheal.pipeline.fingerprint import content_digest, library_versions
+from moeheal.pipeline.sqlrun import run_sql
 
 CODE_VERSION = "0.1.0"
 

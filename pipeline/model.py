@@ -20,7 +20,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from pipeline.gguf_model import HParams
+from moeheal.pipeline.gguf_model import HParams
 
 HIGHEST = jax.lax.Precision.HIGHEST
 einsum = partial(jnp.einsum, precision=HIGHEST)

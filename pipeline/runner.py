@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.moce import topk_route
-from pipeline import model as M
-from pipeline.errors import InputError
-from pipeline.gguf_model import GGUFModel
+from moeheal.kernels.moce import topk_route
+from moeheal.pipeline import model as M
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.gguf_model import GGUFModel
 
 # Output-matrix rows dequantized at a time, bounding the logits step's extra memory.
 OUTPUT_ROWS_PER_CHUNK = 16384

@@ -7,17 +7,18 @@ what produced a table. Values reach the SQL only as DuckDB named parameters
 meaning of a query.
 """
 
-from pathlib import Path
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 
 import duckdb
 import pyarrow as pa
 
-from pipeline.errors import InputError
+from moeheal.pipeline.errors import InputError
 
-SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
+SQL_DIR: Traversable = files("moeheal.sql")  # package data, wherever moeheal is installed
 
 
-def sql_path(stem: str) -> Path:
+def sql_path(stem: str) -> Traversable:
     """Path of `sql/<stem>.sql`; a stem that is not a plain file name is refused."""
     if not stem or "/" in stem or "\\" in stem or stem.startswith("."):
         raise InputError(f"sql/{stem}.sql: name: not a plain query name")

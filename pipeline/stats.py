@@ -17,8 +17,8 @@ costs a variant) is the variant against itself, `a == b`, with
 import duckdb
 import pyarrow as pa
 
-from pipeline.errors import InputError
-from pipeline.sqlrun import run_sql
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.sqlrun import run_sql
 
 Pair = tuple[str, float, str, float]  # (a, moce_bonus_a, b, moce_bonus_b)
 

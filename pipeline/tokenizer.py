@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from pipeline.errors import InputError
+from moeheal.pipeline.errors import InputError
 
 if TYPE_CHECKING:
-    from pipeline.gguf_model import GGUFModel
+    from moeheal.pipeline.gguf_model import GGUFModel
 
 # Qwen2's word-splitting regex (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2): like
 # GPT-4's but digits are split one by one.

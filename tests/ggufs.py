@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pipeline.convert import hf_to_gguf
-from pipeline.tokenizer import QWEN2_SPLIT
+from moeheal.pipeline.convert import hf_to_gguf
+from moeheal.pipeline.tokenizer import QWEN2_SPLIT
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy import optimize
 
-from kernels.alpha import alpha_stats, fit_alpha, oracle_alpha, relative_residual
-from kernels.ridge import (
+from moeheal.kernels.alpha import alpha_stats, fit_alpha, oracle_alpha, relative_residual
+from moeheal.kernels.ridge import (
     cv_folds,
     effective_dof,
     fit_ridge,

@@ -8,9 +8,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-import kernels.ngram
-from pipeline import audit
-from pipeline.errors import AuditViolation, InputError
+from moeheal import kernels
+import moeheal.kernels.ngram
+from moeheal.pipeline import audit
+from moeheal.pipeline.errors import AuditViolation, InputError
 
 VOCAB = 1_000_000  # large: random spans never share an n-gram by chance
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
-from pipeline.config import load_config
-from pipeline.errors import InputError
+from moeheal.pipeline.cli import main
+from moeheal.pipeline.config import load_config
+from moeheal.pipeline.errors import InputError
 
 BASE = """
 [lake]

@@ -9,9 +9,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipeline.errors import InputError
-from kernels.ngram import ngram_hashes
-from pipeline.stages.corpus import (build_docs, clean_score_starts, draw_trace, generate_windows, read_documents,
+from moeheal.pipeline.errors import InputError
+from moeheal.kernels.ngram import ngram_hashes
+from moeheal.pipeline.stages.corpus import (build_docs, clean_score_starts, draw_trace, generate_windows, read_documents,
                                     read_split, read_windows)
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.dag import Stage, run_stage
-from pipeline.lake import Lake
+from moeheal.pipeline.dag import Stage, run_stage
+from moeheal.pipeline.lake import Lake
 
 
 def concat_inputs(out: Path, files: dict[str, Path], gain: float) -> None:
@@ -131,8 +131,8 @@ def test_killed_process_leaves_no_published_output(tmp_path, inputs):
 import sys, time, os
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
 from pathlib import Path
-from pipeline.dag import Stage, run_stage
-from pipeline.lake import Lake
+from moeheal.pipeline.dag import Stage, run_stage
+from moeheal.pipeline.lake import Lake
 def slow(out):
     out.mkdir(parents=True); (out / "result.json").write_text("{{half"); print("started", flush=True); time.sleep(60)
 run_stage(Lake({str(lake_root)!r}), Stage("concat", "parts", "", (slow,)), {{}}, {{}}, {{}}, slow, lambda m: None)

@@ -194,7 +194,7 @@ def test_learning_rate_schedule_warms_up_then_decays_to_a_tenth():
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (DEMO / "ablations").glob("*.toml")))
 def test_ablation_configs_load_and_keep_their_own_lake(config):
-    from pipeline.config import load_config
+    from moeheal.pipeline.config import load_config
 
     cfg = load_config(DEMO / "ablations" / config)
     demo = load_config(DEMO / "heal.toml")

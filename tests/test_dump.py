@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 import zarr
 
-from pipeline.errors import InputError
-from pipeline.gguf_model import GGUFModel
-from pipeline.runner import Runner
-from pipeline.stages.dump import ARRAYS, dump_trace, import_raw_dump, open_dump, read_routing
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.stages.dump import ARRAYS, dump_trace, import_raw_dump, open_dump, read_routing
 
 SEQ = 64
 REPO = Path(__file__).resolve().parents[1]
@@ -70,9 +70,9 @@ import sys, time
 sys.path.insert(0, {str(REPO)!r})
 import numpy as np
 from pathlib import Path
-from pipeline.gguf_model import GGUFModel
-from pipeline.runner import Runner
-from pipeline.stages import dump
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.stages import dump
 slow = len(sys.argv) > 1
 runner = Runner(GGUFModel({str(tiny_qwen2moe)!r}))
 forward = runner.forward

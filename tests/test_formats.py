@@ -16,9 +16,9 @@ import jax
 import numpy as np
 import pytest
 
-import kernels
-from kernels import FORMATS, bits_per_weight, dequantize, quantize, quantize_experts
-from kernels.formats import IQ4_NL, TQ2_0
+from moeheal import kernels
+from moeheal.kernels import FORMATS, bits_per_weight, dequantize, quantize, quantize_experts
+from moeheal.kernels.formats import IQ4_NL, TQ2_0
 from tests import reference_quants as ref
 
 SCALE_OFFSET = {"tq2_0": 64, "iq4_nl": 0, "q8_0": 0}

@@ -9,9 +9,9 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
-from pipeline.errors import InputError
-from pipeline.gguf_model import GGUFModel
-from pipeline.gguf_write import copy_gguf, write_gguf
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf_write import copy_gguf, write_gguf
 from tests.ggufs import garbage_file, truncated_copy
 
 Q8_0 = GGMLQuantizationType.Q8_0

@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from kernels import damp_hessian, dequantize, quantize, quantize_experts
-from kernels.formats import IQ4_NL, TQ2_0
+from moeheal.kernels import damp_hessian, dequantize, quantize, quantize_experts
+from moeheal.kernels.formats import IQ4_NL, TQ2_0
 from tests import reference_quants as ref
 
 

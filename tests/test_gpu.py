@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-import kernels
+from moeheal import kernels
 
 pytestmark = pytest.mark.gpu
 DEMO_GGUF = Path(__file__).resolve().parents[1] / "demo" / "model" / "demo-q8_0.gguf"
@@ -44,8 +44,8 @@ def test_quantize_on_gpu_matches_cpu_error(fmt):
 
 @pytest.mark.skipif(not DEMO_GGUF.exists(), reason="demo model absent")
 def test_runner_logits_on_gpu_match_cpu():
-    from pipeline.gguf_model import GGUFModel
-    from pipeline.runner import Runner
+    from moeheal.pipeline.gguf_model import GGUFModel
+    from moeheal.pipeline.runner import Runner
 
     model = GGUFModel(DEMO_GGUF)
     tokens = np.random.default_rng(2).integers(0, model.hp.vocab_size, (2, 256)).astype(np.int32)

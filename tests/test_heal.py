@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-import kernels
-from kernels.alpha import fit_alpha, relative_residual
-from pipeline.cli import main
-from pipeline.config import load_config
-from pipeline.gguf_model import GGUFModel
-from pipeline.heal import HealRun
-from pipeline.model import moe_forward
-from pipeline.stages.dump import open_dump
+from moeheal import kernels
+from moeheal.kernels.alpha import fit_alpha, relative_residual
+from moeheal.pipeline.cli import main
+from moeheal.pipeline.config import load_config
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.heal import HealRun
+from moeheal.pipeline.model import moe_forward
+from moeheal.pipeline.stages.dump import open_dump
 from tests.healworld import write_world
 
 TABLES = ("docs", "cal_trace", "windows", "overlap", "routing", "variants", "token_kld", "window_kld",
@@ -243,8 +243,8 @@ def test_cal_tokens_uses_a_prefix_of_the_calibration_dump(healed):
     """Calibration length is a variant knob: importance and alpha come from the first rows only."""
     from dataclasses import replace
 
-    from kernels.alpha import fit_alpha as alpha_of
-    from kernels.importance import gate_up_importance
+    from moeheal.kernels.alpha import fit_alpha as alpha_of
+    from moeheal.kernels.importance import gate_up_importance
 
     _, run = healed
     full = run.cfg.variants[0]

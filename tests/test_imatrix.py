@@ -8,8 +8,8 @@ import gguf
 import numpy as np
 import pytest
 
-from pipeline.errors import InputError
-from pipeline.imatrix import write_imatrix
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.imatrix import write_imatrix
 
 
 def field_value(reader: gguf.GGUFReader, key: str):

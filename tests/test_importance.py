@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import integrate, special, stats
 
-from kernels.importance import (
+from moeheal.kernels.importance import (
     RELATIVE_FLOOR,
     analytic_hidden_sq,
     down_importance,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import special, stats
 
-from kernels.kld import token_kld
+from moeheal.kernels.kld import token_kld
 
 
 def logits_pair(rng: np.random.Generator, n_tokens: int, vocab: int, noise: float) -> tuple[np.ndarray, np.ndarray]:

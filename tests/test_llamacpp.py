@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.config import load_config
-from pipeline.gguf_model import GGUFModel
-from pipeline.heal import HealRun
-from pipeline.runner import Runner
-from pipeline.tokenizer import build_tokenizer, encode
+from moeheal.pipeline.config import load_config
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.heal import HealRun
+from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.tokenizer import build_tokenizer, encode
 from tests.healworld import write_world
 
 pytestmark = pytest.mark.llamacpp

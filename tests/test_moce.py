@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.moce import (
+from moeheal.kernels.moce import (
     belady_hit_rate,
     belady_hits,
     cache_aware_route,

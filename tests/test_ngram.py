@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kernels.ngram import MULTIPLIER, ngram_hashes, segmented_ngram_hashes
+from moeheal.kernels.ngram import MULTIPLIER, ngram_hashes, segmented_ngram_hashes
 
 
 def reference_hash(window: list[int]) -> int:

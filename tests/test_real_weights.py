@@ -9,11 +9,11 @@ import gguf
 import numpy as np
 import pytest
 
-import kernels
-from kernels import importance as imp
-from pipeline.gguf_model import GGUFModel
-from pipeline.runner import Runner
-from pipeline.tokenizer import build_tokenizer, encode
+from moeheal import kernels
+from moeheal.kernels import importance as imp
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.tokenizer import build_tokenizer, encode
 
 DEMO = Path(__file__).resolve().parents[1] / "demo"
 pytestmark = pytest.mark.skipif(not (DEMO / "model" / "demo-q8_0.gguf").exists(), reason="demo model absent")

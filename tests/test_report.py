@@ -22,10 +22,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.errors import InputError
-from pipeline.lake import Lake
-from pipeline.stages.export import COLUMN_DOCS, UNDOCUMENTED, export_bundle, undocumented_columns
-from pipeline.stages.report import write_report
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.lake import Lake
+from moeheal.pipeline.stages.export import COLUMN_DOCS, UNDOCUMENTED, export_bundle, undocumented_columns
+from moeheal.pipeline.stages.report import write_report
 
 STRATA = ("chat", "code", "ja")
 VARIANTS = ("unhealed", "v1", "v2")

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import model as M
-from pipeline.gguf_model import GGUFModel
-from pipeline.gguf_write import write_gguf
-from pipeline.runner import LayerCapture, Runner
+from moeheal.pipeline import model as M
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf_write import write_gguf
+from moeheal.pipeline.runner import LayerCapture, Runner
 
 DEMO_GGUF = Path(__file__).resolve().parents[1] / "demo" / "model" / "demo-q8_0.gguf"
 

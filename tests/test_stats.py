@@ -8,8 +8,8 @@ import pyarrow as pa
 import pytest
 import scipy.stats
 
-from pipeline import stats
-from pipeline.errors import InputError
+from moeheal.pipeline import stats
+from moeheal.pipeline.errors import InputError
 
 STRATA = ["code", "ja", "persona"]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.errors import InputError
-from pipeline.gguf_model import GGUFModel
-from pipeline.gguf_write import copy_gguf
-from pipeline.tokenizer import decode, encode
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf_write import copy_gguf
+from moeheal.pipeline.tokenizer import decode, encode
 from tests.ggufs import train_tiny_bpe
 
 TEXTS = [

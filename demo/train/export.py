@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausal
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from pipeline.convert import hf_to_gguf  # noqa: E402  (run as a script from the repository)
+from moeheal.pipeline.convert import hf_to_gguf  # noqa: E402  (run as a script from the repository)
 
 MAX_BYTES = 25 * 1024 * 1024
 

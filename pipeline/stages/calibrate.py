@@ -26,15 +26,15 @@ import numpy as np
 import pyarrow as pa
 from gguf import GGMLQuantizationType
 
-import kernels
-from kernels.alpha import fit_alpha, oracle_alpha, relative_residual
-from kernels.ridge import effective_dof, matrix_rank, ridge_cv, ridge_stats, solve_ridge
-from pipeline.gguf_model import GGUFModel
-from pipeline.gguf_write import copy_gguf
-from pipeline.lake import write_parquet
-from pipeline.model import moe_forward
-from pipeline.progress import progress
-from pipeline.stages.quantize import EXPERT_TENSORS, load_quantized
+from moeheal import kernels
+from moeheal.kernels.alpha import fit_alpha, oracle_alpha, relative_residual
+from moeheal.kernels.ridge import effective_dof, matrix_rank, ridge_cv, ridge_stats, solve_ridge
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf_write import copy_gguf
+from moeheal.pipeline.lake import write_parquet
+from moeheal.pipeline.model import moe_forward
+from moeheal.pipeline.progress import progress
+from moeheal.pipeline.stages.quantize import EXPERT_TENSORS, load_quantized
 
 CALIBRATE_KNOBS = ("alpha", "ridge_rho", "ridge_eta", "shexp_down", "cal_tokens")
 DUMP_ARRAYS = ("mixed", "experts", "weights", "yr", "hh")

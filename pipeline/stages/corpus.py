@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from pipeline.errors import InputError
+from moeheal.pipeline.errors import InputError
 
 ROLES = ("cal", "eval", "canary", "unused")
 WINDOW_SETS = ("eval", "canary")
@@ -210,7 +210,7 @@ def generate_windows(docs: pa.Table, tokens: dict[str, np.ndarray], cal_hashes: 
     `ctx` context then `scored` scored tokens at a seeded start inside one doc, placed
     so that the scored span shares no n-gram with the calibration trace (its hashes,
     `cal_hashes`, sorted). A stratum with too few such placements is an input error."""
-    from kernels.ngram import ngram_hashes
+    from moeheal.kernels.ngram import ngram_hashes
 
     out = {k: [] for k in ("window_id", "doc_id", "stratum", "set", "ctx_start", "score_start", "score_end")}
     rows = docs.to_pylist()

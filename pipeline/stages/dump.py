@@ -25,9 +25,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
 
-from pipeline.errors import InputError
-from pipeline.lake import write_parquet
-from pipeline.progress import progress
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.lake import write_parquet
+from moeheal.pipeline.progress import progress
 
 ARRAYS = ("mixed", "yr", "hh", "experts", "weights")
 

@@ -23,12 +23,12 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
-from kernels.kld import token_kld
-from kernels.moce import belady_hits, lru_hits, make_routing_hook
-from pipeline.gguf_model import GGUFModel
-from pipeline.lake import write_parquet
-from pipeline.progress import progress
-from pipeline.runner import Runner
+from moeheal.kernels.kld import token_kld
+from moeheal.kernels.moce import belady_hits, lru_hits, make_routing_hook
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.lake import write_parquet
+from moeheal.pipeline.progress import progress
+from moeheal.pipeline.runner import Runner
 
 BUCKET = 64
 BATCH = 8

@@ -23,10 +23,10 @@ from pathlib import Path
 import duckdb
 import pyarrow.parquet as pq
 
-from pipeline.errors import InputError
-from pipeline.lake import Lake
-from pipeline.sqlrun import SQL_DIR
-from pipeline.stages.report import plot_files
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.lake import Lake
+from moeheal.pipeline.sqlrun import SQL_DIR
+from moeheal.pipeline.stages.report import plot_files
 
 BUNDLE_TITLE = "# moeheal reviewer bundle"
 UNDOCUMENTED = "(undocumented)"
@@ -293,8 +293,8 @@ def build_bundle(lake: Lake, report_dir: Path, work: Path) -> None:
     for file in [report, *plot_files(report_dir)]:
         shutil.copyfile(file, work / file.name)
     (work / "sql").mkdir()
-    for query in sorted(SQL_DIR.glob("*.sql")):
-        shutil.copyfile(query, work / "sql" / query.name)
+    for query in sorted((q for q in SQL_DIR.iterdir() if q.name.endswith(".sql")), key=lambda q: q.name):
+        (work / "sql" / query.name).write_bytes(query.read_bytes())
     (work / "provenance").mkdir()
     for record in provenance_closure(lake, variant_fingerprints(lake)):
         shutil.copyfile(record, work / "provenance" / record.name)

@@ -27,11 +27,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-import kernels
-from kernels import importance as imp
-from kernels.gptq import damp_hessian
-from pipeline.gguf_model import GGUFModel
-from pipeline.progress import progress
+from moeheal import kernels
+from moeheal.kernels import importance as imp
+from moeheal.kernels.gptq import damp_hessian
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.progress import progress
 
 QUANTIZE_KNOBS = ("quant", "beta_gate_up", "beta_down", "down_blend_tokens", "round", "gptq_damp",
                   "gptq_shrink", "importance", "cal_tokens")
@@ -106,7 +106,7 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
     Per expert for `*_exps` tensors: gate/up see the MoE input x of the tokens
     routed to that expert, down sees that expert's hidden activation h.
     """
-    from pipeline.imatrix import write_imatrix
+    from moeheal.pipeline.imatrix import write_imatrix
 
     stats: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for layer in range(source.hp.n_layer):

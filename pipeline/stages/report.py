@@ -25,7 +25,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402 (the backend must be chosen first)
 
-from pipeline.lake import Lake  # noqa: E402
+from moeheal.pipeline.lake import Lake  # noqa: E402
 
 Row = dict[str, Any]
 

@@ -1,0 +1,14 @@
+"""moeheal: heal 2-bit Mixture-of-Experts GGUF models from calibration activations, and prove it.
+
+The installed distribution is one import namespace: ``moeheal.pipeline``
+(orchestration), ``moeheal.kernels`` (pure array math) and ``moeheal.sql``
+(the queries, shipped as package data). In a checkout they are the top-level
+folders ``pipeline/``, ``kernels/`` and ``sql/``, mapped by ``package-dir``.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("moeheal")
+except PackageNotFoundError:  # running from a checkout that was never installed
+    __version__ = "0+unknown"

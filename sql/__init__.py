@@ -1,0 +1,1 @@
+"""The project's SQL, one query per `.sql` file, shipped as package data of `moeheal.sql`."""
