@@ -9,7 +9,7 @@ OUT    ?= export
 # torch is only for the parity tests (transformers loads our GGUFs); pin the CPU build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: heal test bench audit sql export report clean setup setup-test
+.PHONY: heal test bench audit sql export report card clean setup setup-test
 
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
@@ -39,6 +39,11 @@ audit: setup
 
 report: setup
 	$(BIN)/moeheal report -c $(CONFIG)
+
+# Rewrite the measured numbers in README.md (from CONFIG's lake, after `make heal`; the
+# rows they come from go to demo/results/) and in demo/model/MODEL_CARD.md (from the model).
+card: setup
+	$(BIN)/python demo/card.py -c $(CONFIG)
 
 # usage: make sql Q="SELECT * FROM comparisons"
 sql: setup

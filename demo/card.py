@@ -1,0 +1,363 @@
+"""Regenerate the measured numbers in README.md and demo/model/MODEL_CARD.md.
+
+Every number in those documents that a script can produce lives between
+markers, ``<!-- card:NAME -->`` ... ``<!-- /card:NAME -->``, and this script
+rewrites what is between them in place; the prose around them stays hand
+written. Two kinds of block:
+
+- ``card:eval-window-ce`` (MODEL_CARD.md): cross-entropy of the demo model on
+  the scored tokens of the demo's eval windows, per stratum, recomputed from
+  the GGUF and the windows with the pipeline's own runner. It depends on
+  nothing in the lake, so a test recomputes it.
+- ``card:<config>.<block>`` (README.md), ``<config>`` being the config's file
+  stem (``heal`` for demo/heal.toml): rendered from the lake of that config
+  with the report's own queries (``sql/report_*.sql``), so the README and
+  ``lake/report/report.md`` cannot disagree. The rows each block renders
+  from are written to ``demo/results/<config>/*.csv`` (a few KB), because a
+  lake takes minutes to build: a test re-renders the README blocks from that
+  snapshot and compares them with the committed text.
+
+Run ``make card`` (``CONFIG=demo/ablations/calibration-length.toml`` for the
+ablation's blocks) after ``make heal``:
+``.venv/bin/python demo/card.py -c demo/heal.toml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+
+from moeheal.pipeline.config import load_config
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.lake import Lake
+from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.stages.corpus import read_documents, read_windows
+from moeheal.pipeline.tokenizer import build_tokenizer, encode
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+MODEL_CARD = REPO / "demo" / "model" / "MODEL_CARD.md"
+RESULTS = REPO / "demo" / "results"
+DEMO_GGUF = REPO / "demo" / "model" / "demo-q8_0.gguf"
+DEMO_DOCS = REPO / "demo" / "docs.jsonl"
+DEMO_WINDOWS = REPO / "demo" / "windows.csv"
+
+CE_BLOCK = "eval-window-ce"
+MARKER = re.compile(r"<!-- card:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /card:(?P=name) -->", re.DOTALL)
+Row = dict[str, object]
+
+
+# --- markers ------------------------------------------------------------------------------
+
+def blocks(text: str) -> dict[str, str]:
+    """Every marked block of a document: name -> the text between its markers."""
+    found: dict[str, str] = {}
+    for m in MARKER.finditer(text):
+        if m["name"] in found:
+            raise ValueError(f"block card:{m['name']} appears twice")
+        found[m["name"]] = m["body"]
+    return found
+
+
+def splice(text: str, rendered: dict[str, str]) -> str:
+    """``text`` with each named block's content replaced; a block without markers is an error,
+    so a renamed or deleted marker cannot silently leave stale numbers behind."""
+    missing = set(rendered) - set(blocks(text))
+    if missing:
+        raise ValueError(f"no markers for block(s) {', '.join(sorted(missing))}")
+
+    def replace(m: re.Match[str]) -> str:
+        if m["name"] not in rendered:
+            return m[0]
+        return f"<!-- card:{m['name']} -->\n{rendered[m['name']].rstrip()}\n<!-- /card:{m['name']} -->"
+
+    return MARKER.sub(replace, text)
+
+
+# --- MODEL_CARD: cross-entropy on the eval windows ----------------------------------------
+
+def eval_window_ce(gguf: Path = DEMO_GGUF, docs: Path = DEMO_DOCS, windows: Path = DEMO_WINDOWS) -> dict[str, float]:
+    """Mean next-token cross-entropy (nats) over the scored tokens of the ``eval`` windows, per stratum.
+
+    The windows are read and tokenized exactly as the pipeline does (``read_windows``,
+    the GGUF's own tokenizer), and each runs as its own sequence from its context start,
+    as the evaluation stage runs them. Windows are padded at the end to one length so the
+    forward pass compiles once; causal attention makes the padding invisible to every real
+    position.
+    """
+    model = GGUFModel(gguf)
+    tokenizer = build_tokenizer(model)
+    doc_rows = read_documents(docs)
+    ids = {d["doc_id"]: np.asarray(encode(tokenizer, d["text"]), np.int32) for d in doc_rows}
+    table = read_windows(windows, {k: len(v) for k, v in ids.items()}, {d["doc_id"]: d["stratum"] for d in doc_rows})
+    evals = [w for w in table.to_pylist() if w["set"] == "eval"]
+    length = max(w["score_end"] - w["ctx_start"] for w in evals)
+    batch = np.zeros((len(evals), length), np.int32)  # (W, T_pad)
+    for row, w in enumerate(evals):
+        batch[row, :w["score_end"] - w["ctx_start"]] = ids[w["doc_id"]][w["ctx_start"]:w["score_end"]]
+    logits = Runner(model).forward(batch)  # (W, T_pad, V)
+    totals: dict[str, list[float]] = {}
+    for row, w in enumerate(evals):
+        lo, hi = w["score_start"] - w["ctx_start"], w["score_end"] - w["ctx_start"]
+        z = logits[row, lo - 1:hi - 1].astype(np.float64)  # (S, V): position p predicts token p+1
+        logsumexp = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)  # (S,)
+        nll = logsumexp - z[np.arange(hi - lo), batch[row, lo:hi]]  # (S,)
+        total = totals.setdefault(w["stratum"], [0.0, 0])
+        total[0] += float(nll.sum())
+        total[1] += hi - lo
+    return {stratum: nll / n for stratum, (nll, n) in totals.items()}
+
+
+def render_ce(ce: dict[str, float]) -> str:
+    """The MODEL_CARD table: one row per stratum, in the windows file's order."""
+    lines = ["| stratum | cross-entropy (nats/token) |", "|---|---|"]
+    lines += [f"| {stratum} | {value:.3f} |" for stratum, value in ce.items()]
+    return "\n".join(lines)
+
+
+# --- README: snapshots of the lake ----------------------------------------------------------
+
+# snapshot file -> (report query, the columns the renderers read). Only these columns are
+# kept, so the snapshot stays small and a column the pipeline adds does not churn it.
+SNAPSHOTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "variants": ("report_variants", ("variant", "kind")),
+    "window_sets": ("report_window_sets", ("set", "stratum", "n_windows", "scored_tokens", "n_clean")),
+    "comparisons": ("report_comparisons", (
+        "set", "a", "moce_bonus_a", "b", "moce_bonus", "kld_a", "kld_b", "delta_pct", "ci_lo", "ci_hi", "wins",
+        "n_windows", "top1_delta", "top1_lo", "top1_hi", "clean_delta_pct", "clean_ci_lo", "clean_ci_hi",
+        "clean_wins", "clean_n_windows")),
+    "layers": ("report_layers", (
+        "variant", "split", "resid_alpha1_pct", "resid_alpha_pct", "resid_oracle_pct", "resid_ridge_pct")),
+    "rank_check": ("report_rank_check", ("split", "variant", "rank_local", "rank_kld")),
+    "hitrate": ("report_hitrate", (
+        "variant", "moce_bonus", "cache_experts", "n_prompts", "hit_rate", "hit_rate_lru", "hit_rate_belady",
+        "reps_same", "reps_checked")),
+}
+
+
+def snapshot_lake(lake: Lake, settings: dict[str, object]) -> dict[str, list[Row]]:
+    """The rows every README block renders from: the report's queries over the lake, plus
+    the run's settings that the lake does not hold (bootstrap replicates, n-gram length)."""
+    snap: dict[str, list[Row]] = {"settings": [{"key": k, "value": v} for k, v in settings.items()]}
+    for name, (query, columns) in SNAPSHOTS.items():
+        table = lake.query(query)
+        absent = [c for c in columns if c not in table.column_names]
+        if absent:
+            raise SystemExit(f"sql/{query}.sql no longer returns {', '.join(absent)}; update demo/card.py")
+        snap[name] = table.select(list(columns)).to_pylist()
+    return snap
+
+
+def _cell(value: object) -> str:
+    """CSV text that reads back to the same value (floats as their shortest exact repr)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def _value(text: str) -> object:
+    """The inverse of `_cell` (an empty cell is NULL)."""
+    if text == "":
+        return None
+    if text in ("true", "false"):
+        return text == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def write_snapshot(snap: dict[str, list[Row]], folder: Path) -> None:
+    """One CSV per snapshot table; a folder holds exactly the current snapshot."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.csv"):
+        if old.stem not in snap:
+            old.unlink()
+    for name, rows in snap.items():
+        columns = list(rows[0]) if rows else list(SNAPSHOTS[name][1])
+        with (folder / f"{name}.csv").open("w", newline="", encoding="utf-8") as f:
+            out = csv.writer(f, lineterminator="\n")
+            out.writerow(columns)
+            out.writerows([_cell(r[c]) for c in columns] for r in rows)
+
+
+def read_snapshot(folder: Path) -> dict[str, list[Row]]:
+    """The snapshot as `write_snapshot` wrote it."""
+    snap = {}
+    for path in sorted(folder.glob("*.csv")):
+        with path.open(newline="", encoding="utf-8") as f:
+            snap[path.stem] = [{k: _value(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    return snap
+
+
+# --- README: rendering ----------------------------------------------------------------------
+
+def _signed(x: float, digits: int) -> str:
+    """+1.2 / −1.2 with a typographic minus, as the README writes numbers."""
+    return f"{x:+.{digits}f}".replace("-", "−")
+
+
+def _pct(x: float, digits: int = 1) -> str:
+    return f"{100 * x:.{digits}f}%"
+
+
+def _delta(delta: float, lo: float, hi: float, digits: int = 1, unit: str = "%") -> str:
+    return f"{_signed(delta, digits)}{unit} [{_signed(lo, digits)}, {_signed(hi, digits)}]"
+
+
+def _settings(snap: dict[str, list[Row]]) -> dict[str, object]:
+    return {r["key"]: r["value"] for r in snap["settings"]}
+
+
+def _variant_order(snap: dict[str, list[Row]]) -> list[str]:
+    return [r["variant"] for r in snap["variants"]]
+
+
+def _pairs(snap: dict[str, list[Row]]) -> list[tuple[str, str]]:
+    """The ladder the README shows: consecutive variants in config order, then the
+    unhealed baseline against the last healed variant (the best recipe so far)."""
+    order = _variant_order(snap)
+    pairs = list(zip(order, order[1:]))
+    healed = [r["variant"] for r in snap["variants"] if r["kind"] == "healed" and r["variant"] != order[0]]
+    if healed and (order[0], healed[-1]) not in pairs:
+        pairs.append((order[0], healed[-1]))
+    return pairs
+
+
+def render_windows(snap: dict[str, list[Row]]) -> str:
+    """Window counts per set, scored tokens, clean windows, bootstrap replicates."""
+    settings = _settings(snap)
+    parts = []
+    for set_name in ("eval", "canary"):
+        rows = [r for r in snap["window_sets"] if r["set"] == set_name]
+        if not rows:
+            continue
+        counts = {r["n_windows"] for r in rows}
+        per = f"{counts.pop()} per stratum" if len(counts) == 1 else ", ".join(
+            f"{r['stratum']} {r['n_windows']}" for r in rows)
+        parts.append(f"{sum(r['n_windows'] for r in rows)} {set_name} windows ({per}, "
+                     f"{sum(r['scored_tokens'] for r in rows):,} scored tokens), "
+                     f"{sum(r['n_clean'] for r in rows)} of them clean")
+    return (f"Windows: {'; '.join(parts)}. Clean = no {settings['ngram']}-gram of the window shared with "
+            f"the calibration trace. CIs: {settings['bootstrap']:,} bootstrap replicates.")
+
+
+def render_comparisons(snap: dict[str, list[Row]]) -> str:
+    """Pooled comparisons at MoCE bonus 0, eval then canary set, all windows and clean windows."""
+    index = {(r["set"], r["a"], r["b"]): r for r in snap["comparisons"]
+             if r["moce_bonus_a"] == 0 and r["moce_bonus"] == 0}
+    lines = ["| set | a → b | KLD a → b | Δ KLD, all windows | wins | Δ top-1 (pt) | Δ KLD, clean windows |",
+             "|---|---|---|---|---|---|---|"]
+    for set_name in ("eval", "canary"):
+        for a, b in _pairs(snap):
+            r = index.get((set_name, a, b))
+            if r is None:
+                continue
+            clean = ("—" if r["clean_delta_pct"] is None else
+                     f"{_delta(r['clean_delta_pct'], r['clean_ci_lo'], r['clean_ci_hi'])} "
+                     f"({r['clean_wins']}/{r['clean_n_windows']})")
+            lines.append(f"| {set_name} | {a} → {b} | {r['kld_a']:.4f} → {r['kld_b']:.4f} | "
+                         f"{_delta(r['delta_pct'], r['ci_lo'], r['ci_hi'])} | {r['wins']}/{r['n_windows']} | "
+                         f"{_delta(r['top1_delta'], r['top1_lo'], r['top1_hi'], 2, '')} | {clean} |")
+    return "\n".join(lines)
+
+
+def render_local(snap: dict[str, list[Row]]) -> str:
+    """Local metrics per variant (in-sample / unseen), and whether the unseen metric ranks as KLD does."""
+    by = {(r["variant"], r["split"]): r for r in snap["layers"]}
+    lines = ["| variant | α = 1 | fitted α | oracle α | fitted α + ridge |", "|---|---|---|---|---|"]
+    for v in _variant_order(snap):
+        if (v, "in_sample") not in by or (v, "unseen") not in by:
+            continue
+        cells = [f"{by[v, 'in_sample'][c]:.1f}% / {by[v, 'unseen'][c]:.1f}%"
+                 for c in ("resid_alpha1_pct", "resid_alpha_pct", "resid_oracle_pct", "resid_ridge_pct")]
+        lines.append(f"| {v} | {' | '.join(cells)} |")
+    unseen = [r for r in snap["rank_check"] if r["split"] == "unseen"]
+    by_local = [r["variant"] for r in sorted(unseen, key=lambda r: (r["rank_local"], r["variant"]))]
+    by_kld = [r["variant"] for r in sorted(unseen, key=lambda r: (r["rank_kld"], r["variant"]))]
+    same = all(r["rank_local"] == r["rank_kld"] for r in unseen)
+    lines += ["", f"Best to worst by the unseen residual after ridge: {', '.join(by_local)}; by eval KLD: "
+              f"{', '.join(by_kld)} ({'the same order' if same else 'a different order'}, "
+              f"{len(unseen)} variants with dump-level metrics)."]
+    return "\n".join(lines)
+
+
+def render_moce(snap: dict[str, list[Row]]) -> str:
+    """Hit rates per variant and bonus beside LRU and Belady, the KLD cost of each bonus, determinism."""
+    settings = _settings(snap)
+    cost = {(r["a"], r["moce_bonus"]): r for r in snap["comparisons"]
+            if r["set"] == "eval" and r["a"] == r["b"] and r["moce_bonus_a"] == 0 and r["moce_bonus"] != 0}
+    rows = sorted(snap["hitrate"], key=lambda r: (_variant_order(snap).index(r["variant"]), r["moce_bonus"]))
+    cache = sorted({r["cache_experts"] for r in rows})
+    lines = [f"Expert cache: {', '.join(map(str, cache))} of {settings['n_expert']} experts resident per layer, "
+             f"{max(r['n_prompts'] for r in rows)} prompts. LRU and Belady replay the plain (bonus 0) routing; "
+             "Δ KLD is each variant at the bonus against itself at bonus 0, eval windows.", "",
+             "| variant | bonus | hit rate | LRU | Belady | Δ KLD vs bonus 0 | repeats bit-identical |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = cost.get((r["variant"], r["moce_bonus"]))
+        delta = "—" if c is None else _delta(c["delta_pct"], c["ci_lo"], c["ci_hi"])
+        lines.append(f"| {r['variant']} | {r['moce_bonus']:g} | {_pct(r['hit_rate'])} | {_pct(r['hit_rate_lru'])} | "
+                     f"{_pct(r['hit_rate_belady'])} | {delta} | {r['reps_same']}/{r['reps_checked']} |")
+    return "\n".join(lines)
+
+
+RENDERERS: dict[str, Callable[[dict[str, list[Row]]], str]] = {
+    "windows": render_windows,
+    "comparisons": render_comparisons,
+    "local": render_local,
+    "moce": render_moce,
+}
+
+
+def readme_blocks(prefix: str, snap: dict[str, list[Row]], names: Iterable[str]) -> dict[str, str]:
+    """Rendered README blocks ``<prefix>.<renderer>`` among ``names`` (the blocks the README marks)."""
+    out = {}
+    for name in names:
+        head, _, kind = name.partition(".")
+        if head == prefix:
+            if kind not in RENDERERS:
+                raise ValueError(f"card:{name}: unknown block {kind!r} (have {', '.join(RENDERERS)})")
+            out[name] = RENDERERS[kind](snap)
+    return out
+
+
+# --- command line ---------------------------------------------------------------------------
+
+def main() -> None:
+    """Snapshot the config's lake, then rewrite the README's and the model card's blocks."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-c", "--config", type=Path, default=REPO / "demo" / "heal.toml")
+    args = parser.parse_args()
+    cfg = load_config(args.config)
+    prefix = args.config.stem
+
+    readme = README.read_text(encoding="utf-8")
+    wanted = [n for n in blocks(readme) if n.partition(".")[0] == prefix]
+    if wanted:
+        lake = Lake(cfg.lake_root)
+        settings = {"bootstrap": cfg.bootstrap, "ngram": cfg.ngram,
+                    "n_expert": GGUFModel(cfg.reference).hp.n_expert}
+        write_snapshot(snapshot_lake(lake, settings), RESULTS / prefix)
+        snap = read_snapshot(RESULTS / prefix)  # render from what the test will read back
+        README.write_text(splice(readme, readme_blocks(prefix, snap, wanted)), encoding="utf-8")
+        print(f"README.md: {', '.join(wanted)} from {cfg.lake_root} (snapshot demo/results/{prefix}/)")
+    else:
+        print(f"README.md marks no card:{prefix}.* block; nothing rendered from {cfg.lake_root}")
+
+    card = MODEL_CARD.read_text(encoding="utf-8")
+    MODEL_CARD.write_text(splice(card, {CE_BLOCK: render_ce(eval_window_ce())}), encoding="utf-8")
+    print(f"{MODEL_CARD.relative_to(REPO)}: {CE_BLOCK}")
+
+
+if __name__ == "__main__":
+    main()
