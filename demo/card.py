@@ -9,6 +9,8 @@ written. Two kinds of block:
   the scored tokens of the demo's eval windows, per stratum, recomputed from
   the GGUF and the windows with the pipeline's own runner. It depends on
   nothing in the lake, so a test recomputes it.
+- ``card:expert-load`` (MODEL_CARD.md): the per-layer expert shares that training
+  logged (``demo/model/train_log.json``), checked the same way.
 - ``card:<config>.<block>`` (README.md), ``<config>`` being the config's file
   stem (``heal`` for demo/heal.toml): rendered from the lake of that config
   with the report's own queries (``sql/report_*.sql``), so the README and
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -46,8 +49,11 @@ RESULTS = REPO / "demo" / "results"
 DEMO_GGUF = REPO / "demo" / "model" / "demo-q8_0.gguf"
 DEMO_DOCS = REPO / "demo" / "docs.jsonl"
 DEMO_WINDOWS = REPO / "demo" / "windows.csv"
+DEMO_CONFIG = REPO / "demo" / "heal.toml"
+TRAIN_LOG = REPO / "demo" / "model" / "train_log.json"
 
 CE_BLOCK = "eval-window-ce"
+LOAD_BLOCK = "expert-load"
 MARKER = re.compile(r"<!-- card:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /card:(?P=name) -->", re.DOTALL)
 Row = dict[str, object]
 
@@ -117,6 +123,25 @@ def render_ce(ce: dict[str, float]) -> str:
     """The MODEL_CARD table: one row per stratum, in the windows file's order."""
     lines = ["| stratum | cross-entropy (nats/token) |", "|---|---|"]
     lines += [f"| {stratum} | {value:.3f} |" for stratum, value in ce.items()]
+    return "\n".join(lines)
+
+
+def render_expert_load(log_path: Path = TRAIN_LOG, config: Path = DEMO_CONFIG) -> str:
+    """The training log's per-layer expert shares, and what they mean for the demo's calibration trace."""
+    log = json.loads(log_path.read_text(encoding="utf-8"))
+    loads = log["expert_load"]  # [layer][expert]: share of top-k routing slots
+    n_expert = len(loads[0])
+    top_k = GGUFModel(DEMO_GGUF).hp.n_expert_used
+    lines = [f"Share of top-{top_k} routing slots per expert on the {log['heldout_tokens_scored']:,} held-out tokens",
+             f"scored at the end of training (uniform = {1 / n_expert:.4f}):", "",
+             f"| layer | min | max | shares (experts 0–{n_expert - 1}) |", "|---|---|---|---|"]
+    for layer, shares in enumerate(loads):
+        cells = " ".join(f"{s:.3f}".removeprefix("0") for s in shares)
+        lines.append(f"| {layer} | {min(shares):.3f} | {max(shares):.3f} | {cells} |")
+    cal_tokens = load_config(config).cal_tokens
+    least = min(loads[0]) * cal_tokens * top_k
+    lines += ["", f"At these shares a calibration trace of {cal_tokens:,} tokens routes about {least:.0f} tokens",
+              "to the least-used layer-0 expert."]
     return "\n".join(lines)
 
 
@@ -355,8 +380,9 @@ def main() -> None:
         print(f"README.md marks no card:{prefix}.* block; nothing rendered from {cfg.lake_root}")
 
     card = MODEL_CARD.read_text(encoding="utf-8")
-    MODEL_CARD.write_text(splice(card, {CE_BLOCK: render_ce(eval_window_ce())}), encoding="utf-8")
-    print(f"{MODEL_CARD.relative_to(REPO)}: {CE_BLOCK}")
+    MODEL_CARD.write_text(splice(card, {CE_BLOCK: render_ce(eval_window_ce()), LOAD_BLOCK: render_expert_load()}),
+                          encoding="utf-8")
+    print(f"{MODEL_CARD.relative_to(REPO)}: {CE_BLOCK}, {LOAD_BLOCK}")
 
 
 if __name__ == "__main__":
