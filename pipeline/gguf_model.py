@@ -4,20 +4,33 @@
 100B-parameter model costs only its header, and a tensor is read (and
 dequantized to float32) when asked for. Everything a later stage relies on is
 validated at open time, so a bad file fails with one `InputError` line that
-names the file and the tensor, instead of a NumPy error deep in a stage.
+names the file and the key or tensor, instead of a NumPy error deep in a stage.
+
+The header is first walked by a bounds-checked scanner of our own, because
+gguf-py trusts its counts: a corrupted array length makes it loop over bytes
+that are not there, and a corrupted string only fails when it is decoded.
+Then the tensor table is checked as llama.cpp checks it (known types, at most
+four positive dimensions, rows a whole number of blocks, each tensor starting
+where the previous one's padded data ends, all of it inside the file), the
+architecture's keys against their llama.cpp types and against the tensor
+shapes, and the vocabulary as `pipeline.tokenizer.check_vocabulary` does.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import mmap
 import os
+import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, Keys
 from gguf.quants import dequantize
 
 from moeheal.pipeline.errors import InputError
@@ -51,6 +64,7 @@ SHEXP_TENSORS = (
     "ffn_up_shexp.weight",
     "ffn_down_shexp.weight",
 )
+OPTIONAL_TENSORS = ("output.weight",)  # absent when the output projection is tied to token_embd
 
 
 @dataclass(frozen=True)
@@ -94,32 +108,250 @@ def _dequantizable(ggml_type: GGMLQuantizationType) -> bool:
     return block_size > 0
 
 
-class _CheckedReader(GGUFReader):
-    """GGUFReader that checks each tensor's type and byte range before mapping it.
+GGML_MAX_DIMS = 4  # ggml's limit on a tensor's dimensions
+GGML_MAX_NAME = 64  # ggml's tensor name buffer, terminating NUL included
 
-    gguf-py would otherwise fail with a bare reshape error on a truncated file;
-    this names the first tensor whose bytes run past the end of the file.
+_SCALARS: dict[GGUFValueType, struct.Struct] = {
+    GGUFValueType.UINT8: struct.Struct("<B"), GGUFValueType.INT8: struct.Struct("<b"),
+    GGUFValueType.UINT16: struct.Struct("<H"), GGUFValueType.INT16: struct.Struct("<h"),
+    GGUFValueType.UINT32: struct.Struct("<I"), GGUFValueType.INT32: struct.Struct("<i"),
+    GGUFValueType.FLOAT32: struct.Struct("<f"), GGUFValueType.UINT64: struct.Struct("<Q"),
+    GGUFValueType.INT64: struct.Struct("<q"), GGUFValueType.FLOAT64: struct.Struct("<d"),
+    GGUFValueType.BOOL: struct.Struct("<B"),
+}
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_KEY_CHARS = re.compile(rb"[\x21-\x7e]+")  # printable ASCII, no space: what every GGUF writer emits
+
+
+class TensorInfo(NamedTuple):
+    """One entry of the header's tensor table, as stored."""
+
+    name: str
+    ne: tuple[int, ...]  # ggml order: ne[0] is the row length
+    ggml_type: GGMLQuantizationType
+    offset: int  # from the start of the data section
+    n_bytes: int
+
+
+class _Header(NamedTuple):
+    keys: dict[str, GGUFValueType]  # key -> its value's type (ARRAY for arrays)
+    tensors: list[TensorInfo]
+    data_offset: int
+
+
+class _HeaderScanner:
+    """Walks a GGUF header byte by byte, never reading past the file's end.
+
+    Each read names what it was reading, so a truncated or garbled header
+    fails on the key or tensor it garbled, not on whatever gguf-py tripped
+    over later. Strings are decoded strictly as UTF-8 here, once.
     """
 
-    def __init__(self, path: Path):
-        self._label = path.name
-        super().__init__(path, "r")
+    def __init__(self, buf: mmap.mmap, label: str):
+        self.buf, self.label, self.pos, self.size = buf, label, 0, len(buf)
 
-    def _build_tensors(self, start_offs: int, fields: list) -> None:
-        file_size = len(self.data)
-        for field in fields:
-            _name_len, name_data, _n_dims, dims, raw_dtype, offset_tensor = field.parts
-            name = bytes(name_data).decode("utf-8", errors="replace")
-            try:
-                ggml_type = GGMLQuantizationType(int(raw_dtype[0]))
-            except ValueError:
-                raise InputError(f"{self._label}: tensor {name}: unknown tensor type {int(raw_dtype[0])}") from None
+    def fail(self, what: str, problem: str) -> InputError:
+        return InputError(f"{self.label}: {what}: {problem}")
+
+    def take(self, n: int, what: str) -> int:
+        """Start offset of the next `n` bytes; InputError when the file ends first."""
+        if n > self.size - self.pos:
+            raise self.fail(what, f"truncated header (needs {n} bytes at byte {self.pos}, file has {self.size})")
+        start = self.pos
+        self.pos += n
+        return start
+
+    def scalar(self, fmt: struct.Struct, what: str) -> Any:
+        return fmt.unpack_from(self.buf, self.take(fmt.size, what))[0]
+
+    def raw_string(self, what: str) -> bytes:
+        n = self.scalar(_U64, what)
+        if n > self.size - self.pos:
+            raise self.fail(what, f"string of {n} bytes at byte {self.pos} runs past the end of the file")
+        start = self.take(n, what)
+        return self.buf[start:start + n]
+
+    def string(self, what: str) -> str:
+        at = self.pos
+        data = self.raw_string(what)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise self.fail(what, f"string is not valid UTF-8 ({exc.reason} at byte {at + 8 + exc.start})") from None
+
+    def value_type(self, what: str) -> GGUFValueType:
+        raw = self.scalar(_U32, what)
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            raise self.fail(what, f"unknown value type {raw}") from None
+
+    def skip_value(self, vtype: GGUFValueType, what: str) -> None:
+        """Check one value of `vtype` (strings decode, bools are 0 or 1, arrays fit the file)."""
+        if vtype == GGUFValueType.STRING:
+            self.string(what)
+        elif vtype == GGUFValueType.ARRAY:
+            itype = self.value_type(f"{what} (array item type)")
+            count = self.scalar(_U64, what)
+            item = _SCALARS.get(itype)
+            least = item.size if item is not None else 8  # a string or a nested array is at least 8 bytes
+            if count * least > self.size - self.pos:
+                raise self.fail(what, f"array of {count} {itype.name} items cannot fit in the "
+                                      f"{self.size - self.pos} bytes left")
+            if item is not None:  # one bounds check, no per-item Python loop
+                start = self.take(count * item.size, what)
+                if itype == GGUFValueType.BOOL and count and max(self.buf[start:start + count]) > 1:
+                    raise self.fail(what, "bool array holds a value other than 0 or 1")
+            else:
+                for i in range(count):
+                    self.skip_value(itype, f"{what}[{i}]")
+        else:
+            value = self.scalar(_SCALARS[vtype], what)
+            if vtype == GGUFValueType.BOOL and value > 1:
+                raise self.fail(what, f"bool value {value} is neither 0 nor 1")
+
+    def key(self, index: int) -> str:
+        at = self.pos
+        raw = self.raw_string(f"key #{index}")
+        if not _KEY_CHARS.fullmatch(raw):
+            raise self.fail(f"key #{index} at byte {at}", f"{raw[:80]!r} is not a key name (printable ASCII only)")
+        return raw.decode("ascii")
+
+    def tensor_info(self, index: int) -> TensorInfo:
+        what = f"tensor #{index}"
+        at = self.pos
+        raw = self.raw_string(what)
+        if not raw or len(raw) >= GGML_MAX_NAME or not _KEY_CHARS.fullmatch(raw):
+            raise self.fail(f"{what} at byte {at}", f"{raw[:80]!r} is not a tensor name "
+                                                    f"(1 to {GGML_MAX_NAME - 1} printable ASCII bytes)")
+        name = raw.decode("ascii")
+        what = f"tensor {name}"
+        n_dims = self.scalar(_U32, what)
+        if not 1 <= n_dims <= GGML_MAX_DIMS:
+            raise self.fail(what, f"{n_dims} dimensions (ggml allows 1 to {GGML_MAX_DIMS})")
+        ne = tuple(self.scalar(_U64, what) for _ in range(n_dims))
+        if min(ne) < 1 or math.prod(ne) >= 2**62:
+            raise self.fail(what, f"shape {list(ne)} is not positive or too large")
+        raw_type = self.scalar(_U32, what)
+        try:
+            ggml_type = GGMLQuantizationType(raw_type)
             block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-            end = int(start_offs + offset_tensor[0]) + int(np.prod(dims)) * type_size // block_size
-            if end > file_size:
-                raise InputError(f"{self._label}: tensor {name}: truncated "
-                                 f"(data ends at byte {end}, file has {file_size})")
-        super()._build_tensors(start_offs, fields)
+        except (ValueError, KeyError):
+            raise self.fail(what, f"unknown tensor type {raw_type}") from None
+        if ne[0] % block_size:
+            raise self.fail(what, f"row length {ne[0]} is not a multiple of {ggml_type.name}'s block of {block_size}")
+        offset = self.scalar(_U64, what)
+        return TensorInfo(name, ne, ggml_type, offset, math.prod(ne) // block_size * type_size)
+
+
+def _scan_header(path: Path, label: str) -> _Header:
+    """The header's keys and tensor table, every byte bounds-checked (see `_HeaderScanner`)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise InputError(f"{label}: not a readable GGUF file ({size} bytes, shorter than a GGUF header)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            scan = _HeaderScanner(buf, label)
+            if scan.scalar(_U32, "magic") != GGUF_MAGIC:
+                raise InputError(f"{label}: not a readable GGUF file (bad magic bytes)")
+            version = scan.scalar(_U32, "version")
+            if version not in (2, 3):
+                raise InputError(f"{label}: not a readable GGUF file (version {version}; 2 and 3 are supported)")
+            n_tensors, n_kv = scan.scalar(_U64, "tensor_count"), scan.scalar(_U64, "kv_count")
+            if n_tensors > size // 24 or n_kv > size // 12:  # smallest possible tensor info / KV entry
+                raise InputError(f"{label}: header claims {n_tensors} tensors and {n_kv} keys, "
+                                 f"impossible in {size} bytes")
+            keys: dict[str, GGUFValueType] = {}
+            alignment = GGUF_DEFAULT_ALIGNMENT
+            for i in range(n_kv):
+                key = scan.key(i)
+                if key in keys:
+                    raise InputError(f"{label}: key {key}: appears twice")
+                vtype = scan.value_type(f"key {key}")
+                if key == "general.alignment":
+                    if vtype != GGUFValueType.UINT32:
+                        raise InputError(f"{label}: key {key}: type {vtype.name}, expected UINT32")
+                    alignment = scan.scalar(_U32, f"key {key}")
+                    if alignment == 0 or alignment & (alignment - 1):
+                        raise InputError(f"{label}: key {key}: {alignment} is not a power of two")
+                else:
+                    scan.skip_value(vtype, f"key {key}")
+                keys[key] = vtype
+            tensors = [scan.tensor_info(i) for i in range(n_tensors)]
+    data_offset = -(-scan.pos // alignment) * alignment
+    _check_tensor_table(tensors, data_offset, alignment, size, label)
+    return _Header(keys, tensors, data_offset)
+
+
+def _check_tensor_table(tensors: list[TensorInfo], data_offset: int, alignment: int, size: int,
+                        label: str) -> None:
+    """Unique names; each tensor starts where the previous one's padded data ends (llama.cpp's
+    rule, which also makes them aligned and disjoint); the data fits in the file."""
+    seen: set[str] = set()
+    expected = 0
+    for t in tensors:
+        if t.name in seen:
+            raise InputError(f"{label}: tensor {t.name}: appears twice")
+        seen.add(t.name)
+        if t.offset != expected:
+            raise InputError(f"{label}: tensor {t.name}: data offset {t.offset}, expected {expected} "
+                             f"(tensors are stored back to back, each padded to {alignment} bytes)")
+        end = data_offset + t.offset + t.n_bytes
+        if end > size:
+            raise InputError(f"{label}: tensor {t.name}: truncated (data ends at byte {end}, file has {size})")
+        expected += -(-t.n_bytes // alignment) * alignment
+
+
+def _known_keys(arch: str) -> set[str]:
+    """Every key name gguf-py knows, with `{arch}` filled in (templates with other fields left out)."""
+    known = set()
+    for group in vars(Keys).values():
+        for value in vars(group).values() if isinstance(group, type) else ():
+            if isinstance(value, str) and "{" not in value.replace("{arch}", ""):
+                known.add(value.replace("{arch}", arch))
+    return known
+
+
+def _check_key_names(keys: dict[str, GGUFValueType], arch: str, label: str) -> None:
+    """A key that differs from a known key in exactly one byte is a corrupted name.
+
+    Unknown keys are legal (newer writers add keys), so only near misses are
+    refused: a flipped bit in `qwen2moe.rope.freq_base` would otherwise make
+    the file silently fall back to a default.
+    """
+    known = _known_keys(arch)
+    by_length: dict[int, list[str]] = {}
+    for key in known:
+        by_length.setdefault(len(key), []).append(key)
+    for key in keys:
+        if key in known:
+            continue
+        for candidate in by_length.get(len(key), ()):
+            if sum(a != b for a, b in zip(key, candidate)) == 1 and candidate not in keys:
+                raise InputError(f"{label}: key {key}: unknown key, one byte away from {candidate} "
+                                 "(a corrupted key name?)")
+
+
+U32, F32, BOOL = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
+
+# `<arch>.` keys we read: the type llama.cpp insists on, whether it is required,
+# and the range a real model stays in (a flipped high bit leaves it).
+ARCH_KEYS: dict[str, tuple[GGUFValueType, bool, float, float]] = {
+    "block_count": (U32, True, 1, 4096),
+    "context_length": (U32, True, 1, 2**26),
+    "embedding_length": (U32, True, 1, 2**20),
+    "attention.head_count": (U32, True, 1, 2**12),
+    "attention.head_count_kv": (U32, False, 1, 2**12),
+    "attention.key_length": (U32, False, 1, 2**12),
+    "attention.value_length": (U32, False, 1, 2**12),
+    "attention.layer_norm_rms_epsilon": (F32, True, 1e-10, 1e-2),
+    "rope.freq_base": (F32, False, 1.0, 1e9),
+    "expert_count": (U32, True, 1, 2**12),
+    "expert_used_count": (U32, True, 1, 2**12),
+    "expert_feed_forward_length": (U32, False, 1, 2**20),
+    "expert_shared_feed_forward_length": (U32, False, 1, 2**20),
+    "expert_weights_norm": (BOOL, False, 0, 1),
+}
 
 
 class GGUFModel:
@@ -130,20 +362,29 @@ class GGUFModel:
         self.name = self.path.name
         if not self.path.is_file():
             raise InputError(f"{self.path}: no such file")
+        try:
+            header = _scan_header(self.path, self.name)
+        except OSError as exc:
+            raise InputError(f"{self.path}: cannot read ({exc.strerror or exc})") from None
         self._reader = self._open_reader()
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.arch = self._read_arch()
+        _check_key_names(header.keys, self.arch, self.name)
+        self._check_arch_keys(header.keys)
         self._check_tensor_types()
-        self._check_required_tensors()
+        self._check_tensor_names()
         self.hp = self._read_hparams()
+        self._check_shapes()
+        from moeheal.pipeline.tokenizer import check_vocabulary
+
+        check_vocabulary(self)
 
     # ---- validation -------------------------------------------------------
 
     def _open_reader(self) -> GGUFReader:
+        """gguf-py's reader on a header `_scan_header` has already walked; a failure here is still ours to name."""
         try:
-            return _CheckedReader(self.path)
-        except InputError:
-            raise
+            return GGUFReader(self.path, "r")
         except Exception as exc:  # gguf-py raises ValueError, struct/IndexError on garbage
             raise InputError(f"{self.name}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
 
@@ -156,6 +397,20 @@ class GGUFModel:
             )
         return arch
 
+    def _check_arch_keys(self, keys: dict[str, GGUFValueType]) -> None:
+        """Types as llama.cpp reads them (it refuses a wrong type), presence, finite values in range."""
+        for suffix, (vtype, required, lo, hi) in ARCH_KEYS.items():
+            key = f"{self.arch}.{suffix}"
+            if key not in keys:
+                if required:
+                    raise InputError(f"{self.name}: key {key}: missing")
+                continue
+            if keys[key] != vtype:
+                raise InputError(f"{self.name}: key {key}: type {keys[key].name}, expected {vtype.name}")
+            value = self.metadata(key)
+            if not (math.isfinite(value) and lo <= value <= hi):
+                raise InputError(f"{self.name}: key {key}: {value} is outside [{lo:g}, {hi:g}]")
+
     def _check_tensor_types(self) -> None:
         for t in self._reader.tensors:
             if not _dequantizable(t.tensor_type):
@@ -163,42 +418,89 @@ class GGUFModel:
                     f"{self.name}: tensor {t.name}: type {t.tensor_type.name} cannot be dequantized"
                 )
 
-    def _check_required_tensors(self) -> None:
-        n_layer = int(self.metadata(f"{self.arch}.block_count", -1))
-        if n_layer <= 0:
-            raise InputError(f"{self.name}: key {self.arch}.block_count: missing or not positive")
-        required = list(GLOBAL_TENSORS)
+    def _check_tensor_names(self) -> None:
+        """Every tensor the architecture needs is present and no other is: llama.cpp refuses
+        unused tensors too, and a corrupted name shows up as one missing plus one unknown."""
+        n_layer = int(self.metadata(f"{self.arch}.block_count"))
         has_shexp = "blk.0.ffn_up_shexp.weight" in self._tensors
         per_layer = LAYER_TENSORS + ARCH_LAYER_TENSORS[self.arch] + (SHEXP_TENSORS if has_shexp else ())
-        required += [f"blk.{i}.{short}" for i in range(n_layer) for short in per_layer]
+        required = list(GLOBAL_TENSORS) + [f"blk.{i}.{short}" for i in range(n_layer) for short in per_layer]
         for name in required:
             if name not in self._tensors:
                 raise InputError(f"{self.name}: tensor {name}: missing")
+        allowed = set(required) | set(OPTIONAL_TENSORS)
+        for name in self._tensors:
+            if name not in allowed:
+                raise InputError(f"{self.name}: tensor {name}: not a tensor of a {n_layer}-layer {self.arch} model")
 
     def _read_hparams(self) -> HParams:
         a = self.arch
         embd_shape = self._shape("token_embd.weight")  # (V, d)
         gate_exps = self._shape("blk.0.ffn_gate_exps.weight")  # (E, f, d)
         n_head = int(self._required_key(f"{a}.attention.head_count"))
-        d_model = int(self.metadata(f"{a}.embedding_length", embd_shape[1]))
+        d_model = int(self._required_key(f"{a}.embedding_length"))
         q_rows = self._shape("blk.0.attn_q.weight")[0]  # n_head * head_dim
+        if q_rows % n_head:
+            raise InputError(f"{self.name}: key {a}.attention.head_count: {n_head} does not divide the "
+                             f"{q_rows} rows of blk.0.attn_q.weight")
+        n_head_kv = int(self.metadata(f"{a}.attention.head_count_kv", n_head))
+        if n_head % n_head_kv:
+            raise InputError(f"{self.name}: key {a}.attention.head_count_kv: {n_head_kv} does not divide "
+                             f"head_count {n_head}")
+        n_expert = int(self._required_key(f"{a}.expert_count"))
+        n_expert_used = int(self._required_key(f"{a}.expert_used_count"))
+        if n_expert_used > n_expert:
+            raise InputError(f"{self.name}: key {a}.expert_used_count: {n_expert_used} is more than "
+                             f"expert_count {n_expert}")
         norm_key = f"{a}.expert_weights_norm"
         return HParams(
             n_layer=int(self._required_key(f"{a}.block_count")),
             d_model=d_model,
             n_head=n_head,
-            n_head_kv=int(self.metadata(f"{a}.attention.head_count_kv", n_head)),
+            n_head_kv=n_head_kv,
             head_dim=int(self.metadata(f"{a}.attention.key_length", q_rows // n_head)),
-            n_expert=int(self.metadata(f"{a}.expert_count", gate_exps[0])),
-            n_expert_used=int(self._required_key(f"{a}.expert_used_count")),
+            n_expert=n_expert,
+            n_expert_used=n_expert_used,
             d_expert=int(gate_exps[1]),
             d_shexp=int(self._shape("blk.0.ffn_up_shexp.weight")[0]) if self.has_shared_expert else 0,
             rope_theta=float(self.metadata(f"{a}.rope.freq_base", 10000.0)),
-            rms_eps=float(self.metadata(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rms_eps=float(self._required_key(f"{a}.attention.layer_norm_rms_epsilon")),
             vocab_size=int(embd_shape[0]),
             norm_topk_prob=bool(self.metadata(norm_key, DEFAULT_NORM_TOPK_PROB[a])),
-            context_length=int(self.metadata(f"{a}.context_length", 0)),
+            context_length=int(self._required_key(f"{a}.context_length")),
         )
+
+    def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each tensor's shape as the hyperparameters imply it (NumPy order)."""
+        hp, a = self.hp, self.arch
+        d, V, E, f, fs = hp.d_model, hp.vocab_size, hp.n_expert, hp.d_expert, hp.d_shexp
+        q, k = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+        v = hp.n_head_kv * int(self.metadata(f"{a}.attention.value_length", hp.head_dim))
+        layer = {
+            "attn_norm.weight": (d,), "attn_q.weight": (q, d), "attn_k.weight": (k, d), "attn_v.weight": (v, d),
+            "attn_output.weight": (d, hp.n_head * v // hp.n_head_kv), "attn_q.bias": (q,), "attn_k.bias": (k,),
+            "attn_v.bias": (v,), "attn_q_norm.weight": (hp.head_dim,), "attn_k_norm.weight": (hp.head_dim,),
+            "ffn_norm.weight": (d,), "ffn_gate_inp.weight": (E, d), "ffn_gate_exps.weight": (E, f, d),
+            "ffn_up_exps.weight": (E, f, d), "ffn_down_exps.weight": (E, d, f),
+            "ffn_gate_inp_shexp.weight": (d,), "ffn_gate_shexp.weight": (fs, d), "ffn_up_shexp.weight": (fs, d),
+            "ffn_down_shexp.weight": (d, fs),
+        }
+        shapes = {"token_embd.weight": (V, d), "output.weight": (V, d), "output_norm.weight": (d,)}
+        for i in range(hp.n_layer):
+            shapes.update({f"blk.{i}.{short}": shape for short, shape in layer.items()})
+        return shapes
+
+    def _check_shapes(self) -> None:
+        """Every tensor agrees with the keys: a corrupted dimension or key cannot reach the runner."""
+        a = self.arch
+        for key, value in ((f"{a}.expert_feed_forward_length", self.hp.d_expert),
+                           (f"{a}.expert_shared_feed_forward_length", self.hp.d_shexp)):
+            if self.metadata(key, value) != value:
+                raise InputError(f"{self.name}: key {key}: {self.metadata(key)}, but the tensors say {value}")
+        for name, expected in self._expected_shapes().items():
+            if name in self._tensors and self._shape(name) != expected:
+                raise InputError(f"{self.name}: tensor {name}: shape {list(self._shape(name))}, expected "
+                                 f"{list(expected)} from the header's keys and token_embd / blk.0 shapes")
 
     def _required_key(self, key: str) -> Any:
         value = self.metadata(key)

@@ -113,3 +113,34 @@ def garbage_file(dst: str | Path, n_bytes: int = 4096, seed: int = 0) -> Path:
 def copy_file(src: str | Path, dst: str | Path) -> Path:
     shutil.copyfile(src, dst)
     return Path(dst)
+
+
+def header_size(path: str | Path) -> int:
+    """Bytes before the tensor data: the metadata and the tensor table (what a header corruption hits)."""
+    from gguf import GGUFReader
+
+    return int(GGUFReader(path).data_offset)
+
+
+def corrupt_header(src: str | Path, dst: str | Path, kind: str, seed: int) -> Path:
+    """A copy of `src` with its header damaged the way disks and downloads damage files.
+
+    kind: "flip" (1 to 8 random bits flipped), "zero" (a run of 1 to 64 bytes zeroed),
+    "truncate" (cut somewhere inside the header). Seeded, so a failing case can be rerun.
+    """
+    rng = random.Random(seed)
+    data = bytearray(Path(src).read_bytes())
+    end = header_size(src)
+    if kind == "flip":
+        for _ in range(rng.randint(1, 8)):
+            data[rng.randrange(end)] ^= 1 << rng.randrange(8)
+    elif kind == "zero":
+        start = rng.randrange(end)
+        stop = min(end, start + rng.randint(1, 64))
+        data[start:stop] = bytes(stop - start)
+    elif kind == "truncate":
+        data = data[:rng.randrange(end)]
+    else:
+        raise ValueError(kind)
+    Path(dst).write_bytes(bytes(data))
+    return Path(dst)
