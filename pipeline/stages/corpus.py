@@ -7,18 +7,87 @@ overlap) can be joined back to the exact text it came from.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
 import json
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
+from moeheal.kernels.ngram import ngram_hashes
 from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.files import write_parquet
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.tokenizer import build_tokenizer, encode
 
 ROLES = ("cal", "eval", "canary", "unused")
 WINDOW_SETS = ("eval", "canary")
+MAX_LINE_BYTES = 1 << 26  # 64 MiB: one document per line, but never a whole disk image read as one line
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a UTF-8 text file, refusing what no corpus file holds.
+
+    Read as bytes so a bad byte is reported with its line instead of as a
+    UnicodeDecodeError from the middle of a loop; NUL bytes (a binary file, or
+    a zero-filled block of a damaged one) and lines over `MAX_LINE_BYTES` are
+    refused before any parser sees them. A leading byte-order mark is dropped.
+    """
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    with f:
+        for line_no, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), 1):
+            if line_no == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8):]
+            if len(raw) > MAX_LINE_BYTES:
+                raise InputError(f"{path}:{line_no}: line longer than {MAX_LINE_BYTES} bytes")
+            nul = raw.find(b"\0")
+            if nul >= 0:
+                raise InputError(f"{path}:{line_no}: NUL byte at column {nul + 1} (a binary or damaged file?)")
+            try:
+                yield line_no, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InputError(f"{path}:{line_no}: not UTF-8 ({exc.reason} at column {exc.start + 1})") from None
+
+
+def _csv_rows(path: Path, need: set[str], columns: str) -> Iterator[tuple[int, dict[str, str]]]:
+    """(line number, row) of a CSV with a header naming at least `need`; every row has every column."""
+    lines = _lines(path)
+    numbers: list[int] = []
+
+    def text() -> Iterator[str]:
+        for line_no, line in lines:
+            numbers.append(line_no)
+            yield line
+
+    reader = csv.reader(text())
+    try:
+        header = next(reader, None)
+        if header is None or not need <= set(header):
+            raise InputError(f"{path}: header must have columns {columns}")
+        if len(set(header)) != len(header):
+            raise InputError(f"{path}: header names a column twice")
+        for row in reader:
+            line_no = numbers[-1]
+            if not row:
+                continue
+            if len(row) != len(header):
+                raise InputError(f"{path}:{line_no}: {len(row)} fields, the header has {len(header)}")
+            yield line_no, dict(zip(header, row))
+    except csv.Error as exc:
+        raise InputError(f"{path}:{numbers[-1] if numbers else 1}: not valid CSV ({exc})") from None
+
+
+def _short(value: str) -> str:
+    """A value from an input file, quoted and cut short, for a one-line message."""
+    return repr(value[:60] + ("..." if len(value) > 60 else ""))
 
 
 def read_documents(path: Path) -> list[dict[str, str]]:
@@ -26,28 +95,31 @@ def read_documents(path: Path) -> list[dict[str, str]]:
     docs: list[dict[str, str]] = []
     if path.is_dir():
         for file in sorted(path.glob("*/*.txt")):
-            try:
-                text = file.read_text(encoding="utf-8")
-            except UnicodeDecodeError as exc:
-                raise InputError(f"{file}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
-            docs.append({"doc_id": file.stem, "stratum": file.parent.name, "text": text})
+            docs.append({"doc_id": file.stem, "stratum": file.parent.name, "text": "".join(t for _, t in _lines(file))})
     else:
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise InputError(f"{path}:{line_no}: not valid JSON: {exc.msg}") from None
-                for key in ("doc_id", "stratum", "text"):
-                    if not isinstance(record.get(key), str):
-                        raise InputError(f"{path}:{line_no}: field {key!r} missing or not a string")
-                docs.append({k: record[k] for k in ("doc_id", "stratum", "text")})
+        for line_no, line in _lines(path):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{path}:{line_no}: not valid JSON: {exc.msg}") from None
+            except RecursionError:
+                raise InputError(f"{path}:{line_no}: not valid JSON: nested too deeply") from None
+            if not isinstance(record, dict):
+                raise InputError(f"{path}:{line_no}: not a JSON object")
+            for key in ("doc_id", "stratum", "text"):
+                if not isinstance(record.get(key), str):
+                    raise InputError(f"{path}:{line_no}: field {key!r} missing or not a string")
+            if "\0" in record["text"]:
+                raise InputError(f"{path}:{line_no}: field 'text' holds a NUL character")
+            docs.append({k: record[k] for k in ("doc_id", "stratum", "text")})
     seen: set[str] = set()
     for doc in docs:
+        if not doc["doc_id"].strip() or not doc["stratum"].strip():
+            raise InputError(f"{path}: doc {_short(doc['doc_id'])}: empty doc_id or stratum")
         if doc["doc_id"] in seen:
-            raise InputError(f"{path}: doc_id {doc['doc_id']!r} appears twice")
+            raise InputError(f"{path}: doc_id {_short(doc['doc_id'])} appears twice")
         seen.add(doc["doc_id"])
     if not docs:
         raise InputError(f"{path}: no documents")
@@ -55,17 +127,21 @@ def read_documents(path: Path) -> list[dict[str, str]]:
 
 
 def read_split(path: Path) -> list[tuple[str, str]]:
-    """(doc_id, role) rows of the frozen split; bad roles are input errors, doc-level
-    consistency (one role per doc, no text under two roles) is the audit's job."""
+    """(doc_id, role) rows of the frozen split; bad roles and repeated rows are input errors,
+    doc-level consistency (one role per doc, no text under two roles) is the audit's job."""
     rows = []
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames is None or not {"doc_id", "role"} <= set(reader.fieldnames):
-            raise InputError(f"{path}: header must have columns doc_id,role")
-        for line_no, row in enumerate(reader, 2):
-            if row["role"] not in ROLES:
-                raise InputError(f"{path}:{line_no}: role {row['role']!r} is not one of {', '.join(ROLES)}")
-            rows.append((row["doc_id"], row["role"]))
+    seen: set[tuple[str, str]] = set()
+    for line_no, row in _csv_rows(path, {"doc_id", "role"}, "doc_id,role"):
+        if row["role"] not in ROLES:
+            raise InputError(f"{path}:{line_no}: role {_short(row['role'])} is not one of {', '.join(ROLES)}")
+        if not row["doc_id"].strip():
+            raise InputError(f"{path}:{line_no}: empty doc_id")
+        if (row["doc_id"], row["role"]) in seen:
+            raise InputError(f"{path}:{line_no}: doc {_short(row['doc_id'])} with role {row['role']} appears twice")
+        seen.add((row["doc_id"], row["role"]))
+        rows.append((row["doc_id"], row["role"]))
+    if not rows:
+        raise InputError(f"{path}: no rows")
     return rows
 
 
@@ -154,36 +230,34 @@ def draw_trace(name: str, doc_ids: list[str], strata: dict[str, str], tokens: di
 def read_windows(path: Path, doc_lengths: dict[str, int], doc_strata: dict[str, str]) -> pa.Table:
     """`windows.csv` -> the `windows` table (doc positions of context and scored span)."""
     out = {k: [] for k in ("window_id", "doc_id", "stratum", "set", "ctx_start", "score_start", "score_end")}
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        need = {"window_id", "doc_id", "stratum", "set", "ctx_tokens", "scored_tokens"}
-        if reader.fieldnames is None or not need <= set(reader.fieldnames):
-            raise InputError(f"{path}: header must have columns {','.join(sorted(need))}[,start]")
-        for line_no, row in enumerate(reader, 2):
-            where = f"{path}:{line_no}: window {row['window_id']!r}"
-            if row["set"] not in WINDOW_SETS:
-                raise InputError(f"{where}: set {row['set']!r} is not eval or canary")
-            if row["doc_id"] not in doc_lengths:
-                raise InputError(f"{where}: doc {row['doc_id']!r} is not in the corpus")
-            try:
-                ctx, scored = int(row["ctx_tokens"]), int(row["scored_tokens"])
-                start = int(row.get("start") or 0)
-            except ValueError:
-                raise InputError(f"{where}: ctx_tokens, scored_tokens and start must be integers") from None
-            if ctx < 0 or scored < 1 or start < 0:
-                raise InputError(f"{where}: needs ctx_tokens >= 0, scored_tokens >= 1, start >= 0")
-            if start + ctx + scored > doc_lengths[row["doc_id"]]:
-                raise InputError(f"{where}: ends at token {start + ctx + scored}, past the end of "
-                                 f"doc {row['doc_id']!r} ({doc_lengths[row['doc_id']]} tokens)")
-            if row["window_id"] in out["window_id"]:
-                raise InputError(f"{where}: window_id appears twice")
-            out["window_id"].append(row["window_id"])
-            out["doc_id"].append(row["doc_id"])
-            out["stratum"].append(row["stratum"])
-            out["set"].append(row["set"])
-            out["ctx_start"].append(start)
-            out["score_start"].append(start + ctx)
-            out["score_end"].append(start + ctx + scored)
+    need = {"window_id", "doc_id", "stratum", "set", "ctx_tokens", "scored_tokens"}
+    seen: set[str] = set()
+    for line_no, row in _csv_rows(path, need, f"{','.join(sorted(need))}[,start]"):
+        where = f"{path}:{line_no}: window {_short(row['window_id'])}"
+        if row["set"] not in WINDOW_SETS:
+            raise InputError(f"{where}: set {_short(row['set'])} is not eval or canary")
+        if row["doc_id"] not in doc_lengths:
+            raise InputError(f"{where}: doc {_short(row['doc_id'])} is not in the corpus")
+        try:
+            ctx, scored = int(row["ctx_tokens"]), int(row["scored_tokens"])
+            start = int(row.get("start") or 0)
+        except ValueError:
+            raise InputError(f"{where}: ctx_tokens, scored_tokens and start must be integers") from None
+        if ctx < 0 or scored < 1 or start < 0:
+            raise InputError(f"{where}: needs ctx_tokens >= 0, scored_tokens >= 1, start >= 0")
+        if start + ctx + scored > doc_lengths[row["doc_id"]]:
+            raise InputError(f"{where}: ends at token {start + ctx + scored}, past the end of "
+                             f"doc {row['doc_id']!r} ({doc_lengths[row['doc_id']]} tokens)")
+        if row["window_id"] in seen:
+            raise InputError(f"{where}: window_id appears twice")
+        seen.add(row["window_id"])
+        out["window_id"].append(row["window_id"])
+        out["doc_id"].append(row["doc_id"])
+        out["stratum"].append(row["stratum"])
+        out["set"].append(row["set"])
+        out["ctx_start"].append(start)
+        out["score_start"].append(start + ctx)
+        out["score_end"].append(start + ctx + scored)
     if not out["window_id"]:
         raise InputError(f"{path}: no windows")
     return pa.table({k: (pa.array(v, pa.int32()) if k.endswith(("start", "end")) else pa.array(v, pa.string()))
@@ -210,8 +284,6 @@ def generate_windows(docs: pa.Table, tokens: dict[str, np.ndarray], cal_hashes: 
     `ctx` context then `scored` scored tokens at a seeded start inside one doc, placed
     so that the scored span shares no n-gram with the calibration trace (its hashes,
     `cal_hashes`, sorted). A stratum with too few such placements is an input error."""
-    from moeheal.kernels.ngram import ngram_hashes
-
     out = {k: [] for k in ("window_id", "doc_id", "stratum", "set", "ctx_start", "score_start", "score_end")}
     rows = docs.to_pylist()
     for set_name, count in per_stratum.items():
@@ -240,3 +312,82 @@ def generate_windows(docs: pa.Table, tokens: dict[str, np.ndarray], cal_hashes: 
                                  "calibration trace")
     return pa.table({k: (pa.array(v, pa.int32()) if k.endswith(("start", "end")) else pa.array(v, pa.string()))
                      for k, v in out.items()})
+
+
+# ---- stage builds: everything a corpus-side output depends on lives in this module ----------
+
+
+def build_corpus(out: Path, reference: Path, docs: Path, split: Path) -> None:
+    """`docs.parquet` and `doc_tokens.parquet`: the documents, their roles and their tokens."""
+    tok = build_tokenizer(GGUFModel(reference))
+    table, tokens = build_docs(read_documents(docs), read_split(split), lambda t: encode(tok, t))
+    write_parquet(out / "docs.parquet", table)
+    write_parquet(out / "doc_tokens.parquet", tokens)
+
+
+def doc_tokens(corpus_dir: Path) -> dict[str, np.ndarray]:
+    """Each document's tokens, from the corpus stage's output."""
+    table = pq.read_table(corpus_dir / "doc_tokens.parquet")
+    doc_ids = table.column("doc_id").to_numpy(zero_copy_only=False)
+    tokens = table.column("token").to_numpy()
+    cuts = np.flatnonzero(doc_ids[1:] != doc_ids[:-1]) + 1
+    starts, ends = np.r_[0, cuts], np.r_[cuts, len(doc_ids)]
+    return {doc_ids[s]: tokens[s:e] for s, e in zip(starts, ends)}
+
+
+def build_traces(out: Path, corpus_dir: Path, cal_tokens: int, seq_tokens: int, mix: dict[str, float],
+                 unseen_tokens: int, seed: int) -> None:
+    """`cal_trace.parquet`: the calibration trace from `cal` docs and the unseen one from `unused` docs."""
+    docs = pq.read_table(corpus_dir / "docs.parquet").to_pylist()
+    by_role: dict[str, list[str]] = {}
+    for row in docs:
+        by_role.setdefault(row["role"], []).append(row["doc_id"])
+    strata = {row["doc_id"]: row["stratum"] for row in docs}
+    tokens = doc_tokens(corpus_dir)
+    parts = [draw_trace("calibration", by_role.get("cal", []), strata, tokens, cal_tokens, seq_tokens, mix, seed)]
+    if unseen_tokens:
+        parts.append(draw_trace("unseen", by_role.get("unused", []), strata, tokens, unseen_tokens, seq_tokens,
+                                {}, seed + 1))
+    write_parquet(out / "cal_trace.parquet", pa.concat_tables(parts))
+
+
+def trace_tokens(traces_dir: Path, trace: str) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, seq) of one trace, in position order; an empty trace is an input error."""
+    table = pq.read_table(traces_dir / "cal_trace.parquet")
+    rows = table.filter(pc.equal(table.column("trace"), trace))
+    if rows.num_rows == 0:
+        raise InputError(f"trace {trace!r} is empty: check [calibration] and the split's roles")
+    return rows.column("token").to_numpy(), rows.column("seq").to_numpy()
+
+
+def calibration_hashes(traces_dir: Path, n: int) -> np.ndarray:
+    """Sorted n-gram hashes of the calibration trace, per doc segment (never across docs)."""
+    table = pq.read_table(traces_dir / "cal_trace.parquet")
+    rows = table.filter(pc.equal(table.column("trace"), "calibration"))
+    doc_ids = rows.column("doc_id").to_numpy(zero_copy_only=False)
+    tokens = rows.column("token").to_numpy()
+    cuts = np.flatnonzero(doc_ids[1:] != doc_ids[:-1]) + 1
+    parts = [ngram_hashes(seg, n) for seg in np.split(tokens, cuts)]
+    return np.unique(np.concatenate(parts)) if parts else np.array([], np.uint64)
+
+
+def build_windows(out: Path, corpus_dir: Path, windows_file: Path | None, traces_dir: Path | None,
+                  per_set: dict[str, int], ctx_tokens: int, scored_tokens: int, n: int, seed: int) -> None:
+    """`windows.parquet`: from the windows file, or generated clear of the calibration trace's n-grams."""
+    docs = pq.read_table(corpus_dir / "docs.parquet")
+    rows = docs.to_pylist()
+    if windows_file is not None:
+        table = read_windows(windows_file, {r["doc_id"]: r["n_tokens"] for r in rows},
+                             {r["doc_id"]: r["stratum"] for r in rows})
+    else:
+        assert traces_dir is not None
+        table = generate_windows(docs, doc_tokens(corpus_dir), calibration_hashes(traces_dir, n), n,
+                                 per_set, ctx_tokens, scored_tokens, seed)
+    write_parquet(out / "windows.parquet", table)
+
+
+def window_tokens(windows_dir: Path, corpus_dir: Path) -> dict[str, np.ndarray]:
+    """Each window's tokens over [ctx_start, score_end) of its doc."""
+    tokens = doc_tokens(corpus_dir)
+    return {w["window_id"]: tokens[w["doc_id"]][w["ctx_start"]:w["score_end"]]
+            for w in pq.read_table(windows_dir / "windows.parquet").to_pylist()}
