@@ -24,12 +24,15 @@
 -- name order. Two 32-bit factors multiply to less than 2^64, so UBIGINT
 -- arithmetic is exact. Every sum is integer arithmetic, exact in any order:
 -- point estimates add DECIMAL(38,18) window sums, replicates add window sums
--- in fixed point (integer multiples of 1e-12 nats, BIGINT products, HUGEINT
--- totals; an overflow is an error, never a wrong digit). So the table does not
--- depend on the thread count.
+-- in fixed point (integer multiples of 1e-12 nats, HUGEINT totals; an
+-- overflow is an error, never a wrong digit). So the table does not depend on
+-- the thread count.
 --
 -- The work scales with arms (distinct variant/bonus), not pairs: each arm's
--- replicate totals are built once, then pairs join them by integer keys.
+-- replicate totals are built once, then pairs join them by integer keys. A
+-- replicate is one row holding its draws as a list, and an arm's stratum one
+-- list of packed window values, so a replicate total is one gather-and-sum
+-- over lists rather than a join of every draw (bench/bench_bootstrap.py).
 WITH arm_names AS (
     SELECT a AS variant, moce_bonus_a AS moce_bonus FROM comparison_pairs
     UNION
@@ -113,31 +116,52 @@ stratum_key AS (
     CROSS JOIN replicate_key AS r
 ),
 draws AS (
+    -- One row per (stratum shape, replicate): the list of its n_s draws, as 1-based
+    -- window numbers. The fmix32 chain runs element-wise in three passes; each
+    -- lambda repeats its input at most twice.
     SELECT
         stratum,
         n_s,
         rep,
-        xor(key, unnest(range(n_s))::UBIGINT) AS d0,
-        xor(d0, d0 >> 16) AS d1, (d1 * 2246822507) % 4294967296 AS d2,
-        xor(d2, d2 >> 13) AS d3, (d3 * 3266489909) % 4294967296 AS d4,
-        xor(d4, d4 >> 16) % n_s::UBIGINT AS idx
+        list_transform(
+            list_transform(
+                list_transform(range(n_s), lambda k: (xor(xor(key, k::UBIGINT), xor(key, k::UBIGINT) >> 16)
+                                                      * 2246822507) % 4294967296),
+                lambda d: (xor(d, d >> 13) * 3266489909) % 4294967296),
+            lambda d: (xor(d, d >> 16) % n_s::UBIGINT + 1)::BIGINT) AS picks
     FROM stratum_key
 ),
-resampled AS (
-    SELECT p.window_id, p.stratum_group, p.set_group, d.rep, count(*) AS times
-    FROM draws AS d
-    JOIN population AS p ON p.stratum = d.stratum AND p.n_s = d.n_s AND p.idx = d.idx
-    GROUP BY p.window_id, p.stratum_group, p.set_group, d.rep
+group_values AS (
+    -- Each arm's windows of one stratum group, a list in window-number order, every
+    -- window packed into one HUGEINT: kld_fx * 2^64 + n_tokens * 2^32 + top1_sum.
+    -- A replicate's sum of packed values unpacks exactly when its token count
+    -- stays below 2^32 (n_s * the largest window's tokens bounds it; checked) and
+    -- its fixed-point KLD total fits HUGEINT (an overflow is an error).
+    SELECT
+        m.arm_id, p.stratum_group, p.set_group, p.stratum, p.n_s,
+        CASE WHEN p.n_s * max(m.n_tokens) >= 4294967296
+            THEN error('compare.sql: stratum ' || p.stratum || ' has too many scored tokens to pool exactly')
+            ELSE list(m.kld_fx::HUGEINT * 18446744073709551616 + m.n_tokens * 4294967296 + m.top1_sum
+                      ORDER BY p.idx)
+        END AS packed
+    FROM population AS p
+    JOIN arm_windows AS m USING (window_id)
+    GROUP BY m.arm_id, p.stratum_group, p.set_group, p.stratum, p.n_s
+),
+replicate_packed AS (
+    SELECT
+        v.arm_id, v.stratum_group, v.set_group, d.rep,
+        list_sum(list_transform(d.picks, lambda i: v.packed[i])) AS total
+    FROM group_values AS v
+    JOIN draws AS d ON d.stratum = v.stratum AND d.n_s = v.n_s
 ),
 arm_replicate_stratum AS (
     SELECT
-        m.arm_id, r.stratum_group, r.set_group, r.rep,
-        sum(r.times * m.kld_fx) AS kld,
-        sum(r.times * m.n_tokens) AS n,
-        sum(r.times * m.top1_sum) AS top1
-    FROM resampled AS r
-    JOIN arm_windows AS m USING (window_id)
-    GROUP BY m.arm_id, r.stratum_group, r.set_group, r.rep
+        arm_id, stratum_group, set_group, rep,
+        total >> 64 AS kld,
+        (total >> 32) & 4294967295 AS n,
+        total & 4294967295 AS top1
+    FROM replicate_packed
 ),
 arm_replicate AS (
     SELECT arm_id, stratum_group AS grp, rep, kld, n, top1
