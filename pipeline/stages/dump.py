@@ -30,6 +30,7 @@ from moeheal.pipeline.lake import write_parquet
 from moeheal.pipeline.progress import progress
 
 ARRAYS = ("mixed", "yr", "hh", "experts", "weights")
+ROUTING_COLUMNS = ["trace", "layer", "pos", "k", "expert", "weight"]
 
 
 def _widths(hp, k: int) -> dict[str, tuple[int, str]]:
@@ -72,6 +73,18 @@ def _check_finite(name: str, layer: int, values: np.ndarray, first_pos: int) -> 
     if bad.any():
         row = int(np.argwhere(bad)[0][0])
         raise InputError(f"dump: layer {layer}: NaN or Inf in {name} at token position {first_pos + row}")
+
+
+def _check_routing(file: Path, layer: int, experts: np.ndarray, weights: np.ndarray) -> None:
+    """Imported routing: non-negative expert ids, weights >= 0 (the model's expert count is
+    checked where the dump is read, `open_dump(path, hp)`)."""
+    bad = np.argwhere(experts < 0)
+    if len(bad):
+        row, col = bad[0]
+        raise InputError(f"{file}: layer {layer} experts: id {int(experts[row, col])} at row {row} is not an expert")
+    negative = np.argwhere(weights < 0)
+    if len(negative):
+        raise InputError(f"{file}: layer {layer} weights: negative router weight at row {int(negative[0][0])}")
 
 
 def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: str, chunk_tokens: int,
@@ -130,29 +143,172 @@ def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: st
 
 
 def read_routing(dump: Path) -> pa.Table:
-    """The dump's routing rows in position order."""
+    """The dump's routing rows in position order; a damaged or foreign part is an InputError naming it."""
     parts = sorted((dump / "routing").glob("*.parquet"))
-    return pa.concat_tables([pq.read_table(p) for p in parts]).sort_by([("layer", "ascending"), ("pos", "ascending"), ("k", "ascending")])
+    if not parts:
+        raise InputError(f"{dump / 'routing'}: no routing parts")
+    tables = []
+    for part in parts:
+        try:
+            table = pq.read_table(part)
+        except (OSError, pa.ArrowException) as exc:
+            raise InputError(f"{part}: not a readable Parquet file ({' '.join(str(exc).split())[:160]})") from None
+        if table.schema.names != ROUTING_COLUMNS:
+            raise InputError(f"{part}: columns {table.schema.names}, expected {ROUTING_COLUMNS}")
+        tables.append(table)
+    try:
+        routing = pa.concat_tables(tables)
+    except pa.ArrowException as exc:
+        raise InputError(f"{dump / 'routing'}: parts disagree on column types ({exc})") from None
+    return routing.sort_by([("layer", "ascending"), ("pos", "ascending"), ("k", "ascending")])
 
 
-def open_dump(path: Path) -> zarr.Group:
-    root = zarr.open_group(str(path), mode="r")
-    if not root.attrs.get("complete"):
-        raise InputError(f"{path}: dump is incomplete ({root.attrs.get('rows_done')} of "
-                         f"{root.attrs.get('total_rows')} rows)")
-    return root
+class DumpArray:
+    """One dumped array whose reads name the dump, layer and array when the stored bytes are bad.
+
+    A chunk cut short or with flipped bits fails inside the codec (or decodes
+    to the wrong size); a flip that still decodes can leave NaN or an expert id
+    that no model has. Each is an InputError here, not a codec traceback or a
+    NaN that surfaces stages later.
+    """
+
+    def __init__(self, array: zarr.Array, where: str, n_expert: int | None):
+        self._array, self._where, self._n_expert = array, where, n_expert
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._array.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._array.dtype
+
+    def __getitem__(self, index) -> np.ndarray:
+        try:
+            values = np.asarray(self._array[index])
+        except Exception as exc:  # codecs raise their own types (zstd, blosc, ValueError on a bad size)
+            raise InputError(f"{self._where}: cannot decode stored chunk ({type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:160]})") from None
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            raise InputError(f"{self._where}: NaN or Inf in stored values (a damaged chunk?)")
+        if values.dtype.kind == "i" and values.size:
+            top = self._n_expert if self._n_expert is not None else np.iinfo(np.int32).max
+            if values.min() < 0 or values.max() >= top:
+                raise InputError(f"{self._where}: expert id {int(values.min()) if values.min() < 0 else int(values.max())} "
+                                 f"outside [0, {top}) (a damaged chunk?)")
+        return values
+
+
+class DumpGroup:
+    """One layer of a dump: `group[name]` is a checked `DumpArray`."""
+
+    def __init__(self, group: zarr.Group, where: str, n_expert: int | None):
+        self._group, self._where, self._n_expert = group, where, n_expert
+
+    @property
+    def attrs(self):
+        return self._group.attrs
+
+    def __getitem__(self, name: str) -> DumpArray:
+        return DumpArray(self._group[name], f"{self._where} {name}", self._n_expert)
+
+
+class Dump:
+    """A complete, structurally checked dump (what `open_dump` returns): `dump[str(layer)][name][rows]`."""
+
+    def __init__(self, root: zarr.Group, path: Path, n_layer: int, n_expert: int | None):
+        self._root, self.path, self.n_layer, self._n_expert = root, path, n_layer, n_expert
+
+    @property
+    def attrs(self):
+        return self._root.attrs
+
+    def __getitem__(self, layer: str) -> DumpGroup:
+        if layer not in {str(i) for i in range(self.n_layer)}:
+            raise KeyError(layer)
+        return DumpGroup(self._root[layer], f"{self.path}: layer {layer}", self._n_expert)
+
+
+def open_dump(path: Path, hp=None) -> Dump:
+    """A complete dump, its layout checked before any stage reads it.
+
+    Every layer `0..n-1` holds every array with T rows, the widths agree
+    across layers (and with `hp`, the model's HParams, when given), and no
+    chunk file is missing (Zarr would silently read a missing chunk as zeros).
+    """
+    try:
+        root = zarr.open_group(str(path), mode="r")
+        attrs = dict(root.attrs)
+        layer_names = sorted(name for name in root.group_keys())
+    except Exception as exc:  # a missing or garbled zarr.json: FileNotFoundError, JSONDecodeError, ValueError
+        raise InputError(f"{path}: not a readable dump ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})") from None
+    if not attrs.get("complete"):
+        raise InputError(f"{path}: dump is incomplete ({attrs.get('rows_done')} of "
+                         f"{attrs.get('total_rows')} rows)")
+    total = attrs.get("total_rows")
+    if not isinstance(total, int) or isinstance(total, bool) or total < 1:
+        raise InputError(f"{path}: attribute total_rows {total!r} is not a positive row count")
+    n_layer = len(layer_names)
+    if layer_names != sorted(str(i) for i in range(n_layer)) or not n_layer:
+        raise InputError(f"{path}: layer groups {layer_names[:8]} are not 0..n-1")
+    if hp is not None and n_layer != hp.n_layer:
+        raise InputError(f"{path}: {n_layer} layers, the model has {hp.n_layer}")
+    expected = _widths(hp, hp.n_expert_used) if hp is not None else None
+    first: dict[str, tuple[int, str]] = {}
+    for layer in range(n_layer):
+        for name in ARRAYS:
+            where = f"{path}: layer {layer} {name}"
+            try:
+                arr = root[str(layer)][name]
+                shape, dtype, missing = arr.shape, str(arr.dtype), arr.nchunks - arr.nchunks_initialized
+            except Exception as exc:
+                raise InputError(f"{where}: missing or unreadable ({type(exc).__name__}: "
+                                 f"{' '.join(str(exc).split())[:160]})") from None
+            width = (shape[1], dtype) if len(shape) == 2 else None
+            if width is None or shape[0] != total:
+                raise InputError(f"{where}: shape {list(shape)}, expected [{total}, width]")
+            want = expected[name] if expected is not None else first.setdefault(name, width)
+            if width != want:
+                raise InputError(f"{where}: [{total}, {width[0]}] {width[1]}, expected "
+                                 f"[{total}, {want[0]}] {want[1]}" + (" (the model's)" if expected else " (layer 0's)"))
+            if missing:
+                raise InputError(f"{where}: {missing} of {arr.nchunks} chunk files missing")
+    return Dump(root, Path(path), n_layer, hp.n_expert if hp is not None else None)
+
+
+SPEC_KEYS = {"trace", "T", "d", "f", "k", "layers"}
+TRACES = ("calibration", "unseen")
 
 
 def _read_spec(spec_path: Path) -> dict:
+    """The import spec, every key and value checked, so a bad one fails before a file is read."""
     import tomllib
 
     try:
         spec = tomllib.loads(spec_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise InputError(f"{spec_path}: cannot read dump spec: {exc}") from None
+        raise InputError(f"{spec_path}: cannot read dump spec: {' '.join(str(exc).split())}") from None
     for key in ("T", "d", "f", "k", "layers"):
         if key not in spec:
             raise InputError(f"{spec_path}: key {key!r} missing")
+    unknown = sorted(set(spec) - SPEC_KEYS)
+    if unknown:
+        raise InputError(f"{spec_path}: key {unknown[0]!r} unknown (a dump spec has {', '.join(sorted(SPEC_KEYS))})")
+    for key, least in (("T", 1), ("d", 1), ("f", 0), ("k", 1)):
+        value = spec[key]
+        if not isinstance(value, int) or isinstance(value, bool) or not least <= value < 2**40:
+            raise InputError(f"{spec_path}: key {key!r}: {value!r} is not an integer >= {least}")
+    if spec.get("trace", "calibration") not in TRACES:
+        raise InputError(f"{spec_path}: key 'trace': {spec['trace']!r} is not one of {', '.join(TRACES)}")
+    layers = spec["layers"]
+    if not isinstance(layers, list) or not layers or not all(isinstance(layer, dict) for layer in layers):
+        raise InputError(f"{spec_path}: key 'layers': needs one [[layers]] table per layer")
+    for i, layer in enumerate(layers):
+        for name, value in layer.items():
+            if name not in ARRAYS:
+                raise InputError(f"{spec_path}: layers[{i}].{name}: unknown (a layer names {', '.join(ARRAYS)})")
+            if not isinstance(value, str) or not value:
+                raise InputError(f"{spec_path}: layers[{i}].{name}: {value!r} is not a file name")
     return spec
 
 
@@ -177,26 +333,32 @@ def import_raw_dump(spec_path: Path, out: Path) -> None:
     The spec (TOML) gives `trace`, `T`, `d`, `f`, `k`, and per layer
     (`[[layers]]`) the files `mixed`, `yr`, `hh` (float32), `experts` (int32)
     and `weights` (float32); every file's size is checked against T x width
-    before anything is written, and NaN/Inf is refused with layer and row.
+    before anything is written (the widths against the model's are
+    `check_spec_fits`), NaN/Inf is refused with layer and row, and expert
+    ids and router weights must be non-negative.
     """
     spec = _read_spec(spec_path)
     files = raw_dump_files(spec_path)
     T, k = int(spec["T"]), int(spec["k"])
     widths = {"mixed": (int(spec["d"]), "float32"), "yr": (int(spec["d"]), "float32"),
               "hh": (int(spec["f"]), "float32"), "experts": (k, "int32"), "weights": (k, "float32")}
-    arrays: list[dict[str, np.ndarray]] = []
-    for i in range(len(spec["layers"])):
-        layer_arrays = {}
-        for name, (width, dtype) in widths.items():
+    for i in range(len(spec["layers"])):  # every size first: a wrong one costs no read
+        for name, (width, _) in widths.items():
             file = files[f"layer{i}.{name}"]
             expected = T * width * 4
             if file.stat().st_size != expected:
                 raise InputError(f"{file}: layer {i} {name}: {file.stat().st_size} bytes, expected "
                                  f"{expected} (T={T} x {width} x 4)")
+    arrays: list[dict[str, np.ndarray]] = []
+    for i in range(len(spec["layers"])):
+        layer_arrays = {}
+        for name, (width, dtype) in widths.items():
+            file = files[f"layer{i}.{name}"]
             values = np.fromfile(file, dtype="<" + ("i4" if dtype == "int32" else "f4")).reshape(T, width)
             if values.dtype.kind == "f":
                 _check_finite(name, i, values, 0)
             layer_arrays[name] = values
+        _check_routing(files[f"layer{i}.experts"], i, layer_arrays["experts"], layer_arrays["weights"])
         arrays.append(layer_arrays)
     trace = str(spec.get("trace", "calibration"))
     root = zarr.open_group(str(out), mode="w")
