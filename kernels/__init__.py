@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moeheal.kernels.formats import FORMATS, BlockFormat, GridFormat, dequantize_blocks_jit
+from moeheal.kernels import kquants  # noqa: F401  (registers q2_k .. q6_k in FORMATS)
+from moeheal.kernels.formats import FORMATS, BlockFormat, dequantize_blocks_jit, format_of
 from moeheal.kernels.gptq import damp_hessian, gptq_quantize
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "bits_per_weight",
     "damp_hessian",
     "dequantize",
+    "format_of",
     "quantize",
     "quantize_experts",
 ]
@@ -33,25 +35,21 @@ __all__ = [
 CHUNK_WEIGHTS = 1 << 22
 
 
-def format_of(fmt: str) -> type[BlockFormat]:
-    """The format class registered as ``fmt``; ValueError names the known ones."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; known: {sorted(FORMATS)}")
-    return FORMATS[fmt]
-
-
 def bits_per_weight(fmt: str) -> float:
     """Storage cost of a format in bits per weight (tq2_0: 2.0625)."""
-    cls = format_of(fmt)
-    return cls.type_size * 8 / cls.block_size
+    return format_of(fmt).bits_per_weight
 
 
 def _quantize_matrix(fmt: str, w: jax.Array, importance: jax.Array | None, hessian: jax.Array | None) -> jax.Array:
-    """One matrix (rows, cols) -> ggml bytes (rows, cols/block*type_size); traced, not jitted."""
+    """One matrix (rows, cols) -> ggml bytes (rows, cols/block*type_size); traced, not jitted.
+
+    With a hessian, GPTQ rounding; the importance (if any) still weights the
+    scale searches there.
+    """
     cls = FORMATS[fmt]
     rows, cols = w.shape
     if hessian is not None:
-        return gptq_quantize(cls, w, hessian)  # (rows, bytes)
+        return gptq_quantize(cls, w, hessian, importance)  # (rows, bytes)
     blocks = w.reshape(rows * cols // cls.block_size, cls.block_size)  # (n, B)
     imp = None
     if importance is not None:
@@ -104,8 +102,9 @@ def _check_matrix(x: np.ndarray, cls: type[BlockFormat], what: str) -> None:
 def _check_hessian(cls: type[BlockFormat], hessian: np.ndarray | None, cols: int, lead: tuple[int, ...]) -> None:
     if hessian is None:
         return
-    if not issubclass(cls, GridFormat):
-        raise ValueError(f"hessian: gptq rounding is defined for tq2_0 and iq4_nl, not {cls.name}")
+    if not cls.supports_gptq:
+        gptq = sorted(name for name, f in FORMATS.items() if f.supports_gptq)
+        raise ValueError(f"hessian: gptq rounding is defined for {', '.join(gptq)}, not {cls.name}")
     if hessian.shape != (*lead, cols, cols):
         raise ValueError(f"hessian: shape {hessian.shape}, expected {(*lead, cols, cols)}")
     try:
@@ -125,8 +124,10 @@ def quantize(
     x float [rows, cols] (cols a multiple of the block); importance [cols]
     (per-input-column weight of the squared error, e.g. E[x_j^2]) or None for
     uniform; hessian [cols, cols] (E[x x^T], positive definite: damp it with
-    ``damp_hessian``) selects GPTQ rounding (tq2_0, iq4_nl). Returns uint8
-    [rows, cols / block * type_size], the rows of a ggml tensor.
+    ``damp_hessian``) selects GPTQ rounding (formats whose ``supports_gptq``);
+    given both, the importance weights the scale searches and H the error
+    feedback. Returns uint8 [rows, cols / block * type_size], the rows of a
+    ggml tensor.
     """
     cls = format_of(fmt)
     x = np.asarray(x, np.float32)
@@ -169,7 +170,8 @@ def quantize_experts(
     """Quantize a stack of experts: w [E, rows, cols] -> uint8 [E, rows, bytes].
 
     importance [E, cols] (each expert has its own input statistics) or None;
-    hessians [E, cols, cols] (damped) select GPTQ rounding. Experts are vmapped
+    hessians [E, cols, cols] (damped) select GPTQ rounding, with the
+    importance (if given) weighting the scale searches. Experts are vmapped
     in batches of about ``batch_weights`` weights (raise it on a GPU), each
     batch the same compiled program.
     """

@@ -1,9 +1,13 @@
-"""ggml block formats in JAX: tq2_0, iq4_nl, q8_0.
+"""ggml block formats in JAX: the registry, the scaled-grid formats (tq2_0,
+iq4_nl) and q8_0; the k-quants live in ``kquants.py`` and register here too.
 
-Each format is a small class in the style of gguf-py's ``quants.py``: it knows
-its block geometry and ggml type, packs and unpacks ggml's exact byte layout,
-and quantizes blocks. The bytes are ggml's, so llama.cpp and gguf-py read our
-output as is; what is ours is how the scale and the codes are chosen.
+Each format is a small class in the style of gguf-py's ``quants.py``,
+registered by its ggml type: its geometry comes from ``gguf.GGML_QUANT_SIZES``,
+it packs and unpacks ggml's exact byte layout, quantizes blocks, says where its
+fp16 super-block scales live (what alpha multiplies) and whether GPTQ rounding
+applies. The pipeline asks the registry (``format_of``) and never names a
+format. The bytes are ggml's, so llama.cpp and gguf-py read our output as is;
+what is ours is how the scales and the codes are chosen.
 
 tq2_0 and iq4_nl are "scaled grid" formats: a block stores one fp16 scale d and
 per weight an index into a fixed grid of levels, value = d * level. We choose d
@@ -20,12 +24,12 @@ Every function here is a pure, jit-able function of arrays: no files, no config.
 from __future__ import annotations
 
 from functools import partial
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 # ---------------------------------------------------------------------------
 # fp16 scale <-> bytes (little endian, as ggml stores ggml_fp16_t)
@@ -54,13 +58,35 @@ def bytes_to_fp16(b: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------
 
 
+def _is_long_integer_run(levels: Sequence[float]) -> bool:
+    """True for grids of more than 8 consecutive integers (the k-quants' code and scale grids)."""
+    return len(levels) > 8 and all(float(b) - float(a) == 1.0 and float(a).is_integer()
+                                   for a, b in zip(levels[:-1], levels[1:]))
+
+
+def round_ties_down(y: jax.Array, lo: float, hi: float) -> jax.Array:
+    """Nearest integer in [lo, hi], ties to the lower one, as a float.
+
+    Exactly the midpoint count of ``nearest_level_value`` on a run of
+    consecutive integers (``r - y`` is exact: r and y are within one of each
+    other), in a constant number of ops however long the run.
+    """
+    r = jnp.round(y)  # (...,) ties to even
+    r = jnp.where(r - y == 0.5, r - 1.0, r)  # (...,) ties down
+    return jnp.clip(r, lo, hi)
+
+
 def nearest_level(y: jax.Array, levels: Sequence[float]) -> jax.Array:
     """Index of the grid level nearest to each y (levels sorted ascending).
 
     Counting the midpoints below y is branch-free and works for any sorted
     grid (4 levels for tq2_0, 16 non-uniform ones for iq4_nl). The levels are
     Python constants, so the loop unrolls into elementwise ops XLA fuses.
+    Long runs of consecutive integers (k-quant grids of up to 256 levels)
+    round arithmetically instead, with the same ties.
     """
+    if _is_long_integer_run(levels):
+        return (round_ties_down(y, levels[0], levels[-1]) - levels[0]).astype(jnp.int32)  # (...,)
     idx = jnp.zeros(y.shape, jnp.int32)  # (...,)
     for lo, hi in zip(levels[:-1], levels[1:]):
         idx = idx + (y > 0.5 * (lo + hi)).astype(jnp.int32)
@@ -73,6 +99,8 @@ def nearest_level_value(y: jax.Array, levels: Sequence[float]) -> jax.Array:
     A staircase sum instead of ``levels[nearest_level(y)]``: no gather, which
     is what the scale search evaluates tens of times per block.
     """
+    if _is_long_integer_run(levels):
+        return round_ties_down(y, levels[0], levels[-1]).astype(jnp.float32)  # (...,)
     value = jnp.full(y.shape, levels[0], jnp.float32)  # (...,)
     for lo, hi in zip(levels[:-1], levels[1:]):
         value = value + jnp.where(y > 0.5 * (lo + hi), hi - lo, 0.0)
@@ -158,13 +186,50 @@ def uniform_importance(x: jax.Array, importance: jax.Array | None) -> jax.Array:
 # ---------------------------------------------------------------------------
 
 
+FORMATS: dict[str, type[BlockFormat]] = {}
+FORMATS_BY_TYPE: dict[GGMLQuantizationType, type[BlockFormat]] = {}
+
+
 class BlockFormat:
-    """A ggml block format: geometry, type and (de)quantization of blocks."""
+    """A ggml block format: geometry, type, (de)quantization of blocks, scales.
+
+    A concrete subclass names its ggml type in the class statement
+    (``class TQ2_0(GridFormat, ggml_type=GGMLQuantizationType.TQ2_0)``); the
+    name, block and type sizes and bits per weight then come from gguf-py, so
+    they cannot drift from ggml's, and the class is registered in ``FORMATS``.
+
+    ``scale_offsets`` are the byte offsets in a block of the fp16 super-block
+    scales that a global factor multiplies (the scale d; for formats with a min
+    also dmin, so that every dequantized value is multiplied by the factor).
+
+    GPTQ rounding (``supports_gptq``) sees a block as ``block_size //
+    sub_block`` sub-blocks: ``gptq_block_plan`` fixes what is shared by the
+    block when its first column starts, ``gptq_sub_plan`` what is shared by a
+    sub-block when its first column starts (both from the weights as updated
+    by the error feedback so far), ``gptq_round`` rounds one column given the
+    sub-block's plan and ``gptq_pack`` writes the block's bytes.
+    """
 
     name: ClassVar[str]
     ggml_type: ClassVar[GGMLQuantizationType]
     block_size: ClassVar[int]
     type_size: ClassVar[int]
+    bits_per_weight: ClassVar[float]
+    scale_offsets: ClassVar[tuple[int, ...]]
+    supports_gptq: ClassVar[bool] = False
+    sub_block: ClassVar[int]
+
+    def __init_subclass__(cls, ggml_type: GGMLQuantizationType | None = None, **kwargs: Any) -> None:
+        """Register a concrete format; families (no ggml_type) stay abstract."""
+        super().__init_subclass__(**kwargs)
+        if ggml_type is None:
+            return
+        cls.ggml_type = ggml_type
+        cls.name = ggml_type.name.lower()
+        cls.block_size, cls.type_size = GGML_QUANT_SIZES[ggml_type]
+        cls.bits_per_weight = cls.type_size * 8 / cls.block_size
+        FORMATS[cls.name] = cls
+        FORMATS_BY_TYPE[ggml_type] = cls
 
     @classmethod
     def quantize_blocks(cls, x: jax.Array, importance: jax.Array | None = None) -> jax.Array:
@@ -176,12 +241,81 @@ class BlockFormat:
         """(n, type_size) uint8 -> (n, block_size) float32."""
         raise NotImplementedError
 
+    @classmethod
+    def scale_scales(cls, raw: np.ndarray, factor: float) -> np.ndarray:
+        """ggml bytes with every super-block scale multiplied by ``factor``.
+
+        This is how alpha scales a quantized matrix without changing its
+        format: the product is taken in float32 and rounded to fp16 once. Any
+        byte array whose size is a whole number of blocks is accepted; a new
+        uint8 array of the same shape comes back. ValueError, never a silent
+        inf, NaN or zero, when the factor is not finite, a product overflows
+        fp16 or is not finite, or a nonzero scale would round to zero.
+        """
+        if not np.isfinite(factor):
+            raise ValueError(f"{cls.name}: scale factor {factor!r} is not finite")
+        raw = np.asarray(raw)
+        if raw.dtype != np.uint8 or raw.size % cls.type_size != 0:
+            raise ValueError(f"{cls.name}: {raw.size} {raw.dtype} values are not whole {cls.type_size}-byte blocks")
+        blocks = raw.reshape(-1, cls.type_size).copy()  # (n, type_size)
+        for off in cls.scale_offsets:
+            old = blocks[:, off:off + 2].view(np.float16)[:, 0].astype(np.float32)  # (n,)
+            with np.errstate(over="ignore", invalid="ignore"):
+                new = (old * np.float32(factor)).astype(np.float16)  # (n,)
+            bad = ~np.isfinite(new)  # (n,)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(f"{cls.name}: scale {old[i]!r} of block {i} times {factor!r} is not a finite fp16 "
+                                 f"({np.count_nonzero(bad)} blocks); fp16 holds at most 65504")
+            lost = (new == 0) & (old != 0)  # (n,)
+            if lost.any():
+                i = int(np.argmax(lost))
+                raise ValueError(f"{cls.name}: scale {old[i]!r} of block {i} times {factor!r} underflows fp16 to zero "
+                                 f"({np.count_nonzero(lost)} blocks)")
+            blocks[:, off:off + 2] = new[:, None].view(np.uint8)
+        return blocks.reshape(raw.shape)
+
+    @classmethod
+    def gptq_block_plan(cls, x: jax.Array, importance: jax.Array) -> Any:
+        """GPTQ: what a block fixes when it starts; x, importance (n, block_size)."""
+        raise NotImplementedError
+
+    @classmethod
+    def gptq_sub_plan(cls, plan: Any, x: jax.Array, importance: jax.Array) -> Any:
+        """GPTQ: what a sub-block fixes when it starts; x, importance (n, sub_block)."""
+        raise NotImplementedError
+
+    @classmethod
+    def gptq_round(cls, sub: Any, col: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """GPTQ: one column (n,) -> codes (n,) int32 and their dequantized values (n,)."""
+        raise NotImplementedError
+
+    @classmethod
+    def gptq_pack(cls, plan: Any, subs: Any, codes: jax.Array) -> jax.Array:
+        """GPTQ: block plan, sub plans stacked on a leading sub-block axis, codes (n, block_size) -> bytes."""
+        raise NotImplementedError
+
+
+def format_of(fmt: str | GGMLQuantizationType) -> type[BlockFormat]:
+    """The format class registered under a name ("q2_k") or a ggml type; ValueError names the known ones."""
+    cls = FORMATS_BY_TYPE.get(fmt) if isinstance(fmt, GGMLQuantizationType) else FORMATS.get(fmt)
+    if cls is None:
+        raise ValueError(f"unknown format {fmt!r}; known: {sorted(FORMATS)}")
+    return cls
+
 
 class GridFormat(BlockFormat):
     """A block of one fp16 scale and per-weight indices into a fixed level grid."""
 
     levels: ClassVar[tuple[int, ...]]
     divisors: ClassVar[tuple[float, ...]]
+    supports_gptq = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A grid block is one GPTQ sub-block."""
+        super().__init_subclass__(**kwargs)
+        if "ggml_type" in kwargs:
+            cls.sub_block = cls.block_size
 
     @classmethod
     def level_grid(cls) -> jax.Array:
@@ -214,6 +348,26 @@ class GridFormat(BlockFormat):
         d, idx = cls.unpack(blocks)  # (n, 1), (n, B)
         return d * cls.level_grid()[idx]  # (n, B), one float32 product, as gguf-py
 
+    @classmethod
+    def gptq_block_plan(cls, x: jax.Array, importance: jax.Array) -> jax.Array:
+        """The block's fp16 scale d (n,), by the same search as plain rounding."""
+        d, _ = cls.search(x, importance)  # (n,)
+        return d
+
+    @classmethod
+    def gptq_sub_plan(cls, plan: jax.Array, x: jax.Array, importance: jax.Array) -> jax.Array:
+        """The block is the sub-block: its scale is already fixed."""
+        return plan
+
+    @classmethod
+    def gptq_round(cls, sub: jax.Array, col: jax.Array) -> tuple[jax.Array, jax.Array]:
+        y = scaled(col[:, None], sub)  # (n, 1)
+        return nearest_level(y, cls.levels)[:, 0], sub * nearest_level_value(y, cls.levels)[:, 0]  # (n,) x2
+
+    @classmethod
+    def gptq_pack(cls, plan: jax.Array, subs: jax.Array, codes: jax.Array) -> jax.Array:
+        return cls.pack(plan, codes)  # (n, type_size)
+
 
 def _tq2_0_divisors() -> tuple[float, ...]:
     """Candidate x_ext / d ratios for tq2_0's levels {-1, 0, 1, 2}.
@@ -230,17 +384,14 @@ def _tq2_0_divisors() -> tuple[float, ...]:
     return tuple(float(v) for v in np.concatenate([long_side, short_side]))
 
 
-class TQ2_0(GridFormat):
+class TQ2_0(GridFormat, ggml_type=GGMLQuantizationType.TQ2_0):
     """ggml TQ2_0: 256 weights, 64 bytes of 2-bit codes then fp16 d; value = (q-1)*d.
 
     Byte j of the 64 holds, in bit pairs 0,2,4,6, the codes of weights
     32*k + j%32 + 128*(j//32) for k = 0..3 (gguf-py's TQ2_0 layout).
     """
 
-    name = "tq2_0"
-    ggml_type = GGMLQuantizationType.TQ2_0
-    block_size = 256
-    type_size = 66
+    scale_offsets = (64,)
     levels = (-1, 0, 1, 2)
     divisors = _tq2_0_divisors()
 
@@ -278,7 +429,7 @@ def _iq4_nl_divisors() -> tuple[float, ...]:
 KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
-class IQ4_NL(GridFormat):
+class IQ4_NL(GridFormat, ggml_type=GGMLQuantizationType.IQ4_NL):
     """ggml IQ4_NL: 32 weights, fp16 d then 16 bytes; value = d * kvalues[idx].
 
     Byte j holds idx[j] in its low nibble and idx[j + 16] in its high nibble.
@@ -286,10 +437,7 @@ class IQ4_NL(GridFormat):
     quantize_row_iq4_nl_impl's.
     """
 
-    name = "iq4_nl"
-    ggml_type = GGMLQuantizationType.IQ4_NL
-    block_size = 32
-    type_size = 18
+    scale_offsets = (0,)
     levels = KVALUES_IQ4NL
     divisors = _iq4_nl_divisors()
 
@@ -313,7 +461,7 @@ def round_half_away(v: jax.Array) -> jax.Array:
     return jnp.sign(v) * (floored + jnp.floor(2 * (a - floored)))
 
 
-class Q8_0(BlockFormat):
+class Q8_0(BlockFormat, ggml_type=GGMLQuantizationType.Q8_0):
     """ggml Q8_0: 32 weights, fp16 d = max|x|/127 then 32 int8; value = q * d.
 
     Round-to-nearest is already close to optimal at 8 bits, so importance is
@@ -321,10 +469,7 @@ class Q8_0(BlockFormat):
     reference quantizer (and gguf-py's) exactly.
     """
 
-    name = "q8_0"
-    ggml_type = GGMLQuantizationType.Q8_0
-    block_size = 32
-    type_size = 34
+    scale_offsets = (0,)
 
     @classmethod
     def quantize_blocks(cls, x: jax.Array, importance: jax.Array | None = None) -> jax.Array:
@@ -339,9 +484,6 @@ class Q8_0(BlockFormat):
         d = bytes_to_fp16(blocks[:, :2])  # (n, 1)
         q = jax.lax.bitcast_convert_type(blocks[:, 2:], jnp.int8).astype(jnp.float32)  # (n, 32)
         return q * d  # (n, 32)
-
-
-FORMATS: dict[str, type[BlockFormat]] = {f.name: f for f in (TQ2_0, IQ4_NL, Q8_0)}
 
 
 @partial(jax.jit, static_argnames=("fmt",))

@@ -1,4 +1,4 @@
-"""GPTQ error-feedback rounding for the scaled-grid formats (tq2_0, iq4_nl).
+"""GPTQ error-feedback rounding for every format with per-block scales.
 
 Rounding every weight to its nearest level ignores that the layer's output
 error is ``tr((W - Q) H (W - Q)^T)`` with ``H = E[x x^T]``: correlated inputs let
@@ -7,13 +7,17 @@ the error of one column be compensated by the columns after it. GPTQ
 rounding error onto the remaining ones through the upper Cholesky factor U of
 H^-1 (``H^-1 = U^T U``), which is the optimal update for that error.
 
-ggml blocks run along a row, so the block scale of a group of ``block_size``
-columns is fixed when the group starts: it is chosen by the same
-importance-weighted scale search as plain rounding (importance = diag(H)), on
-the weights as already updated by the earlier groups' errors. Within a group
-columns are rounded one by one with the error applied inside the group; the
-group's accumulated error is then applied to all later columns as one matrix
-product (GPTQ's lazy batch update, with the batch = the ggml block).
+ggml blocks run along a row, so what a block shares is fixed when its first
+column starts: the scale of a grid block (tq2_0, iq4_nl); the super-block
+scales d (and dmin) of a k-quant, and each k-quant sub-block's scale (and min)
+code when the sub-block's first column starts. Both are chosen by the same
+importance-weighted searches as plain rounding (importance given, else diag(H)),
+on the weights as already updated by the errors so far. Within a block columns
+are rounded one by one with the error applied inside the block; the block's
+accumulated error is then applied to all later columns as one matrix product
+(GPTQ's lazy batch update, with the batch = the ggml block). The format
+supplies the plans, the rounding of a column and the packing (``BlockFormat``'s
+``gptq_*`` methods).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moeheal.kernels.formats import GridFormat, nearest_level, nearest_level_value, scaled, search_grid_scale
+from moeheal.kernels.formats import BlockFormat
 
 
 def damp_hessian(hessian: jax.Array, damp: float) -> jax.Array:
@@ -44,57 +48,58 @@ def inverse_cholesky_upper(hessian: jax.Array) -> jax.Array:
     return jnp.linalg.cholesky(h_inv).T  # (cols, cols) upper
 
 
-def gptq_levels(
-    fmt: type[GridFormat], w: jax.Array, hessian: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """GPTQ rounding of one matrix to a grid format.
+def gptq_quantize(
+    fmt: type[BlockFormat], w: jax.Array, hessian: jax.Array, importance: jax.Array | None = None
+) -> jax.Array:
+    """GPTQ-rounded ggml bytes of one matrix: (rows, cols) -> (rows, n_blocks * type_size) uint8.
 
-    w (rows, cols) float32, hessian (cols, cols) positive definite (already
-    damped). Returns fp16-valued scales (rows, n_groups) and level indices
-    (rows, cols).
+    hessian (cols, cols) positive definite (already damped); importance (cols,)
+    weights the block and sub-block scale searches (diag(H) when None), so a
+    variant's tempered activation importance still decides the scales while H
+    decides the error feedback.
     """
     rows, cols = w.shape
-    block = fmt.block_size
-    n_groups = cols // block
-    grid = tuple(float(v) for v in fmt.levels)
-    divisors = jnp.asarray(fmt.divisors, jnp.float32)  # (C,)
-    importance = jnp.diag(hessian)  # (cols,)
+    block, sub = fmt.block_size, fmt.sub_block
+    n_blocks, n_sub = cols // block, block // sub
+    hessian = jnp.asarray(hessian, jnp.float32)  # (cols, cols)
+    importance = jnp.diag(hessian) if importance is None else jnp.asarray(importance, jnp.float32)  # (cols,)
     upper = inverse_cholesky_upper(hessian)  # (cols, cols)
     col_ids = jnp.arange(cols)  # (cols,)
 
-    def group_step(w_cur: jax.Array, g: jax.Array):
-        start = g * block
-        w_grp = jax.lax.dynamic_slice(w_cur, (0, start), (rows, block))  # (rows, B)
-        imp_grp = jax.lax.dynamic_slice(importance, (start,), (block,))  # (B,)
-        d, _ = search_grid_scale(w_grp, jnp.broadcast_to(imp_grp, w_grp.shape), grid, divisors)  # (rows,)
-        u_grp = jax.lax.dynamic_slice(upper, (start, start), (block, block))  # (B, B)
+    def block_step(w_cur: jax.Array, b: jax.Array):
+        start = b * block
+        w_blk = jax.lax.dynamic_slice(w_cur, (0, start), (rows, block))  # (rows, B)
+        imp_blk = jnp.broadcast_to(jax.lax.dynamic_slice(importance, (start,), (block,)), (rows, block))  # (rows, B)
+        u_blk = jax.lax.dynamic_slice(upper, (start, start), (block, block))  # (B, B)
+        plan = fmt.gptq_block_plan(w_blk, imp_blk)
 
-        def col_step(j, carry):
-            w_grp, idx, err = carry
-            col = w_grp[:, j]  # (rows,)
-            col_y = scaled(col[:, None], d)  # (rows, 1)
-            col_idx = nearest_level(col_y, grid)[:, 0]  # (rows,)
-            col_err = (col - d * nearest_level_value(col_y, grid)[:, 0]) / u_grp[j, j]  # (rows,)
-            w_grp = w_grp - col_err[:, None] * u_grp[j][None, :]  # (rows, B); U upper: only columns >= j move
-            return w_grp, idx.at[:, j].set(col_idx), err.at[:, j].set(col_err)
+        def sub_step(carry, s):
+            w_blk, err = carry
+            x_sub = jax.lax.dynamic_slice(w_blk, (0, s * sub), (rows, sub))  # (rows, S)
+            imp_sub = jax.lax.dynamic_slice(imp_blk, (0, s * sub), (rows, sub))  # (rows, S)
+            sub_plan = fmt.gptq_sub_plan(plan, x_sub, imp_sub)
 
-        init = (w_grp, jnp.zeros((rows, block), jnp.int32), jnp.zeros((rows, block), jnp.float32))
-        _, idx, err = jax.lax.fori_loop(0, block, col_step, init)  # (rows, B) x2
+            def col_step(j, carry):
+                w_blk, codes, err = carry
+                c = s * sub + j
+                col = jax.lax.dynamic_index_in_dim(w_blk, c, axis=1, keepdims=False)  # (rows,)
+                code, value = fmt.gptq_round(sub_plan, col)  # (rows,) x2
+                col_err = (col - value) / u_blk[c, c]  # (rows,)
+                w_blk = w_blk - col_err[:, None] * u_blk[c][None, :]  # (rows, B); U upper: only columns >= c move
+                return w_blk, codes.at[:, j].set(code), err.at[:, c].set(col_err)
+
+            init = (w_blk, jnp.zeros((rows, sub), jnp.int32), err)
+            w_blk, codes, err = jax.lax.fori_loop(0, sub, col_step, init)  # (rows, B), (rows, S), (rows, B)
+            return (w_blk, err), (sub_plan, codes)
+
+        init = (w_blk, jnp.zeros((rows, block), jnp.float32))
+        (_, err), (subs, codes) = jax.lax.scan(sub_step, init, jnp.arange(n_sub))  # codes (n_sub, rows, S)
+        codes = jnp.transpose(codes, (1, 0, 2)).reshape(rows, block)  # (rows, B)
         u_rows = jax.lax.dynamic_slice(upper, (start, 0), (block, cols))  # (B, cols)
         later = (col_ids >= start + block).astype(jnp.float32)  # (cols,)
         w_cur = w_cur - jnp.matmul(err, u_rows, precision=jax.lax.Precision.HIGHEST) * later[None, :]  # (rows, cols)
         # HIGHEST: GPUs would otherwise multiply in TF32 and the error feedback would drift
-        return w_cur, (d, idx)
+        return w_cur, fmt.gptq_pack(plan, subs, codes)  # (rows, type_size)
 
-    _, (d, idx) = jax.lax.scan(group_step, jnp.asarray(w, jnp.float32), jnp.arange(n_groups))
-    # d (G, rows), idx (G, rows, B)
-    return d.T, jnp.transpose(idx, (1, 0, 2)).reshape(rows, cols)  # (rows, G), (rows, cols)
-
-
-def gptq_quantize(fmt: type[GridFormat], w: jax.Array, hessian: jax.Array) -> jax.Array:
-    """GPTQ-rounded ggml bytes of one matrix: (rows, cols) -> (rows, G * type_size) uint8."""
-    rows, cols = w.shape
-    d, idx = gptq_levels(fmt, w, hessian)  # (rows, G), (rows, cols)
-    n_groups = cols // fmt.block_size
-    blocks = fmt.pack(d.reshape(-1), idx.reshape(rows * n_groups, fmt.block_size))  # (rows*G, type_size)
-    return blocks.reshape(rows, n_groups * fmt.type_size)  # (rows, bytes)
+    _, blocks = jax.lax.scan(block_step, jnp.asarray(w, jnp.float32), jnp.arange(n_blocks))  # (n_blocks, rows, type_size)
+    return jnp.transpose(blocks, (1, 0, 2)).reshape(rows, n_blocks * fmt.type_size)  # (rows, bytes)

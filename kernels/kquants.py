@@ -1,0 +1,533 @@
+"""ggml k-quants in JAX: q2_k, q3_k, q4_k, q5_k, q6_k.
+
+A k-quant super-block holds 256 weights in sub-blocks of 16 or 32. Each
+sub-block has an integer scale code ls (and, for q2_k/q4_k/q5_k, a min code
+lm); the super-block has fp16 d (and dmin). A weight with code q is
+
+    affine (q2_k, q4_k, q5_k):  (d * ls) * q - dmin * lm,   q in [0, nmax]
+    symmetric (q3_k, q6_k):     (d * ls) * q,               q in [-n, n - 1]
+
+We choose all of it to minimise the weighted squared error of the bytes we
+write, in three vectorised stages (every block and sub-block at once):
+
+1. per sub-block, a float scale (and min) by a scan over candidate scales,
+   each refit by weighted least squares: ggml's own candidates
+   (``make_qkx3_quants`` / ``make_qx_quants``) plus a refit from the
+   re-rounded codes (affine) or both orientations of the grid (symmetric);
+2. the super-block d (and dmin) by the grid search of ``formats.py`` over
+   the sub-block values, each sub-block weighted by how much its scale (min)
+   matters: sum w q^2 (sum w), where ggml weights both by sum w;
+3. per sub-block, the scale and min codes among the neighbours (+-1) of the
+   rounded float values, scored by the exact error of the fp16 super-block
+   scales and nearest codes: what ggml approximates by ``make_qp_quants``
+   on the float values is here measured on the bytes.
+
+The weights w are ggml's when an imatrix is given (``quantize_row_*_impl``):
+``qw * sqrt(sigma2 + x^2)`` with sigma2 = sum(x^2)/256 for q2_k and twice
+that for q3_k/q4_k/q5_k, ``qw`` alone for q6_k; with no importance, qw = 1.
+GPTQ rounding fixes d (dmin) when a super-block starts and the sub-block codes
+when a sub-block starts (``gptq_*`` methods, see ``gptq.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from gguf import GGMLQuantizationType
+
+from moeheal.kernels.formats import (
+    BlockFormat,
+    bytes_to_fp16,
+    fp16_to_bytes,
+    round_ties_down,
+    search_grid_scale,
+    uniform_importance,
+)
+
+QK_K = 256
+
+
+def safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
+    """num / den, 0 where den = 0 (a zero scale represents every weight by its min)."""
+    return jnp.where(den == 0, 0.0, num / jnp.where(den == 0, 1.0, den))
+
+
+def ggml_weights(x: jax.Array, qw: jax.Array, sigma_factor: float | None) -> jax.Array:
+    """ggml's search weights from importance: qw * sqrt(sigma2 + x^2), sigma2 = f * mean(x^2) per block.
+
+    x, qw (n, 256) -> (n, 256). The sqrt term leans the search towards large
+    weights (ggml's measured choice); ``sigma_factor`` None keeps qw (q6_k).
+    """
+    if sigma_factor is None:
+        return qw
+    sigma2 = sigma_factor * jnp.sum(x * x, axis=-1, keepdims=True) / QK_K  # (n, 1)
+    return qw * jnp.sqrt(sigma2 + x * x)  # (n, 256)
+
+
+def weighted_sse(x: jax.Array, w: jax.Array, values: jax.Array) -> jax.Array:
+    """sum w (x - values)^2 over the last axis: (..., S) -> (...)."""
+    r = x - values  # (..., S)
+    return jnp.sum(w * r * r, axis=-1)
+
+
+# ---------------------------------------------------------------------------
+# Stage 1: sub-block scale (and min) in float
+# ---------------------------------------------------------------------------
+
+
+def fit_affine_subblocks(
+    x: jax.Array, w: jax.Array, nmax: int, deltas: tuple[float, ...]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per sub-block scale s >= 0 and min m >= 0 with x ~ s * l - m, l in [0, nmax].
+
+    x, w (n, k, S). Candidates are ggml's make_qkx3_quants ones: inverse scale
+    (nmax + delta) / (max - min) from min(x, 0), codes rounded, then (s, m)
+    refit jointly by weighted least squares (m clamped to >= 0 as ggml does);
+    we also refit once more from the codes the fit re-rounds to, and score
+    every candidate by its exact error with nearest codes. Returns s, m (n, k)
+    and the codes of the best fit (n, k, S) as float.
+    """
+    lo = jnp.minimum(jnp.min(x, axis=-1), 0.0)  # (n, k)
+    span = jnp.max(x, axis=-1) - lo  # (n, k)
+    sw = jnp.sum(w, axis=-1)  # (n, k)
+    sx = jnp.sum(w * x, axis=-1)  # (n, k)
+
+    def codes(scale: jax.Array, offset: jax.Array) -> jax.Array:
+        return round_ties_down(safe_div(x - offset[..., None], scale[..., None]), 0, nmax)  # (n, k, S)
+
+    def score(scale: jax.Array, offset: jax.Array) -> tuple[jax.Array, jax.Array]:
+        l = codes(scale, offset)  # (n, k, S)
+        return weighted_sse(x, w, scale[..., None] * l + offset[..., None]), l  # (n, k), (n, k, S)
+
+    def refit(l: jax.Array, scale: jax.Array, offset: jax.Array) -> tuple[jax.Array, jax.Array]:
+        sl = jnp.sum(w * l, axis=-1)  # (n, k)
+        sl2 = jnp.sum(w * l * l, axis=-1)  # (n, k)
+        sxl = jnp.sum(w * x * l, axis=-1)  # (n, k)
+        det = sw * sl2 - sl * sl  # (n, k)
+        ok = det > 0  # (n, k)
+        fit_scale = safe_div(sw * sxl - sx * sl, jnp.where(ok, det, 0.0))  # (n, k)
+        fit_offset = safe_div(sl2 * sx - sl * sxl, jnp.where(ok, det, 0.0))  # (n, k)
+        positive = fit_offset > 0  # (n, k): a min above 0 is not representable, refit the scale alone
+        fit_scale = jnp.where(positive, safe_div(sxl, sl2), fit_scale)  # (n, k)
+        fit_offset = jnp.where(positive, 0.0, fit_offset)  # (n, k)
+        return jnp.where(ok, jnp.maximum(fit_scale, 0.0), scale), jnp.where(ok, fit_offset, offset)
+
+    def keep_better(best, scale, offset):
+        err_b, scale_b, offset_b, l_b = best
+        err, l = score(scale, offset)  # (n, k), (n, k, S)
+        better = err < err_b  # (n, k)
+        return (jnp.where(better, err, err_b), jnp.where(better, scale, scale_b),
+                jnp.where(better, offset, offset_b), jnp.where(better[..., None], l, l_b)), l
+
+    def step(best, delta):
+        iscale = safe_div(nmax + delta, span)  # (n, k)
+        l = round_ties_down(iscale[..., None] * (x - lo[..., None]), 0, nmax)  # (n, k, S)
+        scale, offset = refit(l, best[1], best[2])  # (n, k) x2
+        best, l_fit = keep_better(best, scale, offset)
+        best, _ = keep_better(best, *refit(l_fit, scale, offset))
+        return best, None
+
+    scale0 = span / nmax  # (n, k): ggml's starting point, codes spread over [min(x, 0), max(x)]
+    err0, l0 = score(scale0, lo)
+    (_, scale, offset, l), _ = jax.lax.scan(step, (err0, scale0, lo, l0), jnp.asarray(deltas, jnp.float32))
+    return scale, -offset, l
+
+
+def fit_symmetric_subblocks(
+    x: jax.Array, w: jax.Array, code_range: tuple[int, int], divisors: tuple[float, ...]
+) -> tuple[jax.Array, jax.Array]:
+    """Per sub-block signed scale s with x ~ s * q, q in [lo, hi]: the grid search.
+
+    x, w (n, k, S) -> s (n, k), codes q (n, k, S) as float. The candidates
+    include ggml's make_qx_quants ones (extreme on the long side) and the
+    mirror ones (extreme on the short side).
+    """
+    n, k, sub = x.shape
+    levels = tuple(range(code_range[0], code_range[1] + 1))
+    d, idx = search_grid_scale(x.reshape(n * k, sub), w.reshape(n * k, sub), levels,
+                               jnp.asarray(divisors, jnp.float32))  # (n*k,), (n*k, S)
+    return d.reshape(n, k), (idx + code_range[0]).astype(jnp.float32).reshape(n, k, sub)
+
+
+# ---------------------------------------------------------------------------
+# Stage 3: sub-block codes for fixed super-block scales
+# ---------------------------------------------------------------------------
+
+
+def choose_subblock_codes(
+    x: jax.Array,
+    w: jax.Array,
+    s: jax.Array,
+    m: jax.Array,
+    d: jax.Array,
+    dmin: jax.Array,
+    scale_range: tuple[int, int],
+    code_range: tuple[int, int],
+    has_min: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Scale (and min) codes per sub-block minimising the exact weighted error.
+
+    x, w (n, k, S); s, m (n, k) float targets; d, dmin (n,) fp16 values. The
+    candidates are the rounded targets and their neighbours (+-1 each, 3 or
+    9 pairs); each is scored with nearest weight codes and the products the
+    dequantizer computes. Returns ls, lm (n, k) float (lm = 0 without a min).
+    """
+    s_lo, s_hi = scale_range
+    ls0 = round_ties_down(safe_div(s, d[:, None]), s_lo, s_hi)  # (n, k)
+    lm0 = round_ties_down(safe_div(m, dmin[:, None]), 0, s_hi) if has_min else jnp.zeros_like(s)  # (n, k)
+    steps = [(i, j) for i in (0, -1, 1) for j in ((0, -1, 1) if has_min else (0,))]  # (0, 0) first: ties keep it
+
+    def step(best, step_ij):
+        err_b, ls_b, lm_b = best
+        ls = jnp.clip(ls0 + step_ij[0], s_lo, s_hi)  # (n, k)
+        lm = jnp.clip(lm0 + step_ij[1], 0, s_hi)  # (n, k)
+        a = d[:, None] * ls  # (n, k)
+        b = dmin[:, None] * lm  # (n, k)
+        q = round_ties_down(safe_div(x + b[..., None], a[..., None]), *code_range)  # (n, k, S)
+        err = weighted_sse(x, w, a[..., None] * q - b[..., None])  # (n, k)
+        better = err < err_b  # (n, k)
+        return (jnp.where(better, err, err_b), jnp.where(better, ls, ls_b), jnp.where(better, lm, lm_b)), None
+
+    init = (jnp.full(s.shape, jnp.inf, jnp.float32), ls0, lm0)
+    (_, ls, lm), _ = jax.lax.scan(step, init, jnp.asarray(steps, jnp.float32))
+    return ls, lm
+
+
+# ---------------------------------------------------------------------------
+# Formats
+# ---------------------------------------------------------------------------
+
+
+class KQuant(BlockFormat):
+    """A ggml k-quant: 256 weights in sub-blocks with integer scale (and min) codes.
+
+    A subclass gives its geometry (``sub_block``, ``code_range`` of the
+    weight codes, ``scale_range`` of the sub-block scale codes), whether it has
+    mins, ggml's ``sigma_factor`` of the importance weights, the candidate
+    sets of the two searches, and ``pack`` / ``unpack``.
+    """
+
+    supports_gptq = True
+    has_min: ClassVar[bool]
+    code_range: ClassVar[tuple[int, int]]
+    scale_range: ClassVar[tuple[int, int]]
+    sigma_factor: ClassVar[float | None]
+    sub_candidates: ClassVar[tuple[float, ...]]
+    super_divisors: ClassVar[tuple[float, ...]]
+
+    @classmethod
+    def pack(cls, d: jax.Array, dmin: jax.Array, ls: jax.Array, lm: jax.Array, q: jax.Array) -> jax.Array:
+        """d, dmin (n,) fp16 values; ls, lm (n, k) and q (n, 256) integer-valued -> (n, type_size) uint8."""
+        raise NotImplementedError
+
+    @classmethod
+    def unpack(cls, blocks: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+        """(n, type_size) uint8 -> d, dmin (n, 1), ls, lm (n, k), q (n, 256), all float32 (dmin, lm 0 if none)."""
+        raise NotImplementedError
+
+    @classmethod
+    def dequantize_blocks(cls, blocks: jax.Array) -> jax.Array:
+        n = blocks.shape[0]
+        k = QK_K // cls.sub_block
+        d, dmin, ls, lm, q = cls.unpack(blocks)
+        dl = (d * ls)[..., None]  # (n, k, 1), float32 products as gguf-py
+        values = dl * q.reshape(n, k, cls.sub_block)  # (n, k, S)
+        if cls.has_min:
+            # where both operands are NaN, numpy keeps the first one's payload; XLA may not, so say it
+            values = jnp.where(jnp.isnan(values), values, values - (dmin * lm)[..., None])  # (n, k, S)
+        return values.reshape(n, QK_K)
+
+    @classmethod
+    def _fit_subblocks(cls, x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Stage 1: x, w (n, k, S) -> float scale s, min m (0 without mins) (n, k), codes (n, k, S)."""
+        if cls.has_min:
+            return fit_affine_subblocks(x, w, cls.code_range[1], cls.sub_candidates)
+        s, q = fit_symmetric_subblocks(x, w, cls.code_range, cls.sub_candidates)
+        return s, jnp.zeros_like(s), q
+
+    @classmethod
+    def _super_scales(cls, x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """Stages 1-2 on whole blocks x, w (n, k, S) -> d, dmin (n,), float s, m (n, k)."""
+        s, m, q = cls._fit_subblocks(x, w)  # (n, k) x2, (n, k, S)
+        levels = tuple(range(cls.scale_range[0], cls.scale_range[1] + 1))
+        divisors = jnp.asarray(cls.super_divisors, jnp.float32)  # (C,)
+        d, _ = search_grid_scale(s, jnp.sum(w * q * q, axis=-1), levels, divisors)  # (n,): a scale error costs sum w q^2
+        if not cls.has_min:
+            return d, jnp.zeros_like(d), s, m
+        dmin, _ = search_grid_scale(m, jnp.sum(w, axis=-1), levels, divisors)  # (n,): a min error costs sum w
+        return d, dmin, s, m
+
+    @classmethod
+    def _sub_codes(cls, x: jax.Array, w: jax.Array, s: jax.Array, m: jax.Array, d: jax.Array,
+                   dmin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Stage 3 and the weight codes: -> ls, lm (n, k), q (n, k, S)."""
+        ls, lm = choose_subblock_codes(x, w, s, m, d, dmin, cls.scale_range, cls.code_range, cls.has_min)
+        a = d[:, None] * ls  # (n, k)
+        b = dmin[:, None] * lm  # (n, k)
+        q = round_ties_down(safe_div(x + b[..., None], a[..., None]), *cls.code_range)  # (n, k, S)
+        return ls, lm, q
+
+    @classmethod
+    def quantize_blocks(cls, x: jax.Array, importance: jax.Array | None = None) -> jax.Array:
+        x = jnp.asarray(x, jnp.float32)  # (n, 256)
+        n = x.shape[0]
+        k = QK_K // cls.sub_block
+        w = ggml_weights(x, uniform_importance(x, importance), cls.sigma_factor)  # (n, 256)
+        x3, w3 = x.reshape(n, k, cls.sub_block), w.reshape(n, k, cls.sub_block)  # (n, k, S) x2
+        d, dmin, s, m = cls._super_scales(x3, w3)
+        ls, lm, q = cls._sub_codes(x3, w3, s, m, d, dmin)  # (n, k) x2, (n, k, S)
+        return cls.pack(d, dmin, ls, lm, q.reshape(n, QK_K))  # (n, type_size)
+
+    @classmethod
+    def gptq_block_plan(cls, x: jax.Array, importance: jax.Array) -> dict[str, jax.Array]:
+        """d, dmin (n,) from the block as it stands, and its sigma2 (n, 1) for the sub-blocks' weights."""
+        n = x.shape[0]
+        k = QK_K // cls.sub_block
+        sigma2 = (cls.sigma_factor or 0.0) * jnp.sum(x * x, axis=-1, keepdims=True) / QK_K  # (n, 1)
+        w = ggml_weights(x, importance, cls.sigma_factor)  # (n, 256)
+        d, dmin, _, _ = cls._super_scales(x.reshape(n, k, cls.sub_block), w.reshape(n, k, cls.sub_block))
+        return {"d": d, "dmin": dmin, "sigma2": sigma2}
+
+    @classmethod
+    def gptq_sub_plan(cls, plan: dict[str, jax.Array], x: jax.Array, importance: jax.Array) -> dict[str, jax.Array]:
+        """Scale and min codes (n,) of one sub-block x (n, S) as it stands, and their products a, b (n,)."""
+        w = importance if cls.sigma_factor is None else importance * jnp.sqrt(plan["sigma2"] + x * x)  # (n, S)
+        x3, w3 = x[:, None, :], w[:, None, :]  # (n, 1, S) x2
+        s, m, _ = cls._fit_subblocks(x3, w3)  # (n, 1) x2
+        ls, lm = choose_subblock_codes(x3, w3, s, m, plan["d"], plan["dmin"], cls.scale_range, cls.code_range,
+                                       cls.has_min)  # (n, 1) x2
+        return {"ls": ls[:, 0], "lm": lm[:, 0], "a": plan["d"] * ls[:, 0], "b": plan["dmin"] * lm[:, 0]}
+
+    @classmethod
+    def gptq_round(cls, sub: dict[str, jax.Array], col: jax.Array) -> tuple[jax.Array, jax.Array]:
+        q = round_ties_down(safe_div(col + sub["b"], sub["a"]), *cls.code_range)  # (n,)
+        return q.astype(jnp.int32), sub["a"] * q - sub["b"]  # (n,) x2
+
+    @classmethod
+    def gptq_pack(cls, plan: dict[str, jax.Array], subs: dict[str, jax.Array], codes: jax.Array) -> jax.Array:
+        return cls.pack(plan["d"], plan["dmin"], subs["ls"].T, subs["lm"].T, codes.astype(jnp.float32))
+
+
+def _ggml_affine_deltas() -> tuple[float, ...]:
+    """make_qkx3_quants' candidates as quantize_row_q{2,4,5}_K_impl call it: -0.9 .. 0.9 by 0.05."""
+    return tuple(-0.9 + 0.05 * i for i in range(37))
+
+
+def _signed_divisors(n: int, step: float) -> tuple[float, ...]:
+    """x_ext / scale ratios for a grid [-n, n-1]: ggml's -(n + 0.1 i) (i = -9..9, in units of ``step``)
+    puts the extreme on the long side; the mirrored n - 1 + step i on the short side."""
+    return tuple([-(n + step * i) for i in range(-9, 10)] + [n - 1 + step * i for i in range(-9, 10)])
+
+
+def _unsigned_divisors(n: int) -> tuple[float, ...]:
+    """Super-block scale ratios for codes [0, n]: ggml's make_qp_quants n + 0.1 i (i = -4..4), widened to +-1."""
+    return tuple(n + 0.1 * i for i in range(-10, 11))
+
+
+def _pack_2bit(q: jax.Array) -> jax.Array:
+    """(n, 256) codes in [0, 3] -> (n, 64): byte 32h + l holds weights 128h + 32j + l in bits 2j."""
+    n = q.shape[0]
+    codes = q.astype(jnp.uint8).reshape(n, 2, 4, 32)  # (n, half, j, l)
+    shifts = jnp.array([0, 2, 4, 6], jnp.uint8).reshape(1, 1, 4, 1)
+    return jnp.sum(codes << shifts, axis=2, dtype=jnp.uint8).reshape(n, 64)  # disjoint bits: sum == or
+
+
+def _unpack_2bit(qs: jax.Array) -> jax.Array:
+    """(n, 64) -> (n, 256) codes in [0, 3] (the inverse of ``_pack_2bit``)."""
+    n = qs.shape[0]
+    shifts = jnp.array([0, 2, 4, 6], jnp.uint8).reshape(1, 1, 4, 1)
+    return ((qs.reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, QK_K)
+
+
+def _pack_bits(bits: jax.Array) -> jax.Array:
+    """(n, 256) bits -> (n, 32): bit j of byte l is weight 32j + l (q3_k's hmask, q5_k's qh)."""
+    n = bits.shape[0]
+    shifts = jnp.arange(8, dtype=jnp.uint8).reshape(1, 8, 1)
+    return jnp.sum(bits.astype(jnp.uint8).reshape(n, 8, 32) << shifts, axis=1, dtype=jnp.uint8)  # (n, 32)
+
+
+def _unpack_bits(packed: jax.Array) -> jax.Array:
+    """(n, 32) -> (n, 256) bits (the inverse of ``_pack_bits``)."""
+    n = packed.shape[0]
+    shifts = jnp.arange(8, dtype=jnp.uint8).reshape(1, 8, 1)
+    return ((packed[:, None, :] >> shifts) & 1).reshape(n, QK_K)
+
+
+def _pack_scales_k4(ls: jax.Array, lm: jax.Array) -> jax.Array:
+    """q4_k/q5_k's 12 scale bytes from 6-bit codes ls, lm (n, 8) (ggml's get_scale_min_k4 layout)."""
+    ls, lm = ls.astype(jnp.uint8), lm.astype(jnp.uint8)  # (n, 8) x2
+    first = (ls[:, :4] & 63) | ((ls[:, 4:] >> 4) << 6)  # (n, 4)
+    second = (lm[:, :4] & 63) | ((lm[:, 4:] >> 4) << 6)  # (n, 4)
+    third = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)  # (n, 4)
+    return jnp.concatenate([first, second, third], axis=-1)  # (n, 12)
+
+
+def _unpack_scales_k4(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(n, 12) -> ls, lm (n, 8) float32 (the inverse of ``_pack_scales_k4``)."""
+    d, m, md = scales[:, :4], scales[:, 4:8], scales[:, 8:]  # (n, 4) x3
+    ls = jnp.concatenate([d & 63, (md & 0xF) | ((d >> 6) << 4)], axis=-1)  # (n, 8)
+    lm = jnp.concatenate([m & 63, (md >> 4) | ((m >> 6) << 4)], axis=-1)  # (n, 8)
+    return ls.astype(jnp.float32), lm.astype(jnp.float32)
+
+
+def _pack_nibbles(q: jax.Array) -> jax.Array:
+    """(n, 256) 4-bit codes -> (n, 128): byte 32c + l holds weight 64c + l (low) and 64c + 32 + l (high)."""
+    n = q.shape[0]
+    nib = q.astype(jnp.uint8).reshape(n, 4, 2, 32)  # (n, c, half, l)
+    return (nib[:, :, 0] | (nib[:, :, 1] << 4)).reshape(n, 128)
+
+
+def _unpack_nibbles(qs: jax.Array) -> jax.Array:
+    """(n, 128) -> (n, 256) 4-bit codes (the inverse of ``_pack_nibbles``)."""
+    n = qs.shape[0]
+    shifts = jnp.array([0, 4], jnp.uint8).reshape(1, 1, 2, 1)
+    return ((qs.reshape(n, 4, 1, 32) >> shifts) & 0xF).reshape(n, QK_K)
+
+
+class Q2_K(KQuant, ggml_type=GGMLQuantizationType.Q2_K):
+    """ggml Q2_K: 16 x 16 weights; scales[16] (ls | lm << 4), qs[64] (tq2_0's layout), fp16 d, fp16 dmin."""
+
+    scale_offsets = (80, 82)
+    sub_block = 16
+    has_min = True
+    code_range = (0, 3)
+    scale_range = (0, 15)
+    sigma_factor = 1.0
+    sub_candidates = _ggml_affine_deltas()
+    super_divisors = _unsigned_divisors(15)
+
+    @classmethod
+    def pack(cls, d, dmin, ls, lm, q):
+        scales = ls.astype(jnp.uint8) | (lm.astype(jnp.uint8) << 4)  # (n, 16)
+        return jnp.concatenate([scales, _pack_2bit(q), fp16_to_bytes(d), fp16_to_bytes(dmin)], axis=-1)  # (n, 84)
+
+    @classmethod
+    def unpack(cls, blocks):
+        sc = blocks[:, :16]  # (n, 16)
+        q = _unpack_2bit(blocks[:, 16:80]).astype(jnp.float32)  # (n, 256)
+        return (bytes_to_fp16(blocks[:, 80:82]), bytes_to_fp16(blocks[:, 82:84]),
+                (sc & 0xF).astype(jnp.float32), (sc >> 4).astype(jnp.float32), q)
+
+
+class Q3_K(KQuant, ggml_type=GGMLQuantizationType.Q3_K):
+    """ggml Q3_K: 16 x 16 weights, q in [-4, 3]; hmask[32] (bit set: q >= 0), qs[64] (low 2 bits of q + 4),
+    scales[12] (6-bit ls + 32: low nibbles in bytes 0-7, high bit pairs in bytes 8-11), fp16 d."""
+
+    scale_offsets = (108,)
+    sub_block = 16
+    has_min = False
+    code_range = (-4, 3)
+    scale_range = (-32, 31)
+    sigma_factor = 2.0
+    sub_candidates = _signed_divisors(4, 0.1)
+    super_divisors = _signed_divisors(32, 0.1)
+
+    @classmethod
+    def pack(cls, d, dmin, ls, lm, q):
+        n = q.shape[0]
+        codes = (q + 4).astype(jnp.uint8)  # (n, 256) in [0, 7]
+        l6 = (ls + 32).astype(jnp.uint8)  # (n, 16) in [0, 63]
+        low = (l6[:, :8] & 0xF) | ((l6[:, 8:] & 0xF) << 4)  # (n, 8)
+        shifts = jnp.array([0, 2, 4, 6], jnp.uint8).reshape(1, 4, 1)
+        high = jnp.sum(((l6 >> 4) & 3).reshape(n, 4, 4) << shifts, axis=1, dtype=jnp.uint8)  # (n, 4)
+        return jnp.concatenate([_pack_bits(codes >> 2), _pack_2bit(codes & 3), low, high, fp16_to_bytes(d)],
+                               axis=-1)  # (n, 110)
+
+    @classmethod
+    def unpack(cls, blocks):
+        n = blocks.shape[0]
+        q = _unpack_2bit(blocks[:, 32:96]).astype(jnp.float32) - 4.0 * (1 - _unpack_bits(blocks[:, :32])).astype(
+            jnp.float32)  # (n, 256)
+        low = blocks[:, 96:104]  # (n, 8)
+        high = blocks[:, 104:108]  # (n, 4)
+        shifts = jnp.array([0, 2, 4, 6], jnp.uint8).reshape(1, 4, 1)
+        l6 = (jnp.concatenate([low & 0xF, low >> 4], axis=-1)
+              | (((high[:, None, :] >> shifts) & 3).reshape(n, 16) << 4))  # (n, 16)
+        ls = l6.astype(jnp.float32) - 32.0  # (n, 16)
+        d = bytes_to_fp16(blocks[:, 108:110])  # (n, 1)
+        return d, jnp.zeros_like(d), ls, jnp.zeros_like(ls), q
+
+
+class Q4_K(KQuant, ggml_type=GGMLQuantizationType.Q4_K):
+    """ggml Q4_K: 8 x 32 weights, q in [0, 15]; fp16 d, fp16 dmin, scales[12] (6-bit ls, lm), qs[128]."""
+
+    scale_offsets = (0, 2)
+    sub_block = 32
+    has_min = True
+    code_range = (0, 15)
+    scale_range = (0, 63)
+    sigma_factor = 2.0
+    sub_candidates = _ggml_affine_deltas()
+    super_divisors = _unsigned_divisors(63)
+
+    @classmethod
+    def pack(cls, d, dmin, ls, lm, q):
+        return jnp.concatenate([fp16_to_bytes(d), fp16_to_bytes(dmin), _pack_scales_k4(ls, lm), _pack_nibbles(q)],
+                               axis=-1)  # (n, 144)
+
+    @classmethod
+    def unpack(cls, blocks):
+        ls, lm = _unpack_scales_k4(blocks[:, 4:16])  # (n, 8) x2
+        return (bytes_to_fp16(blocks[:, 0:2]), bytes_to_fp16(blocks[:, 2:4]), ls, lm,
+                _unpack_nibbles(blocks[:, 16:144]).astype(jnp.float32))
+
+
+class Q5_K(KQuant, ggml_type=GGMLQuantizationType.Q5_K):
+    """ggml Q5_K: Q4_K plus a fifth bit per weight, qh[32] (bit j of byte l: weight 32j + l), q in [0, 31]."""
+
+    scale_offsets = (0, 2)
+    sub_block = 32
+    has_min = True
+    code_range = (0, 31)
+    scale_range = (0, 63)
+    sigma_factor = 2.0
+    sub_candidates = _ggml_affine_deltas()
+    super_divisors = _unsigned_divisors(63)
+
+    @classmethod
+    def pack(cls, d, dmin, ls, lm, q):
+        codes = q.astype(jnp.uint8)  # (n, 256)
+        return jnp.concatenate([fp16_to_bytes(d), fp16_to_bytes(dmin), _pack_scales_k4(ls, lm),
+                                _pack_bits(codes >> 4), _pack_nibbles(codes & 0xF)], axis=-1)  # (n, 176)
+
+    @classmethod
+    def unpack(cls, blocks):
+        ls, lm = _unpack_scales_k4(blocks[:, 4:16])  # (n, 8) x2
+        q = _unpack_nibbles(blocks[:, 48:176]) | (_unpack_bits(blocks[:, 16:48]) << 4)  # (n, 256)
+        return bytes_to_fp16(blocks[:, 0:2]), bytes_to_fp16(blocks[:, 2:4]), ls, lm, q.astype(jnp.float32)
+
+
+class Q6_K(KQuant, ggml_type=GGMLQuantizationType.Q6_K):
+    """ggml Q6_K: 16 x 16 weights, q in [-32, 31]; ql[128] (low nibbles of q + 32), qh[64] (high bit pairs),
+    int8 scales[16], fp16 d."""
+
+    scale_offsets = (208,)
+    sub_block = 16
+    has_min = False
+    code_range = (-32, 31)
+    scale_range = (-128, 127)
+    sigma_factor = None
+    sub_candidates = _signed_divisors(32, 0.1)
+    super_divisors = _signed_divisors(128, 0.4)
+
+    @classmethod
+    def pack(cls, d, dmin, ls, lm, q):
+        n = q.shape[0]
+        codes = (q + 32).astype(jnp.uint8).reshape(n, 2, 2, 64)  # (n, half, quarter pair, byte)
+        ql = (codes[:, :, 0] & 0xF) | ((codes[:, :, 1] & 0xF) << 4)  # (n, 2, 64)
+        shifts = jnp.array([0, 2, 4, 6], jnp.uint8).reshape(1, 1, 4, 1)
+        qh = jnp.sum((codes.reshape(n, 2, 4, 32) >> 4) << shifts, axis=2, dtype=jnp.uint8)  # (n, 2, 32)
+        scales = jax.lax.bitcast_convert_type(ls.astype(jnp.int8), jnp.uint8)  # (n, 16)
+        return jnp.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), scales, fp16_to_bytes(d)], axis=-1)  # (n, 210)
+
+    @classmethod
+    def unpack(cls, blocks):
+        n = blocks.shape[0]
+        ql = (blocks[:, :128].reshape(n, 2, 1, 64) >> jnp.array([0, 4], jnp.uint8).reshape(1, 1, 2, 1)) & 0xF
+        qh = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(1, 1, 4, 1)) & 3
+        q = (ql.reshape(n, QK_K) | (qh.reshape(n, QK_K) << 4)).astype(jnp.float32) - 32.0  # (n, 256)
+        ls = jax.lax.bitcast_convert_type(blocks[:, 192:208], jnp.int8).astype(jnp.float32)  # (n, 16)
+        d = bytes_to_fp16(blocks[:, 208:210])  # (n, 1)
+        return d, jnp.zeros_like(d), ls, jnp.zeros_like(ls), q
