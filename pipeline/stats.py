@@ -59,7 +59,10 @@ def compare(con: duckdb.DuckDBPyConnection, pairs: list[Pair], n_boot: int, seed
     Columns: a, b, moce_bonus (= b's), moce_bonus_a, moce_bonus_b, set,
     stratum ('all' pools every stratum), subset (all / clean), kld_a, kld_b,
     delta_pct, ci_lo, ci_hi, wins, n_windows, top1_a, top1_b, top1_delta,
-    top1_lo, top1_hi. See `sql/compare.sql` for the bootstrap.
+    top1_lo, top1_hi, strata_windows (windows per stratum, 'code=8 ja=1'),
+    thin_strata (strata with fewer than 2 windows: kept in the interval, but
+    they add no variance to it, so a row with any is marked wherever printed).
+    See `sql/compare.sql` for the bootstrap.
     """
     if n_boot < 1:
         raise InputError(f"heal.toml: eval.bootstrap: must be at least 1, got {n_boot}")

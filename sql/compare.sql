@@ -10,7 +10,10 @@
 -- KLDs / scored tokens), delta_pct = 100 * (pooled_b / pooled_a - 1),
 -- top1_delta = 100 * (top1_b - top1_a) in points, wins = windows where b's mean
 -- KLD is below a's, and the 2.5% / 97.5% quantiles (linear interpolation) of
--- delta_pct and top1_delta over $n_boot replicates. A replicate draws, within
+-- delta_pct and top1_delta over $n_boot replicates, strata_windows (windows per
+-- stratum behind the row, 'code=8 ja=1', strata in name order) and thin_strata
+-- (how many of those strata have fewer than 2 windows: they are kept, and add
+-- no variance to the interval). A replicate draws, within
 -- every stratum of n_s windows, n_s windows with replacement; the same draws
 -- serve a and b (paired), every pair, and both a stratum's own row and the
 -- 'all' row (which adds up the strata's draws).
@@ -181,6 +184,22 @@ interval_by_group AS (
     JOIN arm_replicate AS rb ON rb.arm_id = p.arm_b AND rb.grp = ra.grp AND rb.rep = ra.rep
     GROUP BY p.pair_id, ra.grp
 ),
+stratum_sizes AS (
+    -- Windows per stratum in each set and subset: a stratum with one window is
+    -- the same window in every replicate, so it adds no variance to the bootstrap
+    -- and an interval it is part of reads more precise than it is. It stays in
+    -- the estimate and the interval; thin_strata marks the rows it touches.
+    SELECT DISTINCT set, subset, stratum, n_s FROM population
+),
+strata_note AS (
+    SELECT set, subset, stratum, stratum || '=' || n_s AS strata_windows, (n_s < 2)::INTEGER AS thin_strata
+    FROM stratum_sizes
+    UNION ALL
+    SELECT set, subset, 'all', string_agg(stratum || '=' || n_s, ' ' ORDER BY stratum),
+        (count(*) FILTER (WHERE n_s < 2))::INTEGER
+    FROM stratum_sizes
+    GROUP BY set, subset
+),
 groups AS (
     SELECT DISTINCT stratum_group AS grp, set, subset, stratum FROM population
     UNION ALL
@@ -245,8 +264,11 @@ SELECT
     o.top1_b,
     100 * (o.top1_b - o.top1_a) AS top1_delta,
     i.top1_ci[1] AS top1_lo,
-    i.top1_ci[2] AS top1_hi
+    i.top1_ci[2] AS top1_hi,
+    t.strata_windows,
+    t.thin_strata
 FROM observed AS o
 JOIN interval AS i USING (pair_id, set, subset, stratum)
+JOIN strata_note AS t USING (set, subset, stratum)
 JOIN comparison_pairs AS p USING (pair_id)
 ORDER BY o.pair_id, o.set, o.subset, o.stratum <> 'all', o.stratum;

@@ -4,14 +4,17 @@
 -- without its full-set row.
 -- From: comparisons (a, b, moce_bonus, set, stratum, subset, kld_a, kld_b,
 -- delta_pct, ci_lo, ci_hi, wins, n_windows, top1_delta, top1_lo, top1_hi, and
--- moce_bonus_a when present). A comparisons table without `set` or
--- `moce_bonus_a` reads as set NULL and moce_bonus_a = moce_bonus (the UNION ALL
+-- moce_bonus_a, strata_windows, thin_strata when present). A comparisons table
+-- without `set` or `moce_bonus_a` reads as set NULL and moce_bonus_a =
+-- moce_bonus; one without the strata columns reads them as NULL (the UNION ALL
 -- BY NAME below adds missing columns as NULL).
 -- One row per (set, a, moce_bonus_a, b, moce_bonus).
 WITH c AS (
     SELECT * FROM comparisons
     UNION ALL BY NAME
-    SELECT NULL::VARCHAR AS set, NULL::DOUBLE AS moce_bonus_a WHERE false
+    SELECT NULL::VARCHAR AS set, NULL::DOUBLE AS moce_bonus_a, NULL::VARCHAR AS strata_windows,
+        NULL::INTEGER AS thin_strata
+    WHERE false
 ),
 pooled AS (
     SELECT *, coalesce(moce_bonus_a, moce_bonus) AS bonus_a
@@ -34,6 +37,8 @@ SELECT
     f.top1_delta,
     f.top1_lo,
     f.top1_hi,
+    f.strata_windows,
+    f.thin_strata,
     k.kld_a AS clean_kld_a,
     k.kld_b AS clean_kld_b,
     k.delta_pct AS clean_delta_pct,
@@ -43,7 +48,9 @@ SELECT
     k.n_windows AS clean_n_windows,
     k.top1_delta AS clean_top1_delta,
     k.top1_lo AS clean_top1_lo,
-    k.top1_hi AS clean_top1_hi
+    k.top1_hi AS clean_top1_hi,
+    k.strata_windows AS clean_strata_windows,
+    k.thin_strata AS clean_thin_strata
 FROM pooled AS f
 LEFT JOIN pooled AS k
     ON k.subset = 'clean'

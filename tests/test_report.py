@@ -65,8 +65,9 @@ def make_docs(windows: pa.Table) -> pa.Table:
 
 
 def make_overlap(windows: pa.Table) -> pa.Table:
-    """Two windows (code01, ja02) share context n-grams with the calibration trace."""
-    dirty = {"code01": 117, "ja02": 43}
+    """Five windows (code01, ja02, chat01-03) share context n-grams with the calibration trace,
+    which leaves one clean eval window in chat: a thin stratum in the clean subset."""
+    dirty = {"code01": 117, "ja02": 43, "chat01": 5, "chat02": 9, "chat03": 12}
     ids = windows.column("window_id").to_pylist()
     lengths = [e - s for s, e in zip(windows.column("ctx_start").to_pylist(), windows.column("score_end").to_pylist())]
     shared = [dirty.get(i, 0) for i in ids]
@@ -141,6 +142,7 @@ def make_comparisons(rng: np.random.Generator, kld: pa.Table, clean: dict[str, b
                         kb = np.array([r["kld_mean"] for r in rb]) * n  # (W,)
                         ta = np.array([r["top1_agree"] for r in ra]) * n  # (W,)
                         tb = np.array([r["top1_agree"] for r in rb]) * n  # (W,)
+                        sizes = {s: sum(w[1] == s for w in ws) for s in sorted({w[1] for w in ws})}
                         draws = stratified_draws(rng, [w[1] for w in ws], 200)  # (R, W)
                         delta = 100 * (kb[draws].sum(1) / ka[draws].sum(1) - 1)  # (R,)
                         dtop = 100 * (tb[draws].sum(1) - ta[draws].sum(1)) / n[draws].sum(1)  # (R,)
@@ -152,6 +154,8 @@ def make_comparisons(rng: np.random.Generator, kld: pa.Table, clean: dict[str, b
                             "wins": int((kb / n < ka / n).sum()), "n_windows": len(ws),
                             "top1_delta": 100 * (tb.sum() - ta.sum()) / n.sum(),
                             "top1_lo": float(np.quantile(dtop, 0.025)), "top1_hi": float(np.quantile(dtop, 0.975)),
+                            "strata_windows": " ".join(f"{s}={n}" for s, n in sizes.items()),
+                            "thin_strata": sum(n < 2 for n in sizes.values()),
                         })
     return pa.Table.from_pylist(rows)
 
@@ -307,7 +311,8 @@ def test_comparisons_show_full_and_clean_side_by_side_per_set(lake, report):
                                for s in ("all", "clean"))
                 line = next(ln for ln in block.splitlines()
                             if ln.startswith(f"| {a} \u2192 {b} | {bonus:g} |"))
-                mark, clean_mark = (" \u2021" if r["ci_lo"] == r["ci_hi"] else "" for r in (full, clean))
+                mark, clean_mark = ((" \u2021" if r["ci_lo"] == r["ci_hi"] else "")
+                                    + (" \u00a7" if r["thin_strata"] else "") for r in (full, clean))
                 expected = [f"{full['kld_a']:.4f} \u2192 {full['kld_b']:.4f}",
                             f"{full['delta_pct']:+.2f}% ({full['ci_lo']:+.1f}, {full['ci_hi']:+.1f}){mark}",
                             f"{full['wins']}/{full['n_windows']}",
@@ -318,8 +323,8 @@ def test_comparisons_show_full_and_clean_side_by_side_per_set(lake, report):
                 cells = [c.strip() for c in line.strip("|").split("|")]
                 assert cells[2:9] == expected
     eval_block = section(text, "### eval set")
-    assert "/10 |" in eval_block and "/12 |" in eval_block  # 12 eval windows, 10 of them clean
-    assert "\u2021" not in eval_block  # 4 windows per stratum: the bootstrap varies
+    assert "/7 |" in eval_block and "/12 |" in eval_block  # 12 eval windows, 7 of them clean
+    assert "\u2021" not in eval_block  # the bootstrap varies in every stratum but clean chat
     canary_block = section(section(text, "## 1. Pooled comparisons"), "### canary set")
     table_lines = [ln for ln in canary_block.splitlines() if ln.startswith("| ")]
     assert sum(ln.count("\u2021") for ln in table_lines) == 6 * 4  # 1 window per stratum: flagged
@@ -327,6 +332,23 @@ def test_comparisons_show_full_and_clean_side_by_side_per_set(lake, report):
     isolated = row_of(eval_block, "isolated MoCE: v2")
     assert f"| 0 \u2192 0.85 | 0.0953 \u2192 0.0997 | {100 * (0.0997 / 0.0953 - 1):+.2f}% (" in isolated
     assert eval_block.index("| v1 \u2192 v2 |") < eval_block.index("| isolated MoCE: v2 |")
+
+
+def test_thin_strata_are_marked_with_a_footnote(report):
+    """Clean eval windows hold one chat window: every clean CI is marked, no all-window CI is."""
+    _, text = report
+    block = section(section(text, "## 1. Pooled comparisons"), "### eval set")
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in block.splitlines()
+            if ln.startswith("| ") and not ln.startswith("| comparison |")]
+    assert len(rows) == 7  # 3 pairs at 2 bonuses, 1 isolated MoCE (no clean row in this lake)
+    for cells in rows:
+        assert "\u00a7" not in cells[3] and "\u00a7" not in cells[5]  # all windows: 4 per stratum
+        if cells[0] != "isolated MoCE: v2":
+            assert cells[7].endswith(" \u00a7") and cells[9].endswith(" \u00a7")  # clean: chat=1
+    assert "Windows per stratum: all windows chat=4 code=4 ja=4; clean windows chat=1 code=3 ja=3." in block
+    footnote = section(text, "## 1. Pooled comparisons")
+    assert "\u00a7 = at least one stratum has a single window" in footnote
+    assert "kept in the estimate and in the CI" in footnote
 
 
 def test_per_window_marks_overlap_and_deltas(lake, report):

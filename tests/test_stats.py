@@ -114,6 +114,24 @@ def test_point_estimates_wins_and_subsets() -> None:
         assert (row["a"], row["b"], row["moce_bonus"]) == ("unhealed", "v2", 0.0)
 
 
+def test_rows_say_how_many_windows_each_stratum_has() -> None:
+    """strata_windows lists windows per stratum behind a row; thin_strata counts strata with one window."""
+    con = make_con()  # canary: one window per stratum; eval clean: w001, w005, ... are not clean
+    table = stats.compare(con, [("unhealed", 0.0, "v2", 0.0)], n_boot=50, seed=1)
+    a = window_arrays(con, "unhealed", 0.0)
+    clean = np.array([int(w[1:]) % 4 != 1 and int(w[1:]) != 23 for w in a["window_id"]])
+    for row in table.to_pylist():
+        pick = (a["set"] == row["set"]) & (clean | (row["subset"] == "all"))
+        counts = {s: int(np.sum(pick & (a["stratum"] == s))) for s in sorted(STRATA)}
+        counts = {s: n for s, n in counts.items() if n and row["stratum"] in (s, "all")}
+        assert row["strata_windows"] == " ".join(f"{s}={n}" for s, n in counts.items())
+        assert row["thin_strata"] == sum(n < 2 for n in counts.values())
+    pooled_rows = {(r["set"], r["subset"]): r for r in table.to_pylist() if r["stratum"] == "all"}
+    assert pooled_rows[("canary", "all")]["thin_strata"] == 3  # 1 window in each of 3 strata
+    assert pooled_rows[("canary", "clean")]["strata_windows"] == "ja=1"  # w022 only
+    assert pooled_rows[("eval", "all")]["thin_strata"] == 0
+
+
 def test_ci_matches_scipy_bootstrap() -> None:
     """One stratum: the stratified bootstrap is scipy's paired percentile bootstrap."""
     con = make_con(n_windows=30, strata=["all_one"], seed=3, canary=0)

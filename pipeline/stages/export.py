@@ -149,8 +149,9 @@ COLUMN_DOCS: dict[str, dict[str, str]] = {
         "rel_gain": "relative change of the residual from the correction (fraction; -0.029 = 2.9% smaller)",
         "rank_z": "numerical rank of Z (the gated shared-expert hidden activations)",
         "dof": "effective degrees of freedom of the ridge fit at this rho",
-        "chosen": "true for the rho the variant's config selects",
-        "applied": "true when the correction was kept (it helped on held-out blocks) at the chosen rho",
+        "chosen": "true for the rho of the grid with the best held-out (lobo4) gain in this layer",
+        "configured": "true for the rho the variant's config sets (ridge_rho), the one applied",
+        "applied": "true when the correction was kept (it helped on held-out blocks) at the configured rho",
     },
     "comparisons": {
         "a": "baseline side of the comparison (variant name)",
@@ -173,6 +174,8 @@ COLUMN_DOCS: dict[str, dict[str, str]] = {
         "top1_delta": "100 * (top1_b - top1_a), in percentage points",
         "top1_lo": "2.5% quantile of top1_delta over the bootstrap replicates",
         "top1_hi": "97.5% quantile of top1_delta",
+        "strata_windows": "windows per stratum behind the row, 'code=8 ja=1' (strata in name order)",
+        "thin_strata": "strata with fewer than 2 windows: kept in the CI, but they add no variance to it",
     },
     "hitrate": {
         "variant": _VARIANT,
@@ -184,7 +187,7 @@ COLUMN_DOCS: dict[str, dict[str, str]] = {
         "misses_per_token": "cache misses per token, summed over layers",
         "hit_rate_lru": "hit rate of a plain LRU cache on the model's bonus-0 routing",
         "hit_rate_belady": "hit rate of optimal (Belady) eviction on the model's bonus-0 routing",
-        "same_as_rep0": "true when logits and routing are bit-identical to repetition 0",
+        "same_as_rep0": "true when logits and routing are bit-identical to repetition 0; NULL on repetition 0",
     },
 }
 

@@ -62,6 +62,11 @@ DAGGER = "\u2020"
 ZERO_WIDTH = "\u2021"
 ZERO_WIDTH_NOTE = (f"{ZERO_WIDTH} = the bootstrap CI has zero width: resampling within strata cannot vary "
                    "when every stratum has one window, so it says nothing about precision.")
+THIN = "\u00a7"
+THIN_NOTE = (f"{THIN} = at least one stratum has a single window in this set and subset. That window is drawn "
+             "in every replicate, so its stratum adds no variance and the CI is narrower than the data "
+             "warrant. The stratum is kept in the estimate and in the CI (dropping it would change what is "
+             "estimated); the mark says to read the interval with care.")
 
 
 # ---- small formatting helpers ---------------------------------------------------------
@@ -191,7 +196,7 @@ def comparison_cells(row: Row, prefix: str) -> list[str]:
     """KLD a -> b, delta % with CI, wins/n, top-1 delta with CI, for the full or clean subset."""
     if row[f"{prefix}n_windows"] is None:
         return ["no clean windows", "\u2014", "\u2014", "\u2014"]
-    mark = f" {ZERO_WIDTH}" if zero_width_ci(row, prefix) else ""
+    mark = (f" {ZERO_WIDTH}" if zero_width_ci(row, prefix) else "") + (f" {THIN}" if thin(row, prefix) else "")
     return [
         f"{fmt_num(row[f'{prefix}kld_a'], 4)} \u2192 {fmt_num(row[f'{prefix}kld_b'], 4)}",
         fmt_ci(row[f"{prefix}delta_pct"], row[f"{prefix}ci_lo"], row[f"{prefix}ci_hi"], "%") + mark,
@@ -204,6 +209,20 @@ def zero_width_ci(row: Row, prefix: str) -> bool:
     """True when the KLD interval is a single point (the bootstrap had nothing to resample)."""
     lo, hi = row[f"{prefix}ci_lo"], row[f"{prefix}ci_hi"]
     return lo is not None and lo == hi
+
+
+def thin(row: Row, prefix: str) -> bool:
+    """True when a stratum behind the row has one window (NULL in a lake from before the column)."""
+    return (row[f"{prefix}thin_strata"] or 0) > 0
+
+
+def strata_windows_line(rows: list[Row]) -> list[str]:
+    """Windows per stratum behind a set's rows, all windows and clean ones (the same for every pair)."""
+    full = next((r["strata_windows"] for r in rows if r["strata_windows"] is not None), None)
+    if full is None:
+        return []
+    clean = next((r["clean_strata_windows"] for r in rows if r["clean_strata_windows"] is not None), None)
+    return [f"Windows per stratum: all windows {full}; clean windows {clean or 'none'}.", ""]
 
 
 def section_comparisons(data: ReportData, order: dict[str, int]) -> list[str]:
@@ -226,9 +245,12 @@ def section_comparisons(data: ReportData, order: dict[str, int]) -> list[str]:
         lines += [f"### {set_label(name)}", ""]
         lines += markdown_table(header, ([*comparison_label(r), *comparison_cells(r, ""),
                                           *comparison_cells(r, "clean_")] for r in subset))
-        lines += [""]
-    if any(zero_width_ci(r, p) for r in rows for p in ("", "clean_") if r[f"{p}n_windows"] is not None):
+        lines += [""] + strata_windows_line(subset)
+    measured = [(r, p) for r in rows for p in ("", "clean_") if r[f"{p}n_windows"] is not None]
+    if any(zero_width_ci(r, p) for r, p in measured):
         lines += [ZERO_WIDTH_NOTE, ""]
+    if any(thin(r, p) for r, p in measured):
+        lines += [THIN_NOTE, ""]
     return lines + [source_note("report_comparisons"), ""]
 
 
