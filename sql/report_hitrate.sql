@@ -1,11 +1,12 @@
 -- Expert-cache hit rates per variant, MoCE bonus and cache size, averaged over
 -- prompts and repetitions, beside the LRU and Belady (optimal eviction)
--- baselines on the same routing, and how many repetitions reproduced rep 0.
+-- baselines on the same routing, and how many repeat runs reproduced rep 0.
 -- From: hitrate (variant, moce_bonus, cache_experts, prompt_id, rep, hit_rate,
--- misses_per_token, hit_rate_lru, hit_rate_belady, same_as_rep0).
+-- misses_per_token, hit_rate_lru, hit_rate_belady, same_as_rep0; NULL on rep 0,
+-- and a lake written before that may hold true there: rep 0 is never counted).
 -- One row per (variant, moce_bonus, cache_experts): n_prompts, hit_rate,
 -- misses_per_token, hit_rate_lru, hit_rate_belady (fractions), reps_same,
--- reps_checked (repetitions after rep 0).
+-- reps_checked (repeat runs, rep > 0, each compared with its prompt's rep 0).
 SELECT
     variant,
     moce_bonus,

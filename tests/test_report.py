@@ -25,6 +25,7 @@ import pytest
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.lake import Lake
 from moeheal.pipeline.stages.export import COLUMN_DOCS, UNDOCUMENTED, export_bundle, undocumented_columns
+from moeheal.pipeline.stages.evaluate import HITRATE_SCHEMA, hitrate_rows
 from moeheal.pipeline.stages.report import write_report
 
 STRATA = ("chat", "code", "ja")
@@ -208,7 +209,8 @@ def make_hitrate(rng: np.random.Generator) -> pa.Table:
                                  "prompt_id": f"p{prompt}", "rep": rep, "hit_rate": hit,
                                  "misses_per_token": float((1 - hit) * 8 * 24),
                                  "hit_rate_lru": hit - 0.05, "hit_rate_belady": hit + 0.03,
-                                 "same_as_rep0": rep == 0 or not (variant == "v2" and bonus > 0 and prompt == 3)})
+                                 "same_as_rep0": None if rep == 0 else not (variant == "v2" and bonus > 0
+                                                                            and prompt == 3)})
     return pa.Table.from_pylist(rows)
 
 
@@ -416,7 +418,25 @@ def test_ridge_and_hitrate_tables(lake, report):
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[4] == f"{100 * np.mean([r['hit_rate'] for r in hits]):.2f}%"
     assert cells[6] == f"{100 * np.mean([r['hit_rate_lru'] for r in hits]):.2f}%"
-    assert cells[8] == "4/5"  # prompt 3's repeat differs
+    assert cells[8] == "4 of 5"  # 5 prompts x 2 runs = 5 repeat runs; prompt 3's differs
+
+
+def test_determinism_counts_only_repeat_runs():
+    """hitrate_rows: rep 0 has nothing to be compared with (NULL); each later rep is compared with rep 0."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 6, 5)).astype(np.float32)  # (B, T, V)
+    experts = {0: rng.integers(0, 8, (2, 6, 2)), 1: rng.integers(0, 8, (2, 6, 2))}  # {layer: (B, T, k)}
+    hit_stats = {layer: (np.ones((2, 6), np.int32), np.ones((2, 6), np.int32)) for layer in experts}
+    moved = {**experts, 1: experts[1].copy()}
+    moved[1][1, 2, 0] += 1  # rep 2 routes one token of batch row 1 differently
+    runs = [(logits, experts, hit_stats), (logits.copy(), experts, hit_stats), (logits, moved, hit_stats)]
+    rows = [hitrate_rows(runs, row, 6, 2, lru=3, belady=5, key={
+        "variant": "v1", "moce_bonus": 0.5, "cache_experts": 4, "prompt_id": f"p{row}"}) for row in (0, 1)]
+    assert [r["same_as_rep0"] for r in rows[0]] == [None, True, True]
+    assert [r["same_as_rep0"] for r in rows[1]] == [None, True, False]
+    assert rows[1][2]["hit_rate"] == 0.5 and rows[1][2]["hit_rate_belady"] == 5 / 24
+    table = pa.Table.from_pylist(rows[0] + rows[1], schema=HITRATE_SCHEMA)
+    assert table.column("same_as_rep0").null_count == 2
 
 
 def test_plots_are_valid_pngs(report):

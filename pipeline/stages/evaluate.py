@@ -7,8 +7,8 @@ in nats over the full vocabulary, the two top-1 tokens and whether they agree
 (`token_kld`). The same forward passes drive the expert-cache simulation:
 with cache-aware routing at each bonus, hit rate and misses per token over
 the whole window (every layer), against LRU and Belady on the plain (bonus 0)
-routing of the same model, and whether a repeat run is bit-identical
-(`hitrate`).
+routing of the same model, and whether each repeat run (rep > 0) is
+bit-identical to the first (`hitrate`; NULL on rep 0).
 
 Windows are padded at the end to a bucket length so a handful of shapes are
 compiled; causal attention and the in-order cache scan make padding invisible
@@ -34,6 +34,12 @@ BUCKET = 64
 BATCH = 8
 
 
+HITRATE_SCHEMA = pa.schema([
+    ("variant", pa.string()), ("moce_bonus", pa.float64()), ("cache_experts", pa.int64()),
+    ("prompt_id", pa.string()), ("rep", pa.int64()), ("hit_rate", pa.float64()),
+    ("misses_per_token", pa.float64()), ("hit_rate_lru", pa.float64()), ("hit_rate_belady", pa.float64()),
+    ("same_as_rep0", pa.bool_()),  # NULL on repetition 0 (nothing to compare with), so it stays typed
+])
 def _batches(windows: list[dict], tokens: dict[str, np.ndarray]) -> list[tuple[list[dict], np.ndarray]]:
     """Windows grouped by padded length: (windows, tokens (B, T_pad) int32)."""
     by_len: dict[int, list[dict]] = {}
@@ -123,18 +129,8 @@ def evaluate_model(out: Path, model: GGUFModel, variant: str, ref_dir: Path, win
                 lru = sum(int(lru_hits(plain_experts[wid][layer], cache_experts).sum()) for layer in range(n_layer))
                 belady = sum(int(belady_hits(plain_experts[wid][layer], cache_experts).sum())
                              for layer in range(n_layer))
-                for rep, (rep_logits, rep_experts, rep_stats) in enumerate(runs):
-                    hits = sum(int(rep_stats[layer][0][row, :n].sum()) for layer in range(n_layer))
-                    misses = sum(int(rep_stats[layer][1][row, :n].sum()) for layer in range(n_layer))
-                    lookups = hits + misses
-                    same = bool(np.array_equal(rep_logits[row, :n], logits[row, :n]) and all(
-                        np.array_equal(rep_experts[layer][row, :n], experts[layer][row, :n])
-                        for layer in range(n_layer)))
-                    hit_rows.append({
-                        "variant": variant, "moce_bonus": float(bonus), "cache_experts": cache_experts,
-                        "prompt_id": wid, "rep": rep, "hit_rate": hits / lookups,
-                        "misses_per_token": misses / n, "hit_rate_lru": lru / lookups,
-                        "hit_rate_belady": belady / lookups, "same_as_rep0": same,
-                    })
+                hit_rows += hitrate_rows(runs, row, n, n_layer, lru, belady, {
+                    "variant": variant, "moce_bonus": float(bonus), "cache_experts": cache_experts,
+                    "prompt_id": wid})
     write_parquet(out / "token_kld.parquet", pa.concat_tables(kld_parts))
     write_parquet(out / "hitrate.parquet", pa.Table.from_pylist(hit_rows))

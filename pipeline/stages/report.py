@@ -505,14 +505,16 @@ def section_hitrate(data: ReportData, order: dict[str, int], plot: str | None) -
                   key=lambda r: (r["moce_bonus"], order.get(r["variant"], 99), r["cache_experts"]))
     lines += ["Means over prompts and repetitions. LRU and Belady (optimal eviction) replay the "
               "plain (bonus 0) routing of the same model with an ordinary cache, as references. "
-              "Deterministic = repetitions whose logits and routing equal repetition 0's.", ""]
+              "Repeat runs bit-identical = runs after the first (rep > 0) whose logits and routing "
+              "equal the first run's on the same prompt; the first run is what they are compared with "
+              "and is not counted.", ""]
     lines += markdown_table(
         ["variant", "MoCE", "cache experts", "prompts", "hit rate", "misses/token", "LRU", "Belady",
-         "deterministic"],
+         "repeat runs bit-identical"],
         ([r["variant"], fmt_bonus(r["moce_bonus"]), str(r["cache_experts"]), str(r["n_prompts"]),
           f"{fmt_num(100 * r['hit_rate'], 2)}%", fmt_num(r["misses_per_token"], 2),
           f"{fmt_num(100 * r['hit_rate_lru'], 2)}%", f"{fmt_num(100 * r['hit_rate_belady'], 2)}%",
-          f"{r['reps_same']}/{r['reps_checked']}"] for r in rows))
+          f"{r['reps_same']} of {r['reps_checked']}"] for r in rows))
     lines += ["", source_note("report_hitrate"), ""]
     if plot:
         lines += figure(plot, "hit rates", "Bars: mean hit rate per variant and MoCE bonus; markers: "
