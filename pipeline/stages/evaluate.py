@@ -133,4 +133,27 @@ def evaluate_model(out: Path, model: GGUFModel, variant: str, ref_dir: Path, win
                     "variant": variant, "moce_bonus": float(bonus), "cache_experts": cache_experts,
                     "prompt_id": wid})
     write_parquet(out / "token_kld.parquet", pa.concat_tables(kld_parts))
-    write_parquet(out / "hitrate.parquet", pa.Table.from_pylist(hit_rows))
+    write_parquet(out / "hitrate.parquet", pa.Table.from_pylist(hit_rows, schema=HITRATE_SCHEMA))
+
+
+def hitrate_rows(runs: list, row: int, n: int, n_layer: int, lru: int, belady: int,
+                 key: dict) -> list[dict]:
+    """`hitrate` rows of one window (batch row `row`, first `n` positions), one per repetition.
+
+    `runs` are the repetitions' (logits (B, T, V), experts {layer: (B, T, k)},
+    stats {layer: (hits (B, T), misses (B, T))}). `same_as_rep0` compares a
+    repeat with repetition 0 and is NULL on repetition 0 itself, which has
+    nothing to be compared with: counting it would double the apparent
+    evidence of determinism.
+    """
+    logits, experts, _ = runs[0]
+    rows = []
+    for rep, (rep_logits, rep_experts, rep_stats) in enumerate(runs):
+        hits = sum(int(rep_stats[layer][0][row, :n].sum()) for layer in range(n_layer))
+        misses = sum(int(rep_stats[layer][1][row, :n].sum()) for layer in range(n_layer))
+        lookups = hits + misses
+        same = None if rep == 0 else bool(np.array_equal(rep_logits[row, :n], logits[row, :n]) and all(
+            np.array_equal(rep_experts[layer][row, :n], experts[layer][row, :n]) for layer in range(n_layer)))
+        rows.append({**key, "rep": rep, "hit_rate": hits / lookups, "misses_per_token": misses / n,
+                     "hit_rate_lru": lru / lookups, "hit_rate_belady": belady / lookups, "same_as_rep0": same})
+    return rows
