@@ -8,9 +8,17 @@ the CLI can print it as is.
 
 
 class MoehealError(Exception):
-    """Base of the errors the CLI reports as one line."""
+    """Base of the errors the CLI reports as one line.
+
+    The message is kept to one line here, whatever it quotes (a value from a
+    damaged file, a library's multi-line message), because the contract is
+    one line on stderr and a message is built in many places.
+    """
 
     exit_code = 1
+
+    def __init__(self, message: str = ""):
+        super().__init__(" ".join(str(message).splitlines()))
 
 
 class InputError(MoehealError):

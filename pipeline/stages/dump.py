@@ -355,8 +355,9 @@ def import_raw_dump(spec_path: Path, out: Path) -> None:
         for name, (width, dtype) in widths.items():
             file = files[f"layer{i}.{name}"]
             values = np.fromfile(file, dtype="<" + ("i4" if dtype == "int32" else "f4")).reshape(T, width)
-            if values.dtype.kind == "f":
-                _check_finite(name, i, values, 0)
+            bad = np.argwhere(~np.isfinite(values)) if values.dtype.kind == "f" else ()
+            if len(bad):
+                raise InputError(f"{file}: layer {i} {name}: NaN or Inf at row {int(bad[0][0])}")
             layer_arrays[name] = values
         _check_routing(files[f"layer{i}.experts"], i, layer_arrays["experts"], layer_arrays["weights"])
         arrays.append(layer_arrays)
@@ -383,3 +384,13 @@ def import_raw_dump(spec_path: Path, out: Path) -> None:
         }))
     write_parquet(out / "routing" / f"{0:012d}.parquet", pa.concat_tables(routing_rows))
     root.attrs["complete"] = True
+
+
+def check_spec_fits(spec_path: Path, d: int, f: int, k: int, n_layer: int) -> None:
+    """An imported dump must have the model's widths and layer count, or nothing is imported."""
+    spec = _read_spec(spec_path)
+    want = {"d": d, "f": f, "k": k, "layers": n_layer}
+    got = {"d": spec["d"], "f": spec["f"], "k": spec["k"], "layers": len(spec["layers"])}
+    for key in want:
+        if got[key] != want[key]:
+            raise InputError(f"{spec_path}: {key}: {got[key]!r} does not match the model's {want[key]}")
