@@ -16,6 +16,11 @@ the other folds uses total - fold statistics, and the held-out error is a
 quadratic form in the fold's own statistics:
 
     ||R_f - eta Z_f dW^T||^2 = ||R_f||^2 - 2 eta <C_f^T, dW> + eta^2 <dW G_f, dW>.
+
+In the pipeline R itself comes from a fit: R = y_ref - alpha y_q, alpha fitted
+on the same calibration rows. Cross-validating the ridge on that R would let
+alpha see the held-out rows, so `alpha_ridge_cv_sweep` refits alpha inside
+each fold from statistics of (Z, y_ref, y_q), in which R's are linear in alpha.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from typing import NamedTuple
 
 import numpy as np
 import scipy.linalg
+
+from moeheal.kernels.alpha import alpha_from_stats
 
 _CHUNK_ROWS = 2048
 CV_SCHEMES = ("in_sample", "lobo4", "even_odd")
@@ -151,16 +158,98 @@ def ridge_cv_sweep(z: np.ndarray, r: np.ndarray, rhos: Sequence[float], eta: flo
         total = ridge_stats(z, r)
         splits = [(total, total)]
     else:
-        fold_stats = [ridge_stats(z[rows], r[rows]) for rows in cv_folds(z.shape[0], scheme)]
-        total = sum(fold_stats[1:], fold_stats[0])
-        splits = [(total - held_out, held_out) for held_out in fold_stats]
-    if not total.sum_sq_r > 0:
+        held = [ridge_stats(z[rows], r[rows]) for rows in cv_folds(z.shape[0], scheme)]
+        total = sum(held[1:], held[0])
+        splits = [(total - held_out, held_out) for held_out in held]
+    return _sweep(splits, rhos, eta)
+
+
+def _sweep(splits: list[tuple[RidgeStats, RidgeStats]], rhos: Sequence[float], eta: float) -> np.ndarray:
+    """rel_gain per rho: sum of held-out errors of the fits / sum of held-out ||R||^2 - 1."""
+    norm = sum(held_out.sum_sq_r for _, held_out in splits)
+    if not norm > 0:
         raise ValueError("R is zero: the relative gain is undefined")
     gains = []
     for rho in rhos:
         err = sum(held_out_error(held_out, solve_ridge(fit.gram, fit.cross, rho), eta) for fit, held_out in splits)
-        gains.append(err / total.sum_sq_r - 1.0)
+        gains.append(err / norm - 1.0)
     return np.array(gains)
+
+
+class FoldStats(NamedTuple):
+    """Sufficient statistics of (Z, y_ref, y_q) for alpha-then-ridge, float64, additive over rows.
+
+    gram (f, f) = Z^T Z, ref_cross (f, d) = Z^T y_ref, q_cross (f, d) = Z^T y_q,
+    ref_sq = ||y_ref||^2, ref_q = <y_ref, y_q>, q_sq = ||y_q||^2, n = rows.
+    The residual R = y_ref - alpha y_q is linear in alpha, so for any alpha its
+    ridge statistics follow without another pass over the rows (`residual`).
+    """
+
+    gram: np.ndarray
+    ref_cross: np.ndarray
+    q_cross: np.ndarray
+    ref_sq: float
+    ref_q: float
+    q_sq: float
+    n: int
+
+    def __add__(self, other: FoldStats) -> FoldStats:  # type: ignore[override]
+        return FoldStats(*(a + b for a, b in zip(self, other)))
+
+    def __sub__(self, other: FoldStats) -> FoldStats:
+        return FoldStats(*(a - b for a, b in zip(self, other)))
+
+    def alpha(self) -> float:
+        """The least-squares output scale of these rows, <y_ref, y_q> / ||y_q||^2."""
+        return alpha_from_stats(self.ref_q, self.q_sq)
+
+    def residual(self, alpha: float) -> RidgeStats:
+        """RidgeStats of (Z, R = y_ref - alpha y_q) on these rows."""
+        return RidgeStats(self.gram, self.ref_cross - alpha * self.q_cross,
+                          self.ref_sq - 2.0 * alpha * self.ref_q + alpha**2 * self.q_sq, self.n)
+
+
+def fold_stats(z: np.ndarray, y_ref: np.ndarray, y_q: np.ndarray) -> FoldStats:
+    """FoldStats of Z (N, f), y_ref (N, d) and the unscaled quantized output y_q (N, d)."""
+    if not z.shape[0] == y_ref.shape[0] == y_q.shape[0] or y_ref.shape != y_q.shape:
+        raise ValueError(f"Z {z.shape}, y_ref {y_ref.shape} and y_q {y_q.shape} must share rows (and y's columns)")
+    stats = ridge_stats(z, y_ref)
+    q_cross = np.zeros_like(stats.cross)  # (f, d)
+    ref_q = q_sq = 0.0
+    for start in range(0, z.shape[0], _CHUNK_ROWS):
+        zc = np.asarray(z[start : start + _CHUNK_ROWS], dtype=np.float64)  # (n, f)
+        rc = np.asarray(y_ref[start : start + _CHUNK_ROWS], dtype=np.float64)  # (n, d)
+        qc = np.asarray(y_q[start : start + _CHUNK_ROWS], dtype=np.float64)  # (n, d)
+        q_cross += zc.T @ qc
+        ref_q += float(np.einsum("nd,nd->", rc, qc))
+        q_sq += float(np.einsum("nd,nd->", qc, qc))
+    return FoldStats(stats.gram, stats.cross, q_cross, stats.sum_sq_r, ref_q, q_sq, stats.n)
+
+
+def alpha_ridge_cv_sweep(z: np.ndarray, y_ref: np.ndarray, y_q: np.ndarray, rhos: Sequence[float], eta: float,
+                         scheme: str, refit_alpha: bool = True) -> np.ndarray:
+    """rel_gain for each rho with alpha refitted inside every fold, so no held-out row shapes the fit.
+
+    For each fold f (for "in_sample": all rows, fitted and scored there):
+    alpha_f = <y_ref, y_q> / ||y_q||^2 on the fold's training rows (1 when not
+    `refit_alpha`: a variant without alpha); R = y_ref - alpha_f y_q on every
+    row; dW_f = the ridge fit of R on Z over the training rows; then
+    rel_gain = sum_f ||R_h - eta Z_h dW_f^T||^2 / sum_f ||R_h||^2 - 1 over the
+    held-out rows h of each fold. An alpha fitted on all rows would have seen
+    the held-out rows, and the residual it leaves there would flatter the ridge.
+    """
+    if scheme == "in_sample":
+        total = fold_stats(z, y_ref, y_q)
+        splits = [(total, total)]
+    else:
+        held = [fold_stats(z[rows], y_ref[rows], y_q[rows]) for rows in cv_folds(z.shape[0], scheme)]
+        total = sum(held[1:], held[0])
+        splits = [(total - h, h) for h in held]
+    residual_splits = []
+    for fit, held_out in splits:
+        alpha = fit.alpha() if refit_alpha else 1.0
+        residual_splits.append((fit.residual(alpha), held_out.residual(alpha)))
+    return _sweep(residual_splits, rhos, eta)
 
 
 def ridge_cv(z: np.ndarray, r: np.ndarray, rho: float, eta: float, scheme: str) -> float:

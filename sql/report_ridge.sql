@@ -1,14 +1,17 @@
 -- Ridge cross-validation per variant, split and rho, over layers: mean relative
 -- gain of the ridge correction (percent; negative = smaller residual), the
--- range of rank(Z) and of the effective degrees of freedom, and in how many
--- layers the correction was applied (NULL when ridge_cv has no `applied`
--- column; the UNION ALL BY NAME below adds it as NULL then).
+-- range of rank(Z) and of the effective degrees of freedom, in how many
+-- layers the correction was applied, whether this rho is the configured one,
+-- and in how many layers it had the best held-out (lobo4) gain of the grid
+-- (`chosen`). NULL where ridge_cv lacks `applied` or `configured` (a lake
+-- from before them, whose `chosen` meant "configured": it is not counted
+-- then); the UNION ALL BY NAME below adds missing columns as NULL.
 -- From: ridge_cv (variant, layer, rho, split, rel_gain as a fraction, rank_z,
--- dof; applied when present). One row per (variant, split, rho).
+-- dof; applied, chosen, configured when present). One row per (variant, split, rho).
 WITH r AS (
     SELECT * FROM ridge_cv
     UNION ALL BY NAME
-    SELECT NULL::BOOLEAN AS applied WHERE false
+    SELECT NULL::BOOLEAN AS applied, NULL::BOOLEAN AS chosen, NULL::BOOLEAN AS configured WHERE false
 )
 SELECT
     variant,
@@ -20,7 +23,9 @@ SELECT
     max(rank_z) AS rank_z_max,
     min(dof) AS dof_min,
     max(dof) AS dof_max,
-    CASE WHEN count(applied) = 0 THEN NULL ELSE count(*) FILTER (WHERE applied) END AS layers_applied
+    CASE WHEN count(applied) = 0 THEN NULL ELSE count(*) FILTER (WHERE applied) END AS layers_applied,
+    bool_or(configured) AS configured,
+    CASE WHEN count(configured) = 0 THEN NULL ELSE count(*) FILTER (WHERE chosen) END AS layers_best
 FROM r
 GROUP BY variant, split, rho
 ORDER BY variant, split, rho;

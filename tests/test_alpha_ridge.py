@@ -8,6 +8,7 @@ from scipy import optimize
 
 from moeheal.kernels.alpha import alpha_stats, fit_alpha, oracle_alpha, relative_residual
 from moeheal.kernels.ridge import (
+    alpha_ridge_cv_sweep,
     cv_folds,
     effective_dof,
     fit_ridge,
@@ -17,6 +18,7 @@ from moeheal.kernels.ridge import (
     ridge_stats,
     solve_ridge,
 )
+from moeheal.pipeline.stages.calibrate import ridge_cv_rows
 
 
 def shrunk_output(rng: np.random.Generator, n: int = 5000, d: int = 64) -> tuple[np.ndarray, np.ndarray]:
@@ -183,3 +185,72 @@ def test_rejects_unknown_scheme() -> None:
     z, r = ridge_problem(rng, n=40)
     with pytest.raises(ValueError, match="scheme"):
         ridge_cv(z, r, 1.0, 1.0, "loo")
+
+
+def alpha_ridge_problem(rng: np.random.Generator, n: int = 801, f: int = 12, d: int = 8):
+    """Z, y_ref and a shrunk y_q whose error the shared expert's Z can partly explain; the
+    shrink drifts along the rows, so alpha fitted with or without a block differs."""
+    z = (rng.normal(size=(n, f)) * rng.uniform(0.2, 2.0, size=f)).astype(np.float32)
+    y_ref = rng.normal(size=(n, d)).astype(np.float32)
+    shrink = np.linspace(0.75, 0.95, n)[:, None]  # (n, 1)
+    y_q = (shrink * y_ref + 0.2 * z[:, :d] + 0.3 * rng.normal(size=(n, d))).astype(np.float32)
+    return z, y_ref, y_q
+
+
+def direct_alpha_ridge_cv(z, y_ref, y_q, rho: float, eta: float, folds: list[tuple[np.ndarray, np.ndarray]],
+                          refit_alpha: bool = True) -> float:
+    """Per fold, in float64: alpha on the training rows, ridge on their residual, score the held-out rows."""
+    z64, ref64, q64 = (a.astype(np.float64) for a in (z, y_ref, y_q))
+    err = norm = 0.0
+    for fit, held in folds:
+        alpha = np.sum(ref64[fit] * q64[fit]) / np.sum(q64[fit] ** 2) if refit_alpha else 1.0
+        d_w = closed_form_ridge(z64[fit], ref64[fit] - alpha * q64[fit], rho)  # (d, f)
+        r_h = ref64[held] - alpha * q64[held]
+        err += np.sum((r_h - eta * z64[held] @ d_w.T) ** 2)
+        norm += np.sum(r_h**2)
+    return err / norm - 1.0
+
+
+@pytest.mark.parametrize("scheme", ["in_sample", "lobo4", "even_odd"])
+def test_alpha_ridge_cv_refits_alpha_in_every_fold(scheme: str) -> None:
+    rng = np.random.default_rng(10)
+    z, y_ref, y_q = alpha_ridge_problem(rng)
+    rows = np.arange(len(z))
+    folds = ([(rows, rows)] if scheme == "in_sample"
+             else [(np.setdiff1d(rows, held), held) for held in cv_folds(len(z), scheme)])
+    rhos, eta = [0.25, 6.0], 0.5
+    gains = alpha_ridge_cv_sweep(z, y_ref, y_q, rhos, eta, scheme)
+    for rho, gain in zip(rhos, gains):
+        assert gain == pytest.approx(direct_alpha_ridge_cv(z, y_ref, y_q, rho, eta, folds), rel=1e-9, abs=1e-12)
+    no_alpha = alpha_ridge_cv_sweep(z, y_ref, y_q, rhos, eta, scheme, refit_alpha=False)
+    residual = y_ref.astype(np.float64) - y_q.astype(np.float64)  # alpha = 1: the fixed-residual CV
+    np.testing.assert_allclose(no_alpha, ridge_cv_sweep(z, residual, rhos, eta, scheme), rtol=1e-9, atol=1e-12)
+
+
+def test_alpha_fitted_on_all_rows_is_not_what_the_folds_see() -> None:
+    """The old CV (alpha from every row, folds included) differs from the honest one on drifting data."""
+    rng = np.random.default_rng(11)
+    z, y_ref, y_q = alpha_ridge_problem(rng)
+    leaky = ridge_cv(z, y_ref - fit_alpha(y_ref, y_q) * y_q, 1.0, 1.0, "lobo4")
+    honest = alpha_ridge_cv_sweep(z, y_ref, y_q, [1.0], 1.0, "lobo4")[0]
+    assert abs(honest - leaky) > 1e-3
+
+
+def test_ridge_cv_rows_choose_the_best_held_out_rho_and_apply_the_configured_one() -> None:
+    rng = np.random.default_rng(12)
+    z, y_ref, y_q = alpha_ridge_problem(rng)
+    gram = ridge_stats(z, y_ref).gram
+    rows, best, applied = ridge_cv_rows(z, y_ref, y_q, gram, 12, rho=3.0, eta=0.5, refit_alpha=True)
+    grid = [0.25, 1.0, 3.0, 6.0, 24.0]  # RHO_GRID and the configured rho
+    lobo4 = alpha_ridge_cv_sweep(z, y_ref, y_q, grid, 0.5, "lobo4")
+    assert best == grid[int(np.argmin(lobo4))]
+    assert applied == (lobo4[2] < 0)
+    assert [(r["rho"], r["split"]) for r in rows] == [(p, s) for p in grid for s in ("in_sample", "lobo4", "even_odd")]
+    for r in rows:
+        assert r["chosen"] == (r["rho"] == best) and r["configured"] == (r["rho"] == 3.0)
+        assert r["applied"] == (r["rho"] == 3.0 and applied)
+        if r["split"] == "lobo4":
+            assert r["rel_gain"] == pytest.approx(lobo4[grid.index(r["rho"])], rel=1e-12)
+    assert sum(r["chosen"] for r in rows) == 3  # one rho, three splits
+    off, _, off_applied = ridge_cv_rows(z, y_ref, y_q, gram, 12, rho=0.0, eta=0.5, refit_alpha=False)
+    assert not off_applied and not any(r["configured"] or r["applied"] for r in off)  # rho 0: ridge off

@@ -186,15 +186,22 @@ def make_layer_metrics(rng: np.random.Generator) -> pa.Table:
 
 
 def make_ridge_cv(rng: np.random.Generator) -> pa.Table:
+    """The grid per layer, configured rho 6 (applied where its lobo4 gain is negative), and
+    `chosen` on the rho with the best lobo4 gain of the layer."""
     rows = []
     for variant in ("v1", "v2"):
         for layer in range(N_LAYERS):
             rank = int(rng.integers(400, 641))
+            mine = []
             for rho in (0.25, 1.0, 6.0, 24.0):
                 for split, scale in (("in_sample", 0.10), ("lobo4", 0.015), ("even_odd", 0.03)):
-                    rows.append({"variant": variant, "layer": layer, "rho": rho, "split": split,
+                    mine.append({"variant": variant, "layer": layer, "rho": rho, "split": split,
                                  "rel_gain": -scale / np.sqrt(rho) * float(rng.uniform(0.5, 1.5)),
                                  "rank_z": rank, "dof": float(640 / (1 + rho) * rng.uniform(0.05, 0.2))})
+            best = min((r for r in mine if r["split"] == "lobo4"), key=lambda r: r["rel_gain"])["rho"]
+            applied = next(r for r in mine if r["split"] == "lobo4" and r["rho"] == 6.0)["rel_gain"] < 0
+            rows += [{**r, "chosen": r["rho"] == best, "configured": r["rho"] == 6.0,
+                      "applied": r["rho"] == 6.0 and applied} for r in mine]
     return pa.Table.from_pylist(rows)
 
 
@@ -412,6 +419,11 @@ def test_ridge_and_hitrate_tables(lake, report):
     line = row_of(block, "held-out (leave one of 4 blocks out)")
     gain = 100 * np.mean([r["rel_gain"] for r in ridge if r["split"] == "lobo4" and r["rho"] == 6.0])
     assert [c.strip() for c in line.strip("|").split("|")][3] == f"{gain:+.2f}%"
+    fits = section(block, "The fit on the calibration trace")
+    for rho in (0.25, 1.0, 6.0, 24.0):
+        best = sum(r["chosen"] for r in ridge if r["split"] == "lobo4" and r["rho"] == rho)
+        label = f"{rho:g} (configured)" if rho == 6.0 else f"{rho:g}"
+        assert row_of(fits, label).endswith(f"| {best}/{N_LAYERS} |")
     hits = [r for r in tables["hitrate"].to_pylist() if r["variant"] == "v2" and r["moce_bonus"] == 0.85]
     line = next(ln for ln in section(text, "## 6. Expert-cache hit rates").splitlines()
                 if ln.startswith("| v2 | 0.85 |"))

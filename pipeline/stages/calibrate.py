@@ -11,6 +11,8 @@ Per layer, on the calibration dump (in_sample) and on the unseen dump:
   ||R - Z dW^T||^2 + lam ||dW||^2, lam = rho mean(diag(Z^T Z)); W' = W + eta dW,
   requantized to `shexp_down`. A layer whose ridge does not help on held-out
   blocks (lobo4) keeps W (still requantized), and `ridge_cv.applied` says so.
+  The cross-validation refits alpha inside each fold, and `ridge_cv.chosen`
+  marks the rho of the grid that does best on held-out blocks.
 - Every residual is ||y_ref - y||^2 / ||y_ref||^2 with y the layer's total
   change in MoE output (routed + shared), so the ridge's "realized" gain
   includes what requantizing the shared expert costs.
@@ -28,7 +30,7 @@ from gguf import GGMLQuantizationType
 
 from moeheal import kernels
 from moeheal.kernels.alpha import fit_alpha, oracle_alpha, relative_residual
-from moeheal.kernels.ridge import effective_dof, matrix_rank, ridge_cv, ridge_stats, solve_ridge
+from moeheal.kernels.ridge import alpha_ridge_cv_sweep, effective_dof, matrix_rank, ridge_stats, solve_ridge
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.gguf_write import copy_gguf
 from moeheal.pipeline.lake import write_parquet
@@ -103,24 +105,20 @@ def calibrate_model(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
             residual = y_ref["in_sample"] - y_healed["in_sample"]  # (T, d)
             rho, eta = knobs["ridge_rho"], knobs["ridge_eta"]
             gram, cross, _, _ = ridge_stats(z["in_sample"], residual)
-            rank, applied = matrix_rank(gram), False
-            for grid_rho in sorted({*RHO_GRID, rho} - {0.0}):
-                gains = {split: ridge_cv(z["in_sample"], residual, grid_rho, eta, split) for split in CV_SPLITS}
-                if grid_rho == rho:
-                    applied = gains["lobo4"] < 0
-                cv_rows += [{"variant": variant, "layer": layer, "rho": grid_rho, "split": split,
-                             "rel_gain": float(g), "rank_z": int(rank), "dof": float(effective_dof(gram, grid_rho)),
-                             "chosen": grid_rho == rho, "applied": bool(grid_rho == rho and applied)}
-                            for split, g in gains.items()]
+            rank = matrix_rank(gram)
+            grid_rows, best_rho, applied = ridge_cv_rows(z["in_sample"], y_ref["in_sample"], y_q["in_sample"],
+                                                         gram, rank, rho, eta, refit_alpha=knobs["alpha"])
+            cv_rows += [{"variant": variant, "layer": layer, **r} for r in grid_rows]
             corrected = w_down + eta * solve_ridge(gram, cross, rho) if applied else w_down  # (d, f)
             arrays["ffn_down_shexp"] = kernels.quantize(corrected, knobs["shexp_down"])
             w_requant = kernels.dequantize(arrays["ffn_down_shexp"], knobs["shexp_down"], w_down.shape)
             shexp_delta = {s: z[s] @ (w_requant - w_down).T for s in groups}  # (T, d)
-            if rho > 0:  # realized gain of the chosen rho after requantization, per split
+            if rho > 0:  # realized gain of the configured rho after requantization, per split
                 cv_rows += [{"variant": variant, "layer": layer, "rho": rho, "split": f"{s}_realized",
                              "rel_gain": float(relative_residual(y_ref[s] - y_healed[s], shexp_delta[s]) - 1.0),
                              "rank_z": int(rank), "dof": float(effective_dof(gram, rho)),
-                             "chosen": True, "applied": bool(applied)} for s in groups]
+                             "chosen": rho == best_rho, "configured": True, "applied": bool(applied)}
+                            for s in groups]
         for s in groups:
             oracle, resid_oracle = oracle_alpha(y_ref[s], y_q[s])
             metrics.append({
@@ -136,8 +134,35 @@ def calibrate_model(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
     write_parquet(out / "layer_metrics.parquet", pa.Table.from_pylist(metrics))
     cv_schema = pa.schema([("variant", pa.string()), ("layer", pa.int32()), ("rho", pa.float64()),
                            ("split", pa.string()), ("rel_gain", pa.float64()), ("rank_z", pa.int32()),
-                           ("dof", pa.float64()), ("chosen", pa.bool_()), ("applied", pa.bool_())])
+                           ("dof", pa.float64()), ("chosen", pa.bool_()), ("configured", pa.bool_()),
+                           ("applied", pa.bool_())])
     write_parquet(out / "ridge_cv.parquet", pa.Table.from_pylist(cv_rows, schema=cv_schema))
+
+
+def ridge_cv_rows(z: np.ndarray, y_ref: np.ndarray, y_q: np.ndarray, gram: np.ndarray, rank: int, rho: float,
+                  eta: float, refit_alpha: bool) -> tuple[list[dict[str, Any]], float, bool]:
+    """One layer's cross-validation over the rho grid (and the configured rho, if not 0).
+
+    Z (T, f), y_ref and the unscaled quantized output y_q (T, d) on the
+    calibration rows; gram = Z^T Z and rank its rank (the fit's statistics).
+    Alpha is refitted inside every fold (`alpha_ridge_cv_sweep`), so held-out
+    rows shape neither alpha nor the ridge; the residual is y_ref - alpha y_q,
+    alpha before its fp16 rounding into the block scales (the realized rows
+    measure the rounded, requantized result). Returns the rows (rho, split,
+    rel_gain, rank_z, dof, chosen, configured, applied), the rho of the grid
+    with the best held-out (lobo4) gain, and whether the configured rho is
+    applied: it helps on held-out blocks. The configured rho stays the one
+    applied; `chosen` shows where the grid would have pointed.
+    """
+    grid = sorted({*RHO_GRID, rho} - {0.0})
+    gains = {split: alpha_ridge_cv_sweep(z, y_ref, y_q, grid, eta, split, refit_alpha) for split in CV_SPLITS}
+    best = grid[int(np.argmin(gains["lobo4"]))]
+    applied = rho > 0 and bool(gains["lobo4"][grid.index(rho)] < 0)
+    rows = [{"rho": grid_rho, "split": split, "rel_gain": float(gains[split][i]), "rank_z": int(rank),
+             "dof": float(effective_dof(gram, grid_rho)), "chosen": grid_rho == best,
+             "configured": grid_rho == rho, "applied": grid_rho == rho and applied}
+            for i, grid_rho in enumerate(grid) for split in CV_SPLITS]
+    return rows, best, applied
 
 
 def assemble_gguf(out: Path, source: GGUFModel, calibrated: Path, variant: str, params: dict[str, Any]) -> None:

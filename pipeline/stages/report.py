@@ -455,8 +455,11 @@ def section_ridge(data: ReportData, order: dict[str, int]) -> list[str]:
     rows = data.rows("report_ridge")
     lines += ["Mean over layers of the relative change of the residual from the ridge correction "
               "(negative = better). In-sample fits and scores on the same calibration tokens; lobo4 "
-              "and even/odd score on calibration tokens the fit did not see; \"realized\" rows are the "
-              "chosen \u03c1 after requantizing the shared expert, in-sample and on the unseen trace.", ""]
+              "and even/odd score on calibration tokens the fit did not see, with alpha refitted on the "
+              "fit's tokens only; \"realized\" rows are the configured \u03c1 after requantizing the "
+              "shared expert, in-sample and on the unseen trace. The configured \u03c1 is the one applied; "
+              "\"layers best\" counts the layers where a \u03c1 had the best held-out (lobo4) gain of the "
+              "grid.", ""]
     for variant in sorted({r["variant"] for r in rows}, key=lambda v: order.get(v, 99)):
         mine = [r for r in rows if r["variant"] == variant]
         rhos = sorted({r["rho"] for r in mine})
@@ -468,10 +471,13 @@ def section_ridge(data: ReportData, order: dict[str, int]) -> list[str]:
                                        else "\u2014" for p in rhos)] for s in splits))
         lines += [""]
         lines += ["The fit on the calibration trace at each \u03c1, over layers:", ""]
-        lines += markdown_table(["\u03c1", "layers", "rank(Z) min\u2013max", "dof min\u2013max", "layers applied"], (
-            [fmt_bonus(r["rho"]), str(r["n_layers"]), f"{r['rank_z_min']}\u2013{r['rank_z_max']}",
+        lines += markdown_table(["\u03c1", "layers", "rank(Z) min\u2013max", "dof min\u2013max", "layers applied",
+                                 "layers best (lobo4)"], (
+            [fmt_bonus(r["rho"]) + (" (configured)" if r["configured"] else ""), str(r["n_layers"]),
+             f"{r['rank_z_min']}\u2013{r['rank_z_max']}",
              f"{fmt_num(r['dof_min'], 1)}\u2013{fmt_num(r['dof_max'], 1)}",
-             "\u2014" if r["layers_applied"] is None else f"{r['layers_applied']}/{r['n_layers']}"]
+             "\u2014" if r["layers_applied"] is None else f"{r['layers_applied']}/{r['n_layers']}",
+             "\u2014" if r["layers_best"] is None else f"{r['layers_best']}/{r['n_layers']}"]
             for r in sorted((r for r in mine if r["split"] == "in_sample"), key=lambda r: r["rho"])))
         lines += [""]
     return lines + [source_note("report_ridge"), ""]
