@@ -14,14 +14,18 @@ scored span is a violation. Python here only moves arrays in and out.
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from moeheal.kernels import ngram
 from moeheal.pipeline.errors import AuditViolation, InputError
+from moeheal.pipeline.files import write_parquet
 from moeheal.pipeline.sqlrun import run_sql
+from moeheal.pipeline.stages.corpus import window_tokens
 
 SPLIT_CHECKS = (
     "split_roles",
@@ -185,9 +189,40 @@ def raise_on(violations: list[Violation]) -> None:
         raise AuditViolation(f"audit: {len(violations)} violation(s): {listed}")
 
 
+def find_violations(con: duckdb.DuckDBPyConnection, window_tokens: dict[str, np.ndarray],
+                    n: int) -> tuple[pa.Table, list[Violation]]:
+    """The `overlap` table and every split or scored-span violation, over `docs`, `cal_trace`, `windows`."""
+    overlap = compute_overlap(con, window_tokens, trace_segments(con, "calibration"), n)
+    return overlap, check_split(con) + overlap_violations(overlap)
+
+
 def audit(con: duckdb.DuckDBPyConnection, window_tokens: dict[str, np.ndarray], n: int) -> pa.Table:
     """Split checks and the calibration-trace overlap; returns `overlap`, raises on any leak."""
-    violations = check_split(con)
-    overlap = compute_overlap(con, window_tokens, trace_segments(con, "calibration"), n)
-    raise_on(violations + overlap_violations(overlap))
+    overlap, violations = find_violations(con, window_tokens, n)
+    raise_on(violations)
     return overlap
+
+
+def build_audit(out: Path, corpus_dir: Path, traces_dir: Path, windows_dir: Path, n: int) -> None:
+    """`overlap.parquet` and `violations.parquet` from the corpus, traces and windows stages' outputs.
+
+    The checks read this run's stage outputs, never the published tables, so a
+    rejected config's rows never reach `tables/`.
+    """
+    con = duckdb.connect()
+    try:
+        con.register("docs", pq.read_table(corpus_dir / "docs.parquet"))
+        con.register("cal_trace", pq.read_table(traces_dir / "cal_trace.parquet"))
+        con.register("windows", pq.read_table(windows_dir / "windows.parquet"))
+        overlap, violations = find_violations(con, window_tokens(windows_dir, corpus_dir), n)
+    finally:
+        con.close()
+    write_parquet(out / "overlap.parquet", overlap)
+    write_parquet(out / "violations.parquet", pa.Table.from_pylist(
+        [vars(v) for v in violations],
+        schema=pa.schema([(k, pa.string()) for k in ("kind", "doc_id", "window_id", "detail")])))
+
+
+def read_violations(audit_dir: Path) -> list[Violation]:
+    """The violations an audit stage found (empty when the split and windows are clean)."""
+    return [Violation(**row) for row in pq.read_table(audit_dir / "violations.parquet").to_pylist()]

@@ -8,24 +8,39 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Callable
 
+from moeheal import __version__
 from moeheal.pipeline.errors import InputError, MoehealError
 
 
-def _pipeline(args: argparse.Namespace):
+def _pipeline(args: argparse.Namespace, plan: bool = False):
     from moeheal.pipeline.config import load_config
     from moeheal.pipeline.heal import HealRun
 
-    return HealRun(load_config(args.config))
+    return HealRun(load_config(args.config), plan=plan)
 
 
 def cmd_heal(args: argparse.Namespace) -> int:
     run = _pipeline(args)
     run.heal()
     print(run.summary_table())
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    planned = _pipeline(args, plan=True).plan()
+    if args.format == "json":
+        print(json.dumps([vars(p) for p in planned], indent=1))
+    else:
+        width = max(len(p.stage) for p in planned)
+        for p in planned:
+            print(f"{p.stage:<{width}}  {p.fingerprint}  {p.status}")
+        todo = sum(p.status == "compute" for p in planned)
+        print(f"{len(planned)} stage invocations: {len(planned) - todo} cached, {todo} to compute")
     return 0
 
 
@@ -37,7 +52,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     run = _pipeline(args)
-    for trace in ("calibration", "unseen"):
+    for trace in run.traces_present():  # the unseen trace only when [calibration] unseen_tokens > 0
         result = run.dump(trace)
         print(f"{trace}: {result.path}")
     return 0
@@ -59,7 +74,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     run = _pipeline(args)
-    run.evaluate()
+    run.publish(with_report=False)
     print(run.summary_table())
     return 0
 
@@ -102,11 +117,12 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "heal": (cmd_heal, "run the whole DAG (every stage cached by fingerprint)"),
+    "plan": (cmd_plan, "list every stage with its fingerprint and whether it is cached, running nothing"),
     "audit": (cmd_audit, "split and n-gram overlap checks only (exit 3 on a violation)"),
     "dump": (cmd_dump, "dump the reference model's MoE activations to Zarr"),
     "quantize": (cmd_quantize, "quantize the routed experts of every variant"),
     "calibrate": (cmd_calibrate, "alpha + ridge healing, write healed GGUFs"),
-    "eval": (cmd_eval, "KLD and top-1 of every variant against the reference"),
+    "eval": (cmd_eval, "KLD and top-1 of every variant against the reference (publishes the tables)"),
     "report": (cmd_report, "write report.md and plots from the lake's tables"),
     "imatrix": (cmd_imatrix, "write the calibration statistics as a llama.cpp imatrix GGUF"),
     "import-dump": (cmd_import_dump, "import raw float32 dumps made by another engine"),
@@ -117,6 +133,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moeheal", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"moeheal {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (fn, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -124,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         if name in ("export", "imatrix"):
             p.add_argument("--out", required=True, help="output folder (export) or GGUF file (imatrix)")
+        if name == "plan":
+            p.add_argument("--format", choices=("table", "json"), default="table",
+                           help="json: a list of {stage, fingerprint, status}")
         if name == "import-dump":
             p.add_argument("spec", help="TOML naming the raw files: trace, T, d, f, k, [[layers]]")
         if name == "sql":

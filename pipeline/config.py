@@ -167,7 +167,7 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any]) -> Varia
         if extra:
             r.fail(extra[0], "an external variant (gguf = ...) takes no healing knobs")
         return Variant(name=name, kind="external", gguf=r.path("gguf", base))
-    return Variant(
+    variant = Variant(
         name=name, kind="healed",
         quant=r.choice("quant", QUANT_FORMATS, "tq2_0"),
         beta_gate_up=r.number("beta_gate_up", float, 0.5, 0.0, 4.0),
@@ -183,6 +183,30 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any]) -> Varia
         importance=r.get("importance", bool, True),
         cal_tokens=r.number("cal_tokens", int, 0, 0, 1 << 26),
     )
+    _refuse_knobs_without_effect(r, variant)
+    return variant
+
+
+# Knobs that only reach the computation under a condition, and that condition.
+_CONDITIONAL_KNOBS = {
+    "gptq_damp": (lambda v: v.round == "gptq", 'is only used with round = "gptq"'),
+    "gptq_shrink": (lambda v: v.round == "gptq", 'is only used with round = "gptq"'),
+    "beta_gate_up": (lambda v: v.importance, "has no effect with importance = false"),
+    "beta_down": (lambda v: v.importance, "has no effect with importance = false"),
+    "down_blend_tokens": (lambda v: v.importance, "has no effect with importance = false"),
+    "ridge_eta": (lambda v: v.ridge_rho > 0, "has no effect with ridge_rho = 0 (no ridge)"),
+}
+
+
+def _refuse_knobs_without_effect(r: _Reader, variant: Variant) -> None:
+    """A knob set in the file that cannot change the output is an error, never silently ignored."""
+    if variant.round == "gptq" and not variant.importance:
+        r.fail("round", '"gptq" needs calibration statistics (H = E[x x^T]), but importance = false')
+    if variant.round == "gptq" and variant.gptq_damp <= 0:
+        r.fail("gptq_damp", f"{variant.gptq_damp!r} must be > 0: an undamped H can be singular")
+    for key, (applies, why) in _CONDITIONAL_KNOBS.items():
+        if key in r.table and not applies(variant):
+            r.fail(key, why)
 
 
 def _windows(file: Path, base: Path, ev: _Reader) -> tuple[Path | None, WindowGeneration | None]:

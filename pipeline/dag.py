@@ -1,58 +1,89 @@
 """Stages: declared inputs in, one content-addressed output out.
 
-A stage declares what it reads (files and folders, upstream stages, parameters)
-and the code it runs (its own function plus the modules and helpers it calls).
-`run_stage` digests every input file *before* the build starts, derives the
-fingerprint, and hands the build to the lake, which skips it when a complete
-output with that fingerprint exists and otherwise builds it under tmp/ and
-publishes it atomically. Whether work is "done" is never decided from a file
-merely existing under some path.
+A stage is named, has a lake folder and a module: the module's import closure
+and the queries it names are the stage's code (`pipeline/codeid.py`), so no
+list of functions is kept by hand. An invocation adds its parameters (a typed
+dataclass of exactly the knobs that reach the computation), the content
+digests of its input files and the fingerprints of its upstream stages.
+`run_stage` derives the fingerprint from these before anything is built and
+hands the build to the lake, which skips it when a complete output with that
+fingerprint exists and otherwise builds it under tmp/ and publishes it
+atomically. `plan_stage` derives the same fingerprint and only says whether
+the output exists: `moeheal plan`.
 """
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable
 
+from moeheal.pipeline.codeid import code_identity
 from moeheal.pipeline.fingerprint import content_digest, fingerprint
 from moeheal.pipeline.lake import Lake, StageResult
 
 
 @dataclass(frozen=True)
 class Stage:
-    """What a stage is: its name, where its output lives, and the code that defines it."""
+    """What a stage is: its name, where its output lives, and the module that computes it."""
 
     name: str
     kind: str  # lake folder: dumps, quant, models, parts
     suffix: str  # ".zarr", ".gguf", "" (a folder)
-    code: tuple[Callable[..., Any] | ModuleType, ...]
+    module: str  # e.g. "moeheal.pipeline.stages.dump": its import closure is the stage's code
     resumable: bool = False  # True: a killed build's partial work is handed back to `build`
 
-    def source(self) -> str:
-        return "\n".join(inspect.getsource(obj) for obj in self.code)
+    def code(self) -> str:
+        return code_identity(self.module)
 
 
-def stage_fingerprint(stage: Stage, params: dict[str, Any], inputs: dict[str, Path],
+@dataclass(frozen=True)
+class PlannedStage:
+    """One stage invocation as `moeheal plan` shows it."""
+
+    stage: str  # "quantize:v2", "dump:calibration"
+    fingerprint: str
+    status: str  # "cached" or "compute"
+    upstream: tuple[str, ...] = ()  # the `stage` labels this invocation reads
+
+
+def param_record(params: Any) -> dict[str, Any]:
+    """A stage's parameters as a plain dict: a dataclass's fields without the ones set to None
+    (a knob that cannot reach the computation is None and stays out of the fingerprint)."""
+    if dataclasses.is_dataclass(params):
+        return {k: v for k, v in dataclasses.asdict(params).items() if v is not None}
+    return dict(params)
+
+
+def stage_fingerprint(stage: Stage, params: Any, inputs: dict[str, Path],
                       upstream: dict[str, StageResult]) -> tuple[str, dict[str, Any]]:
     """The fingerprint and the provenance record of one stage invocation."""
+    record = param_record(params)
     digests = {key: content_digest(path) for key, path in sorted(inputs.items())}
     upstream_fps = {key: result.fingerprint for key, result in sorted(upstream.items())}
-    fp = fingerprint(stage.name, stage.source(), params, digests, upstream_fps)
+    fp = fingerprint(stage.name, stage.code(), record, digests, upstream_fps)
     provenance = {
-        "params": params,
+        "params": record,
+        "code_identity": stage.code(),
         "inputs": {k: {"path": str(inputs[k]), "sha256": d} for k, d in digests.items()},
         "upstream": {k: {"stage": upstream[k].stage, "fingerprint": f} for k, f in upstream_fps.items()},
     }
     return fp, provenance
 
 
-def run_stage(lake: Lake, stage: Stage, params: dict[str, Any], inputs: dict[str, Path],
+def run_stage(lake: Lake, stage: Stage, params: Any, inputs: dict[str, Path],
               upstream: dict[str, StageResult], build: Callable[[Path], None],
               log: Callable[[str], None] = print) -> StageResult:
     """Run `build(work_path)` unless an output with the same fingerprint is complete."""
     fp, provenance = stage_fingerprint(stage, params, inputs, upstream)
     return lake.materialize(stage.name, stage.kind, fp, stage.suffix, build, provenance, log,
                             resume=stage.resumable)
+
+
+def plan_stage(lake: Lake, stage: Stage, params: Any, inputs: dict[str, Path],
+               upstream: dict[str, StageResult]) -> StageResult:
+    """The result `run_stage` would return, without building: `cached` says whether it exists."""
+    fp, _ = stage_fingerprint(stage, params, inputs, upstream)
+    cached = lake.is_complete(stage.kind, fp, stage.suffix)
+    return StageResult(stage.name, fp, lake.output_path(stage.kind, fp, stage.suffix), cached=cached)

@@ -1,23 +1,34 @@
-"""The lake: content-addressed stage outputs, Parquet tables and DuckDB views.
+"""The lake: content-addressed stage outputs, published table sets and DuckDB views.
 
-Layout under the root (see SPEC.md): `tables/<name>.parquet`, `lake.duckdb`,
-`dumps/<fp>.zarr`, `quant/<fp>/`, `models/<fp>.gguf`, `parts/<fp>/` (a stage's
-own rows of shared tables), `runs/<fp>.json` (provenance), `tmp/` (work in
-progress). Nothing here knows any math.
+Layout under the root (see SPEC.md): `dumps/<fp>.zarr`, `quant/<fp>/`,
+`models/<fp>.gguf`, `parts/<fp>/` (a stage's own rows of shared tables),
+`runs/<fp>.json` (provenance), `tmp/` (work in progress), and what users read:
+`tables/<name>.parquet`, `lake.duckdb` and `report/`. Nothing here knows any math.
 
-Every write is atomic: outputs are built under `tmp/` and renamed into place
-when complete, and a stage's provenance is written after its outputs, with a
-manifest of their sizes and digests that a cache hit re-checks. A crash leaves
-at most a `tmp/` entry that nothing reads as a finished output.
+Stage outputs are content-addressed: built under `tmp/`, renamed into place
+when complete, their provenance written after them with a manifest of sizes
+and digests that a cache hit re-checks.
+
+What users read is published as a set: a run stages its tables (and DuckDB
+file, and report) in `tmp/publish-*/`, and only when the whole run succeeded
+is the folder moved to `published/<id>/` and the symbolic link `current`
+switched to it in one atomic rename. `tables`, `lake.duckdb` and `report` are
+fixed links into `current`, so the three always come from one successful run,
+and a run that fails (a rejected config, a crash) leaves them untouched. All
+links and the views inside `lake.duckdb` are relative, so a lake can be moved:
+open it from inside (`cd lake && duckdb lake.duckdb`; `moeheal sql` does that
+for you).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import shutil
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +38,16 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from moeheal import __version__
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.files import atomic_write_bytes, write_parquet
 from moeheal.pipeline.fingerprint import content_digest, library_versions
 from moeheal.pipeline.sqlrun import run_sql
 
-CODE_VERSION = "0.1.0"
+CODE_VERSION = __version__
+STAGE_FOLDERS = ("dumps", "quant", "models", "parts", "runs", "tmp", "published")
+PUBLISHED_LINKS = {"tables": "current/tables", "lake.duckdb": "current/lake.duckdb", "report": "current/report"}
+KEEP_GENERATIONS = 2  # the current published set and the one before it
 
 
 @dataclass(frozen=True)
@@ -43,24 +60,6 @@ class StageResult:
     cached: bool
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_parquet(path: Path, table: pa.Table) -> None:
-    """Write a Parquet file atomically (temp file in the same folder, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, path)
-
-
 def _manifest(path: Path) -> dict[str, dict[str, Any]]:
     files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
     base = path if path.is_dir() else path.parent
@@ -68,13 +67,74 @@ def _manifest(path: Path) -> dict[str, dict[str, Any]]:
             for f in files}
 
 
-class Lake:
-    """One data root. All paths are absolute; the DuckDB file holds views only."""
+class TableSet:
+    """Named Parquet tables in one folder, with DuckDB over them: the published set or a staged one."""
+
+    def __init__(self, tables_dir: Path):
+        self.tables_dir = tables_dir
+
+    def table_path(self, name: str) -> Path:
+        return self.tables_dir / f"{name}.parquet"
+
+    def read_table(self, name: str) -> pa.Table:
+        return pq.read_table(self.table_path(name))
+
+    def table_names(self) -> list[str]:
+        return sorted(p.stem for p in self.tables_dir.glob("*.parquet")) if self.tables_dir.is_dir() else []
+
+    def connect(self) -> duckdb.DuckDBPyConnection:
+        """An in-memory DuckDB with one view per table (nothing on disk is locked or written)."""
+        con = duckdb.connect()
+        for name in self.table_names():
+            _create_view(con, name, self.table_path(name).resolve())
+        return con
+
+    def query(self, stem: str, **params: Any) -> pa.Table:
+        """Run `sql/<stem>.sql` over these tables with named parameters."""
+        con = self.connect()
+        try:
+            return run_sql(con, stem, **params)
+        finally:
+            con.close()
+
+
+class Publication(TableSet):
+    """A run's tables, staged under tmp/ until `Lake.publish` makes them the lake's current set."""
+
+    def __init__(self, lake: "Lake"):
+        self.lake = lake
+        self.id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        self.folder = lake.root / "tmp" / f"publish-{self.id}"
+        super().__init__(self.folder / "tables")
+        self.tables_dir.mkdir(parents=True)
+
+    def write_table(self, name: str, table: pa.Table) -> None:
+        write_parquet(self.table_path(name), table)
+
+    @property
+    def report_dir(self) -> Path:
+        return self.folder / "report"
+
+    def discard(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class Lake(TableSet):
+    """One data root. Stage outputs are keyed by fingerprint; tables are read from the published set."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root).resolve()
-        for sub in ("tables", "dumps", "quant", "models", "parts", "runs", "tmp"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        super().__init__(self.root / "tables")
+        try:
+            for sub in STAGE_FOLDERS:
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+            for name, target in PUBLISHED_LINKS.items():
+                link = self.root / name
+                if not link.is_symlink():
+                    _remove(link)  # a lake laid out before published sets: its loose tables are not a set
+                    link.symlink_to(target)
+        except OSError as exc:
+            raise InputError(f"{exc.filename or self.root}: lake: cannot write ({exc.strerror})") from None
 
     # ---- stage outputs -------------------------------------------------------------
     def output_path(self, kind: str, fingerprint: str, suffix: str = "") -> Path:
@@ -90,16 +150,32 @@ class Lake:
             return False
         try:
             record = json.loads(prov.read_text())
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             return False
         return record.get("fingerprint") == fingerprint and record.get("outputs") == _manifest(out)
 
     @contextmanager
-    def _lock(self, fingerprint: str) -> Iterator[None]:
-        """One writer per fingerprint, across processes."""
-        with open(self.root / "tmp" / f"{fingerprint}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            yield
+    def lock(self, name: str) -> Iterator[None]:
+        """An exclusive lock on `tmp/<name>.lock`, across processes, removed when released.
+
+        flock dies with its holder, so a crashed holder never blocks anyone. The
+        file is unlinked on release; a waiter that got the lock on a file which
+        was unlinked meanwhile retries on the new one, so two holders never coexist.
+        """
+        path = self.root / "tmp" / f"{name}.lock"
+        while True:
+            with open(path, "a") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                try:
+                    if os.fstat(handle.fileno()).st_ino != os.stat(path).st_ino:
+                        continue  # unlinked by the previous holder after we opened it
+                except FileNotFoundError:
+                    continue
+                try:
+                    yield
+                finally:
+                    path.unlink(missing_ok=True)
+                return
 
     def work_path(self, kind: str, fingerprint: str, suffix: str = "") -> Path:
         """Where a stage builds its output; stable per fingerprint so a killed build can resume."""
@@ -114,18 +190,24 @@ class Lake:
         handed to `build` again when the stage can `resume` from it.
         """
         final = self.output_path(kind, fingerprint, suffix)
-        with self._lock(fingerprint):
+        with self.lock(fingerprint):
             if self.is_complete(kind, fingerprint, suffix):
                 log(f"[{stage}] cache hit {fingerprint[:12]}")
                 return StageResult(stage, fingerprint, final, cached=True)
             work = self.work_path(kind, fingerprint, suffix)
             if work.exists() and not resume:
-                shutil.rmtree(work) if work.is_dir() else work.unlink()
+                _remove(work)
             started = time.time()
             log(f"[{stage}] computing {fingerprint[:12]}")
-            build(work)
-            if final.exists():  # an incomplete or tampered output under this name
-                shutil.rmtree(final) if final.is_dir() else final.unlink()
+            try:
+                build(work)
+            except OSError as exc:
+                if not resume:
+                    _remove(work)
+                if exc.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
+                    raise InputError(f"{exc.filename or work}: {stage}: cannot write ({exc.strerror})") from None
+                raise
+            _remove(final)  # an incomplete or tampered output under this name
             os.replace(work, final)
             record = {
                 "stage": stage, "fingerprint": fingerprint, "code_version": CODE_VERSION,
@@ -136,47 +218,82 @@ class Lake:
                                json.dumps(record, indent=1, sort_keys=True, default=str).encode())
             return StageResult(stage, fingerprint, final, cached=False)
 
-    # ---- tables and views ---------------------------------------------------------
-    def table_path(self, name: str) -> Path:
-        return self.root / "tables" / f"{name}.parquet"
+    # ---- published table sets -------------------------------------------------------
+    def begin_publication(self) -> Publication:
+        return Publication(self)
 
-    def write_table(self, name: str, table: pa.Table) -> None:
-        write_parquet(self.table_path(name), table)
-        self.refresh_views()
+    def publish(self, publication: Publication) -> Path:
+        """Make `publication` the lake's current set in one atomic step; return its folder.
 
-    def read_table(self, name: str) -> pa.Table:
-        return pq.read_table(self.table_path(name))
+        Writes `lake.duckdb` (views with paths relative to the lake) into the
+        staged folder, moves it to `published/<id>`, then renames a fresh
+        `current` link over the old one. Older sets beyond the last
+        KEEP_GENERATIONS are removed.
+        """
+        write_views(publication.folder / "lake.duckdb",
+                    {name: f"tables/{name}.parquet" for name in publication.table_names()})
+        publication.report_dir.mkdir(exist_ok=True)
+        final = self.root / "published" / publication.id
+        with self.lock("publish"):
+            os.replace(publication.folder, final)
+            link = self.root / "tmp" / f"current.{os.getpid()}.link"
+            link.unlink(missing_ok=True)
+            link.symlink_to(Path("published") / publication.id)
+            os.replace(link, self.root / "current")
+            generations = sorted((p for p in (self.root / "published").iterdir() if p.is_dir()),
+                                 key=lambda p: p.stat().st_mtime)
+            for old in generations[:-KEEP_GENERATIONS]:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+        return final
 
-    def table_names(self) -> list[str]:
-        return sorted(p.stem for p in (self.root / "tables").glob("*.parquet"))
+    def republish(self, replace: dict[str, pa.Table], report: Callable[[TableSet, Path], Any] | None = None) -> Path:
+        """A new set: the current tables with `replace` swapped in, and optionally a new report.
 
-    def connect(self) -> duckdb.DuckDBPyConnection:
-        """An in-memory DuckDB with one view per table (no lock on lake.duckdb)."""
-        con = duckdb.connect()
-        for name in self.table_names():
-            _create_view(con, name, self.table_path(name))
-        return con
-
-    def refresh_views(self) -> None:
-        """Rebuild lake.duckdb (views over tables/) in a temp file, then rename it into place."""
-        target = self.root / "lake.duckdb"
-        tmp = self.root / "tmp" / f"lake.{os.getpid()}.duckdb"
-        tmp.unlink(missing_ok=True)
-        con = duckdb.connect(str(tmp))
+        For edits after a run (tests, `moeheal report`): the unchanged tables are
+        hard links to the current set's files, which are never written again.
+        """
+        publication = self.begin_publication()
         try:
             for name in self.table_names():
-                _create_view(con, name, self.table_path(name))
-        finally:
-            con.close()
-        os.replace(tmp, target)
+                if name not in replace:
+                    os.link(self.table_path(name).resolve(), publication.table_path(name))
+            for name, table in replace.items():
+                publication.write_table(name, table)
+            if report is not None:
+                report(publication, publication.report_dir)
+            return self.publish(publication)
+        except BaseException:
+            publication.discard()
+            raise
 
-    def query(self, stem: str, **params: Any) -> pa.Table:
-        """Run `sql/<stem>.sql` over the lake's views with named parameters."""
-        con = self.connect()
-        try:
-            return run_sql(con, stem, **params)
-        finally:
-            con.close()
+    def write_table(self, name: str, table: pa.Table) -> None:
+        """Publish one table (a new set, the others carried over)."""
+        self.republish({name: table})
+
+    @property
+    def report_dir(self) -> Path:
+        return self.root / "report"
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, link or folder if present."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def write_views(path: Path, relative_tables: dict[str, str]) -> None:
+    """A DuckDB file holding one view per table over a path relative to the file's folder."""
+    path.unlink(missing_ok=True)
+    con = duckdb.connect(str(path))
+    try:
+        con.execute("SET file_search_path = $folder", {"folder": str(path.parent)})  # views bind when created
+        for name, rel in relative_tables.items():
+            _create_view(con, name, Path(rel))
+    finally:
+        con.close()
 
 
 def _create_view(con: duckdb.DuckDBPyConnection, name: str, parquet: Path) -> None:

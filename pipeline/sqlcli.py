@@ -8,7 +8,8 @@ from pathlib import Path
 import pyarrow.csv as pacsv
 
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.lake import Lake, write_parquet
+from moeheal.pipeline.files import write_parquet
+from moeheal.pipeline.lake import Lake
 
 
 def run_user_sql(lake: Lake, query: str, fmt: str, out: str | None) -> int:

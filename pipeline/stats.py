@@ -14,10 +14,14 @@ costs a variant) is the variant against itself, `a == b`, with
 `moce_bonus_a = 0` and `moce_bonus = moce_bonus_b` the nonzero bonus.
 """
 
+from pathlib import Path
+
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.files import write_parquet
 from moeheal.pipeline.sqlrun import run_sql
 
 Pair = tuple[str, float, str, float]  # (a, moce_bonus_a, b, moce_bonus_b)
@@ -105,3 +109,21 @@ def summary_table(lake) -> str:
 
     title = "pooled KLD vs reference, 95% window-bootstrap CI (clean = windows sharing no n-gram with calibration)"
     return "\n".join([title, line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def build_comparisons(out: Path, evaluations: list[Path], windows_dir: Path, audit_dir: Path,
+                      variants: list[str], bonuses: list[float], n_boot: int, seed: int) -> None:
+    """The comparisons stage: `window_kld.parquet` and `comparisons.parquet` from the evaluate,
+    windows and audit stages' outputs (this run's, never the published tables)."""
+    con = duckdb.connect()
+    try:
+        con.register("token_kld", pa.concat_tables([pq.read_table(e / "token_kld.parquet") for e in evaluations]))
+        con.register("windows", pq.read_table(windows_dir / "windows.parquet"))
+        con.register("overlap", pq.read_table(audit_dir / "overlap.parquet"))
+        per_window = window_kld(con)
+        con.register("window_kld", per_window)
+        comparisons = compare(con, comparison_pairs(variants, bonuses), n_boot, seed)
+    finally:
+        con.close()
+    write_parquet(out / "window_kld.parquet", per_window)
+    write_parquet(out / "comparisons.parquet", comparisons)

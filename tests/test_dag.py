@@ -21,7 +21,7 @@ def concat_inputs(out: Path, files: dict[str, Path], gain: float) -> None:
     (out / "result.json").write_text(json.dumps(result))
 
 
-STAGE = Stage("concat", "parts", "", (concat_inputs,))
+STAGE = Stage("concat", "parts", "", "moeheal.pipeline.files")
 
 
 def run(lake: Lake, files: dict[str, Path], gain: float, upstream=None, log=None):
@@ -135,7 +135,8 @@ from moeheal.pipeline.dag import Stage, run_stage
 from moeheal.pipeline.lake import Lake
 def slow(out):
     out.mkdir(parents=True); (out / "result.json").write_text("{{half"); print("started", flush=True); time.sleep(60)
-run_stage(Lake({str(lake_root)!r}), Stage("concat", "parts", "", (slow,)), {{}}, {{}}, {{}}, slow, lambda m: None)
+run_stage(Lake({str(lake_root)!r}), Stage("concat", "parts", "", "moeheal.pipeline.files"), {{}}, {{}}, {{}}, slow,
+          lambda m: None)
 """
     script_file = tmp_path / "slow_stage.py"
     script_file.write_text(script)

@@ -33,9 +33,10 @@ from moeheal.kernels.alpha import fit_alpha, oracle_alpha, relative_residual
 from moeheal.kernels.ridge import alpha_ridge_cv_sweep, effective_dof, matrix_rank, ridge_stats, solve_ridge
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.gguf_write import copy_gguf
-from moeheal.pipeline.lake import write_parquet
+from moeheal.pipeline.files import write_parquet
 from moeheal.pipeline.model import moe_forward
 from moeheal.pipeline.progress import progress
+from moeheal.pipeline.stages.dump import open_dump
 from moeheal.pipeline.stages.quantize import EXPERT_TENSORS, load_quantized
 
 CALIBRATE_KNOBS = ("alpha", "ridge_rho", "ridge_eta", "shexp_down", "cal_tokens")
@@ -181,3 +182,15 @@ def assemble_gguf(out: Path, source: GGUFModel, calibrated: Path, variant: str, 
         ("moeheal.params", json.dumps(params, sort_keys=True), None),
         ("moeheal.source_sha256", source.digest(), None),
     ])
+
+
+def build_calibrate(out: Path, source: Path, quant_dir: Path, cal_dump: Path, unseen_dump: Path | None,
+                    variant: str, knobs: dict[str, Any], log: Callable[[str], None] = print) -> None:
+    """The calibrate stage: alpha and ridge for one variant's quantized experts, on the dumps."""
+    calibrate_model(out, GGUFModel(source), quant_dir, open_dump(cal_dump),
+                    open_dump(unseen_dump) if unseen_dump is not None else None, variant, knobs, log)
+
+
+def build_assembly(out: Path, source: Path, calibrated: Path, variant: str, params: dict[str, Any]) -> None:
+    """The assemble stage: the healed GGUF from the source and the calibrated tensors."""
+    assemble_gguf(out, GGUFModel(source), calibrated, variant, params)

@@ -24,12 +24,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
+from zarr.codecs import ZstdCodec
 
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.lake import write_parquet
+from moeheal.pipeline.files import write_parquet
+from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.progress import progress
+from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.stages.corpus import trace_tokens
 
 ARRAYS = ("mixed", "yr", "hh", "experts", "weights")
+# Zarr's default zstd frame carries no checksum, so a flipped bit in a stored chunk can
+# decode to plausible wrong numbers; with it, every such chunk fails to decode, and the
+# read names the layer and array (`DumpArray`). Costs 4 bytes and one hash per chunk.
+CHUNK_CODEC = ZstdCodec(level=0, checksum=True)
 ROUTING_COLUMNS = ["trace", "layer", "pos", "k", "expert", "weight"]
 
 
@@ -52,7 +60,8 @@ def _open_or_create(path: Path, trace: str, n_layer: int, widths: dict[str, tupl
         group = root.create_group(str(layer))
         group.attrs["trace"] = trace
         for name, (width, dtype) in widths.items():
-            group.create_array(name, shape=(0, width), chunks=(chunk_rows, max(width, 1)), dtype=dtype)
+            group.create_array(name, shape=(0, width), chunks=(chunk_rows, max(width, 1)), dtype=dtype,
+                               compressors=CHUNK_CODEC)
     return root
 
 
@@ -372,7 +381,7 @@ def import_raw_dump(spec_path: Path, out: Path) -> None:
         group.attrs["trace"] = trace
         for name, values in layer_arrays.items():
             arr = group.create_array(name, shape=values.shape, chunks=(min(T, 512), max(values.shape[1], 1)),
-                                     dtype=values.dtype)
+                                     dtype=values.dtype, compressors=CHUNK_CODEC)
             arr[:] = values
         routing_rows.append(pa.table({
             "trace": pa.array([trace] * T * k, pa.string()),
@@ -384,6 +393,13 @@ def import_raw_dump(spec_path: Path, out: Path) -> None:
         }))
     write_parquet(out / "routing" / f"{0:012d}.parquet", pa.concat_tables(routing_rows))
     root.attrs["complete"] = True
+
+
+def build_dump(out: Path, reference: Path, traces_dir: Path, trace: str, chunk_tokens: int, seq_tokens: int,
+               log: Callable[[str], None] = print) -> None:
+    """The dump stage: the reference model run over one trace of the traces stage's output."""
+    tokens, seq = trace_tokens(traces_dir, trace)
+    dump_trace(out, Runner(GGUFModel(reference)), tokens, seq, trace, chunk_tokens, seq_tokens, log)
 
 
 def check_spec_fits(spec_path: Path, d: int, f: int, k: int, n_layer: int) -> None:

@@ -22,24 +22,26 @@ from typing import Callable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from moeheal.kernels.kld import token_kld
 from moeheal.kernels.moce import belady_hits, lru_hits, make_routing_hook
 from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.lake import write_parquet
+from moeheal.pipeline.files import write_parquet
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.stages.corpus import window_tokens
 
 BUCKET = 64
 BATCH = 8
-
-
 HITRATE_SCHEMA = pa.schema([
     ("variant", pa.string()), ("moce_bonus", pa.float64()), ("cache_experts", pa.int64()),
     ("prompt_id", pa.string()), ("rep", pa.int64()), ("hit_rate", pa.float64()),
     ("misses_per_token", pa.float64()), ("hit_rate_lru", pa.float64()), ("hit_rate_belady", pa.float64()),
     ("same_as_rep0", pa.bool_()),  # NULL on repetition 0 (nothing to compare with), so it stays typed
 ])
+
+
 def _batches(windows: list[dict], tokens: dict[str, np.ndarray]) -> list[tuple[list[dict], np.ndarray]]:
     """Windows grouped by padded length: (windows, tokens (B, T_pad) int32)."""
     by_len: dict[int, list[dict]] = {}
@@ -157,3 +159,18 @@ def hitrate_rows(runs: list, row: int, n: int, n_layer: int, lru: int, belady: i
         rows.append({**key, "rep": rep, "hit_rate": hits / lookups, "misses_per_token": misses / n,
                      "hit_rate_lru": lru / lookups, "hit_rate_belady": belady / lookups, "same_as_rep0": same})
     return rows
+
+
+def build_reference_logits(out: Path, reference: Path, windows_dir: Path, corpus_dir: Path,
+                           log: Callable[[str], None] = print) -> None:
+    """The reference-logits stage: `reference_logits` over the windows stage's output."""
+    reference_logits(out, GGUFModel(reference), pq.read_table(windows_dir / "windows.parquet"),
+                     window_tokens(windows_dir, corpus_dir), log)
+
+
+def build_evaluation(out: Path, model: Path, variant: str, ref_dir: Path, windows_dir: Path, corpus_dir: Path,
+                     bonuses: tuple[float, ...], cache_experts: int, reps: int,
+                     log: Callable[[str], None] = print) -> None:
+    """The evaluate stage: `evaluate_model` for one variant's GGUF over the windows stage's output."""
+    evaluate_model(out, GGUFModel(model), variant, ref_dir, pq.read_table(windows_dir / "windows.parquet"),
+                   window_tokens(windows_dir, corpus_dir), bonuses, cache_experts, reps, log)

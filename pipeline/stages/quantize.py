@@ -22,8 +22,9 @@ length is a knob that variants of one config can differ in.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -32,11 +33,41 @@ from moeheal.kernels import importance as imp
 from moeheal.kernels.gptq import damp_hessian
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.progress import progress
+from moeheal.pipeline.stages.dump import open_dump
 
-QUANTIZE_KNOBS = ("quant", "beta_gate_up", "beta_down", "down_blend_tokens", "round", "gptq_damp",
-                  "gptq_shrink", "importance", "cal_tokens")
-IMPORTANCE_KNOBS = ("beta_gate_up", "beta_down", "down_blend_tokens", "gptq_damp", "gptq_shrink", "cal_tokens")
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+OUTPUTS = ("layer_<i>.npz",)  # per layer: each expert tensor's block bytes, its shape and the importance used
+
+
+@dataclass(frozen=True)
+class QuantizeParams:
+    """The knobs that reach quantization; a knob that cannot matter is None (and not fingerprinted).
+
+    Without importance no calibration statistic is read, so the importance and
+    GPTQ knobs are None; with least-squares rounding the GPTQ knobs are None.
+    """
+
+    quant: str
+    round: str
+    importance: bool
+    beta_gate_up: float | None = None
+    beta_down: float | None = None
+    down_blend_tokens: float | None = None
+    cal_tokens: int | None = None
+    gptq_damp: float | None = None
+    gptq_shrink: float | None = None
+
+    @classmethod
+    def of(cls, variant) -> "QuantizeParams":
+        """The quantize parameters of a `Variant` (config validation already refused no-effect knobs)."""
+        base = cls(quant=variant.quant, round=variant.round, importance=variant.importance)
+        if not variant.importance:
+            return base
+        gptq = variant.round == "gptq"
+        return cls(quant=variant.quant, round=variant.round, importance=True,
+                   beta_gate_up=variant.beta_gate_up, beta_down=variant.beta_down,
+                   down_blend_tokens=variant.down_blend_tokens, cal_tokens=variant.cal_tokens,
+                   gptq_damp=variant.gptq_damp if gptq else None, gptq_shrink=variant.gptq_shrink if gptq else None)
 
 
 def expert_weights(model: GGUFModel, layer: int) -> dict[str, np.ndarray]:
@@ -49,40 +80,40 @@ def _damped(hessians: np.ndarray, damp: float) -> np.ndarray:
 
 
 def layer_importance(weights: dict[str, np.ndarray], mixed: np.ndarray, experts: np.ndarray,
-                     knobs: dict[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
+                     params: QuantizeParams) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
     """Per tensor: (importance (E, cols), damped hessians (E, cols, cols) or None)."""
     gate, up = weights["ffn_gate_exps"], weights["ffn_up_exps"]
     n_expert = gate.shape[0]
-    gptq = knobs["round"] == "gptq"
+    gptq = params.round == "gptq"
     stats = imp.expert_hidden_stats(gate, up, mixed, experts, with_hessians=gptq)
     mean_sq_x = np.mean(np.square(mixed, dtype=np.float64), axis=0)  # (d,)
-    gate_up = imp.gate_up_importance(mean_sq_x, knobs["beta_gate_up"])  # (d,)
+    gate_up = imp.gate_up_importance(mean_sq_x, params.beta_gate_up)  # (d,)
     gate_up = np.broadcast_to(gate_up, (n_expert, gate_up.shape[0]))  # (E, d)
     analytic = imp.analytic_hidden_sq(gate, up, mean_sq_x)  # (E, f)
-    down = imp.down_importance(stats.sum_h_sq, stats.counts, analytic, knobs["down_blend_tokens"],
-                               knobs["beta_down"])  # (E, f)
+    down = imp.down_importance(stats.sum_h_sq, stats.counts, analytic, params.down_blend_tokens,
+                               params.beta_down)  # (E, f)
     h_x = h_h = None
     if gptq:
         layer_x = imp.pooled_second_moment(stats.sum_xx_t, stats.counts)  # (d, d) the layer's E[x x^T]
         layer_h = imp.pooled_second_moment(stats.sum_hh_t, stats.counts)  # (f, f) over routed pairs
-        h_x = _damped(imp.shrink_hessian(stats.sum_xx_t, stats.counts, layer_x, knobs["gptq_shrink"]),
-                      knobs["gptq_damp"])
-        h_h = _damped(imp.shrink_hessian(stats.sum_hh_t, stats.counts, layer_h, knobs["gptq_shrink"]),
-                      knobs["gptq_damp"])
+        h_x = _damped(imp.shrink_hessian(stats.sum_xx_t, stats.counts, layer_x, params.gptq_shrink),
+                      params.gptq_damp)
+        h_h = _damped(imp.shrink_hessian(stats.sum_hh_t, stats.counts, layer_h, params.gptq_shrink),
+                      params.gptq_damp)
     return {"ffn_gate_exps": (gate_up, h_x), "ffn_up_exps": (gate_up, h_x), "ffn_down_exps": (down, h_h)}
 
 
-def quantize_model(out: Path, source: GGUFModel, dump_root, knobs: dict[str, Any],
+def quantize_model(out: Path, source: GGUFModel, dump_root, params: QuantizeParams,
                    log: Callable[[str], None] = print) -> None:
     """Write `layer_<i>.npz` under `out`: each expert tensor's block bytes and the importance used."""
     out.mkdir(parents=True, exist_ok=True)
-    fmt = knobs["quant"]
+    fmt = params.quant
     for layer in progress(range(source.hp.n_layer), desc="quantize", unit="layer"):
         weights = expert_weights(source, layer)
         if dump_root is not None:
             group = dump_root[str(layer)]
-            rows = slice(0, knobs["cal_tokens"] or None)  # a prefix: the trace interleaves strata
-            plan = layer_importance(weights, group["mixed"][rows], group["experts"][rows], knobs)
+            rows = slice(0, params.cal_tokens or None)  # a prefix: the trace interleaves strata
+            plan = layer_importance(weights, group["mixed"][rows], group["experts"][rows], params)
         else:
             plan = {name: (None, None) for name in EXPERT_TENSORS}
         arrays: dict[str, np.ndarray] = {}
@@ -122,3 +153,9 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
     n_tokens = int(dump_root.attrs["total_rows"])
     write_imatrix(out, stats, chunk_count=max(1, n_tokens // chunk_size), datasets=["calibration"],
                   chunk_size=chunk_size)
+
+
+def build_quantize(out: Path, source: Path, dump: Path | None, params: QuantizeParams,
+                   log: Callable[[str], None] = print) -> None:
+    """The quantize stage: the source's routed experts, with the calibration dump's statistics if any."""
+    quantize_model(out, GGUFModel(source), open_dump(dump) if dump is not None else None, params, log)
