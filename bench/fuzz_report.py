@@ -1,6 +1,6 @@
 """Reliability under damaged inputs: the fuzz suite's generators over more seeds, totals per kind.
 
-    JAX_PLATFORMS=cpu .venv/bin/python bench/fuzz_report.py [--seeds N] [--cli N]
+    JAX_PLATFORMS=cpu .venv/bin/python bench/fuzz_report.py [--seeds N] [--cli N] [--demo N]
 
 In-process, each case calls the validating open/read function (as
 `tests/test_fuzz.py` does) and is counted as rejected (one-line InputError
@@ -9,7 +9,8 @@ exception, a message that does not say where, or a damage that can never be
 valid going through). With `--cli N`, the first N command-line cases also run
 as `python -m moeheal` in their own process on a small world with a published
 lake: exit codes, tracebacks on stderr, and whether the lake's tables/ and
-lake.duckdb changed by a single byte.
+lake.duckdb changed by a single byte. With `--demo N`, N header corruptions
+of the bundled demo GGUF (8192-token vocabulary) are opened the same way.
 """
 
 from __future__ import annotations
@@ -40,6 +41,25 @@ def in_process(work: Path, seeds: int) -> dict[str, collections.Counter]:
             totals[outcome.kind][outcome.result] += 1
             if outcome.result == "crash":
                 print(f"  crash: {case.kind} seed {case.seed}: {outcome.detail[:200]}", file=sys.stderr)
+    return totals
+
+
+def demo_headers(work: Path, n: int) -> dict[str, collections.Counter]:
+    """The bundled demo model's header damaged n times: flips, zeroed runs, truncation in turn."""
+    from moeheal.pipeline.gguf_model import GGUFModel
+    from tests.ggufs import corrupt_header
+
+    demo = REPO / "demo" / "model" / "demo-q8_0.gguf"
+    totals: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for seed in range(n):
+        how = fuzz.GGUF_KINDS[seed % len(fuzz.GGUF_KINDS)]
+        dst = corrupt_header(demo, work / "demo.gguf", how, seed)
+        case = fuzz.Case(f"demo_gguf_{how}", seed, (dst.name,), lambda: GGUFModel(dst).tokenizer(), how == "truncate")
+        outcome = fuzz.run_case(case)
+        unchanged = dst.stat().st_size == demo.stat().st_size and dst.read_bytes() == demo.read_bytes()
+        totals[outcome.kind]["unchanged" if unchanged else outcome.result] += 1  # zeros written over zeros
+        if outcome.result != "rejected" and not unchanged:
+            print(f"  {outcome.result}: {case.kind} seed {seed}: {outcome.detail[:200]}", file=sys.stderr)
     return totals
 
 
@@ -88,6 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=150, help="seeds per generator (8 cases per seed)")
     parser.add_argument("--cli", type=int, default=len(fuzz.CLI_KINDS), help="command-line cases")
+    parser.add_argument("--demo", type=int, default=24, help="header corruptions of the demo GGUF")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -95,6 +116,11 @@ def main() -> None:
         totals = in_process(work, args.seeds)
         print_table(f"In-process ({args.seeds} seeds, {time.time() - start:.0f} s)", totals,
                     ["rejected", "accepted", "crash"])
+        if args.demo:
+            start = time.time()
+            demo = demo_headers(work, args.demo)
+            print_table(f"Demo GGUF headers ({args.demo} cases, {time.time() - start:.0f} s)", demo,
+                        ["rejected", "accepted", "unchanged", "crash"])
         if args.cli:
             start = time.time()
             cli = command_line(work, args.cli)
