@@ -27,8 +27,11 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.lake import write_parquet
+from moeheal.pipeline.files import write_parquet
+from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.progress import progress
+from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.stages.corpus import trace_tokens
 
 ARRAYS = ("mixed", "yr", "hh", "experts", "weights")
 # Zarr's default zstd frame carries no checksum, so a flipped bit in a stored chunk can
@@ -390,6 +393,13 @@ def import_raw_dump(spec_path: Path, out: Path) -> None:
         }))
     write_parquet(out / "routing" / f"{0:012d}.parquet", pa.concat_tables(routing_rows))
     root.attrs["complete"] = True
+
+
+def build_dump(out: Path, reference: Path, traces_dir: Path, trace: str, chunk_tokens: int, seq_tokens: int,
+               log: Callable[[str], None] = print) -> None:
+    """The dump stage: the reference model run over one trace of the traces stage's output."""
+    tokens, seq = trace_tokens(traces_dir, trace)
+    dump_trace(out, Runner(GGUFModel(reference)), tokens, seq, trace, chunk_tokens, seq_tokens, log)
 
 
 def check_spec_fits(spec_path: Path, d: int, f: int, k: int, n_layer: int) -> None:
