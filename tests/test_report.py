@@ -394,21 +394,55 @@ def test_layer_metrics_in_sample_and_held_out(lake, report):
 
 
 def test_rank_check_orders_variants_like_numpy(lake, report):
-    """Section 4b: the unseen residual's ranking beside pooled eval KLD at bonus 0, both from NumPy."""
+    """Section 4b: the unseen residual's ranking beside pooled KLD at bonus 0, eval and canary apart,
+    both from NumPy, and the sentence saying where the two sets' rankings differ."""
     _, tables = lake
     _, text = report
-    block = section(text, "## 4b. Does the local metric rank variants as KLD does?")
+    block = section(section(text, "## 4b. Does the local metric rank variants as KLD does?"),
+                    "### held-out (unseen trace)")
     metrics = [r for r in tables["layer_metrics"].to_pylist() if r["split"] == "unseen"]
     resid = {v: np.mean([r["resid_ridge"] for r in metrics if r["variant"] == v]) for v in VARIANTS}
-    kld = {v: pooled(tables["window_kld"], variant=v, moce_bonus=0.0, set="eval")[0] for v in VARIANTS}
     rank_local = {v: i + 1 for i, v in enumerate(sorted(VARIANTS, key=resid.get))}
-    rank_kld = {v: i + 1 for i, v in enumerate(sorted(VARIANTS, key=kld.get))}
-    held_out = block[block.index("held-out"):]
-    for v in VARIANTS:
-        cells = [c.strip() for c in row_of(held_out, v).strip("|").split("|")]
-        assert cells[1:] == [f"{100 * resid[v]:.2f}%", f"{kld[v]:.4f}", str(rank_local[v]), str(rank_kld[v])]
-    agree = all(rank_local[v] == rank_kld[v] for v in VARIANTS)
-    assert f"ranks {'agree' if agree else 'DISAGREE'} for {len(VARIANTS)} variants" in held_out
+    rank_kld = {}
+    for wset in ("eval", "canary"):
+        kld = {v: pooled(tables["window_kld"], variant=v, moce_bonus=0.0, set=wset)[0] for v in VARIANTS}
+        rank_kld[wset] = {v: i + 1 for i, v in enumerate(sorted(VARIANTS, key=kld.get))}
+        start = block.index(f"{wset} set: ranks")
+        table = block[start:block.index("\n\n", block.index("| variant |", start))]
+        for v in VARIANTS:
+            cells = [c.strip() for c in row_of(table, v).strip("|").split("|")]
+            assert cells[1:] == [f"{100 * resid[v]:.2f}%", f"{kld[v]:.4f}", str(rank_local[v]),
+                                 str(rank_kld[wset][v])]
+        agree = all(rank_local[v] == rank_kld[wset][v] for v in VARIANTS)
+        assert f"{wset} set: ranks {'agree' if agree else 'DISAGREE'} for {len(VARIANTS)} variants" in table
+    differ = sorted((v for v in VARIANTS if rank_kld["eval"][v] != rank_kld["canary"][v]), key=rank_kld["eval"].get)
+    if differ:
+        assert "Eval and canary KLD DISAGREE on the ranks of " + ", ".join(
+            f"{v} ({rank_kld['eval'][v]} on eval, {rank_kld['canary'][v]} on canary)" for v in differ) in block
+    else:
+        assert "Eval and canary KLD rank these variants the same way." in block
+
+
+def test_rank_check_names_variants_the_sets_disagree_on(tmp_path):
+    """A lake where canary windows reverse v1 and v2: the report names both, with their ranks."""
+    layer_metrics = pa.Table.from_pylist([
+        {"variant": v, "layer": 0, "split": "unseen", "resid_alpha1": 0.3, "alpha": 1.0, "resid_alpha": r,
+         "alpha_oracle": 1.0, "resid_oracle": r, "resid_ridge": r}
+        for v, r in (("unhealed", 0.30), ("v1", 0.12), ("v2", 0.08))])
+    kld = {("eval", "unhealed"): 0.09, ("eval", "v1"): 0.07, ("eval", "v2"): 0.05,
+           ("canary", "unhealed"): 0.08, ("canary", "v1"): 0.03, ("canary", "v2"): 0.04}
+    window_kld = pa.Table.from_pylist([
+        {"variant": v, "moce_bonus": 0.0, "window_id": f"{wset}0", "stratum": "code", "set": wset,
+         "n_tokens": 10, "kld_mean": k, "top1_agree": 0.9} for (wset, v), k in kld.items()])
+    small = Lake(tmp_path / "lake")
+    small.write_table("layer_metrics", layer_metrics)
+    small.write_table("window_kld", window_kld)
+    text = section((write_report(small, tmp_path / "report") / "report.md").read_text(encoding="utf-8"),
+                   "## 4b. Does the local metric rank variants as KLD does?")
+    assert "eval set: ranks agree for 3 variants." in text
+    assert "canary set: ranks DISAGREE for 3 variants." in text
+    assert "Eval and canary KLD DISAGREE on the ranks of v2 (1 on eval, 2 on canary), v1 (2 on eval, 1 on canary)." \
+        in text
 
 
 def test_ridge_and_hitrate_tables(lake, report):
