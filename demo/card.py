@@ -102,6 +102,8 @@ def eval_window_ce(gguf: Path = DEMO_GGUF, docs: Path = DEMO_DOCS, windows: Path
     ids = {d["doc_id"]: np.asarray(encode(tokenizer, d["text"]), np.int32) for d in doc_rows}
     table = read_windows(windows, {k: len(v) for k, v in ids.items()}, {d["doc_id"]: d["stratum"] for d in doc_rows})
     evals = [w for w in table.to_pylist() if w["set"] == "eval"]
+    if any(w["score_start"] == w["ctx_start"] for w in evals):
+        raise ValueError(f"{windows}: an eval window without context has a first scored token nothing predicts")
     length = max(w["score_end"] - w["ctx_start"] for w in evals)
     batch = np.zeros((len(evals), length), np.int32)  # (W, T_pad)
     for row, w in enumerate(evals):
@@ -244,17 +246,19 @@ def _settings(snap: dict[str, list[Row]]) -> dict[str, object]:
 
 
 def _variant_order(snap: dict[str, list[Row]]) -> list[str]:
-    return [r["variant"] for r in snap["variants"]]
+    """Evaluated variants in config order (the unhealed baseline first), without the reference."""
+    return [r["variant"] for r in snap["variants"] if r["kind"] != "reference"]
 
 
 def _pairs(snap: dict[str, list[Row]]) -> list[tuple[str, str]]:
-    """The ladder the README shows: consecutive variants in config order, then the
-    unhealed baseline against the last healed variant (the best recipe so far)."""
+    """The ladder the README shows: consecutive variants in config order and, right after
+    the step that reaches it, the unhealed baseline against the last healed variant (the
+    best recipe so far, before any outside peer)."""
     order = _variant_order(snap)
     pairs = list(zip(order, order[1:]))
-    healed = [r["variant"] for r in snap["variants"] if r["kind"] == "healed" and r["variant"] != order[0]]
+    healed = [r["variant"] for r in snap["variants"] if r["kind"] == "healed"]
     if healed and (order[0], healed[-1]) not in pairs:
-        pairs.append((order[0], healed[-1]))
+        pairs.insert(order.index(healed[-1]), (order[0], healed[-1]))
     return pairs
 
 
