@@ -17,6 +17,7 @@ that produced `yr`); group attrs name the trace. Routing also goes to Parquet
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -248,7 +249,9 @@ def open_dump(path: Path, hp=None) -> Dump:
     try:
         root = zarr.open_group(str(path), mode="r")
         attrs = dict(root.attrs)
-        layer_names = sorted(name for name in root.group_keys())
+        with warnings.catch_warnings():  # `routing/` (Parquet) sits beside the layer groups, on purpose
+            warnings.filterwarnings("ignore", message="Object at routing is not recognized")
+            layer_names = sorted(name for name in root.group_keys())
     except Exception as exc:  # a missing or garbled zarr.json: FileNotFoundError, JSONDecodeError, ValueError
         raise InputError(f"{path}: not a readable dump ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})") from None
     if not attrs.get("complete"):
