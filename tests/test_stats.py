@@ -10,6 +10,7 @@ import scipy.stats
 
 from moeheal.pipeline import stats
 from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.lake import Lake
 
 STRATA = ["code", "ja", "persona"]
 
@@ -236,3 +237,69 @@ def test_missing_window_is_an_input_error() -> None:
     con.register("window_kld", con.sql("SELECT * FROM window_kld WHERE NOT (variant = 'v2' AND window_id = 'w005')").to_arrow_table())
     with pytest.raises(InputError, match="variant v2 at moce_bonus 0.0: no KLD for 1 window"):
         stats.compare(con, [("v1", 0.0, "v2", 0.0)], n_boot=10, seed=0)
+
+
+DEMO_VARIANTS = ["unhealed", "importance_only", "v1", "v2", "iq2_xxs_imatrix"]  # config order
+
+
+def demo_lake(tmp_path) -> Lake:
+    """A lake shaped like the demo's: 5 variants at 3 bonuses, 32 eval windows (8 per stratum) and 12
+    canary windows (3 per stratum), one clean canary window in `ops`, repeated hit-rate runs."""
+    rng = np.random.default_rng(4)
+    strata = ["chat_json", "ja", "ops", "persona"]
+    windows = [(f"e{i:02d}", strata[i % 4], "eval") for i in range(32)] + \
+              [(f"c{i:02d}", strata[i % 4], "canary") for i in range(12)]
+    clean = {w: (s == "ops" and w == "c02") or (wset == "eval" and i % 3 != 0)
+             for i, (w, s, wset) in enumerate(windows)}
+    n_tokens = rng.integers(40, 80, len(windows))  # (W,)
+    difficulty = rng.lognormal(np.log(0.06), 0.5, len(windows))  # (W,)
+    rows = []
+    for v_i, variant in enumerate(DEMO_VARIANTS):
+        for bonus in (0.0, 0.1, 0.85):
+            kld = difficulty * (1 - 0.15 * v_i) * (1 + 8 * bonus**2) * rng.lognormal(0, 0.1, len(windows))
+            top1 = rng.binomial(n_tokens, 0.8)
+            rows += [{"variant": variant, "moce_bonus": bonus, "window_id": w, "stratum": s, "set": wset,
+                      "n_tokens": int(n), "kld_mean": float(k), "top1_agree": t / n, "kld_sum": float(k * n),
+                      "top1_sum": int(t)} for (w, s, wset), n, k, t in zip(windows, n_tokens, kld, top1)]
+    con = duckdb.connect()
+    con.register("window_kld", pa.Table.from_pylist(rows))
+    con.register("overlap", pa.table({"window_id": list(clean), "clean": list(clean.values())}))
+    comparisons = stats.compare(con, stats.comparison_pairs(DEMO_VARIANTS, [0.0, 0.1, 0.85]), n_boot=200, seed=0)
+    lake = Lake(tmp_path / "lake")
+    lake.write_table("comparisons", comparisons)
+    lake.write_table("variants", pa.table({"variant": ["reference", *DEMO_VARIANTS],
+                                           "kind": ["reference", "unhealed", "healed", "healed", "healed", "external"],
+                                           "fingerprint": ["0"] * 6, "params": ["{}"] * 6, "gguf": ["x"] * 6}))
+    lake.write_table("hitrate", pa.table({"rep": [0, 1, 0, 1, 0, 1], "same_as_rep0": [None, True, None, True, None, False]}))
+    return lake
+
+
+def test_summary_fits_120_columns_in_ladder_order(tmp_path) -> None:
+    lake = demo_lake(tmp_path)
+    order = ["importance_only", "v1", "v2", "unhealed", "iq2_xxs_imatrix"]  # unhealed goes first anyway
+    text = stats.summary_table(lake, order=order)
+    lines = text.splitlines()
+    assert all(len(line) <= 120 for line in lines), max(lines, key=len)
+    block = text[text.index("eval set, MoCE bonus 0 on both sides"):text.index("eval set, MoCE bonus 0.1 on both")]
+    labels = [ln.split("  ")[0] for ln in block.splitlines()[3:] if ln.strip()]
+    assert labels == ["unhealed \u2192 importance_only", "unhealed \u2192 v1", "importance_only \u2192 v1",
+                      "unhealed \u2192 v2", "v1 \u2192 v2", "unhealed \u2192 iq2_xxs_imatrix",
+                      "v2 \u2192 iq2_xxs_imatrix"]
+    assert "eval set, isolated MoCE: each variant at bonus 0 (a) and at 0.85 (b)" in text
+    assert text.index("eval set, isolated MoCE") < text.index("canary set, MoCE bonus 0 on both sides")
+    row = {r["b"]: r for r in lake.query("summary", order=order).to_pylist()
+           if r["set"] == "eval" and r["a"] == "unhealed" and r["moce_bonus_b"] == 0.0}["v2"]
+    line = next(ln for ln in lines[lines.index("eval set, MoCE bonus 0 on both sides"):]
+                if ln.startswith("unhealed \u2192 v2 "))
+    assert f"{row['kld_a']:#.4g} \u2192 {row['kld_b']:#.4g}" in line
+    assert f"{row['delta_pct']:+.1f} [{row['ci_lo']:+.1f}, {row['ci_hi']:+.1f}]" in line
+    assert stats.summary_table(lake) == stats.summary_table(lake, order=DEMO_VARIANTS)  # the variants table
+
+
+def test_summary_marks_thin_strata_and_counts_real_repeats(tmp_path) -> None:
+    text = stats.summary_table(demo_lake(tmp_path), order=DEMO_VARIANTS)
+    canary = [ln for ln in text.splitlines() if "\u2192" in ln and " \u00a7" in ln]
+    assert canary and all(ln.count("\u00a7") == 1 for ln in canary)  # the clean canary CI only: ops=1
+    assert "windows per stratum, canary set: all chat_json=3 ja=3 ops=3 persona=3; clean ops=1" in text
+    assert "\u00a7 a stratum has one window there" in text
+    assert "expert-cache determinism: 2 of 3 repeat runs bit-identical" in text
