@@ -29,7 +29,7 @@ from zarr.codecs import ZstdCodec
 
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import write_parquet
-from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf_model import GGUFModel, HParams
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.runner import Runner
 from moeheal.pipeline.stages.corpus import trace_tokens
@@ -193,7 +193,7 @@ class DumpArray:
     def dtype(self) -> np.dtype:
         return self._array.dtype
 
-    def __getitem__(self, index) -> np.ndarray:
+    def __getitem__(self, index: slice | int | tuple) -> np.ndarray:
         try:
             values = np.asarray(self._array[index])
         except Exception as exc:  # codecs raise their own types (zstd, blosc, ValueError on a bad size)
@@ -239,7 +239,7 @@ class Dump:
         return DumpGroup(self._root[layer], f"{self.path}: layer {layer}", self._n_expert)
 
 
-def open_dump(path: Path, hp=None) -> Dump:
+def open_dump(path: Path, hp: HParams | None = None) -> Dump:
     """A complete dump, its layout checked before any stage reads it.
 
     Every layer `0..n-1` holds every array with T rows, the widths agree
