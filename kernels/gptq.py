@@ -101,5 +101,5 @@ def gptq_quantize(
         # HIGHEST: GPUs would otherwise multiply in TF32 and the error feedback would drift
         return w_cur, fmt.gptq_pack(plan, subs, codes)  # (rows, type_size)
 
-    _, blocks = jax.lax.scan(block_step, jnp.asarray(w, jnp.float32), jnp.arange(n_blocks))  # (n_blocks, rows, type_size)
+    _, blocks = jax.lax.scan(block_step, jnp.asarray(w, jnp.float32), jnp.arange(n_blocks))  # (G, rows, type_size)
     return jnp.transpose(blocks, (1, 0, 2)).reshape(rows, n_blocks * fmt.type_size)  # (rows, bytes)

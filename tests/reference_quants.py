@@ -134,3 +134,49 @@ def output_error(w: np.ndarray, q: np.ndarray, hessian: np.ndarray) -> float:
     """tr((W - Q) H (W - Q)^T): the layer's expected squared output error."""
     D = np.asarray(w, np.float64) - np.asarray(q, np.float64)
     return float(np.einsum("ij,jk,ik->", D, np.asarray(hessian, np.float64), D))
+
+
+def ggml_kquant_weights(x: np.ndarray, qw: np.ndarray, sigma_factor: float | None) -> np.ndarray:
+    """ggml's k-quant search weights with an imatrix (quantize_row_q*_K_impl), per 256-weight block:
+    qw * sqrt(sigma2 + x^2), sigma2 = sigma_factor * sum(x^2) / 256; qw alone when sigma_factor is None."""
+    x = np.asarray(x, np.float64)
+    qw = np.broadcast_to(np.asarray(qw, np.float64), x.shape)
+    if sigma_factor is None:
+        return qw.copy()
+    out = np.empty_like(x)
+    for i in range(x.shape[0]):
+        for b in range(0, x.shape[1], 256):
+            blk = x[i, b:b + 256]
+            sigma2 = sigma_factor * np.sum(blk * blk) / 256
+            out[i, b:b + 256] = qw[i, b:b + 256] * np.sqrt(sigma2 + blk * blk)
+    return out
+
+
+def gptq_with_plans(w: np.ndarray, hessian: np.ndarray, importance: np.ndarray, block: int, sub: int,
+                    code_range: tuple[int, int], block_plan, sub_plan) -> np.ndarray:
+    """Textbook (unblocked) GPTQ in float64 for formats with sub-block scales.
+
+    ``block_plan(W_block, importance_block)`` is called when a block's first
+    column starts and ``sub_plan(plan, W_sub, importance_sub) -> (a, b)``
+    when a sub-block's does, both on the error-updated weights; a column is
+    then rounded to a * q - b, q the nearest integer in ``code_range``.
+    Returns the dequantized values (rows, cols)."""
+    W = np.array(w, np.float64)
+    H = np.asarray(hessian, np.float64)
+    rows, cols = W.shape
+    U = np.linalg.cholesky(np.linalg.inv(H)).T  # H^-1 = U^T U
+    imp = np.broadcast_to(np.asarray(importance, np.float64), (rows, cols))
+    Q = np.zeros_like(W)
+    plan = a = b = None
+    for i in range(cols):
+        if i % block == 0:
+            plan = block_plan(W[:, i:i + block], imp[:, i:i + block])
+        if i % sub == 0:
+            a, b = sub_plan(plan, W[:, i:i + sub], imp[:, i:i + sub])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            y = np.where(a == 0, 0.0, (W[:, i] + b) / a)
+        q = np.clip(np.floor(y + 0.5), *code_range)
+        Q[:, i] = a * q - b
+        err = (W[:, i] - Q[:, i]) / U[i, i]
+        W[:, i + 1:] -= np.outer(err, U[i, i + 1:])
+    return Q
