@@ -106,7 +106,7 @@ def print_table(title: str, totals: dict[str, collections.Counter], columns: lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=150, help="seeds per generator (8 cases per seed)")
+    parser.add_argument("--seeds", type=int, default=150, help="seeds per generator (fuzz.CASES_PER_SEED cases per seed)")
     parser.add_argument("--cli", type=int, default=len(fuzz.CLI_KINDS), help="command-line cases")
     parser.add_argument("--demo", type=int, default=24, help="header corruptions of the demo GGUF")
     args = parser.parse_args()

@@ -3,7 +3,7 @@
 Seeded generators damage each kind of input the way disks, downloads and
 hand edits do (bit flips, zeroed runs, truncation, bad UTF-8, NUL bytes,
 missing columns, repeated ids, huge lines, wrong sizes and dtypes, NaN,
-damaged Zarr chunks and Parquet parts). Most cases call the validating
+damaged Zarr chunks, damaged or foreign Parquet parts). Most cases call the validating
 open/read function in-process; a sample runs through the command line and
 also checks the exit code, the single stderr line and that the published
 lake is byte-identical afterwards. `bench/fuzz_report.py` runs the same
@@ -318,12 +318,52 @@ def zarr_case(zarr_dir: Path, work: Path, how: str, seed: int) -> Case:
     return Case(f"zarr_{how}", seed, names, lambda: read_whole_dump(case_dir, RAW["experts"]), must)
 
 
+PART_KINDS = ("truncate", "foreign", "flip")
+
+
+def write_corpus_parts(pristine: dict[str, Path], out: Path) -> Path:
+    """What the corpus stage leaves in the lake (docs.parquet, doc_tokens.parquet), with bytes as tokens."""
+    from moeheal.pipeline.files import write_parquet
+
+    out.mkdir(parents=True)
+    table, tokens = corpus.build_docs(corpus.read_documents(pristine["docs"]), corpus.read_split(pristine["split"]),
+                                      lambda text: list(text.encode("utf-8")))
+    write_parquet(out / "docs.parquet", table)
+    write_parquet(out / "doc_tokens.parquet", tokens)
+    return out
+
+
+def part_case(parts_dir: Path, work: Path, how: str, seed: int) -> Case:
+    rng = random.Random(seed)
+    case_dir = work / f"parts-{how}-{seed}"
+    shutil.copytree(parts_dir, case_dir)
+    part = case_dir / rng.choice(("docs.parquet", "doc_tokens.parquet"))
+    data = bytearray(part.read_bytes())
+    if how == "truncate":
+        part.write_bytes(bytes(data[:rng.randrange(len(data))]))
+    elif how == "foreign":  # someone else's Parquet under our name
+        pq.write_table(pa.table({"id": list(range(rng.randint(1, 50)))}), part)
+    else:
+        _flip(data, rng, rng.randint(1, 4))
+        part.write_bytes(bytes(data))
+
+    def check() -> None:
+        corpus.doc_tokens(case_dir)
+        corpus.read_part(case_dir / "docs.parquet", ("doc_id", "stratum", "role", "n_tokens")).to_pylist()
+
+    return Case(f"part_{how}", seed, (part.name,), check, how != "flip")
+
+
+CASES_PER_SEED = 9
+
+
 def all_cases(tiny_gguf: Path, work: Path, seeds: range) -> Iterator[Case]:
     """Every generator over `seeds` (pristine inputs are written under `work` first)."""
     pristine = write_corpus(work / "pristine")
     raw = write_raw_dump(work / "raw").parent
     zarr_dir = work / "pristine.zarr"
     dump.import_raw_dump(raw / "dump.toml", zarr_dir)
+    parts = write_corpus_parts(pristine, work / "pristine-parts")
     for seed in seeds:
         for how in GGUF_KINDS:
             yield gguf_case(tiny_gguf, work, how, seed)
@@ -331,18 +371,19 @@ def all_cases(tiny_gguf: Path, work: Path, seeds: range) -> Iterator[Case]:
             yield text_case(pristine, work, which, kinds[seed % len(kinds)], seed)
         yield spec_case(raw, work, SPEC_KINDS[seed % len(SPEC_KINDS)], seed)
         yield zarr_case(zarr_dir, work, ZARR_KINDS[seed % len(ZARR_KINDS)], seed)
+        yield part_case(parts, work, PART_KINDS[seed % len(PART_KINDS)], seed)
 
 
 # ---- in-process ----------------------------------------------------------------------------
 
-IN_PROCESS_SEEDS = range(48)  # 8 cases per seed: 384 cases
+IN_PROCESS_SEEDS = range(48)  # CASES_PER_SEED each: 432 cases
 
 
 def test_fuzz_in_process(tiny_qwen2moe, tmp_path):
     with small_line_limit():
         outcomes = [run_case(case) for case in all_cases(tiny_qwen2moe, tmp_path, IN_PROCESS_SEEDS)]
     crashes = [o for o in outcomes if o.result == "crash"]
-    assert len(outcomes) == 8 * len(IN_PROCESS_SEEDS)
+    assert len(outcomes) == CASES_PER_SEED * len(IN_PROCESS_SEEDS)
     assert not crashes, crashes[:5]
     rejected = {o.kind for o in outcomes if o.result == "rejected"}
     assert {"gguf_flip", "gguf_zero", "gguf_truncate", "zarr_chunk_truncate", "spec_d_mismatch"} <= rejected

@@ -317,6 +317,23 @@ def generate_windows(docs: pa.Table, tokens: dict[str, np.ndarray], cal_hashes: 
 # ---- stage builds: everything a corpus-side output depends on lives in this module ----------
 
 
+def read_part(path: Path, columns: tuple[str, ...]) -> pa.Table:
+    """A stage's own Parquet output, read back; damaged, truncated or someone else's is an InputError.
+
+    Parts are checked against their manifest on a cache hit, but a part can
+    still be replaced or cut between runs; this names the file instead of
+    letting Arrow's error or a missing column surface as a traceback.
+    """
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())[:160]})") from None
+    missing = [c for c in columns if c not in table.schema.names]
+    if missing:
+        raise InputError(f"{path}: no column {missing[0]!r} (columns: {', '.join(table.schema.names)[:160]})")
+    return table
+
+
 def build_corpus(out: Path, reference: Path, docs: Path, split: Path) -> None:
     """`docs.parquet` and `doc_tokens.parquet`: the documents, their roles and their tokens."""
     tok = build_tokenizer(GGUFModel(reference))
@@ -327,7 +344,7 @@ def build_corpus(out: Path, reference: Path, docs: Path, split: Path) -> None:
 
 def doc_tokens(corpus_dir: Path) -> dict[str, np.ndarray]:
     """Each document's tokens, from the corpus stage's output."""
-    table = pq.read_table(corpus_dir / "doc_tokens.parquet")
+    table = read_part(corpus_dir / "doc_tokens.parquet", ("doc_id", "token"))
     doc_ids = table.column("doc_id").to_numpy(zero_copy_only=False)
     tokens = table.column("token").to_numpy()
     cuts = np.flatnonzero(doc_ids[1:] != doc_ids[:-1]) + 1
@@ -338,7 +355,7 @@ def doc_tokens(corpus_dir: Path) -> dict[str, np.ndarray]:
 def build_traces(out: Path, corpus_dir: Path, cal_tokens: int, seq_tokens: int, mix: dict[str, float],
                  unseen_tokens: int, seed: int) -> None:
     """`cal_trace.parquet`: the calibration trace from `cal` docs and the unseen one from `unused` docs."""
-    docs = pq.read_table(corpus_dir / "docs.parquet").to_pylist()
+    docs = read_part(corpus_dir / "docs.parquet", ("doc_id", "stratum", "role")).to_pylist()
     by_role: dict[str, list[str]] = {}
     for row in docs:
         by_role.setdefault(row["role"], []).append(row["doc_id"])
@@ -353,7 +370,7 @@ def build_traces(out: Path, corpus_dir: Path, cal_tokens: int, seq_tokens: int, 
 
 def trace_tokens(traces_dir: Path, trace: str) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, seq) of one trace, in position order; an empty trace is an input error."""
-    table = pq.read_table(traces_dir / "cal_trace.parquet")
+    table = read_part(traces_dir / "cal_trace.parquet", ("trace", "token", "seq"))
     rows = table.filter(pc.equal(table.column("trace"), trace))
     if rows.num_rows == 0:
         raise InputError(f"trace {trace!r} is empty: check [calibration] and the split's roles")
@@ -362,7 +379,7 @@ def trace_tokens(traces_dir: Path, trace: str) -> tuple[np.ndarray, np.ndarray]:
 
 def calibration_hashes(traces_dir: Path, n: int) -> np.ndarray:
     """Sorted n-gram hashes of the calibration trace, per doc segment (never across docs)."""
-    table = pq.read_table(traces_dir / "cal_trace.parquet")
+    table = read_part(traces_dir / "cal_trace.parquet", ("trace", "doc_id", "token"))
     rows = table.filter(pc.equal(table.column("trace"), "calibration"))
     doc_ids = rows.column("doc_id").to_numpy(zero_copy_only=False)
     tokens = rows.column("token").to_numpy()
@@ -374,7 +391,7 @@ def calibration_hashes(traces_dir: Path, n: int) -> np.ndarray:
 def build_windows(out: Path, corpus_dir: Path, windows_file: Path | None, traces_dir: Path | None,
                   per_set: dict[str, int], ctx_tokens: int, scored_tokens: int, n: int, seed: int) -> None:
     """`windows.parquet`: from the windows file, or generated clear of the calibration trace's n-grams."""
-    docs = pq.read_table(corpus_dir / "docs.parquet")
+    docs = read_part(corpus_dir / "docs.parquet", ("doc_id", "stratum", "role", "n_tokens"))
     rows = docs.to_pylist()
     if windows_file is not None:
         table = read_windows(windows_file, {r["doc_id"]: r["n_tokens"] for r in rows},
@@ -390,4 +407,5 @@ def window_tokens(windows_dir: Path, corpus_dir: Path) -> dict[str, np.ndarray]:
     """Each window's tokens over [ctx_start, score_end) of its doc."""
     tokens = doc_tokens(corpus_dir)
     return {w["window_id"]: tokens[w["doc_id"]][w["ctx_start"]:w["score_end"]]
-            for w in pq.read_table(windows_dir / "windows.parquet").to_pylist()}
+            for w in read_part(windows_dir / "windows.parquet",
+                               ("window_id", "doc_id", "ctx_start", "score_end")).to_pylist()}

@@ -23,7 +23,6 @@ from typing import Callable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import zarr
 from zarr.codecs import ZstdCodec
 
@@ -32,14 +31,14 @@ from moeheal.pipeline.files import write_parquet
 from moeheal.pipeline.gguf_model import GGUFModel, HParams
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.runner import Runner
-from moeheal.pipeline.stages.corpus import trace_tokens
+from moeheal.pipeline.stages.corpus import read_part, trace_tokens
 
 ARRAYS = ("mixed", "yr", "hh", "experts", "weights")
 # Zarr's default zstd frame carries no checksum, so a flipped bit in a stored chunk can
 # decode to plausible wrong numbers; with it, every such chunk fails to decode, and the
 # read names the layer and array (`DumpArray`). Costs 4 bytes and one hash per chunk.
 CHUNK_CODEC = ZstdCodec(level=0, checksum=True)
-ROUTING_COLUMNS = ["trace", "layer", "pos", "k", "expert", "weight"]
+ROUTING_COLUMNS = ("trace", "layer", "pos", "k", "expert", "weight")
 
 
 def _widths(hp, k: int) -> dict[str, tuple[int, str]]:
@@ -157,17 +156,9 @@ def read_routing(dump: Path) -> pa.Table:
     parts = sorted((dump / "routing").glob("*.parquet"))
     if not parts:
         raise InputError(f"{dump / 'routing'}: no routing parts")
-    tables = []
-    for part in parts:
-        try:
-            table = pq.read_table(part)
-        except (OSError, pa.ArrowException) as exc:
-            raise InputError(f"{part}: not a readable Parquet file ({' '.join(str(exc).split())[:160]})") from None
-        if table.schema.names != ROUTING_COLUMNS:
-            raise InputError(f"{part}: columns {table.schema.names}, expected {ROUTING_COLUMNS}")
-        tables.append(table)
+    tables = [read_part(part, ROUTING_COLUMNS) for part in parts]
     try:
-        routing = pa.concat_tables(tables)
+        routing = pa.concat_tables([t.select(list(ROUTING_COLUMNS)) for t in tables])
     except pa.ArrowException as exc:
         raise InputError(f"{dump / 'routing'}: parts disagree on column types ({exc})") from None
     return routing.sort_by([("layer", "ascending"), ("pos", "ascending"), ("k", "ascending")])
