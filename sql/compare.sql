@@ -144,7 +144,7 @@ group_values AS (
         m.arm_id, p.stratum_group, p.set_group, p.stratum, p.n_s,
         CASE WHEN p.n_s * max(m.n_tokens) >= 4294967296
             THEN error('compare.sql: stratum ' || p.stratum || ' has too many scored tokens to pool exactly')
-            ELSE list(m.kld_fx::HUGEINT * 18446744073709551616 + m.n_tokens * 4294967296 + m.top1_sum
+            ELSE list(m.kld_fx::HUGEINT * 18446744073709551616 + m.n_tokens::HUGEINT * 4294967296 + m.top1_sum
                       ORDER BY p.idx)
         END AS packed
     FROM population AS p

@@ -303,3 +303,15 @@ def test_summary_marks_thin_strata_and_counts_real_repeats(tmp_path) -> None:
     assert "windows per stratum, canary set: all chat_json=3 ja=3 ops=3 persona=3; clean ops=1" in text
     assert "\u00a7 a stratum has one window there" in text
     assert "expert-cache determinism: 2 of 3 repeat runs bit-identical" in text
+
+
+def test_token_counts_too_large_to_pool_exactly_are_an_error() -> None:
+    """Replicate sums pack tokens into 32 bits; a stratum that could overflow them is refused, not summed."""
+    rows = [{"variant": v, "moce_bonus": 0.0, "window_id": f"w{i}", "stratum": "code", "set": "eval",
+             "n_tokens": 2**31, "kld_mean": 1e-9, "top1_agree": 0.5, "kld_sum": 2.0, "top1_sum": 2**30}
+            for v in ("v1", "v2") for i in range(2)]
+    con = duckdb.connect()
+    con.register("window_kld", pa.Table.from_pylist(rows))
+    con.register("overlap", pa.table({"window_id": ["w0", "w1"], "clean": [True, True]}))
+    with pytest.raises(duckdb.Error, match="too many scored tokens to pool exactly"):
+        stats.compare(con, [("v1", 0.0, "v2", 0.0)], n_boot=10, seed=0)
