@@ -133,12 +133,6 @@ class TensorInfo(NamedTuple):
     n_bytes: int
 
 
-class _Header(NamedTuple):
-    keys: dict[str, GGUFValueType]  # key -> its value's type (ARRAY for arrays)
-    tensors: list[TensorInfo]
-    data_offset: int
-
-
 class _HeaderScanner:
     """Walks a GGUF header byte by byte, never reading past the file's end.
 
@@ -244,8 +238,9 @@ class _HeaderScanner:
         return TensorInfo(name, ne, ggml_type, offset, math.prod(ne) // block_size * type_size)
 
 
-def _scan_header(path: Path, label: str) -> _Header:
-    """The header's keys and tensor table, every byte bounds-checked (see `_HeaderScanner`)."""
+def _scan_header(path: Path, label: str) -> dict[str, GGUFValueType]:
+    """Every key's value type (ARRAY for arrays), once every byte of the header and the
+    tensor table has been bounds-checked (see `_HeaderScanner`, `_check_tensor_table`)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < 24:
@@ -280,7 +275,7 @@ def _scan_header(path: Path, label: str) -> _Header:
             tensors = [scan.tensor_info(i) for i in range(n_tensors)]
     data_offset = -(-scan.pos // alignment) * alignment
     _check_tensor_table(tensors, data_offset, alignment, size, label)
-    return _Header(keys, tensors, data_offset)
+    return keys
 
 
 def _check_tensor_table(tensors: list[TensorInfo], data_offset: int, alignment: int, size: int,
@@ -363,14 +358,14 @@ class GGUFModel:
         if not self.path.is_file():
             raise InputError(f"{self.path}: no such file")
         try:
-            header = _scan_header(self.path, self.name)
+            keys = _scan_header(self.path, self.name)
         except OSError as exc:
             raise InputError(f"{self.path}: cannot read ({exc.strerror or exc})") from None
         self._reader = self._open_reader()
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.arch = self._read_arch()
-        _check_key_names(header.keys, self.arch, self.name)
-        self._check_arch_keys(header.keys)
+        _check_key_names(keys, self.arch, self.name)
+        self._check_arch_keys(keys)
         self._check_tensor_types()
         self._check_tensor_names()
         self.hp = self._read_hparams()

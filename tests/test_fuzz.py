@@ -40,9 +40,6 @@ from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.stages import corpus, dump
 from tests.ggufs import corrupt_header
 
-REPO = Path(__file__).resolve().parents[1]
-
-
 class Case(NamedTuple):
     """One damaged input: `check()` is the validating open/read; its message must name `names`."""
 
