@@ -83,9 +83,9 @@ def fit_affine_subblocks(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per sub-block scale s >= 0 and min m >= 0 with x ~ s * l - m, l in [0, nmax].
 
-    x, w (n, k, S). Candidates are ggml's make_qkx3_quants ones: inverse scale
-    (nmax + delta) / (max - min) from min(x, 0), codes rounded, then (s, m)
-    refit jointly by weighted least squares (m clamped to >= 0 as ggml does);
+    x, w (n, k, S). Candidates have ggml's make_qkx3_quants form: inverse
+    scale (nmax + delta) / (max - min) from min(x, 0), codes rounded, then
+    (s, m) refit jointly by weighted least squares (m clamped to >= 0 as ggml does);
     we also refit once more from the codes the fit re-rounds to, and score
     every candidate by its exact error with nearest codes. Returns s, m (n, k)
     and the codes of the best fit (n, k, S) as float.
@@ -115,14 +115,14 @@ def fit_affine_subblocks(
         fit_offset = jnp.where(positive, 0.0, fit_offset)  # (n, k)
         return jnp.where(ok, jnp.maximum(fit_scale, 0.0), scale), jnp.where(ok, fit_offset, offset)
 
-    def keep_better(best, scale, offset):
+    def keep_better(best: tuple[jax.Array, ...], scale: jax.Array, offset: jax.Array) -> tuple[tuple, jax.Array]:
         err_b, scale_b, offset_b, l_b = best
         err, l = score(scale, offset)  # (n, k), (n, k, S)
         better = err < err_b  # (n, k)
         return (jnp.where(better, err, err_b), jnp.where(better, scale, scale_b),
                 jnp.where(better, offset, offset_b), jnp.where(better[..., None], l, l_b)), l
 
-    def step(best, delta):
+    def step(best: tuple[jax.Array, ...], delta: jax.Array) -> tuple[tuple[jax.Array, ...], None]:
         iscale = safe_div(nmax + delta, span)  # (n, k)
         l = round_ties_down(iscale[..., None] * (x - lo[..., None]), 0, nmax)  # (n, k, S)
         scale, offset = refit(l, best[1], best[2])  # (n, k) x2
@@ -142,8 +142,9 @@ def fit_symmetric_subblocks(
     """Per sub-block signed scale s with x ~ s * q, q in [lo, hi]: the grid search.
 
     x, w (n, k, S) -> s (n, k), codes q (n, k, S) as float. The candidates
-    include ggml's make_qx_quants ones (extreme on the long side) and the
-    mirror ones (extreme on the short side).
+    have ggml's make_qx_quants form (extreme on the long side) and the mirror
+    one (extreme on the short side); s is rounded to fp16 on the way, a
+    perturbation far below the 6- or 8-bit sub-block scale codes'.
     """
     n, k, sub = x.shape
     levels = tuple(range(code_range[0], code_range[1] + 1))
@@ -182,7 +183,7 @@ def choose_subblock_codes(
     moves = (0, -1, 1, -2, 2)  # 0 first: on a tie the rounded code stays
     steps = [(i, j) for i in moves for j in (moves if has_min else (0,))]
 
-    def step(best, step_ij):
+    def step(best: tuple[jax.Array, ...], step_ij: jax.Array) -> tuple[tuple[jax.Array, ...], None]:
         err_b, ls_b, lm_b = best
         ls = jnp.clip(ls0 + step_ij[0], s_lo, s_hi)  # (n, k)
         lm = jnp.clip(lm0 + step_ij[1], 0, s_hi)  # (n, k)
