@@ -19,11 +19,10 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from moeheal.kernels import ngram
 from moeheal.pipeline.errors import AuditViolation, InputError
-from moeheal.pipeline.files import write_parquet
+from moeheal.pipeline.files import read_part, write_parquet
 from moeheal.pipeline.sqlrun import run_sql
 from moeheal.pipeline.stages.corpus import window_tokens
 
@@ -211,9 +210,9 @@ def build_audit(out: Path, corpus_dir: Path, traces_dir: Path, windows_dir: Path
     """
     con = duckdb.connect()
     try:
-        con.register("docs", pq.read_table(corpus_dir / "docs.parquet"))
-        con.register("cal_trace", pq.read_table(traces_dir / "cal_trace.parquet"))
-        con.register("windows", pq.read_table(windows_dir / "windows.parquet"))
+        con.register("docs", read_part(corpus_dir / "docs.parquet", ()))
+        con.register("cal_trace", read_part(traces_dir / "cal_trace.parquet", ()))
+        con.register("windows", read_part(windows_dir / "windows.parquet", ()))
         overlap, violations = find_violations(con, window_tokens(windows_dir, corpus_dir), n)
     finally:
         con.close()
@@ -225,4 +224,4 @@ def build_audit(out: Path, corpus_dir: Path, traces_dir: Path, windows_dir: Path
 
 def read_violations(audit_dir: Path) -> list[Violation]:
     """The violations an audit stage found (empty when the split and windows are clean)."""
-    return [Violation(**row) for row in pq.read_table(audit_dir / "violations.parquet").to_pylist()]
+    return [Violation(**row) for row in read_part(audit_dir / "violations.parquet", ()).to_pylist()]

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from moeheal.pipeline import audit as audit_mod
 from moeheal.pipeline import stats as stats_mod
 from moeheal.pipeline.config import UNHEALED, Config, Variant
 from moeheal.pipeline.dag import PlannedStage, Stage, plan_stage, run_stage
 from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.files import read_part
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.lake import Lake, Publication, StageResult
 from moeheal.pipeline.stages import calibrate, corpus, dump, evaluate, quantize
@@ -53,7 +53,7 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.
 
 
 def _read_parts(result: StageResult, name: str) -> pa.Table:
-    return pq.read_table(result.path / f"{name}.parquet")
+    return read_part(result.path / f"{name}.parquet", ())
 
 
 class HealRun:
@@ -294,15 +294,16 @@ class HealRun:
         """Run everything, stage every table (and the report), then publish them as one set."""
         from moeheal.pipeline.stages.report import write_report
 
-        publication = self.lake.begin_publication()
-        try:
-            self.stage_tables(publication)
-            if with_report:
-                write_report(publication, publication.report_dir)
-            return self.lake.publish(publication)
-        except BaseException:
-            publication.discard()
-            raise
+        with self.lake.lock("run", on_wait=self.log):  # one publishing run per lake at a time
+            publication = self.lake.begin_publication()
+            try:
+                self.stage_tables(publication)
+                if with_report:
+                    write_report(publication, publication.report_dir)
+                return self.lake.publish(publication)
+            except BaseException:
+                publication.discard()
+                raise
 
     # ---- whole DAG, plan, report, export -------------------------------------------
     def heal(self) -> None:
@@ -321,7 +322,7 @@ class HealRun:
         return self.planned
 
     def summary_table(self) -> str:
-        return stats_mod.summary_table(self.lake)
+        return stats_mod.summary_table(self.lake, order=[v.name for v in self.evaluated_variants()])
 
     def report(self) -> Path:
         """Re-render the report of the published tables, published with them as a new set."""

@@ -128,10 +128,13 @@ class Lake(TableSet):
         try:
             for sub in STAGE_FOLDERS:
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
+            current = self.root / "current"
+            if current.exists() and not current.is_symlink():
+                _remove(current)  # copied without its links: whatever is there is not a published set
             for name, target in PUBLISHED_LINKS.items():
                 link = self.root / name
                 if not link.is_symlink():
-                    _remove(link)  # a lake laid out before published sets: its loose tables are not a set
+                    _remove(link)  # loose tables (an older layout, a copy that followed links) are not a set
                     link.symlink_to(target)
         except OSError as exc:
             raise InputError(f"{exc.filename or self.root}: lake: cannot write ({exc.strerror})") from None
@@ -155,22 +158,33 @@ class Lake(TableSet):
         return record.get("fingerprint") == fingerprint and record.get("outputs") == _manifest(out)
 
     @contextmanager
-    def lock(self, name: str) -> Iterator[None]:
+    def lock(self, name: str, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
         """An exclusive lock on `tmp/<name>.lock`, across processes, removed when released.
 
         flock dies with its holder, so a crashed holder never blocks anyone. The
         file is unlinked on release; a waiter that got the lock on a file which
-        was unlinked meanwhile retries on the new one, so two holders never coexist.
+        was unlinked meanwhile retries on the new one, so two holders never
+        coexist. The holder's pid is written into the file; `on_wait` is told
+        who holds it before this process blocks.
         """
         path = self.root / "tmp" / f"{name}.lock"
         while True:
-            with open(path, "a") as handle:
-                fcntl.flock(handle, fcntl.LOCK_EX)
+            with open(path, "a+") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if on_wait is not None:
+                        handle.seek(0)
+                        on_wait(f"lake {self.root} is in use by moeheal pid {handle.read().strip() or '?'}; waiting")
+                    fcntl.flock(handle, fcntl.LOCK_EX)
                 try:
                     if os.fstat(handle.fileno()).st_ino != os.stat(path).st_ino:
                         continue  # unlinked by the previous holder after we opened it
                 except FileNotFoundError:
                     continue
+                handle.truncate(0)
+                handle.write(str(os.getpid()))
+                handle.flush()
                 try:
                     yield
                 finally:

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.files import write_parquet
+from moeheal.pipeline.files import read_part, write_parquet
 from moeheal.pipeline.sqlrun import run_sql
 
 Pair = tuple[str, float, str, float]  # (a, moce_bonus_a, b, moce_bonus_b)
@@ -182,9 +181,9 @@ def build_comparisons(out: Path, evaluations: list[Path], windows_dir: Path, aud
     windows and audit stages' outputs (this run's, never the published tables)."""
     con = duckdb.connect()
     try:
-        con.register("token_kld", pa.concat_tables([pq.read_table(e / "token_kld.parquet") for e in evaluations]))
-        con.register("windows", pq.read_table(windows_dir / "windows.parquet"))
-        con.register("overlap", pq.read_table(audit_dir / "overlap.parquet"))
+        con.register("token_kld", pa.concat_tables([read_part(e / "token_kld.parquet", ()) for e in evaluations]))
+        con.register("windows", read_part(windows_dir / "windows.parquet", ()))
+        con.register("overlap", read_part(audit_dir / "overlap.parquet", ()))
         per_window = window_kld(con)
         con.register("window_kld", per_window)
         comparisons = compare(con, comparison_pairs(variants, bonuses), n_boot, seed)

@@ -148,7 +148,7 @@ def test_one_knob_recomputes_its_variant_and_nothing_else(healed, tmp_path):
     text = config.read_text().replace('name = "v1"\nbeta_gate_up = 0.5', 'name = "v1"\nbeta_gate_up = 0.7')
     config.write_text(text)
     _, log = rerun(config)
-    assert sorted(log.computed()) == ["assemble", "calibrate", "evaluate", "quantize"]
+    assert sorted(log.computed()) == ["assemble", "calibrate", "comparisons", "evaluate", "quantize"]
 
 
 def test_reference_swap_recomputes_dumps(healed, tmp_path):
@@ -190,7 +190,7 @@ def test_generated_windows_pass_the_audit(healed, tmp_path):
     config.write_text(text)
     run = HealRun(load_config(config), log=Log())
     overlap = run.audit()  # raises on any scored-span leak
-    windows = run.lake.read_table("windows").to_pylist()
+    windows = pq.read_table(run.windows().path / "windows.parquet").to_pylist()
     assert len(windows) == 4 * 3 and overlap.num_rows == 12
     assert all(w["score_end"] - w["score_start"] == 24 for w in windows)
 

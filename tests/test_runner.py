@@ -191,8 +191,8 @@ def test_moe_forward_matches_numpy(tiny_qwen2moe, n_tokens, skew):
 def test_tied_embeddings_without_output_tensor(tiny_qwen3moe, tmp_path):
     src = GGUFModel(tiny_qwen3moe)
     path = tmp_path / "tied.gguf"
-    kv = [(key, src.metadata(key), None) for key in src.metadata_fields()
-          if not key.startswith("GGUF.") and key != "general.architecture"]
+    kv = [(key, src.metadata(key), field.types[-1]) for key, field in src.metadata_fields().items()
+          if not key.startswith("GGUF.") and key != "general.architecture"]  # every key keeps its type
     write_gguf(path, src.arch, kv, ((n, src.raw(n).data, src.raw(n).ggml_type)
                                     for n in src.tensor_names if n != "output.weight"))
     model = GGUFModel(path)

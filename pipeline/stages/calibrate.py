@@ -187,8 +187,9 @@ def assemble_gguf(out: Path, source: GGUFModel, calibrated: Path, variant: str, 
 def build_calibrate(out: Path, source: Path, quant_dir: Path, cal_dump: Path, unseen_dump: Path | None,
                     variant: str, knobs: dict[str, Any], log: Callable[[str], None] = print) -> None:
     """The calibrate stage: alpha and ridge for one variant's quantized experts, on the dumps."""
-    calibrate_model(out, GGUFModel(source), quant_dir, open_dump(cal_dump),
-                    open_dump(unseen_dump) if unseen_dump is not None else None, variant, knobs, log)
+    model = GGUFModel(source)
+    calibrate_model(out, model, quant_dir, open_dump(cal_dump, model.hp),
+                    open_dump(unseen_dump, model.hp) if unseen_dump is not None else None, variant, knobs, log)
 
 
 def build_assembly(out: Path, source: Path, calibrated: Path, variant: str, params: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from moeheal.kernels.ngram import ngram_hashes
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.files import write_parquet
+from moeheal.pipeline.files import read_part, write_parquet
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.tokenizer import build_tokenizer, encode
 
@@ -315,23 +315,6 @@ def generate_windows(docs: pa.Table, tokens: dict[str, np.ndarray], cal_hashes: 
 
 
 # ---- stage builds: everything a corpus-side output depends on lives in this module ----------
-
-
-def read_part(path: Path, columns: tuple[str, ...]) -> pa.Table:
-    """A stage's own Parquet output, read back; damaged, truncated or someone else's is an InputError.
-
-    Parts are checked against their manifest on a cache hit, but a part can
-    still be replaced or cut between runs; this names the file instead of
-    letting Arrow's error or a missing column surface as a traceback.
-    """
-    try:
-        table = pq.read_table(path)
-    except (OSError, pa.ArrowException) as exc:
-        raise InputError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())[:160]})") from None
-    missing = [c for c in columns if c not in table.schema.names]
-    if missing:
-        raise InputError(f"{path}: no column {missing[0]!r} (columns: {', '.join(table.schema.names)[:160]})")
-    return table
 
 
 def build_corpus(out: Path, reference: Path, docs: Path, split: Path) -> None:

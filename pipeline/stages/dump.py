@@ -27,11 +27,11 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.files import write_parquet
+from moeheal.pipeline.files import read_part, write_parquet
 from moeheal.pipeline.gguf_model import GGUFModel, HParams
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.runner import Runner
-from moeheal.pipeline.stages.corpus import read_part, trace_tokens
+from moeheal.pipeline.stages.corpus import trace_tokens
 
 ARRAYS = ("mixed", "yr", "hh", "experts", "weights")
 # Zarr's default zstd frame carries no checksum, so a flipped bit in a stored chunk can

@@ -158,4 +158,5 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
 def build_quantize(out: Path, source: Path, dump: Path | None, params: QuantizeParams,
                    log: Callable[[str], None] = print) -> None:
     """The quantize stage: the source's routed experts, with the calibration dump's statistics if any."""
-    quantize_model(out, GGUFModel(source), open_dump(dump) if dump is not None else None, params, log)
+    model = GGUFModel(source)
+    quantize_model(out, model, open_dump(dump, model.hp) if dump is not None else None, params, log)
