@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moeheal.kernels import FORMATS
 from moeheal.pipeline.errors import InputError
 
-QUANT_FORMATS = ("tq2_0",)
-SHEXP_FORMATS = ("iq4_nl", "q8_0")
 ROUNDINGS = ("ls", "gptq")
+# `quant = { gate = ..., up = ..., down = ... }`: the routed-expert tensor of each role.
+EXPERT_ROLES = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class Variant:
 
     name: str
     kind: str  # "healed" or "external"
-    quant: str = "tq2_0"
+    quant: str | tuple[tuple[str, str], ...] = "tq2_0"  # one format, or (role, format) per expert role
     beta_gate_up: float = 0.5
     beta_down: float = 0.5
     down_blend_tokens: float = 16.0
@@ -41,12 +42,17 @@ class Variant:
     cal_tokens: int = 0  # 0 = the whole calibration dump; else its first cal_tokens rows
     gguf: Path | None = None
 
+    def formats(self) -> dict[str, str]:
+        """The format of each routed-expert tensor: {"ffn_gate_exps": "q2_k", ...}."""
+        per_role = dict(self.quant) if isinstance(self.quant, tuple) else dict.fromkeys(EXPERT_ROLES, self.quant)
+        return {tensor: per_role[role] for role, tensor in EXPERT_ROLES.items()}
+
     def knobs(self) -> dict[str, Any]:
         """The parameters that define what this variant computes (its fingerprint input)."""
         if self.kind == "external":
             return {"gguf": str(self.gguf)}
         return {
-            "quant": self.quant, "beta_gate_up": self.beta_gate_up, "beta_down": self.beta_down,
+            "quant": self.quant if isinstance(self.quant, str) else dict(self.quant), "beta_gate_up": self.beta_gate_up, "beta_down": self.beta_down,
             "down_blend_tokens": self.down_blend_tokens, "alpha": self.alpha,
             "ridge_rho": self.ridge_rho, "ridge_eta": self.ridge_eta, "shexp_down": self.shexp_down,
             "round": self.round, "gptq_damp": self.gptq_damp, "gptq_shrink": self.gptq_shrink,
@@ -169,14 +175,14 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any]) -> Varia
         return Variant(name=name, kind="external", gguf=r.path("gguf", base))
     variant = Variant(
         name=name, kind="healed",
-        quant=r.choice("quant", QUANT_FORMATS, "tq2_0"),
+        quant=_quant(r),
         beta_gate_up=r.number("beta_gate_up", float, 0.5, 0.0, 4.0),
         beta_down=r.number("beta_down", float, 0.5, 0.0, 4.0),
         down_blend_tokens=r.number("down_blend_tokens", float, 16.0, 0.0),
         alpha=r.get("alpha", bool, True),
         ridge_rho=r.number("ridge_rho", float, 6.0, 0.0),
         ridge_eta=r.number("ridge_eta", float, 0.15, 0.0, 1.0),
-        shexp_down=r.choice("shexp_down", SHEXP_FORMATS, "iq4_nl"),
+        shexp_down=r.choice("shexp_down", tuple(sorted(FORMATS)), "iq4_nl"),
         round=r.choice("round", ROUNDINGS, "ls"),
         gptq_damp=r.number("gptq_damp", float, 1.0, 0.0),
         gptq_shrink=r.number("gptq_shrink", float, 64.0, 0.0),
@@ -185,6 +191,19 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any]) -> Varia
     )
     _refuse_knobs_without_effect(r, variant)
     return variant
+
+
+def _quant(r: _Reader) -> str | tuple[tuple[str, str], ...]:
+    """`quant = "q2_k"` or `quant = { gate = "q2_k", up = "q2_k", down = "q3_k" }`: any registered format."""
+    value = r.table.get("quant", "tq2_0")
+    per_role = value if isinstance(value, dict) else {role: value for role in EXPERT_ROLES}
+    if not isinstance(value, (str, dict)) or set(per_role) != set(EXPERT_ROLES):
+        r.fail("quant", f"expected a format name or a table with keys {', '.join(EXPERT_ROLES)}, got {value!r}")
+    for role, fmt in per_role.items():
+        if fmt not in FORMATS:
+            r.fail("quant" if isinstance(value, str) else f"quant.{role}",
+                   f"{fmt!r} is not one of {', '.join(sorted(FORMATS))}")
+    return value if isinstance(value, str) else tuple((role, per_role[role]) for role in EXPERT_ROLES)
 
 
 # Knobs that only reach the computation under a condition, and that condition.
@@ -202,6 +221,9 @@ def _refuse_knobs_without_effect(r: _Reader, variant: Variant) -> None:
     """A knob set in the file that cannot change the output is an error, never silently ignored."""
     if variant.round == "gptq" and not variant.importance:
         r.fail("round", '"gptq" needs calibration statistics (H = E[x x^T]), but importance = false')
+    for fmt in sorted(set(variant.formats().values())):
+        if variant.round == "gptq" and not FORMATS[fmt].supports_gptq:
+            r.fail("round", f'"gptq" is not defined for {fmt} (no per-block scales to fix as columns go)')
     if variant.round == "gptq" and variant.gptq_damp <= 0:
         r.fail("gptq_damp", f"{variant.gptq_damp!r} must be > 0: an undamped H can be singular")
     for key, (applies, why) in _CONDITIONAL_KNOBS.items():

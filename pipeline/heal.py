@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
+from moeheal import kernels
 from moeheal.pipeline import audit as audit_mod
 from moeheal.pipeline import stats as stats_mod
 from moeheal.pipeline.config import UNHEALED, Config, Variant
@@ -85,6 +86,14 @@ class HealRun:
                              f"{ref_hp.n_expert} x d={ref_hp.d_model}")
         for variant in self.external_variants():
             GGUFModel(variant.gguf)
+        columns = {"ffn_gate_exps": src_hp.d_model, "ffn_up_exps": src_hp.d_model, "ffn_down_exps": src_hp.d_expert,
+                   "ffn_down_shexp": src_hp.d_shexp}
+        for variant in self.cfg.healed_variants:
+            for tensor, fmt in [*variant.formats().items(), ("ffn_down_shexp", variant.shexp_down)]:
+                block = kernels.format_of(fmt).block_size
+                if columns[tensor] % block:
+                    raise InputError(f"{self.cfg.path}: [[variant]] {variant.name}: {fmt} needs rows that are "
+                                     f"a multiple of {block} weights; {tensor} rows have {columns[tensor]}")
 
     @cached_property
     def reference(self) -> GGUFModel:

@@ -15,6 +15,7 @@ from moeheal import kernels
 from moeheal.kernels.alpha import fit_alpha, relative_residual
 from moeheal.pipeline.cli import main
 from moeheal.pipeline.config import load_config
+from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.model import moe_forward
@@ -263,3 +264,47 @@ def test_cal_tokens_uses_a_prefix_of_the_calibration_dump(healed):
                for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
     y_q = np.asarray(moe_forward(experts, group["mixed"][:512], group["experts"][:512], group["weights"][:512]))
     assert float(calibrated["alpha"]) == pytest.approx(alpha_of(group["yr"][:512], y_q), rel=1e-6)
+
+
+def test_sub_block_formats_heal_end_to_end(tmp_path):
+    """A variant naming a format per role (q2_k gate/up, q3_k down) with GPTQ: the GGUF holds those
+    ggml types, alpha is applied in the format's own scales, and it beats its unhealed q2_k twin."""
+    config = write_world(tmp_path / "w", variants="""
+[[variant]]
+name = "k_plain"
+quant = "q2_k"
+importance = false
+alpha = false
+ridge_rho = 0.0
+[[variant]]
+name = "k_healed"
+quant = { gate = "q2_k", up = "q2_k", down = "q3_k" }
+round = "gptq"
+""")
+    run = HealRun(load_config(config), log=Log())
+    plain, healed = run.cfg.variants
+    model = GGUFModel(run.assemble(healed).path)
+    assert model.raw("blk.0.ffn_gate_exps.weight").ggml_type == GGMLQuantizationType.Q2_K
+    assert model.raw("blk.0.ffn_down_exps.weight").ggml_type == GGMLQuantizationType.Q3_K
+    calibrated = np.load(run.calibrate(healed).path / "layer_0.npz")
+    quantized = np.load(run.quantize(healed).path / "layer_0.npz")
+    alpha = float(calibrated["alpha"])
+    expected = kernels.format_of("q3_k").scale_scales(quantized["ffn_down_exps"], alpha)
+    np.testing.assert_array_equal(calibrated["ffn_down_exps"], expected)
+    metrics = {r["variant"]: r for r in pq.read_table(run.calibrate(healed).path / "layer_metrics.parquet").to_pylist()
+               if r["split"] == "unseen" and r["layer"] == 0}
+    plain_metrics = {r["variant"]: r for r in
+                     pq.read_table(run.calibrate(plain).path / "layer_metrics.parquet").to_pylist()
+                     if r["split"] == "unseen" and r["layer"] == 0}
+    assert metrics["k_healed"]["resid_ridge"] < plain_metrics["k_plain"]["resid_alpha1"]
+
+
+def test_alpha_out_of_fp16_range_is_an_input_error(healed):
+    """The fp16 guard: an alpha that would overflow a block scale stops the run with one line."""
+    from moeheal.pipeline.stages.calibrate import scale_expert_scales
+
+    config, run = healed
+    arrays = dict(np.load(run.quantize(run.cfg.variants[0]).path / "layer_0.npz"))
+    with pytest.raises(InputError, match="v1: layer 0: alpha 1e\\+09 on ffn_down_exps"):
+        scale_expert_scales(arrays, "ffn_down_exps", 1e9, "v1: layer 0")
+    assert np.array_equal(scale_expert_scales(arrays, "ffn_down_exps", 1.0, "v1: layer 0"), arrays["ffn_down_exps"])

@@ -71,8 +71,17 @@ def test_demo_model_perplexity_agrees_with_llama_cpp(tmp_path):
     assert ours == pytest.approx(theirs, rel=0.02)  # llama.cpp quantizes activations for Q8_0 dot products
 
 
-def test_healed_model_runs_in_llama_cpp_and_agrees(tmp_path):
-    config = write_world(tmp_path / "world")
+KQUANT_VARIANT = """
+[[variant]]
+name = "mixed_k"
+quant = { gate = "q2_k", up = "q2_k", down = "q3_k" }
+round = "gptq"
+"""
+
+
+@pytest.mark.parametrize("variants", [None, KQUANT_VARIANT], ids=["tq2_0", "q2_k-q3_k-gptq"])
+def test_healed_model_runs_in_llama_cpp_and_agrees(tmp_path, variants):
+    config = write_world(tmp_path / "world", variants=variants)
     run = HealRun(load_config(config), log=lambda m: None)
     healed = run.assemble(run.cfg.variants[0]).path
     text = eval_text(tmp_path, config.parent / "docs.jsonl", chunks=2)

@@ -31,9 +31,10 @@ from gguf import GGMLQuantizationType
 from moeheal import kernels
 from moeheal.kernels.alpha import fit_alpha, oracle_alpha, relative_residual
 from moeheal.kernels.ridge import alpha_ridge_cv_sweep, effective_dof, matrix_rank, ridge_stats, solve_ridge
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.files import write_parquet
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.gguf_write import copy_gguf
-from moeheal.pipeline.files import write_parquet
 from moeheal.pipeline.model import moe_forward
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.stages.dump import open_dump
@@ -43,21 +44,27 @@ CALIBRATE_KNOBS = ("alpha", "ridge_rho", "ridge_eta", "shexp_down", "cal_tokens"
 DUMP_ARRAYS = ("mixed", "experts", "weights", "yr", "hh")
 RHO_GRID = (0.25, 1.0, 6.0, 24.0)
 CV_SPLITS = ("in_sample", "lobo4", "even_odd")
-GGML_TYPES = {"tq2_0": GGMLQuantizationType.TQ2_0, "iq4_nl": GGMLQuantizationType.IQ4_NL,
-              "q8_0": GGMLQuantizationType.Q8_0}
 
 
-def scale_block_scales(raw: np.ndarray, fmt: str, factor: float) -> np.ndarray:
-    """Multiply every block's fp16 scale by `factor` (TQ2_0: the last 2 bytes of a block)."""
-    cls = kernels.format_of(fmt)
-    blocks = np.array(raw, dtype=np.uint8).reshape(-1, cls.type_size)  # (n, type_size)
-    scales = blocks[:, -2:].copy().view(np.float16)  # (n, 1)
-    blocks[:, -2:] = (scales.astype(np.float32) * np.float32(factor)).astype(np.float16).view(np.uint8)
-    return blocks.reshape(raw.shape)
+def tensor_format(arrays: dict[str, np.ndarray], name: str) -> str:
+    """The format a quantized expert tensor was written in (recorded beside its bytes)."""
+    return str(arrays[f"{name}.format"])
 
 
-def dequantized_experts(arrays: dict[str, np.ndarray], fmt: str) -> dict[str, np.ndarray]:
-    return {name: kernels.dequantize(arrays[name], fmt, tuple(arrays[f"{name}.shape"]))
+def scale_expert_scales(arrays: dict[str, np.ndarray], name: str, factor: float, where: str) -> np.ndarray:
+    """`name`'s bytes with every super-block scale (and min) times `factor`: alpha, in the format itself.
+
+    The format class knows where its scales sit; a product that leaves fp16's
+    range is refused (an input error naming the layer), never written as inf or 0.
+    """
+    try:
+        return kernels.format_of(tensor_format(arrays, name)).scale_scales(arrays[name], factor)
+    except ValueError as exc:
+        raise InputError(f"{where}: alpha {factor:.6g} on {name}: {exc}") from None
+
+
+def dequantized_experts(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {name: kernels.dequantize(arrays[name], tensor_format(arrays, name), tuple(arrays[f"{name}.shape"]))
             for name in EXPERT_TENSORS}
 
 
@@ -89,15 +96,14 @@ def calibrate_model(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
     metrics, cv_rows = [], []
     for layer in progress(range(source.hp.n_layer), desc="calibrate", unit="layer"):
         arrays = load_quantized(quant_dir, layer)
-        fmt = "tq2_0"
         in_sample_rows = slice(0, knobs["cal_tokens"] or None)  # the rows quantization saw
         groups = {s: _load(d[str(layer)], in_sample_rows if s == "in_sample" else slice(None))
                   for s, d in splits.items()}
         y_ref = {s: g["yr"] for s, g in groups.items()}  # (T, d) each
-        y_q = {s: _routed(dequantized_experts(arrays, fmt), g) for s, g in groups.items()}
+        y_q = {s: _routed(dequantized_experts(arrays), g) for s, g in groups.items()}
         alpha = fit_alpha(y_ref["in_sample"], y_q["in_sample"]) if knobs["alpha"] else 1.0
-        arrays["ffn_down_exps"] = scale_block_scales(arrays["ffn_down_exps"], fmt, alpha)
-        y_healed = {s: _routed(dequantized_experts(arrays, fmt), g) for s, g in groups.items()}
+        arrays["ffn_down_exps"] = scale_expert_scales(arrays, "ffn_down_exps", alpha, f"{variant}: layer {layer}")
+        y_healed = {s: _routed(dequantized_experts(arrays), g) for s, g in groups.items()}
 
         shexp_delta = {s: np.zeros_like(y) for s, y in y_ref.items()}
         if shared:
@@ -167,14 +173,14 @@ def ridge_cv_rows(z: np.ndarray, y_ref: np.ndarray, y_q: np.ndarray, gram: np.nd
 
 
 def assemble_gguf(out: Path, source: GGUFModel, calibrated: Path, variant: str, params: dict[str, Any]) -> None:
-    """The healed model: the source GGUF with routed experts (TQ2_0) and the shared
-    down projection replaced; `moeheal.*` keys record the variant and its knobs."""
+    """The healed model: the source GGUF with routed experts (each in its variant's format) and
+    the shared down projection replaced; `moeheal.*` keys record the variant and its knobs."""
     replace: dict[str, tuple[np.ndarray, GGMLQuantizationType]] = {}
-    shexp_type = GGML_TYPES[params["knobs"].get("shexp_down", "iq4_nl")]
+    shexp_type = kernels.format_of(params["knobs"].get("shexp_down", "iq4_nl")).ggml_type
     for layer in range(source.hp.n_layer):
         arrays = load_quantized(calibrated, layer)
         for name in EXPERT_TENSORS:
-            replace[f"blk.{layer}.{name}.weight"] = (arrays[name], GGMLQuantizationType.TQ2_0)
+            replace[f"blk.{layer}.{name}.weight"] = (arrays[name], kernels.format_of(tensor_format(arrays, name)).ggml_type)
         if "ffn_down_shexp" in arrays:
             replace[f"blk.{layer}.ffn_down_shexp.weight"] = (arrays["ffn_down_shexp"], shexp_type)
     copy_gguf(source, out, replace, extra_kv=[

@@ -47,7 +47,7 @@ class QuantizeParams:
     GPTQ knobs are None; with least-squares rounding the GPTQ knobs are None.
     """
 
-    quant: str
+    quant: dict[str, str]  # routed-expert tensor -> format
     round: str
     importance: bool
     beta_gate_up: float | None = None
@@ -60,11 +60,11 @@ class QuantizeParams:
     @classmethod
     def of(cls, variant) -> "QuantizeParams":
         """The quantize parameters of a `Variant` (config validation already refused no-effect knobs)."""
-        base = cls(quant=variant.quant, round=variant.round, importance=variant.importance)
+        base = cls(quant=variant.formats(), round=variant.round, importance=variant.importance)
         if not variant.importance:
             return base
         gptq = variant.round == "gptq"
-        return cls(quant=variant.quant, round=variant.round, importance=True,
+        return cls(quant=variant.formats(), round=variant.round, importance=True,
                    beta_gate_up=variant.beta_gate_up, beta_down=variant.beta_down,
                    down_blend_tokens=variant.down_blend_tokens, cal_tokens=variant.cal_tokens,
                    gptq_damp=variant.gptq_damp if gptq else None, gptq_shrink=variant.gptq_shrink if gptq else None)
@@ -105,9 +105,8 @@ def layer_importance(weights: dict[str, np.ndarray], mixed: np.ndarray, experts:
 
 def quantize_model(out: Path, source: GGUFModel, dump_root, params: QuantizeParams,
                    log: Callable[[str], None] = print) -> None:
-    """Write `layer_<i>.npz` under `out`: each expert tensor's block bytes and the importance used."""
+    """Write `layer_<i>.npz` under `out`: each expert tensor's block bytes, format and the importance used."""
     out.mkdir(parents=True, exist_ok=True)
-    fmt = params.quant
     for layer in progress(range(source.hp.n_layer), desc="quantize", unit="layer"):
         weights = expert_weights(source, layer)
         if dump_root is not None:
@@ -119,8 +118,9 @@ def quantize_model(out: Path, source: GGUFModel, dump_root, params: QuantizePara
         arrays: dict[str, np.ndarray] = {}
         for name, w in weights.items():
             importance, hessians = plan[name]
-            arrays[name] = kernels.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
+            arrays[name] = kernels.quantize_experts(w, params.quant[name], importance, hessians)  # (E, rows, bytes)
             arrays[f"{name}.shape"] = np.asarray(w.shape)
+            arrays[f"{name}.format"] = np.asarray(params.quant[name])
             if importance is not None:
                 arrays[f"{name}.importance"] = np.asarray(importance, np.float32)
         np.savez(out / f"layer_{layer}.npz", **arrays)
