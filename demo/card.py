@@ -160,7 +160,7 @@ SNAPSHOTS: dict[str, tuple[str, tuple[str, ...]]] = {
         "clean_wins", "clean_n_windows")),
     "layers": ("report_layers", (
         "variant", "split", "resid_alpha1_pct", "resid_alpha_pct", "resid_oracle_pct", "resid_ridge_pct")),
-    "rank_check": ("report_rank_check", ("split", "variant", "rank_local", "rank_kld")),
+    "rank_check": ("report_rank_check", ("split", "set", "variant", "rank_local", "rank_kld")),
     "hitrate": ("report_hitrate", (
         "variant", "moce_bonus", "cache_experts", "n_prompts", "hit_rate", "hit_rate_lru", "hit_rate_belady",
         "reps_same", "reps_checked")),
@@ -310,13 +310,19 @@ def render_local(snap: dict[str, list[Row]]) -> str:
         cells = [f"{by[v, 'in_sample'][c]:.1f}% / {by[v, 'unseen'][c]:.1f}%"
                  for c in ("resid_alpha1_pct", "resid_alpha_pct", "resid_oracle_pct", "resid_ridge_pct")]
         lines.append(f"| {v} | {' | '.join(cells)} |")
+    def ranked(rows: list[Row], key: str) -> str:
+        return ", ".join(r["variant"] for r in sorted(rows, key=lambda r: (r[key], r["variant"])))
+
     unseen = [r for r in snap["rank_check"] if r["split"] == "unseen"]
-    by_local = [r["variant"] for r in sorted(unseen, key=lambda r: (r["rank_local"], r["variant"]))]
-    by_kld = [r["variant"] for r in sorted(unseen, key=lambda r: (r["rank_kld"], r["variant"]))]
-    same = all(r["rank_local"] == r["rank_kld"] for r in unseen)
-    lines += ["", f"Best to worst by the unseen residual after ridge: {', '.join(by_local)}; by eval KLD: "
-              f"{', '.join(by_kld)} ({'the same order' if same else 'a different order'}, "
-              f"{len(unseen)} variants with dump-level metrics)."]
+    sets = [s for s in ("eval", "canary") if any(r["set"] == s for r in unseen)]
+    eval_rows = [r for r in unseen if r["set"] == sets[0]]
+    orders = []
+    for s in sets:
+        rows = [r for r in unseen if r["set"] == s]
+        same = all(r["rank_local"] == r["rank_kld"] for r in rows)
+        orders.append(f"by {s} KLD: {ranked(rows, 'rank_kld')} ({'the same order' if same else 'a different order'})")
+    lines += ["", f"Best to worst by the unseen residual after ridge ({len(eval_rows)} variants with dump-level "
+              f"metrics): {ranked(eval_rows, 'rank_local')}; {'; '.join(orders)}."]
     return "\n".join(lines)
 
 
