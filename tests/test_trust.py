@@ -236,3 +236,14 @@ def test_dump_without_unseen_trace_dumps_one(tmp_path, capsys):
     assert main(["dump", "-c", str(config)]) == 0
     dumped = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if ": /" in line]
     assert dumped == ["calibration"]
+
+
+def test_config_compare_adds_pairs_and_names_unknown_variants(tmp_path, capsys):
+    from moeheal.pipeline.stats import comparison_pairs
+
+    pairs = comparison_pairs(["unhealed", "a", "b", "c"], [0.0], extra=[("a", "c")])
+    assert ("a", 0.0, "c", 0.0) in pairs and ("a", 0.0, "b", 0.0) in pairs
+    config = write_world(tmp_path)
+    config.write_text(config.read_text().replace("[eval]\n", '[eval]\ncompare = [["v1", "nope"]]\n'))
+    assert main(["plan", "-c", str(config)]) == 2
+    assert "compare" in capsys.readouterr().err
