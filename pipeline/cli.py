@@ -8,6 +8,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from pathlib import Path
@@ -154,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -161,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     except MoehealError as exc:
         print(f"moeheal: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # a full disk or a read-only lake: the environment, not a bug
+        if exc.errno not in WRITE_ERRNOS:
+            raise
+        print(f"moeheal: error: {exc.filename or 'the lake'}: cannot write ({exc.strerror}); "
+              "nothing published changed", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("moeheal: interrupted; finished stages are kept, unfinished ones resume", file=sys.stderr)
         return 130

@@ -311,8 +311,10 @@ class HealRun:
                 if with_report:
                     write_report(publication, publication.report_dir)
                 return self.lake.publish(publication)
-            except BaseException:
+            except BaseException as exc:
                 publication.discard()
+                if isinstance(exc, OSError):
+                    exc.filename = exc.filename or str(publication.folder)
                 raise
 
     # ---- whole DAG, plan, report, export -------------------------------------------

@@ -22,7 +22,6 @@ for you).
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -215,11 +214,10 @@ class Lake(TableSet):
             log(f"[{stage}] computing {fingerprint[:12]}")
             try:
                 build(work)
-            except OSError as exc:
+            except OSError as exc:  # a full disk, say: no partial output stays behind (a resumable one is kept)
                 if not resume:
                     _remove(work)
-                if exc.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
-                    raise InputError(f"{exc.filename or work}: {stage}: cannot write ({exc.strerror})") from None
+                exc.filename = exc.filename or str(work)  # writes through file objects name no path
                 raise
             _remove(final)  # an incomplete or tampered output under this name
             os.replace(work, final)

@@ -1,0 +1,152 @@
+"""The lake under stress: two runs at once, a full disk, a read-only lake, a crashed lock holder.
+
+Real processes and real file systems: the concurrent runs are two `moeheal heal`
+processes, the full disk a small tmpfs, the read-only lake a read-only bind
+mount (both need root, as CI has; skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+
+from moeheal.pipeline.cli import main
+from moeheal.pipeline.config import load_config
+from moeheal.pipeline.heal import HealRun
+from moeheal.pipeline.lake import Lake
+from tests.healworld import write_world
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def published(lake: Path) -> dict[str, str]:
+    """SHA-256 of every published file (tables, report, DuckDB file) through the `current` link."""
+    root = lake.resolve()
+    files = sorted(p for name in ("tables", "report") for p in (root / name).resolve().rglob("*") if p.is_file())
+    files.append((root / "lake.duckdb").resolve())
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def heal_process(config: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "moeheal", "heal", "-c", str(config)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def evaluated_parts(config: Path, variant: str) -> Path:
+    """Where this config's evaluate stage of `variant` keeps its rows (planned, nothing run)."""
+    planned = {p.stage: p for p in HealRun(load_config(config), log=lambda m: None, plan=True).plan()}
+    return load_config(config).lake_root / "parts" / planned[f"evaluate:{variant}"].fingerprint
+
+
+def sibling_config(config: Path, dest: Path, old: str, new: str) -> Path:
+    """A copy of the world without its lake, one knob changed, publishing into the same lake."""
+    shutil.copytree(config.parent, dest, ignore=shutil.ignore_patterns("lake"))
+    lake = load_config(config).lake_root
+    text = (dest / config.name).read_text().replace('root = "lake"', f'root = "{lake}"')
+    assert old in text
+    (dest / config.name).write_text(text.replace(old, new))
+    return dest / config.name
+
+
+@pytest.fixture
+def mount_point(tmp_path):
+    """Yields a function mounting a file system at a fresh folder; everything is unmounted after."""
+    mounted: list[Path] = []
+
+    def mount(*args: str) -> Path:
+        target = tmp_path / f"mnt{len(mounted)}"
+        target.mkdir(exist_ok=True)
+        result = subprocess.run(["mount", *args, str(target)], capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount here: {result.stderr.strip()}")
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in reversed(mounted):
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def test_two_runs_on_one_lake_same_and_different_configs(tmp_path):
+    config = write_world(tmp_path / "a")
+    other = sibling_config(config, tmp_path / "b", 'name = "v1"\nbeta_gate_up = 0.5', 'name = "v1"\nbeta_gate_up = 0.8')
+    procs = [heal_process(config), heal_process(config), heal_process(other)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-2000:]
+        assert "Traceback" not in err
+    lake = load_config(config).lake_root
+    # the published set is one run's, whole: v1's rows are exactly one config's evaluate output
+    token_kld = pq.read_table(lake / "tables" / "token_kld.parquet")
+    published_v1 = token_kld.filter(token_kld.column("variant").to_numpy(zero_copy_only=False) == "v1")
+    candidates = [pq.read_table(evaluated_parts(c, "v1") / "token_kld.parquet") for c in (config, other)]
+    assert sum(published_v1.equals(c) for c in candidates) == 1
+    views = duckdb.connect(str(lake / "lake.duckdb"), read_only=True)
+    views.execute(f"SET file_search_path = '{lake}'")
+    assert views.execute("SELECT count(*) FROM comparisons").fetchone()[0] > 0
+    assert not list((lake / "tmp").glob("*.lock")) and not list((lake / "tmp").glob("publish-*"))
+
+
+def test_a_killed_lock_holder_does_not_block(tmp_path):
+    lake = Lake(tmp_path / "lake")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from moeheal.pipeline.lake import Lake\n"
+        f"with Lake({str(lake.root)!r}).lock('run'):\n    print('held', flush=True); time.sleep(60)")],
+        cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    told: list[str] = []
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    start = time.monotonic()
+    with lake.lock("run", on_wait=told.append):
+        pass
+    assert time.monotonic() - start < 5
+    assert not (lake.root / "tmp" / "run.lock").exists()
+
+
+def test_full_disk_mid_stage_changes_nothing_published(tmp_path, mount_point, capsys):
+    config = write_world(tmp_path / "w")
+    assert main(["heal", "-c", str(config)]) == 0
+    lake = load_config(config).lake_root
+    used = sum(max(p.lstat().st_blocks * 512, 4096) for p in lake.rglob("*"))  # what tmpfs will charge
+    disk = mount_point("-t", "tmpfs", "-o", f"size={used + (512 << 10)}", "tmpfs")
+    shutil.copytree(lake, disk / "lake", symlinks=True)
+    moved = sibling_config(config, tmp_path / "full", 'name = "v1"\nbeta_gate_up = 0.5',
+                           'name = "v1"\nbeta_gate_up = 0.9')
+    moved.write_text(moved.read_text().replace(f'root = "{lake}"', f'root = "{disk / "lake"}"'))
+    before = published(disk / "lake")
+    capsys.readouterr()
+    assert main(["heal", "-c", str(moved)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0] and str(disk) in err[0]
+    assert published(disk / "lake") == before
+    tmp = disk / "lake" / "tmp"
+    assert not list(tmp.glob("publish-*")) and not list(tmp.glob("*.lock"))
+    assert not [p for p in tmp.iterdir() if not p.name.startswith("dumps-")]  # no half-built output kept
+
+
+def test_read_only_lake_is_refused_with_the_path(tmp_path, mount_point, capsys):
+    config = write_world(tmp_path / "w")
+    assert main(["heal", "-c", str(config)]) == 0
+    lake = load_config(config).lake_root
+    before = published(lake)
+    ro = mount_point("--bind", "-o", "ro", str(lake))
+    moved = sibling_config(config, tmp_path / "ro", 'name = "v1"\nbeta_gate_up = 0.5',
+                           'name = "v1"\nbeta_gate_up = 0.9')
+    moved.write_text(moved.read_text().replace(f'root = "{lake}"', f'root = "{ro}"'))
+    capsys.readouterr()
+    assert main(["heal", "-c", str(moved)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Read-only file system" in err[0] and str(ro) in err[0]
+    assert published(lake) == before
