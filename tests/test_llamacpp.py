@@ -30,7 +30,8 @@ N_CTX = 256
 
 def llama_perplexity(model: Path, text_file: Path, chunks: int) -> float:
     """llama-perplexity's final estimate. Its log is written by a background thread that can
-    lose the last lines at exit, so a run whose output lacks them is repeated (up to 3 times)."""
+    lose the last lines at exit; then the running estimate after the last chunk (the same number)
+    is read, and a run that printed neither is repeated (up to 3 times)."""
     binary = Path(os.environ["LLAMA_CPP_DIR"]) / "bin" / "llama-perplexity"
     for _ in range(3):
         out = subprocess.run([str(binary), "-m", str(model), "-f", str(text_file), "-c", str(N_CTX), "-b",
@@ -40,6 +41,9 @@ def llama_perplexity(model: Path, text_file: Path, chunks: int) -> float:
         match = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
         if match:
             return float(match.group(1))
+        running = re.findall(r"\[(\d+)\]([0-9.]+),", out.stdout + out.stderr)  # the estimate after each chunk
+        if running and int(running[-1][0]) == chunks:
+            return float(running[-1][1])
     raise AssertionError(f"no final estimate in llama-perplexity's output: {(out.stdout + out.stderr)[-2000:]}")
 
 
