@@ -251,15 +251,23 @@ def _variant_order(snap: dict[str, list[Row]]) -> list[str]:
 
 
 def _pairs(snap: dict[str, list[Row]]) -> list[tuple[str, str]]:
-    """The ladder the README shows: consecutive variants in config order and, right after
-    the step that reaches it, the unhealed baseline against the last healed variant (the
-    best recipe so far, before any outside peer)."""
+    """The ladder the README shows: consecutive variants in config order and, right after the
+    step that reaches it, the unhealed baseline against the last variant of each run of healed
+    variants (the best recipe of that group, before the outside peer that follows it)."""
     order = _variant_order(snap)
-    pairs = list(zip(order, order[1:]))
-    healed = [r["variant"] for r in snap["variants"] if r["kind"] == "healed"]
-    if healed and (order[0], healed[-1]) not in pairs:
-        pairs.insert(order.index(healed[-1]), (order[0], healed[-1]))
+    kinds = {r["variant"]: r["kind"] for r in snap["variants"]}
+    pairs: list[tuple[str, str]] = []
+    for i, (a, b) in enumerate(zip(order, order[1:])):
+        pairs.append((a, b))
+        ends_run = kinds[b] == "healed" and (i + 2 == len(order) or kinds[order[i + 2]] != "healed")
+        if ends_run and a != order[0]:
+            pairs.append((order[0], b))
     return pairs
+
+
+def _compare_pairs(snap: dict[str, list[Row]]) -> list[tuple[str, str]]:
+    """The pairs the config asks for beyond the ladder (`[eval] compare`)."""
+    return [tuple(pair) for pair in json.loads(str(_settings(snap).get("compare", "[]")))]
 
 
 def render_windows(snap: dict[str, list[Row]]) -> str:
@@ -280,14 +288,14 @@ def render_windows(snap: dict[str, list[Row]]) -> str:
             f"the calibration trace. CIs: {settings['bootstrap']:,} bootstrap replicates.")
 
 
-def render_comparisons(snap: dict[str, list[Row]]) -> str:
+def render_comparisons(snap: dict[str, list[Row]], pairs: list[tuple[str, str]] | None = None) -> str:
     """Pooled comparisons at MoCE bonus 0, eval then canary set, all windows and clean windows."""
     index = {(r["set"], r["a"], r["b"]): r for r in snap["comparisons"]
              if r["moce_bonus_a"] == 0 and r["moce_bonus"] == 0}
     lines = ["| set | a → b | KLD a → b | Δ KLD, all windows | wins | Δ top-1 (pt) | Δ KLD, clean windows |",
              "|---|---|---|---|---|---|---|"]
     for set_name in ("eval", "canary"):
-        for a, b in _pairs(snap):
+        for a, b in (_pairs(snap) if pairs is None else pairs):
             r = index.get((set_name, a, b))
             if r is None:
                 continue
@@ -346,9 +354,15 @@ def render_moce(snap: dict[str, list[Row]]) -> str:
     return "\n".join(lines)
 
 
+def render_peers(snap: dict[str, list[Row]]) -> str:
+    """The config's own pairs (`[eval] compare`): each of our variants against its llama.cpp peer."""
+    return render_comparisons(snap, _compare_pairs(snap))
+
+
 RENDERERS: dict[str, Callable[[dict[str, list[Row]]], str]] = {
     "windows": render_windows,
     "comparisons": render_comparisons,
+    "peers": render_peers,
     "local": render_local,
     "moce": render_moce,
 }
@@ -381,7 +395,7 @@ def main() -> None:
     if wanted:
         lake = Lake(cfg.lake_root)
         settings = {"bootstrap": cfg.bootstrap, "ngram": cfg.ngram,
-                    "n_expert": GGUFModel(cfg.reference).hp.n_expert}
+                    "n_expert": GGUFModel(cfg.reference).hp.n_expert, "compare": json.dumps(cfg.compare)}
         write_snapshot(snapshot_lake(lake, settings), RESULTS / prefix)
         snap = read_snapshot(RESULTS / prefix)  # render from what the test will read back
         README.write_text(splice(readme, readme_blocks(prefix, snap, wanted)), encoding="utf-8")

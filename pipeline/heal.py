@@ -270,14 +270,15 @@ class HealRun:
     def variants_table(self) -> pa.Table:
         rows = [{"variant": "reference", "kind": "reference", "fingerprint": self.reference.digest()[:32],
                  "params": "{}", "gguf": str(self.cfg.reference)}]
-        for variant in self.all_quantized_variants():
-            result = self.assemble(variant)
-            rows.append({"variant": variant.name, "kind": variant.kind, "fingerprint": result.fingerprint,
-                         "params": json.dumps(variant.knobs(), sort_keys=True), "gguf": str(result.path)})
-        for variant in self.external_variants():
-            rows.append({"variant": variant.name, "kind": "external",
-                         "fingerprint": GGUFModel(variant.gguf).digest()[:32],
-                         "params": json.dumps(variant.knobs()), "gguf": str(variant.gguf)})
+        for variant in self.evaluated_variants():  # config order: the ladder every table follows
+            if variant.kind == "external":
+                rows.append({"variant": variant.name, "kind": "external",
+                             "fingerprint": GGUFModel(variant.gguf).digest()[:32],
+                             "params": json.dumps(variant.knobs()), "gguf": str(variant.gguf)})
+            else:
+                result = self.assemble(variant)
+                rows.append({"variant": variant.name, "kind": variant.kind, "fingerprint": result.fingerprint,
+                             "params": json.dumps(variant.knobs(), sort_keys=True), "gguf": str(result.path)})
         return pa.Table.from_pylist(rows)
 
     def stage_tables(self, publication: Publication) -> None:
