@@ -210,14 +210,14 @@ class HealRun:
                                                                up["dump"].path if up else None, params, self.log))
 
     def calibrate(self, variant: Variant) -> StageResult:
-        knobs = {k: variant.knobs()[k] for k in calibrate.CALIBRATE_KNOBS}
+        params = calibrate.CalibrateParams.of(variant, shared_expert=self.source.hp.d_shexp > 0)
         up = {"quantized": self.quantize(variant), "dump": self.dump("calibration")}
         if self.cfg.unseen_tokens:
             up["unseen"] = self.dump("unseen")
-        return self._stage(f"calibrate:{variant.name}", CALIBRATE, {"variant": variant.name, **knobs},
+        return self._stage(f"calibrate:{variant.name}", CALIBRATE, params,
                            {"source": self.cfg.source}, up, lambda out: calibrate.build_calibrate(
                                out, self.cfg.source, up["quantized"].path, up["dump"].path,
-                               up["unseen"].path if "unseen" in up else None, variant.name, knobs, self.log))
+                               up["unseen"].path if "unseen" in up else None, params, self.log))
 
     def assemble(self, variant: Variant) -> StageResult:
         up = {"calibrated": self.calibrate(variant)}

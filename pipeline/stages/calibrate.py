@@ -21,6 +21,7 @@ Per layer, on the calibration dump (in_sample) and on the unseen dump:
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,7 +41,28 @@ from moeheal.pipeline.progress import progress
 from moeheal.pipeline.stages.dump import open_dump
 from moeheal.pipeline.stages.quantize import EXPERT_TENSORS, load_quantized
 
-CALIBRATE_KNOBS = ("alpha", "ridge_rho", "ridge_eta", "shexp_down", "cal_tokens")
+OUTPUTS = ("layer_<i>.npz", "layer_metrics.parquet", "ridge_cv.parquet")
+
+
+@dataclass(frozen=True)
+class CalibrateParams:
+    """The knobs that reach healing. Without a shared expert there is no ridge and no requantized
+    shared down projection, so `ridge_rho`, `ridge_eta` and `shexp_down` are None (not fingerprinted)."""
+
+    variant: str  # names the rows of layer_metrics and ridge_cv
+    alpha: bool
+    cal_tokens: int
+    ridge_rho: float | None = None
+    ridge_eta: float | None = None
+    shexp_down: str | None = None
+
+    @classmethod
+    def of(cls, variant, shared_expert: bool) -> "CalibrateParams":
+        base = cls(variant=variant.name, alpha=variant.alpha, cal_tokens=variant.cal_tokens)
+        if not shared_expert:
+            return base
+        return cls(variant=variant.name, alpha=variant.alpha, cal_tokens=variant.cal_tokens,
+                   ridge_rho=variant.ridge_rho, ridge_eta=variant.ridge_eta, shexp_down=variant.shexp_down)
 DUMP_ARRAYS = ("mixed", "experts", "weights", "yr", "hh")
 RHO_GRID = (0.25, 1.0, 6.0, 24.0)
 CV_SPLITS = ("in_sample", "lobo4", "even_odd")
@@ -87,21 +109,22 @@ def _gated_hidden(source: GGUFModel, layer: int, data: dict[str, np.ndarray]) ->
     return data["hh"] * gate[:, None]  # (T, f)
 
 
-def calibrate_model(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, variant: str,
-                    knobs: dict[str, Any], log: Callable[[str], None] = print) -> None:
+def calibrate_model(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, params: CalibrateParams,
+                    log: Callable[[str], None] = print) -> None:
     """Write healed tensors (`layer_<i>.npz`), `layer_metrics.parquet` and `ridge_cv.parquet`."""
     out.mkdir(parents=True, exist_ok=True)
     splits = {"in_sample": cal, **({"unseen": unseen} if unseen is not None else {})}
     shared = source.hp.d_shexp > 0
+    variant = params.variant
     metrics, cv_rows = [], []
     for layer in progress(range(source.hp.n_layer), desc="calibrate", unit="layer"):
         arrays = load_quantized(quant_dir, layer)
-        in_sample_rows = slice(0, knobs["cal_tokens"] or None)  # the rows quantization saw
+        in_sample_rows = slice(0, params.cal_tokens or None)  # the rows quantization saw
         groups = {s: _load(d[str(layer)], in_sample_rows if s == "in_sample" else slice(None))
                   for s, d in splits.items()}
         y_ref = {s: g["yr"] for s, g in groups.items()}  # (T, d) each
         y_q = {s: _routed(dequantized_experts(arrays), g) for s, g in groups.items()}
-        alpha = fit_alpha(y_ref["in_sample"], y_q["in_sample"]) if knobs["alpha"] else 1.0
+        alpha = fit_alpha(y_ref["in_sample"], y_q["in_sample"]) if params.alpha else 1.0
         arrays["ffn_down_exps"] = scale_expert_scales(arrays, "ffn_down_exps", alpha, f"{variant}: layer {layer}")
         y_healed = {s: _routed(dequantized_experts(arrays), g) for s, g in groups.items()}
 
@@ -110,15 +133,15 @@ def calibrate_model(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
             w_down = source.tensor(f"blk.{layer}.ffn_down_shexp.weight")  # (d, f)
             z = {s: _gated_hidden(source, layer, g) for s, g in groups.items()}
             residual = y_ref["in_sample"] - y_healed["in_sample"]  # (T, d)
-            rho, eta = knobs["ridge_rho"], knobs["ridge_eta"]
+            rho, eta = params.ridge_rho, params.ridge_eta
             gram, cross, _, _ = ridge_stats(z["in_sample"], residual)
             rank = matrix_rank(gram)
             grid_rows, best_rho, applied = ridge_cv_rows(z["in_sample"], y_ref["in_sample"], y_q["in_sample"],
-                                                         gram, rank, rho, eta, refit_alpha=knobs["alpha"])
+                                                         gram, rank, rho, eta, refit_alpha=params.alpha)
             cv_rows += [{"variant": variant, "layer": layer, **r} for r in grid_rows]
             corrected = w_down + eta * solve_ridge(gram, cross, rho) if applied else w_down  # (d, f)
-            arrays["ffn_down_shexp"] = kernels.quantize(corrected, knobs["shexp_down"])
-            w_requant = kernels.dequantize(arrays["ffn_down_shexp"], knobs["shexp_down"], w_down.shape)
+            arrays["ffn_down_shexp"] = kernels.quantize(corrected, params.shexp_down)
+            w_requant = kernels.dequantize(arrays["ffn_down_shexp"], params.shexp_down, w_down.shape)
             shexp_delta = {s: z[s] @ (w_requant - w_down).T for s in groups}  # (T, d)
             if rho > 0:  # realized gain of the configured rho after requantization, per split
                 cv_rows += [{"variant": variant, "layer": layer, "rho": rho, "split": f"{s}_realized",
@@ -191,11 +214,11 @@ def assemble_gguf(out: Path, source: GGUFModel, calibrated: Path, variant: str, 
 
 
 def build_calibrate(out: Path, source: Path, quant_dir: Path, cal_dump: Path, unseen_dump: Path | None,
-                    variant: str, knobs: dict[str, Any], log: Callable[[str], None] = print) -> None:
+                    params: CalibrateParams, log: Callable[[str], None] = print) -> None:
     """The calibrate stage: alpha and ridge for one variant's quantized experts, on the dumps."""
     model = GGUFModel(source)
     calibrate_model(out, model, quant_dir, open_dump(cal_dump, model.hp),
-                    open_dump(unseen_dump, model.hp) if unseen_dump is not None else None, variant, knobs, log)
+                    open_dump(unseen_dump, model.hp) if unseen_dump is not None else None, params, log)
 
 
 def build_assembly(out: Path, source: Path, calibrated: Path, variant: str, params: dict[str, Any]) -> None:
