@@ -18,6 +18,7 @@ from moeheal.pipeline import codeid
 from moeheal.pipeline.cli import main
 from moeheal.pipeline.config import Variant, load_config
 from moeheal.pipeline.heal import STAGES, HealRun
+from moeheal.pipeline.stages.calibrate import CalibrateParams
 from moeheal.pipeline.stages.quantize import QuantizeParams
 from tests.healworld import write_world
 
@@ -166,6 +167,9 @@ def test_quantize_params_carry_only_knobs_that_reach_it():
     assert plain.beta_down is None and plain.cal_tokens is None
     gptq = QuantizeParams.of(Variant(name="d", kind="healed", round="gptq", gptq_damp=0.5))
     assert gptq.gptq_damp == 0.5 and gptq.beta_gate_up == 0.5
+    no_shared = CalibrateParams.of(Variant(name="e", kind="healed", ridge_rho=3.0), shared_expert=False)
+    assert no_shared.ridge_rho is None and no_shared.shexp_down is None
+    assert CalibrateParams.of(Variant(name="e", kind="healed", ridge_rho=3.0), shared_expert=True).ridge_rho == 3.0
 
 
 # ---- a failed run touches nothing published --------------------------------------------------
