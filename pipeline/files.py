@@ -42,7 +42,7 @@ def read_part(path: Path, columns: tuple[str, ...]) -> pa.Table:
     letting Arrow's error or a missing column surface as a traceback.
     """
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(path, page_checksum_verification=True)  # pages carry CRCs (write_parquet)
     except (OSError, pa.ArrowException) as exc:
         raise InputError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())[:160]})") from None
     missing = [c for c in columns if c not in table.schema.names]
