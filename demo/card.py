@@ -44,6 +44,8 @@ from moeheal.pipeline.tokenizer import build_tokenizer, encode
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+BENCH_RESULTS = REPO / "bench" / "RESULTS.md"
+DOCUMENTS = (README, BENCH_RESULTS)  # files whose card:<config>.<block> blocks render from a lake snapshot
 MODEL_CARD = REPO / "demo" / "model" / "MODEL_CARD.md"
 RESULTS = REPO / "demo" / "results"
 DEMO_GGUF = REPO / "demo" / "model" / "demo-q8_0.gguf"
@@ -390,18 +392,21 @@ def main() -> None:
     cfg = load_config(args.config)
     prefix = args.config.stem
 
-    readme = README.read_text(encoding="utf-8")
-    wanted = [n for n in blocks(readme) if n.partition(".")[0] == prefix]
-    if wanted:
+    texts = {doc: doc.read_text(encoding="utf-8") for doc in DOCUMENTS}
+    wanted = {doc: [n for n in blocks(text) if n.partition(".")[0] == prefix] for doc, text in texts.items()}
+    if any(wanted.values()):
         lake = Lake(cfg.lake_root)
         settings = {"bootstrap": cfg.bootstrap, "ngram": cfg.ngram,
                     "n_expert": GGUFModel(cfg.reference).hp.n_expert, "compare": json.dumps(cfg.compare)}
         write_snapshot(snapshot_lake(lake, settings), RESULTS / prefix)
         snap = read_snapshot(RESULTS / prefix)  # render from what the test will read back
-        README.write_text(splice(readme, readme_blocks(prefix, snap, wanted)), encoding="utf-8")
-        print(f"README.md: {', '.join(wanted)} from {cfg.lake_root} (snapshot demo/results/{prefix}/)")
+        for doc, names in wanted.items():
+            if names:
+                doc.write_text(splice(texts[doc], readme_blocks(prefix, snap, names)), encoding="utf-8")
+                print(f"{doc.relative_to(REPO)}: {', '.join(names)} from {cfg.lake_root} "
+                      f"(snapshot demo/results/{prefix}/)")
     else:
-        print(f"README.md marks no card:{prefix}.* block; nothing rendered from {cfg.lake_root}")
+        print(f"no document marks a card:{prefix}.* block; nothing rendered from {cfg.lake_root}")
 
     card = MODEL_CARD.read_text(encoding="utf-8")
     MODEL_CARD.write_text(splice(card, {CE_BLOCK: render_ce(eval_window_ce()), LOAD_BLOCK: render_expert_load()}),

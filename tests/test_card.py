@@ -14,10 +14,12 @@ from tests.test_demo import DEMO, load_script
 card = load_script("demo_card", DEMO / "card.py")
 
 
-def test_every_readme_block_matches_its_snapshot():
-    readme = card.blocks(card.README.read_text(encoding="utf-8"))
+@pytest.mark.parametrize("document", card.DOCUMENTS, ids=lambda d: d.name)
+def test_every_lake_block_matches_its_snapshot(document):
+    """README.md and bench/RESULTS.md: every card:<config>.<block> equals a render of the snapshot."""
+    readme = card.blocks(document.read_text(encoding="utf-8"))
     prefixes = {name.partition(".")[0] for name in readme}
-    assert prefixes, "README.md has no card: blocks"
+    assert prefixes, f"{document.name} has no card: blocks"
     for prefix in sorted(prefixes):
         folder = card.RESULTS / prefix
         assert folder.is_dir(), f"no snapshot {folder}: run `make heal` and `make card` for that config"
