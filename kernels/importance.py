@@ -14,6 +14,12 @@ and an expert sees only the tokens routed to it, often a few dozen. We compute
 the exact per-expert sum of h_c^2 over routed tokens and blend it with an
 analytic prior from the layer's diagonal input statistics, so thinly routed
 experts still get a sane weight.
+
+GPTQ Hessians may be router-weighted: a token contributes to expert e's
+H = E[x x^T] (and to down's E[h h^T]) in proportion to its routing weight w_te,
+the factor by which e's output enters the layer's output, so tokens that e
+barely serves cost less of its rounding budget. (The layer's output error
+scales with w_te^2; weighting by w_te is the milder, tempered choice.)
 """
 
 from __future__ import annotations
@@ -66,7 +72,12 @@ class ExpertStats:
     sum_x_sq (E, d): sum of x_j^2 (gate/up importance per expert, llama.cpp imatrix).
     sum_h_sq (E, f): sum of h_c^2 (down importance).
     sum_xx_t (E, d, d), sum_hh_t (E, f, f): sums of x x^T and h h^T (GPTQ
-    Hessians of gate/up and of down), None unless requested.
+    Hessians of gate/up and of down), None unless requested; with routing
+    weights, sums of w x x^T and w h h^T.
+    weight_sums (E,): sum of the routing weights w of e's pairs, the normaliser
+    of the weighted Hessian sums (see `hessian_mass`); None when unweighted.
+    The diagonal sums stay unweighted either way: they feed importance (and the
+    llama.cpp imatrix), a separate knob, so router weighting changes only H.
     """
 
     counts: np.ndarray
@@ -74,32 +85,45 @@ class ExpertStats:
     sum_h_sq: np.ndarray
     sum_xx_t: np.ndarray | None
     sum_hh_t: np.ndarray | None
+    weight_sums: np.ndarray | None = None
 
     def __add__(self, other: ExpertStats) -> ExpertStats:
         def add(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
             return a + b if a is not None and b is not None else None
 
+        if (self.weight_sums is None) != (other.weight_sums is None):
+            # the Hessian sums of the two would mix weighted and unweighted rows
+            raise ValueError("cannot add router-weighted and unweighted expert statistics")
         return ExpertStats(
             counts=self.counts + other.counts,
             sum_x_sq=self.sum_x_sq + other.sum_x_sq,
             sum_h_sq=self.sum_h_sq + other.sum_h_sq,
             sum_xx_t=add(self.sum_xx_t, other.sum_xx_t),
             sum_hh_t=add(self.sum_hh_t, other.sum_hh_t),
+            weight_sums=add(self.weight_sums, other.weight_sums),
         )
 
 
 def _expert_blocks(
-    experts: np.ndarray, n_expert: int, block_tokens: int, block_multiple: int = 16
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    experts: np.ndarray,
+    n_expert: int,
+    block_tokens: int,
+    block_multiple: int = 16,
+    pair_weights: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Group routed (token, expert) pairs into fixed-size single-expert blocks.
 
-    Returns block_expert (nb,), block_rows (nb, bt) token indices and
-    block_valid (nb, bt). Each expert's tokens fill ceil(n_e / bt) blocks, the
-    last one padded; nb is rounded up to a multiple of `block_multiple` with
-    empty blocks so that chunks of similar size reuse one compiled scan.
+    Returns block_expert (nb,), block_rows (nb, bt) token indices, block_valid
+    (nb, bt) and block_weight (nb, bt): each pair's weight in the Hessian sums,
+    its routing weight from `pair_weights` (N, k) if given, else 1; 0 on padding.
+    Each expert's tokens fill ceil(n_e / bt) blocks, the last one padded; nb is
+    rounded up to a multiple of `block_multiple` with empty blocks so that
+    chunks of similar size reuse one compiled scan.
     """
     n_tokens, k = experts.shape
     flat_expert = experts.reshape(-1).astype(np.int64)  # (N*k,)
+    flat_weight = (np.ones(n_tokens * k, np.float32) if pair_weights is None
+                   else np.asarray(pair_weights, np.float32).reshape(-1))  # (N*k,)
     flat_token = np.repeat(np.arange(n_tokens), k)  # (N*k,)
     order = np.argsort(flat_expert, kind="stable")  # (N*k,)
     sorted_expert, sorted_token = flat_expert[order], flat_token[order]  # (N*k,)
@@ -115,9 +139,11 @@ def _expert_blocks(
     block_expert[:n_blocks] = np.repeat(np.arange(n_expert), blocks_per_expert)
     block_rows = np.zeros((n_padded, block_tokens), dtype=np.int32)  # (nb, bt)
     block_valid = np.zeros((n_padded, block_tokens), dtype=bool)  # (nb, bt)
+    block_weight = np.zeros((n_padded, block_tokens), dtype=np.float32)  # (nb, bt)
     block_rows[block, pos % block_tokens] = sorted_token
     block_valid[block, pos % block_tokens] = True
-    return block_expert, block_rows, block_valid
+    block_weight[block, pos % block_tokens] = flat_weight[order]
+    return block_expert, block_rows, block_valid, block_weight
 
 
 @partial(jax.jit, static_argnames=("with_hessians",))
@@ -128,6 +154,7 @@ def _blocked_expert_sums(
     block_expert: jax.Array,
     block_rows: jax.Array,
     block_valid: jax.Array,
+    block_weight: jax.Array,
     with_hessians: bool,
 ) -> tuple[jax.Array, ...]:
     """Scan over single-expert token blocks: one (bt, d) x (d, f) product per block.
@@ -135,20 +162,22 @@ def _blocked_expert_sums(
     Memory is one block's activations plus the per-expert sums, not
     (N, k, f, d) gathered weights; work is the routed tokens' own matmuls plus
     padding of at most one block per expert. The (E, d, d) and (E, f, f) sums
-    are scan carries updated in place.
+    are scan carries updated in place. Each row enters the Hessian sums scaled
+    by its block_weight (1 when unweighted, an exact multiply), the diagonal
+    sums unscaled.
     """
     n_expert, width, d_model = w_gate.shape
 
-    def block_step(carry: tuple[jax.Array, ...], block: tuple[jax.Array, jax.Array, jax.Array]):
+    def block_step(carry: tuple[jax.Array, ...], block: tuple[jax.Array, ...]):
         sum_x_sq, sum_h_sq, sum_xx_t, sum_hh_t = carry
-        expert, rows, valid = block  # (), (bt,), (bt,)
+        expert, rows, valid, weight = block  # (), (bt,), (bt,), (bt,)
         xb = jnp.where(valid[:, None], x[rows], 0.0)  # (bt, d) padding rows are zero, so h = 0 there
         hidden = jax.nn.silu(xb @ w_gate[expert].T) * (xb @ w_up[expert].T)  # (bt, f)
         sum_x_sq = sum_x_sq.at[expert].add(jnp.sum(xb * xb, axis=0))  # (E, d)
         sum_h_sq = sum_h_sq.at[expert].add(jnp.sum(hidden * hidden, axis=0))  # (E, f)
         if with_hessians:
-            sum_xx_t = sum_xx_t.at[expert].add(xb.T @ xb)  # (E, d, d)
-            sum_hh_t = sum_hh_t.at[expert].add(hidden.T @ hidden)  # (E, f, f)
+            sum_xx_t = sum_xx_t.at[expert].add((xb * weight[:, None]).T @ xb)  # (E, d, d) += (d, bt) @ (bt, d)
+            sum_hh_t = sum_hh_t.at[expert].add((hidden * weight[:, None]).T @ hidden)  # (E, f, f) += (f, bt) @ (bt, f)
         return (sum_x_sq, sum_h_sq, sum_xx_t, sum_hh_t), None
 
     hessian_shapes = ((n_expert, d_model, d_model), (n_expert, width, width)) if with_hessians else ((0,), (0,))
@@ -158,7 +187,7 @@ def _blocked_expert_sums(
         jnp.zeros(hessian_shapes[0], jnp.float32),
         jnp.zeros(hessian_shapes[1], jnp.float32),
     )
-    sums, _ = jax.lax.scan(block_step, init, (block_expert, block_rows, block_valid))
+    sums, _ = jax.lax.scan(block_step, init, (block_expert, block_rows, block_valid, block_weight))
     return sums
 
 
@@ -169,18 +198,24 @@ def expert_hidden_stats(
     experts: np.ndarray,
     with_hessians: bool = True,
     block_tokens: int = 128,
+    routing_weights: np.ndarray | None = None,
 ) -> ExpertStats:
     """Exact per-expert statistics of the routed tokens: see `ExpertStats`.
 
     w_gate, w_up (E, f, d); x (N, d) the layer's MoE inputs (after ffn_norm);
-    experts (N, k) the routing. Routing weights are not applied (they scale
-    W_down's output, not any expert matrix's input). Results are additive over
-    token chunks (`ExpertStats.__add__`), so a dump can be streamed chunk by
-    chunk. Sums are float32, accumulated per block of `block_tokens` tokens.
+    experts (N, k) the routing. routing_weights (N, k), the router's weight of
+    each chosen expert, if given weight each pair's rows in the Hessian sums
+    and fill `weight_sums`; the activations and the diagonal sums never see
+    them (they scale W_down's output, not any expert matrix's input). Results
+    are additive over token chunks (`ExpertStats.__add__`), so a dump can be
+    streamed chunk by chunk. Sums are float32, accumulated per block of
+    `block_tokens` tokens; weight_sums float64.
     """
     n_expert = w_gate.shape[0]
     routing = np.asarray(experts)  # (N, k)
-    block_expert, block_rows, block_valid = _expert_blocks(routing, n_expert, block_tokens)
+    block_expert, block_rows, block_valid, block_weight = _expert_blocks(
+        routing, n_expert, block_tokens, pair_weights=routing_weights
+    )
     sum_x_sq, sum_h_sq, sum_xx_t, sum_hh_t = _blocked_expert_sums(
         jnp.asarray(w_gate, jnp.float32),
         jnp.asarray(w_up, jnp.float32),
@@ -188,14 +223,19 @@ def expert_hidden_stats(
         jnp.asarray(block_expert),
         jnp.asarray(block_rows),
         jnp.asarray(block_valid),
+        jnp.asarray(block_weight),
         with_hessians,
     )
+    weight_sums = None if routing_weights is None else np.bincount(
+        routing.reshape(-1), weights=np.asarray(routing_weights, np.float64).reshape(-1), minlength=n_expert
+    )  # (E,)
     return ExpertStats(
         counts=np.bincount(routing.reshape(-1), minlength=n_expert).astype(np.int64),
         sum_x_sq=np.asarray(sum_x_sq),
         sum_h_sq=np.asarray(sum_h_sq),
         sum_xx_t=np.asarray(sum_xx_t) if with_hessians else None,
         sum_hh_t=np.asarray(sum_hh_t) if with_hessians else None,
+        weight_sums=weight_sums,
     )
 
 
@@ -284,9 +324,33 @@ def pooled_second_moment(sum_xx_t: np.ndarray, counts: np.ndarray) -> np.ndarray
 
     Every token is counted once per chosen expert, k times in both sums, so for
     x this is the plain mean over the layer's tokens; for h (which differs per
-    expert) it is the mean over routed (token, expert) pairs. (E, n, n), (E,) -> (n, n).
+    expert) it is the mean over routed (token, expert) pairs. With router-weighted
+    sums and `counts` the weight sums, it is the same mean weighted by w.
+    (E, n, n), (E,) -> (n, n); all-zero counts give zeros.
     """
-    return (np.sum(sum_xx_t, axis=0, dtype=np.float64) / max(int(np.sum(counts)), 1)).astype(np.float32)
+    total = float(np.sum(counts, dtype=np.float64))
+    return (np.sum(sum_xx_t, axis=0, dtype=np.float64) / (total if total > 0 else 1.0)).astype(np.float32)
+
+
+def hessian_mass(stats: ExpertStats, shrink: float) -> tuple[np.ndarray, float]:
+    """The normaliser of each expert's Hessian sums and the shrink pseudo-count in the same unit.
+
+    Unweighted: (counts, shrink), shrink counted in tokens. Router-weighted:
+    the normaliser is weight_sums W_e = sum_{t->e} w_te, so the expert's own
+    part of H is the weighted mean sum w x x^T / W_e, and the pseudo-count is
+    shrink * wbar, wbar = sum_e W_e / sum_e n_e the layer's mean pair weight.
+    That is `shrink_hessian` on effective counts W_e / wbar (in tokens of
+    average weight, sum_e W_e / wbar = sum_e n_e): `gptq_shrink` keeps its
+    meaning in tokens, so turning weighting on does not also make the shrink
+    about 1/wbar (~k) times stronger, as raw weight sums would. An expert whose
+    tokens weight it less than average counts as fewer tokens and leans more
+    on the layer's H. (E,) float64 and a float.
+    """
+    if stats.weight_sums is None:
+        return np.asarray(stats.counts, np.float64), shrink
+    total_weight = float(np.sum(stats.weight_sums))
+    mean_weight = total_weight / max(int(np.sum(stats.counts)), 1)
+    return np.asarray(stats.weight_sums, np.float64), shrink * mean_weight
 
 
 def shrink_hessian(sum_xx_t: np.ndarray, counts: np.ndarray, h_layer: np.ndarray, shrink: float) -> np.ndarray:
@@ -298,7 +362,8 @@ def shrink_hessian(sum_xx_t: np.ndarray, counts: np.ndarray, h_layer: np.ndarray
     essentially the layer's H (its own few tokens would give a rank-deficient,
     noisy H); one with n_e >> shrink keeps its own. An expert with no tokens
     and shrink 0 gets h_layer. Damping is applied afterwards, by
-    `kernels.gptq.damp_hessian`. Works the same for down's h h^T.
+    `kernels.gptq.damp_hessian`. Works the same for down's h h^T, and for
+    router-weighted sums with counts and shrink from `hessian_mass`.
     sum_xx_t (E, n, n), counts (E,), h_layer (n, n) -> (E, n, n) float32.
     """
     n = np.asarray(counts, dtype=np.float64)[:, None, None]  # (E, 1, 1)

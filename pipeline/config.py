@@ -38,6 +38,7 @@ class Variant:
     round: str = "ls"
     gptq_damp: float = 1.0
     gptq_shrink: float = 64.0
+    gptq_router_weighted: bool = False  # weight each token's share of an expert's H by its routing weight
     importance: bool = True
     cal_tokens: int = 0  # 0 = the whole calibration dump; else its first cal_tokens rows
     gguf: Path | None = None
@@ -56,6 +57,7 @@ class Variant:
             "down_blend_tokens": self.down_blend_tokens, "alpha": self.alpha,
             "ridge_rho": self.ridge_rho, "ridge_eta": self.ridge_eta, "shexp_down": self.shexp_down,
             "round": self.round, "gptq_damp": self.gptq_damp, "gptq_shrink": self.gptq_shrink,
+            "gptq_router_weighted": self.gptq_router_weighted,
             "importance": self.importance, "cal_tokens": self.cal_tokens,
         }
 
@@ -118,7 +120,7 @@ _SCHEMA: dict[str, set[str]] = {
     "moce": {"bonus", "cache_experts", "reps"},
     "variant": {"name", "quant", "beta_gate_up", "beta_down", "down_blend_tokens", "alpha",
                 "ridge_rho", "ridge_eta", "shexp_down", "round", "gptq_damp", "gptq_shrink",
-                "importance", "cal_tokens", "gguf"},
+                "gptq_router_weighted", "importance", "cal_tokens", "gguf"},
 }
 
 
@@ -187,6 +189,7 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any]) -> Varia
         round=r.choice("round", ROUNDINGS, "ls"),
         gptq_damp=r.number("gptq_damp", float, 1.0, 0.0),
         gptq_shrink=r.number("gptq_shrink", float, 64.0, 0.0),
+        gptq_router_weighted=r.get("gptq_router_weighted", bool, False),
         importance=r.get("importance", bool, True),
         cal_tokens=r.number("cal_tokens", int, 0, 0, 1 << 26),
     )
@@ -211,6 +214,7 @@ def _quant(r: _Reader) -> str | tuple[tuple[str, str], ...]:
 _CONDITIONAL_KNOBS = {
     "gptq_damp": (lambda v: v.round == "gptq", 'is only used with round = "gptq"'),
     "gptq_shrink": (lambda v: v.round == "gptq", 'is only used with round = "gptq"'),
+    "gptq_router_weighted": (lambda v: v.round == "gptq", 'is only used with round = "gptq"'),
     "beta_gate_up": (lambda v: v.importance, "has no effect with importance = false"),
     "beta_down": (lambda v: v.importance, "has no effect with importance = false"),
     "down_blend_tokens": (lambda v: v.importance, "has no effect with importance = false"),

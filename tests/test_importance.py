@@ -17,6 +17,7 @@ from moeheal.kernels.importance import (
     expert_hidden_stats,
     gate_up_importance,
     gaussian_silu_moments,
+    hessian_mass,
     pooled_second_moment,
     shrink_hessian,
 )
@@ -26,21 +27,25 @@ def silu(v: np.ndarray) -> np.ndarray:
     return v * special.expit(v)
 
 
-def loop_expert_stats(w_gate, w_up, x, experts):
-    """Token-by-token float64 reference for expert_hidden_stats: (counts, sum_x_sq, sum_h_sq, sum_xx_t, sum_hh_t)."""
+def loop_expert_stats(w_gate, w_up, x, experts, routing_weights=None):
+    """Token-by-token float64 reference for expert_hidden_stats:
+    (counts, sum_x_sq, sum_h_sq, sum_xx_t, sum_hh_t, weight_sums), the Hessian sums weighted by
+    routing_weights (N, k) when given, the diagonal sums never."""
     n_expert, width, d_model = w_gate.shape
-    counts = np.zeros(n_expert, dtype=np.int64)
+    weights = np.ones(experts.shape) if routing_weights is None else routing_weights.astype(np.float64)
+    counts, weight_sums = np.zeros(n_expert, dtype=np.int64), np.zeros(n_expert)
     sum_x_sq, sum_h_sq = np.zeros((n_expert, d_model)), np.zeros((n_expert, width))
     sum_xx_t, sum_hh_t = np.zeros((n_expert, d_model, d_model)), np.zeros((n_expert, width, width))
-    for token, chosen in zip(x.astype(np.float64), experts):
-        for e in chosen:
+    for token, chosen, chosen_weights in zip(x.astype(np.float64), experts, weights):
+        for e, w in zip(chosen, chosen_weights):
             h = silu(w_gate[e].astype(np.float64) @ token) * (w_up[e].astype(np.float64) @ token)  # (f,)
             counts[e] += 1
+            weight_sums[e] += w
             sum_x_sq[e] += token * token
             sum_h_sq[e] += h * h
-            sum_xx_t[e] += np.outer(token, token)
-            sum_hh_t[e] += np.outer(h, h)
-    return counts, sum_x_sq, sum_h_sq, sum_xx_t, sum_hh_t
+            sum_xx_t[e] += w * np.outer(token, token)
+            sum_hh_t[e] += w * np.outer(h, h)
+    return counts, sum_x_sq, sum_h_sq, sum_xx_t, sum_hh_t, weight_sums
 
 
 def random_layer(rng: np.random.Generator, n_expert=6, width=8, d_model=12, n_tokens=90, k=2):
@@ -71,13 +76,79 @@ def test_expert_hidden_stats_match_token_loop(block_tokens: int) -> None:
     rng = np.random.default_rng(0)
     w_gate, w_up, x, experts = random_layer(rng)
     got = expert_hidden_stats(w_gate, w_up, x, experts, block_tokens=block_tokens)
-    counts, sum_x_sq, sum_h_sq, sum_xx_t, sum_hh_t = loop_expert_stats(w_gate, w_up, x, experts)
+    counts, sum_x_sq, sum_h_sq, sum_xx_t, sum_hh_t, _ = loop_expert_stats(w_gate, w_up, x, experts)
+    assert got.weight_sums is None
     np.testing.assert_array_equal(got.counts, counts)
     assert got.counts[5] == 0 and np.all(got.sum_h_sq[5] == 0) and np.all(got.sum_xx_t[5] == 0)
     np.testing.assert_allclose(got.sum_x_sq, sum_x_sq, rtol=2e-5, atol=1e-5)
     np.testing.assert_allclose(got.sum_h_sq, sum_h_sq, rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(got.sum_xx_t, sum_xx_t, rtol=2e-5, atol=1e-4)
     np.testing.assert_allclose(got.sum_hh_t, sum_hh_t, rtol=2e-5, atol=1e-5)
+
+
+def softmax_routing_weights(rng: np.random.Generator, n_tokens: int, k: int) -> np.ndarray:
+    """Top-k router weights as a softmax gives them: positive, uneven, at most 1 per token."""
+    logits = rng.normal(size=(n_tokens, k + 4)) * 2.0
+    probs = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)  # (N, k + 4)
+    return np.sort(probs, axis=1)[:, ::-1][:, :k].astype(np.float32)  # (N, k)
+
+
+@pytest.mark.parametrize("block_tokens", [4, 128])
+def test_router_weighted_hessian_sums_match_token_loop(block_tokens: int) -> None:
+    rng = np.random.default_rng(5)
+    w_gate, w_up, x, experts = random_layer(rng)
+    routing_weights = softmax_routing_weights(rng, len(x), experts.shape[1])
+    got = expert_hidden_stats(w_gate, w_up, x, experts, block_tokens=block_tokens, routing_weights=routing_weights)
+    counts, sum_x_sq, sum_h_sq, sum_xx_t, sum_hh_t, weight_sums = loop_expert_stats(
+        w_gate, w_up, x, experts, routing_weights)
+    np.testing.assert_array_equal(got.counts, counts)
+    np.testing.assert_allclose(got.weight_sums, weight_sums, rtol=1e-6)
+    assert got.weight_sums[5] == 0 and np.all(got.sum_xx_t[5] == 0)
+    np.testing.assert_allclose(got.sum_xx_t, sum_xx_t, rtol=2e-5, atol=1e-4)
+    np.testing.assert_allclose(got.sum_hh_t, sum_hh_t, rtol=2e-5, atol=1e-5)
+    # importance statistics are not router-weighted
+    np.testing.assert_allclose(got.sum_x_sq, sum_x_sq, rtol=2e-5, atol=1e-5)
+    np.testing.assert_allclose(got.sum_h_sq, sum_h_sq, rtol=2e-5, atol=1e-6)
+    # weighted and additive over chunks; never mixed with unweighted sums
+    parts = expert_hidden_stats(w_gate, w_up, x[:37], experts[:37], routing_weights=routing_weights[:37]) + \
+        expert_hidden_stats(w_gate, w_up, x[37:], experts[37:], routing_weights=routing_weights[37:])
+    for field in ("weight_sums", "sum_x_sq", "sum_h_sq", "sum_xx_t", "sum_hh_t"):
+        np.testing.assert_allclose(getattr(parts, field), getattr(got, field), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="router-weighted"):
+        _ = got + expert_hidden_stats(w_gate, w_up, x, experts)
+
+
+def test_router_weighted_hessian_is_a_weighted_mean_shrunk_in_average_tokens() -> None:
+    rng = np.random.default_rng(6)
+    w_gate, w_up, x, experts = random_layer(rng)
+    routing_weights = softmax_routing_weights(rng, len(x), experts.shape[1]).astype(np.float64)
+    weighted = expert_hidden_stats(w_gate, w_up, x, experts, routing_weights=routing_weights)
+    plain = expert_hidden_stats(w_gate, w_up, x, experts)
+    counts, shrink = hessian_mass(plain, 8.0)
+    np.testing.assert_array_equal(counts, plain.counts)
+    assert shrink == 8.0
+    mass, pseudo = hessian_mass(weighted, 8.0)
+    mean_weight = routing_weights.sum() / routing_weights.size
+    assert pseudo == pytest.approx(8.0 * mean_weight, rel=1e-12)
+    h_layer = pooled_second_moment(weighted.sum_xx_t, mass)
+    x64 = x.astype(np.float64)
+    token_weight = routing_weights.sum(axis=1)  # (N,) a token's weight summed over its k experts
+    np.testing.assert_allclose(h_layer, (x64.T * token_weight) @ x64 / token_weight.sum(), rtol=1e-5, atol=1e-6)
+    shrunk = shrink_hessian(weighted.sum_xx_t, mass, h_layer, pseudo)
+    for e in range(w_gate.shape[0]):
+        w = np.where(experts == e, routing_weights, 0.0).sum(axis=1)  # (N,) each token's weight for e
+        effective = w.sum() / mean_weight  # e's tokens in units of the layer's mean pair weight
+        own = (x64.T * w) @ x64 / max(w.sum(), 1e-300)  # (d, d) the weighted mean of x x^T
+        expected = (effective * own + 8.0 * h_layer) / (effective + 8.0)
+        np.testing.assert_allclose(shrunk[e], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(shrunk[5], h_layer, rtol=1e-6)  # unrouted expert: the layer's H
+    # equal weights everywhere give exactly the unweighted Hessians: the knob changes the mix, not the scale
+    uniform = expert_hidden_stats(w_gate, w_up, x, experts, routing_weights=np.full(experts.shape, 0.25))
+    u_mass, u_pseudo = hessian_mass(uniform, 8.0)
+    np.testing.assert_allclose(
+        shrink_hessian(uniform.sum_hh_t, u_mass, pooled_second_moment(uniform.sum_hh_t, u_mass), u_pseudo),
+        shrink_hessian(plain.sum_hh_t, counts, pooled_second_moment(plain.sum_hh_t, counts), shrink),
+        rtol=1e-5, atol=1e-7)
 
 
 def test_expert_hidden_stats_are_additive_over_chunks() -> None:

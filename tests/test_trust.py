@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pytest
 
 from moeheal.pipeline import codeid
@@ -149,6 +150,8 @@ def test_plan_after_heal_is_all_cached(world, capsys):
     ('round = "gptq"\ngptq_damp = 0.0', "gptq_damp"),
     ('round = "ls"\ngptq_damp = 0.5', "gptq_damp"),
     ('round = "ls"\ngptq_shrink = 8', "gptq_shrink"),
+    ('round = "ls"\ngptq_router_weighted = true', "gptq_router_weighted"),
+    ('round = "gptq"\ngptq_router_weighted = 1', "gptq_router_weighted"),
     ("importance = false\nbeta_down = 0.3", "beta_down"),
     ("ridge_rho = 0.0\nridge_eta = 0.5", "ridge_eta"),
 ])
@@ -162,14 +165,32 @@ def test_knobs_without_effect_are_input_errors(tmp_path, capsys, knobs, key):
 def test_quantize_params_carry_only_knobs_that_reach_it():
     ls = QuantizeParams.of(Variant(name="a", kind="healed", round="ls", gptq_damp=5.0))
     assert ls == QuantizeParams.of(Variant(name="b", kind="healed", round="ls"))
-    assert ls.gptq_damp is None and ls.beta_down == 0.5
+    assert ls.gptq_damp is None and ls.gptq_router_weighted is None and ls.beta_down == 0.5
     plain = QuantizeParams.of(Variant(name="c", kind="healed", importance=False, beta_down=2.0))
     assert plain.beta_down is None and plain.cal_tokens is None
     gptq = QuantizeParams.of(Variant(name="d", kind="healed", round="gptq", gptq_damp=0.5))
-    assert gptq.gptq_damp == 0.5 and gptq.beta_gate_up == 0.5
+    assert gptq.gptq_damp == 0.5 and gptq.beta_gate_up == 0.5 and gptq.gptq_router_weighted is False
     no_shared = CalibrateParams.of(Variant(name="e", kind="healed", ridge_rho=3.0), shared_expert=False)
     assert no_shared.ridge_rho is None and no_shared.shexp_down is None
     assert CalibrateParams.of(Variant(name="e", kind="healed", ridge_rho=3.0), shared_expert=True).ridge_rho == 3.0
+
+
+def test_router_weighted_hessians_change_the_quantized_bytes(tmp_path):
+    """`gptq_router_weighted` reaches the GPTQ Hessians: same world, same dump, different block bytes."""
+    variants = "".join(f'[[variant]]\nname = "{name}"\nround = "gptq"\ngptq_shrink = 4\n'
+                       f"gptq_router_weighted = {flag}\n" for name, flag in (("plain", "false"), ("routed", "true")))
+    path = write_world(tmp_path, variants=variants)
+    path.write_text(path.read_text().replace("tokens = 1024", "tokens = 256"))  # one sequence: a fast dump
+    config = load_config(path)
+    run = HealRun(config, log=lambda m: None)
+    paths = {v.name: run.quantize(v).path for v in config.variants}
+    assert paths["plain"] != paths["routed"]
+    for layer in (0, 1):
+        plain, routed = (np.load(paths[name] / f"layer_{layer}.npz") for name in ("plain", "routed"))
+        for tensor in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+            assert plain[tensor].shape == routed[tensor].shape
+            assert not np.array_equal(plain[tensor], routed[tensor]), (layer, tensor)
+            np.testing.assert_array_equal(plain[f"{tensor}.importance"], routed[f"{tensor}.importance"])
 
 
 # ---- a failed run touches nothing published --------------------------------------------------

@@ -13,6 +13,9 @@ inconsistencies fixed and both exponents explicit):
 - round = "gptq": per expert H_e = E[x x^T] over its routed tokens, shrunk to
   the layer's H with `gptq_shrink` pseudo-tokens and damped by `gptq_damp`
   times its mean diagonal (for down, x is the expert's hidden activation h).
+  With `gptq_router_weighted`, each token's x x^T (and h h^T) counts with its
+  routing weight for e, H_e is the weighted mean, and the shrink pseudo-count
+  is in tokens of the layer's mean routing weight (`importance.hessian_mass`).
 
 Without importance (the `unhealed` baseline) every weight counts the same and
 the dump is not read at all. `cal_tokens` > 0 uses only the first rows of the
@@ -56,6 +59,7 @@ class QuantizeParams:
     cal_tokens: int | None = None
     gptq_damp: float | None = None
     gptq_shrink: float | None = None
+    gptq_router_weighted: bool | None = None
 
     @classmethod
     def of(cls, variant) -> "QuantizeParams":
@@ -67,7 +71,8 @@ class QuantizeParams:
         return cls(quant=variant.formats(), round=variant.round, importance=True,
                    beta_gate_up=variant.beta_gate_up, beta_down=variant.beta_down,
                    down_blend_tokens=variant.down_blend_tokens, cal_tokens=variant.cal_tokens,
-                   gptq_damp=variant.gptq_damp if gptq else None, gptq_shrink=variant.gptq_shrink if gptq else None)
+                   gptq_damp=variant.gptq_damp if gptq else None, gptq_shrink=variant.gptq_shrink if gptq else None,
+                   gptq_router_weighted=variant.gptq_router_weighted if gptq else None)
 
 
 def expert_weights(model: GGUFModel, layer: int) -> dict[str, np.ndarray]:
@@ -80,12 +85,18 @@ def _damped(hessians: np.ndarray, damp: float) -> np.ndarray:
 
 
 def layer_importance(weights: dict[str, np.ndarray], mixed: np.ndarray, experts: np.ndarray,
-                     params: QuantizeParams) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
-    """Per tensor: (importance (E, cols), damped hessians (E, cols, cols) or None)."""
+                     routing_weights: np.ndarray, params: QuantizeParams
+                     ) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
+    """Per tensor: (importance (E, cols), damped hessians (E, cols, cols) or None).
+
+    routing_weights (N, k) beside experts (N, k) reach the Hessians only with
+    `gptq_router_weighted`; importance never uses them.
+    """
     gate, up = weights["ffn_gate_exps"], weights["ffn_up_exps"]
     n_expert = gate.shape[0]
     gptq = params.round == "gptq"
-    stats = imp.expert_hidden_stats(gate, up, mixed, experts, with_hessians=gptq)
+    stats = imp.expert_hidden_stats(gate, up, mixed, experts, with_hessians=gptq,
+                                    routing_weights=routing_weights if params.gptq_router_weighted else None)
     mean_sq_x = np.mean(np.square(mixed, dtype=np.float64), axis=0)  # (d,)
     gate_up = imp.gate_up_importance(mean_sq_x, params.beta_gate_up)  # (d,)
     gate_up = np.broadcast_to(gate_up, (n_expert, gate_up.shape[0]))  # (E, d)
@@ -94,12 +105,11 @@ def layer_importance(weights: dict[str, np.ndarray], mixed: np.ndarray, experts:
                                params.beta_down)  # (E, f)
     h_x = h_h = None
     if gptq:
-        layer_x = imp.pooled_second_moment(stats.sum_xx_t, stats.counts)  # (d, d) the layer's E[x x^T]
-        layer_h = imp.pooled_second_moment(stats.sum_hh_t, stats.counts)  # (f, f) over routed pairs
-        h_x = _damped(imp.shrink_hessian(stats.sum_xx_t, stats.counts, layer_x, params.gptq_shrink),
-                      params.gptq_damp)
-        h_h = _damped(imp.shrink_hessian(stats.sum_hh_t, stats.counts, layer_h, params.gptq_shrink),
-                      params.gptq_damp)
+        mass, shrink = imp.hessian_mass(stats, params.gptq_shrink)  # (E,) counts or weight sums, pseudo-count
+        layer_x = imp.pooled_second_moment(stats.sum_xx_t, mass)  # (d, d) the layer's E[x x^T]
+        layer_h = imp.pooled_second_moment(stats.sum_hh_t, mass)  # (f, f) over routed pairs
+        h_x = _damped(imp.shrink_hessian(stats.sum_xx_t, mass, layer_x, shrink), params.gptq_damp)
+        h_h = _damped(imp.shrink_hessian(stats.sum_hh_t, mass, layer_h, shrink), params.gptq_damp)
     return {"ffn_gate_exps": (gate_up, h_x), "ffn_up_exps": (gate_up, h_x), "ffn_down_exps": (down, h_h)}
 
 
@@ -112,7 +122,8 @@ def quantize_model(out: Path, source: GGUFModel, dump_root, params: QuantizePara
         if dump_root is not None:
             group = dump_root[str(layer)]
             rows = slice(0, params.cal_tokens or None)  # a prefix: the trace interleaves strata
-            plan = layer_importance(weights, group["mixed"][rows], group["experts"][rows], params)
+            plan = layer_importance(weights, group["mixed"][rows], group["experts"][rows], group["weights"][rows],
+                                    params)
         else:
             plan = {name: (None, None) for name in EXPERT_TENSORS}
         arrays: dict[str, np.ndarray] = {}
