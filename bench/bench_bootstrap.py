@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 
 import duckdb
 import numpy as np
@@ -96,17 +95,6 @@ def interval(sums: np.ndarray) -> tuple[float, float, float, float]:
     return (*np.quantile(delta, [0.025, 0.975]), *np.quantile(top1, [0.025, 0.975]))
 
 
-def cpu_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """Least process CPU time (every thread) of `repeats` calls: on a shared machine the wall
-    clock also counts other people's work, CPU time does not."""
-    times = []
-    for _ in range(repeats):
-        start = time.process_time()
-        fn()
-        times.append(time.process_time() - start)
-    return min(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -126,8 +114,8 @@ def main() -> None:
         assert np.allclose(got, want[(r["subset"], r["stratum"])], rtol=1e-9, atol=1e-9), (r, want)
     ours = best_of(lambda: stats.compare(con, pairs, N_BOOT, SEED), args.repeats)
     theirs = best_of(lambda: numpy_bootstrap(kld, overlap, N_BOOT, SEED), args.repeats)
-    ours_cpu = cpu_seconds(lambda: stats.compare(con, pairs, N_BOOT, SEED), args.repeats)
-    theirs_cpu = cpu_seconds(lambda: numpy_bootstrap(kld, overlap, N_BOOT, SEED), args.repeats)
+    ours_cpu = best_of(lambda: stats.compare(con, pairs, N_BOOT, SEED), args.repeats, clock=time.process_time)
+    theirs_cpu = best_of(lambda: numpy_bootstrap(kld, overlap, N_BOOT, SEED), args.repeats, clock=time.process_time)
 
     print(f"windows: {N_WINDOWS:,} in {len(STRATA)} strata ({sum(overlap.column('clean').to_pylist())} clean); "
           f"replicates: {N_BOOT:,}; arms: {len(ARMS)}; rows: {len(sql_rows)}; DuckDB threads: {args.threads}")
