@@ -32,7 +32,7 @@ when a sub-block starts (``gptq_*`` methods, see ``gptq.py``).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp

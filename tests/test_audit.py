@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from moeheal import kernels
-import moeheal.kernels.ngram
+import moeheal.kernels.ngram  # noqa: F401  (binds kernels.ngram, monkeypatched below)
 from moeheal.pipeline import audit
 from moeheal.pipeline.errors import AuditViolation, InputError
 

@@ -17,7 +17,6 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from moeheal.kernels.ngram import ngram_hashes
 from moeheal.pipeline.errors import InputError
