@@ -9,8 +9,10 @@ written. Two kinds of block:
   the scored tokens of the demo's eval windows, per stratum, recomputed from
   the GGUF and the windows with the pipeline's own runner. It depends on
   nothing in the lake, so a test recomputes it.
-- ``card:expert-load`` (MODEL_CARD.md): the per-layer expert shares that training
-  logged (``demo/model/train_log.json``), checked the same way.
+- ``card:expert-load``, ``card:training`` and ``card:heldout-ce`` (MODEL_CARD.md):
+  the per-layer expert shares, the run's facts and the held-out cross-entropy
+  per stratum that training logged (``demo/model/train_log.json``) and the
+  export checked (``demo/model/export_check.json``), checked the same way.
 - ``card:<config>.<block>`` (README.md), ``<config>`` being the config's file
   stem (``heal`` for demo/heal.toml): rendered from the lake of that config
   with the report's own queries (``sql/report_*.sql``), so the README and
@@ -53,9 +55,12 @@ DEMO_DOCS = REPO / "demo" / "docs.jsonl"
 DEMO_WINDOWS = REPO / "demo" / "windows.csv"
 DEMO_CONFIG = REPO / "demo" / "heal.toml"
 TRAIN_LOG = REPO / "demo" / "model" / "train_log.json"
+EXPORT_CHECK = REPO / "demo" / "model" / "export_check.json"
 
 CE_BLOCK = "eval-window-ce"
 LOAD_BLOCK = "expert-load"
+TRAINING_BLOCK = "training"
+HELDOUT_BLOCK = "heldout-ce"
 MARKER = re.compile(r"<!-- card:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /card:(?P=name) -->", re.DOTALL)
 Row = dict[str, object]
 
@@ -133,19 +138,50 @@ def render_ce(ce: dict[str, float]) -> str:
 def render_expert_load(log_path: Path = TRAIN_LOG, config: Path = DEMO_CONFIG) -> str:
     """The training log's per-layer expert shares, and what they mean for the demo's calibration trace."""
     log = json.loads(log_path.read_text(encoding="utf-8"))
-    loads = log["expert_load"]  # [layer][expert]: share of top-k routing slots
-    n_expert = len(loads[0])
+    loads = np.asarray(log["expert_load"])  # (L, E): share of top-k routing slots per expert
+    n_expert = loads.shape[1]
+    uniform = 1 / n_expert
     top_k = GGUFModel(DEMO_GGUF).hp.n_expert_used
-    lines = [f"Share of top-{top_k} routing slots per expert on the {log['heldout_tokens_scored']:,} held-out tokens",
-             f"scored at the end of training (uniform = {1 / n_expert:.4f}):", "",
-             f"| layer | min | max | shares (experts 0–{n_expert - 1}) |", "|---|---|---|---|"]
-    for layer, shares in enumerate(loads):
-        cells = " ".join(f"{s:.3f}".removeprefix("0") for s in shares)
-        lines.append(f"| {layer} | {min(shares):.3f} | {max(shares):.3f} | {cells} |")
     cal_tokens = load_config(config).cal_tokens
-    least = min(loads[0]) * cal_tokens * top_k
-    lines += ["", f"At these shares a calibration trace of {cal_tokens:,} tokens routes about {least:.0f} tokens",
-              "to the least-used layer-0 expert."]
+    lines = [f"Share of top-{top_k} routing slots per expert on the {log['heldout_tokens_scored']:,} held-out tokens",
+             f"scored at the end of training (uniform = 1/{n_expert} = {uniform:.4f}); the last columns are the",
+             f"routed tokens a calibration trace of {cal_tokens:,} tokens gives each layer's least- and most-used",
+             "expert at these shares:", "",
+             "| layer | min | median | max | experts under uniform/4 | coefficient of variation "
+             "| trace tokens, least-used | trace tokens, most-used |", "|---|---|---|---|---|---|---|---|"]
+    for layer, shares in enumerate(loads):
+        rare = int((shares < uniform / 4).sum())
+        cv = shares.std() / shares.mean()
+        lines.append(f"| {layer} | {shares.min():.4f} | {np.median(shares):.4f} | {shares.max():.4f} | {rare} "
+                     f"| {cv:.2f} | {shares.min() * cal_tokens * top_k:,.0f} | {shares.max() * cal_tokens * top_k:,.0f} |")
+    return "\n".join(lines)
+
+
+def render_training(log_path: Path = TRAIN_LOG) -> str:
+    """What the committed training run did, from its log."""
+    log = json.loads(log_path.read_text(encoding="utf-8"))
+    rows = [("device, torch, experts kernel", f"{log['device']}, torch {log['torch']}, `{log['experts_kernel']}`"),
+            ("parameters", f"{log['parameters']:,}"),
+            ("steps × batch × sequence", f"{log['steps']:,} × {log['batch']} × {log['seq']}"),
+            ("tokens seen", f"{log['tokens_seen']:,} ({log['tokens_seen'] / log['train_tokens_available']:.1f} "
+                            f"passes over {log['train_tokens_available']:,} training tokens)"),
+            ("training time", f"{log['train_seconds']:.0f} s ({log['wall_seconds']:.0f} s for the whole script)"),
+            ("train loss (mean of the last 10 logged batches)", f"{log['train_loss']:.3f} nats/token"),
+            ("held-out loss, all strata (bf16, at the end of training)",
+             f"{log['heldout_loss']:.3f} nats/token over {log['heldout_tokens_scored']:,} tokens")]
+    return "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
+
+
+def render_heldout_ce(log_path: Path = TRAIN_LOG, check_path: Path = EXPORT_CHECK) -> str:
+    """Held-out cross-entropy per stratum: at the end of training, and the export's fp32/Q8_0 check."""
+    log = json.loads(log_path.read_text(encoding="utf-8"))
+    check = json.loads(check_path.read_text(encoding="utf-8"))["heldout_ce"]
+    lines = ["| stratum | end of training, bf16 (tokens) | fp32 source (tokens) | Q8_0 GGUF, same tokens |",
+             "|---|---|---|---|"]
+    for stratum, row in check.items():
+        lines.append(f"| {stratum} | {log['heldout_loss_by_stratum'][stratum]:.3f} "
+                     f"({log['heldout_tokens_by_stratum'][stratum]:,}) | {row['source_fp32']:.3f} ({row['tokens']:,}) "
+                     f"| {row['q8_0_gguf']:.3f} |")
     return "\n".join(lines)
 
 
@@ -384,6 +420,12 @@ def readme_blocks(prefix: str, snap: dict[str, list[Row]], names: Iterable[str])
 
 # --- command line ---------------------------------------------------------------------------
 
+def model_card_blocks() -> dict[str, str]:
+    """Every block of MODEL_CARD.md, from the model, the demo's windows and the training files."""
+    return {CE_BLOCK: render_ce(eval_window_ce()), LOAD_BLOCK: render_expert_load(),
+            TRAINING_BLOCK: render_training(), HELDOUT_BLOCK: render_heldout_ce()}
+
+
 def main() -> None:
     """Snapshot the config's lake, then rewrite the README's and the model card's blocks."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -409,9 +451,9 @@ def main() -> None:
         print(f"no document marks a card:{prefix}.* block; nothing rendered from {cfg.lake_root}")
 
     card = MODEL_CARD.read_text(encoding="utf-8")
-    MODEL_CARD.write_text(splice(card, {CE_BLOCK: render_ce(eval_window_ce()), LOAD_BLOCK: render_expert_load()}),
-                          encoding="utf-8")
-    print(f"{MODEL_CARD.relative_to(REPO)}: {CE_BLOCK}, {LOAD_BLOCK}")
+    rendered = model_card_blocks()
+    MODEL_CARD.write_text(splice(card, rendered), encoding="utf-8")
+    print(f"{MODEL_CARD.relative_to(REPO)}: {', '.join(rendered)}")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,16 @@
 
 The demo needs a real Mixture-of-Experts model whose experts are worth
 quantizing and healing, small enough to commit (Q8_0 GGUF <= 25 MB) and to run
-on a laptop CPU. Shape constraints come from the formats: every matrix row is
-a multiple of 256 weights (TQ2_0 and IQ4_NL blocks), 16 routed experts with
-top-2 routing, and a shared expert, as in Qwen1.5-MoE.
+on a laptop CPU, and shaped like the models people quantize: many routed
+experts with several active per token, so that some experts see few
+calibration tokens, plus a shared expert (as in Qwen1.5-MoE and Qwen3-Next).
+Shape constraints come from the formats: every matrix row is a multiple of 256
+weights (the 256-weight blocks of TQ2_0, the k-quants and the i-quants), so
+the hidden size and the expert width are both 256; 32 routed experts with
+top-4 routing then cost 6.3M weights per layer, and three layers, a shared
+expert as wide as a routed one (as in Qwen3-Next and DeepSeek-V3) and a 6,144
+token vocabulary fit the 25 MB budget at Q8_0. The embeddings stay untied:
+llama.cpp's qwen2moe requires its own ``output.weight``.
 
 Load balance is enforced per layer: transformers' auxiliary loss balances the
 expert load summed over all layers, which can leave a single layer with nearly
@@ -17,10 +24,10 @@ The schedule is by wall-clock time (warmup, then cosine decay to 10% over
 Before training, each available experts kernel is timed for a few steps and
 the fastest one that works is used.
 
-Inputs: ``--data`` holds ``tokens.npz`` from ``gather_text.py``. Outputs in
+Inputs: ``--data`` holds ``tokens.npz`` from ``encode.py``. Outputs in
 ``--out``: ``config.json``, ``model-0000N.safetensors`` (fp16 shards, each
-under 15 MB) and ``train_log.json`` (tokens seen, losses, time, per-layer
-expert load).
+under 15 MB) and ``train_log.json`` (tokens seen, losses, held-out
+cross-entropy per stratum, time, per-layer expert load).
 """
 
 from __future__ import annotations
@@ -45,17 +52,17 @@ def demo_config(tiny: bool) -> Qwen2MoeConfig:
     """The demo model's architecture (``tiny``: a CPU-sized variant for testing the script)."""
     hidden = 64 if tiny else 256
     return Qwen2MoeConfig(
-        vocab_size=8192,
+        vocab_size=6144,
         hidden_size=hidden,
-        num_hidden_layers=2 if tiny else 4,
+        num_hidden_layers=2 if tiny else 3,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=hidden // 4,
         intermediate_size=2 * hidden,
         moe_intermediate_size=hidden,
-        shared_expert_intermediate_size=2 * hidden,
-        num_experts=4 if tiny else 16,
-        num_experts_per_tok=2,
+        shared_expert_intermediate_size=hidden,
+        num_experts=8 if tiny else 32,
+        num_experts_per_tok=4,
         norm_topk_prob=False,
         decoder_sparse_step=1,
         max_position_embeddings=2048,
@@ -275,9 +282,15 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
     data = np.load(args.data / "tokens.npz")
     tokens = torch.from_numpy(data["train"].astype(np.int32)).to(device)  # (N,)
-    heldout = torch.from_numpy(data["heldout"].astype(np.int32)).to(device)  # (M,)
-    eval_batches = heldout_batches(heldout, args.seq, args.heldout_seqs, max(1, args.batch // 2))
-    print(f"device={device} train_tokens={tokens.numel()} heldout_tokens={heldout.numel()}", flush=True)
+    # The same number of held-out windows from every stratum: the overall held-out loss and the
+    # expert load weigh the strata equally, and each stratum's loss is reported on its own.
+    strata = sorted(k.removeprefix("heldout_") for k in data.files if k.startswith("heldout_"))
+    stratum_batches = {s: heldout_batches(torch.from_numpy(data[f"heldout_{s}"].astype(np.int32)).to(device),
+                                          args.seq, args.heldout_seqs // len(strata), max(1, args.batch // 2))
+                       for s in strata}
+    eval_batches = [b for s in strata for b in stratum_batches[s]]
+    heldout_tokens = int(data["heldout"].size)
+    print(f"device={device} train_tokens={tokens.numel()} heldout_tokens={heldout_tokens}", flush=True)
 
     kernel = pick_experts_kernel(tokens, args)
     print(f"using experts kernel {kernel}", flush=True)
@@ -298,6 +311,7 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     result = train(model, tokens, args, seconds=args.minutes * 60.0, max_steps=args.max_steps)
     heldout_loss, load = evaluate(model, eval_batches, device.type == "cuda")
+    stratum_loss = {s: evaluate(model, batches, device.type == "cuda")[0] for s, batches in stratum_batches.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(args.out)
     shards = save_shards(model, args.out)
@@ -314,6 +328,9 @@ def main() -> None:
         "train_loss": result.train_loss,
         "heldout_loss": heldout_loss,
         "heldout_tokens_scored": sum(b[:, 1:].numel() for b in eval_batches),
+        "heldout_loss_by_stratum": stratum_loss,
+        "heldout_tokens_by_stratum": {s: sum(b[:, 1:].numel() for b in batches)
+                                      for s, batches in stratum_batches.items()},
         "train_seconds": round(result.seconds, 1),
         "wall_seconds": round(time.perf_counter() - wall0, 1),
         "expert_load": load,
@@ -324,8 +341,8 @@ def main() -> None:
         "shards": shards,
     }
     (args.out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
-    print(json.dumps({k: log[k] for k in ("steps", "tokens_seen", "train_loss", "heldout_loss", "train_seconds",
-                                          "expert_load_min", "expert_load_max")}), flush=True)
+    print(json.dumps({k: log[k] for k in ("steps", "tokens_seen", "train_loss", "heldout_loss", "heldout_loss_by_stratum",
+                                          "train_seconds", "expert_load_min", "expert_load_max")}), flush=True)
 
 
 if __name__ == "__main__":
