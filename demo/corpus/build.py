@@ -24,7 +24,8 @@ Steps:
    decompressed; text must be UTF-8; nothing else is changed, not even line
    ends) and cut them at blank lines (else line ends) into pieces of about
    1,000-6,000 characters (Japanese 1,000-4,000); pieces under 600
-   characters are dropped. A source with a character cap keeps a seeded
+   characters are dropped, and so are ``ja`` pieces of which under 10% of
+   the characters are Japanese (untranslated parts, markup). A source with a character cap keeps a seeded
    sample of whole files up to the cap, so no single package dominates;
 3. de-duplicate: exactly (SHA-256 of the whitespace-normalised text) and
    near-exactly with MinHash: 128 hash functions over shingles of 16
@@ -150,6 +151,9 @@ SOURCES: tuple[Source, ...] = (
     Source("ja", "debian", "manpages-ja", "0.5.0.0.20221215+dfsg-1",
            ("usr/share/man/ja/*.gz",), MANPAGES_JA_LICENCE,
            "Japanese translations of the Linux man pages by the JM project (troff sources as shipped)"),
+    Source("ja", "debian", "manpages-ja-dev", "0.5.0.0.20221215+dfsg-1",
+           ("usr/share/man/ja/*.gz",), MANPAGES_JA_LICENCE,
+           "the JM project's Japanese translations of the system-call and library man pages"),
     Source("ja", "debian", "developers-reference-ja", "12.18",
            ("usr/share/developers-reference/ja/developers-reference.txt.gz",), "GPL-2.0-only",
            "Japanese translation of the Debian Developer's Reference (plain-text edition)"),
@@ -180,6 +184,8 @@ PIECE_SIZES: dict[str, tuple[int, int, int]] = {  # stratum -> (min, target, max
     "ja": (1000, 2500, 4000), "persona": (1000, 4000, 6000),
 }
 MIN_DOC_CHARS = 600
+JA_MIN_SHARE = 0.10  # ja pieces need this share of kana/kanji/full-width characters (drops untranslated parts)
+JAPANESE_CHAR = re.compile(r"[\u3040-\u30ff\u4e00-\u9fff\uff00-\uffef]")
 DEMO_LENGTH: dict[str, tuple[int, int]] = {"ja": (1200, 3000)}  # default (1500, 5000)
 DEMO_SOURCE_SHARE = 0.10  # a source gives at most this share of its characters to the demo
 DEMO_SMALL_FILE = 32_000  # demo documents come from files up to this size first (less text withheld)
@@ -360,8 +366,15 @@ def read_source(src: Source, version: str, root: Path) -> list[Doc]:
     docs = []
     for rel, text, sha in files:
         for start, end in slice_text(text, PIECE_SIZES[src.stratum]):
-            docs.append(Doc(src, version, rel, start, end, text[start:end], sha))
+            piece = text[start:end]
+            if src.stratum != "ja" or japanese_share(piece) >= JA_MIN_SHARE:
+                docs.append(Doc(src, version, rel, start, end, piece, sha))
     return docs
+
+
+def japanese_share(text: str) -> float:
+    """Share of the characters that are kana, kanji or full-width forms."""
+    return len(JAPANESE_CHAR.findall(text)) / max(1, len(text))
 
 
 # --------------------------------------------------------------------------- de-duplication
