@@ -150,7 +150,7 @@ def test_manifest_rows_found_again_in_cached_packages() -> None:
     sources = {s.package: s for s in build.SOURCES}
     for r in random.Random(0).sample(rows, 12):
         src = sources[r["package"]]
-        root = build.source_dir(src) / "unpacked"
+        root = build.source_dir(src, r["version"]) / "unpacked"
         if not root.exists():
             pytest.skip(f"{src.package} not cached")
         raw = (root / r["path"]).read_bytes()

