@@ -98,6 +98,18 @@ def cmd_imatrix(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_recipe(args: argparse.Namespace) -> int:
+    import shlex
+
+    from moeheal.pipeline.config import load_config
+    from moeheal.pipeline.heal import HealRun
+
+    run = HealRun(load_config(args.config), log=lambda message: print(message, file=sys.stderr))
+    print(shlex.join(run.llama_quantize_command(args.variant, Path(args.imatrix), Path(args.out) if args.out else None,
+                                                args.llama_quantize)))
+    return 0
+
+
 def cmd_import_dump(args: argparse.Namespace) -> int:
     run = _pipeline(args)
     print(run.import_dump(Path(args.spec).resolve()).path)
@@ -126,6 +138,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "eval": (cmd_eval, "KLD and top-1 of every variant against the reference (publishes the tables)"),
     "report": (cmd_report, "write report.md and plots from the lake's tables"),
     "imatrix": (cmd_imatrix, "write the calibration statistics as a llama.cpp imatrix GGUF"),
+    "recipe": (cmd_recipe, "print the llama-quantize command line that makes a variant's recipe with llama.cpp"),
     "import-dump": (cmd_import_dump, "import raw float32 dumps made by another engine"),
     "sql": (cmd_sql, "query the lake's views"),
     "export": (cmd_export, "reviewer bundle: tables as Parquet + report + plots"),
@@ -145,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "plan":
             p.add_argument("--format", choices=("table", "json"), default="table",
                            help="json: a list of {stage, fingerprint, status}")
+        if name == "recipe":
+            p.add_argument("--variant", required=True, help="a [[variant]] name of the config")
+            p.add_argument("--imatrix", default="imatrix.gguf",
+                           help="importance matrix for llama-quantize (make it with `moeheal imatrix`); "
+                                "left out for a variant without importance")
+            p.add_argument("--out", help="the GGUF llama-quantize writes (default: VARIANT-llama.gguf)")
+            p.add_argument("--llama-quantize", default="llama-quantize", help="the llama-quantize binary")
         if name == "import-dump":
             p.add_argument("spec", help="TOML naming the raw files: trace, T, d, f, k, [[layers]]")
         if name == "sql":

@@ -17,6 +17,8 @@ from moeheal.kernels import FORMATS
 from moeheal.pipeline.errors import InputError
 
 ROUNDINGS = ("ls", "gptq")
+# `budget_roles`: which tensors a `budget_bpw` covers (and the allocation chooses formats for).
+BUDGET_ROLES = ("routed",)
 # `quant = { gate = ..., up = ..., down = ... }`: the routed-expert tensor of each role.
 EXPERT_ROLES = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 
@@ -41,10 +43,24 @@ class Variant:
     gptq_router_weighted: bool = False  # weight each token's share of an expert's H by its routing weight
     importance: bool = True
     cal_tokens: int = 0  # 0 = the whole calibration dump; else its first cal_tokens rows
+    budget_bpw: float | None = None  # set: one format per (layer, role) chosen from `candidates` under this budget
+    candidates: tuple[str, ...] = ()  # `formats = [...]`: the formats the allocation may choose from
+    budget_roles: str = "routed"  # which tensors the budget covers (BUDGET_ROLES)
     gguf: Path | None = None
 
+    @property
+    def budgeted(self) -> bool:
+        return self.budget_bpw is not None
+
+    def candidate_formats(self) -> tuple[str, ...]:
+        """Every format this variant's routed experts may be written in."""
+        return self.candidates if self.budgeted else tuple(sorted(set(self.formats().values())))
+
     def formats(self) -> dict[str, str]:
-        """The format of each routed-expert tensor: {"ffn_gate_exps": "q2_k", ...}."""
+        """The format of each routed-expert tensor: {"ffn_gate_exps": "q2_k", ...} (one per role for
+        every layer; a budget variant's come from its allocation, per layer)."""
+        if self.budgeted:
+            raise ValueError(f"{self.name}: a budget variant's formats are chosen per layer by its allocation")
         per_role = dict(self.quant) if isinstance(self.quant, tuple) else dict.fromkeys(EXPERT_ROLES, self.quant)
         return {tensor: per_role[role] for role, tensor in EXPERT_ROLES.items()}
 
@@ -52,8 +68,12 @@ class Variant:
         """The parameters that define what this variant computes (its fingerprint input)."""
         if self.kind == "external":
             return {"gguf": str(self.gguf)}
+        if self.budgeted:
+            quant = {"budget_bpw": self.budget_bpw, "formats": list(self.candidates), "budget_roles": self.budget_roles}
+        else:
+            quant = {"quant": self.quant if isinstance(self.quant, str) else dict(self.quant)}
         return {
-            "quant": self.quant if isinstance(self.quant, str) else dict(self.quant), "beta_gate_up": self.beta_gate_up, "beta_down": self.beta_down,
+            **quant, "beta_gate_up": self.beta_gate_up, "beta_down": self.beta_down,
             "down_blend_tokens": self.down_blend_tokens, "alpha": self.alpha,
             "ridge_rho": self.ridge_rho, "ridge_eta": self.ridge_eta, "shexp_down": self.shexp_down,
             "round": self.round, "gptq_damp": self.gptq_damp, "gptq_shrink": self.gptq_shrink,
@@ -120,7 +140,7 @@ _SCHEMA: dict[str, set[str]] = {
     "moce": {"bonus", "cache_experts", "reps"},
     "variant": {"name", "quant", "beta_gate_up", "beta_down", "down_blend_tokens", "alpha",
                 "ridge_rho", "ridge_eta", "shexp_down", "round", "gptq_damp", "gptq_shrink",
-                "gptq_router_weighted", "importance", "cal_tokens", "gguf"},
+                "gptq_router_weighted", "importance", "cal_tokens", "budget_bpw", "formats", "budget_roles", "gguf"},
 }
 
 
@@ -176,9 +196,11 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any]) -> Varia
         if extra:
             r.fail(extra[0], "an external variant (gguf = ...) takes no healing knobs")
         return Variant(name=name, kind="external", gguf=r.path("gguf", base))
+    budget = _budget(r)
     variant = Variant(
         name=name, kind="healed",
-        quant=_quant(r),
+        quant="tq2_0" if budget else _quant(r),
+        **budget,
         beta_gate_up=r.number("beta_gate_up", float, 0.5, 0.0, 4.0),
         beta_down=r.number("beta_down", float, 0.5, 0.0, 4.0),
         down_blend_tokens=r.number("down_blend_tokens", float, 16.0, 0.0),
@@ -210,6 +232,34 @@ def _quant(r: _Reader) -> str | tuple[tuple[str, str], ...]:
     return value if isinstance(value, str) else tuple((role, per_role[role]) for role in EXPERT_ROLES)
 
 
+def _budget(r: _Reader) -> dict[str, Any]:
+    """`budget_bpw = 2.3`, `formats = [...]`, `budget_roles`: the allocation's knobs (empty without a budget).
+
+    The formats are registered names, each once; the budget must admit the
+    cheapest of them everywhere. `quant` has no effect beside a budget.
+    """
+    if "budget_bpw" not in r.table:
+        for key in ("formats", "budget_roles"):
+            if key in r.table:
+                r.fail(key, "has no effect without budget_bpw")
+        return {}
+    if "quant" in r.table:
+        r.fail("quant", "has no effect with budget_bpw: the allocation chooses each tensor's format from `formats`")
+    budget = r.number("budget_bpw", float, None, 0.0)
+    candidates = r.get("formats", list, required=True)
+    if not candidates or not all(isinstance(f, str) for f in candidates) or len(set(candidates)) != len(candidates):
+        r.fail("formats", f"expected a non-empty list of distinct format names, got {candidates!r}")
+    for fmt in candidates:
+        if fmt not in FORMATS:
+            r.fail("formats", f"{fmt!r} is not one of {', '.join(sorted(FORMATS))}")
+    cheapest = min(candidates, key=lambda f: FORMATS[f].bits_per_weight)
+    if budget < FORMATS[cheapest].bits_per_weight:
+        r.fail("budget_bpw", f"{budget!r} bits per weight is infeasible: the cheapest of formats, {cheapest}, "
+                             f"takes {FORMATS[cheapest].bits_per_weight:g}")
+    return {"budget_bpw": budget, "candidates": tuple(candidates),
+            "budget_roles": r.choice("budget_roles", BUDGET_ROLES, "routed")}
+
+
 # Knobs that only reach the computation under a condition, and that condition.
 _CONDITIONAL_KNOBS = {
     "gptq_damp": (lambda v: v.round == "gptq", 'is only used with round = "gptq"'),
@@ -226,7 +276,7 @@ def _refuse_knobs_without_effect(r: _Reader, variant: Variant) -> None:
     """A knob set in the file that cannot change the output is an error, never silently ignored."""
     if variant.round == "gptq" and not variant.importance:
         r.fail("round", '"gptq" needs calibration statistics (H = E[x x^T]), but importance = false')
-    for fmt in sorted(set(variant.formats().values())):
+    for fmt in variant.candidate_formats():
         if variant.round == "gptq" and not FORMATS[fmt].supports_gptq:
             r.fail("round", f'"gptq" is not defined for {fmt} (no per-block scales to fix as columns go)')
     if variant.round == "gptq" and variant.gptq_damp <= 0:
@@ -285,6 +335,11 @@ def load_config(path: str | Path) -> Config:
         raise InputError(f"{file}: [[variant]]: must be an array of tables")
     variants = tuple(_variant(file, base, i, t) for i, t in enumerate(variants_raw))
     names = [v.name for v in variants]
+    if cal.table.get("unseen_tokens", 8192) == 0:
+        for i, v in enumerate(variants):
+            if v.budgeted:
+                raise InputError(f"{file}: [variant[{i}]] budget_bpw: needs [calibration] unseen_tokens > 0 "
+                                 "(the sensitivity of each tensor is measured on the unseen dump)")
     for name in names:
         if names.count(name) > 1 or name == UNHEALED.name:
             raise InputError(f"{file}: [[variant]] name: {name!r} is reserved or used twice")

@@ -513,6 +513,10 @@ class GGUFModel:
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
+    def tensor_sizes(self) -> dict[str, tuple[GGMLQuantizationType, int, int]]:
+        """Every tensor's (ggml type, number of weights, bytes stored), as the file's header says."""
+        return {name: (t.tensor_type, int(t.n_elements), int(t.n_bytes)) for name, t in self._tensors.items()}
+
     def metadata(self, key: str, default: Any = None) -> Any:
         """A KV value as a Python scalar, string or list; `default` when absent."""
         field = self._reader.get_field(key)

@@ -31,7 +31,7 @@ from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import read_part
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.lake import Lake, Publication, StageResult
-from moeheal.pipeline.stages import calibrate, corpus, dump, evaluate, quantize
+from moeheal.pipeline.stages import calibrate, corpus, dump, evaluate, quantize, sensitivity
 from moeheal.pipeline.tokenizer import build_tokenizer
 
 _STAGES = "moeheal.pipeline.stages"
@@ -41,14 +41,16 @@ WINDOWS = Stage("windows", "parts", "", f"{_STAGES}.corpus")
 AUDIT = Stage("audit", "parts", "", "moeheal.pipeline.audit")
 DUMP = Stage("dump", "dumps", ".zarr", f"{_STAGES}.dump", resumable=True)
 IMPORT_DUMP = Stage("import-dump", "dumps", ".zarr", f"{_STAGES}.dump")
+SENSITIVITY = Stage("sensitivity", "parts", "", f"{_STAGES}.sensitivity")
+ALLOCATE = Stage("allocate", "parts", "", f"{_STAGES}.sensitivity")
 QUANTIZE = Stage("quantize", "quant", "", f"{_STAGES}.quantize")
 CALIBRATE = Stage("calibrate", "quant", "", f"{_STAGES}.calibrate")
 ASSEMBLE = Stage("assemble", "models", ".gguf", f"{_STAGES}.calibrate")
 REFERENCE = Stage("reference-logits", "parts", "", f"{_STAGES}.evaluate")
 EVALUATE = Stage("evaluate", "parts", "", f"{_STAGES}.evaluate")
 COMPARISONS = Stage("comparisons", "parts", "", "moeheal.pipeline.stats")
-STAGES = (CORPUS, TRACES, WINDOWS, AUDIT, DUMP, IMPORT_DUMP, QUANTIZE, CALIBRATE, ASSEMBLE, REFERENCE, EVALUATE,
-          COMPARISONS)
+STAGES = (CORPUS, TRACES, WINDOWS, AUDIT, DUMP, IMPORT_DUMP, SENSITIVITY, ALLOCATE, QUANTIZE, CALIBRATE, ASSEMBLE,
+          REFERENCE, EVALUATE, COMPARISONS)
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
                   "tokenizer.ggml.token_type")
 
@@ -89,7 +91,8 @@ class HealRun:
         columns = {"ffn_gate_exps": src_hp.d_model, "ffn_up_exps": src_hp.d_model, "ffn_down_exps": src_hp.d_expert,
                    "ffn_down_shexp": src_hp.d_shexp}
         for variant in self.cfg.healed_variants:
-            for tensor, fmt in [*variant.formats().items(), ("ffn_down_shexp", variant.shexp_down)]:
+            routed = [(t, f) for f in variant.candidate_formats() for t in quantize.EXPERT_TENSORS]
+            for tensor, fmt in [*routed, ("ffn_down_shexp", variant.shexp_down)]:
                 block = kernels.format_of(fmt).block_size
                 if columns[tensor] % block:
                     raise InputError(f"{self.cfg.path}: [[variant]] {variant.name}: {fmt} needs rows that are "
@@ -202,12 +205,43 @@ class HealRun:
     def external_variants(self) -> list[Variant]:
         return [v for v in self.cfg.variants if v.kind == "external"]
 
+    def budget_variants(self) -> list[Variant]:
+        return [v for v in self.cfg.healed_variants if v.budgeted]
+
+    def sensitivity(self, variant: Variant) -> StageResult:
+        """Per (layer, role, candidate format): bytes and the routed-output error on the unseen dump."""
+        params = sensitivity.SensitivityParams.of(variant)
+        up = {"dump": self.dump("calibration"), "unseen": self.dump("unseen")}
+        return self._stage(f"sensitivity:{variant.name}", SENSITIVITY, params, {"source": self.cfg.source}, up,
+                           lambda out: sensitivity.build_sensitivity(out, self.cfg.source, up["dump"].path,
+                                                                     up["unseen"].path, params, self.log))
+
+    def allocation(self, variant: Variant) -> StageResult:
+        """The recipe of a budget variant: one format per (layer, role) under its budget."""
+        params = sensitivity.AllocateParams.of(variant)
+        up = {"sensitivity": self.sensitivity(variant)}
+        where = f"{self.cfg.path}: [[variant]] {variant.name}"
+        return self._stage(f"allocate:{variant.name}", ALLOCATE, params, {}, up,
+                           lambda out: sensitivity.build_allocation(out, up["sensitivity"].path, params, where,
+                                                                    self.log))
+
+    def recipe_formats(self, variant: Variant) -> dict[str, str]:
+        """{"blk.N.ffn_gate_exps.weight": format, ...}: the routed tensors' formats of one of our variants."""
+        if variant.budgeted:
+            chosen = quantize.read_recipe(self.allocation(variant).path)
+        else:
+            chosen = {(layer, t): f for layer in range(self.source.hp.n_layer) for t, f in variant.formats().items()}
+        return {f"blk.{layer}.{t}.weight": f for (layer, t), f in sorted(chosen.items())}
+
     def quantize(self, variant: Variant) -> StageResult:
         params = quantize.QuantizeParams.of(variant)
         up = {"dump": self.dump("calibration")} if params.importance else {}  # no statistics: no dump
+        if variant.budgeted:
+            up["recipe"] = self.allocation(variant)
         return self._stage(f"quantize:{variant.name}", QUANTIZE, params, {"source": self.cfg.source}, up,
-                           lambda out: quantize.build_quantize(out, self.cfg.source,
-                                                               up["dump"].path if up else None, params, self.log))
+                           lambda out: quantize.build_quantize(
+                               out, self.cfg.source, up["dump"].path if "dump" in up else None, params, self.log,
+                               up["recipe"].path if "recipe" in up else None))
 
     def calibrate(self, variant: Variant) -> StageResult:
         params = calibrate.CalibrateParams.of(variant, shared_expert=self.source.hp.d_shexp > 0)
@@ -281,6 +315,47 @@ class HealRun:
                              "params": json.dumps(variant.knobs(), sort_keys=True), "gguf": str(result.path)})
         return pa.Table.from_pylist(rows)
 
+    def variant_gguf(self, variant: Variant) -> Path:
+        return variant.gguf if variant.kind == "external" else self.assemble(variant).path
+
+    def sensitivity_table(self) -> pa.Table:
+        """Every distinct sensitivity measurement of the run (budget variants with the same knobs share
+        one), its rows keyed by `sensitivity`, the stage's fingerprint prefix."""
+        parts, seen = [], set()
+        for variant in self.budget_variants():
+            result = self.sensitivity(variant)
+            if result.fingerprint not in seen:
+                seen.add(result.fingerprint)
+                part = _read_parts(result, "sensitivity")
+                parts.append(part.add_column(0, "sensitivity", pa.array([result.fingerprint[:16]] * part.num_rows)))
+        return pa.concat_tables(parts)
+
+    def recipe_table(self) -> pa.Table:
+        """The routed tensors' formats of every evaluated variant, read from its GGUF; a budget variant's
+        rows carry its allocation's predicted error and sensitivity (and must match its GGUF)."""
+        rows = []
+        for variant in self.evaluated_variants():
+            written = sensitivity.gguf_recipe(GGUFModel(self.variant_gguf(variant)))
+            chosen_by, measured, predicted = "gguf" if variant.kind == "external" else "config", None, {}
+            if variant.budgeted:
+                chosen_by, measured = "allocation", self.sensitivity(variant).fingerprint[:16]
+                recipe = _read_parts(self.allocation(variant), "recipe").to_pylist()
+                predicted = {r["tensor"]: r for r in recipe}
+                if {r["tensor"]: r["format"] for r in written} != {t: r["format"] for t, r in predicted.items()}:
+                    raise AssertionError(f"{variant.name}: the written GGUF's routed formats differ from its recipe")
+            rows += [{"variant": variant.name, **r, "chosen_by": chosen_by, "sensitivity": measured,
+                      "pred_err": predicted[r["tensor"]]["pred_err"] if predicted else None} for r in written]
+        return pa.Table.from_pylist(rows, schema=sensitivity.GGUF_RECIPE_SCHEMA)
+
+    def sizes_table(self) -> pa.Table:
+        """Achieved sizes of every evaluated variant and the reference, summed from each GGUF's tensor table."""
+        rows = [{"variant": "reference", "kind": "reference", "budget_bpw": None,
+                 **sensitivity.gguf_size(self.reference)}]
+        for variant in self.evaluated_variants():
+            rows.append({"variant": variant.name, "kind": variant.kind, "budget_bpw": variant.budget_bpw,
+                         **sensitivity.gguf_size(GGUFModel(self.variant_gguf(variant)))})
+        return pa.Table.from_pylist(rows, schema=sensitivity.SIZES_SCHEMA)
+
     def stage_tables(self, publication: Publication) -> None:
         """Every table of the contract, from this run's stage outputs, into `publication`."""
         overlap = self.audit()
@@ -295,6 +370,10 @@ class HealRun:
         publication.write_table("ridge_cv", pa.concat_tables([_read_parts(r, "ridge_cv") for r in calibrated]))
         evaluations = [self.evaluate_variant(v) for v in self.evaluated_variants()]
         publication.write_table("variants", self.variants_table())
+        if self.budget_variants():
+            publication.write_table("sensitivity", self.sensitivity_table())
+        publication.write_table("recipe", self.recipe_table())
+        publication.write_table("sizes", self.sizes_table())
         publication.write_table("token_kld", pa.concat_tables([_read_parts(r, "token_kld") for r in evaluations]))
         publication.write_table("hitrate", pa.concat_tables([_read_parts(r, "hitrate") for r in evaluations]))
         comparisons = self.comparisons()
@@ -348,6 +427,21 @@ class HealRun:
         from moeheal.pipeline.stages.export import export_bundle
 
         return export_bundle(self.lake, self.lake.report_dir, out)
+
+    def llama_quantize_command(self, name: str, imatrix: Path | None, out: Path | None,
+                               binary: str = "llama-quantize") -> list[str]:
+        """The llama-quantize argv that makes variant `name`'s recipe with llama.cpp's own quantizer."""
+        from moeheal.pipeline.recipe import llama_quantize_command
+
+        variant = next((v for v in self.cfg.healed_variants if v.name == name), None)
+        if variant is None:
+            names = ", ".join(v.name for v in self.cfg.healed_variants) or "none"
+            raise InputError(f"{self.cfg.path}: --variant {name!r}: not a quantized variant of this config "
+                             f"(those: {names})")
+        shexp = variant.shexp_down if self.source.hp.d_shexp > 0 else None
+        return llama_quantize_command(self.recipe_formats(variant), self.source,
+                                      out or Path(f"{variant.name}-llama.gguf"), shexp,
+                                      imatrix if variant.importance else None, binary)
 
     def write_imatrix(self, out: Path) -> Path:
         quantize.write_imatrix_from_dump(out, self.source, dump.open_dump(self.dump("calibration").path),

@@ -171,6 +171,14 @@ def summary_table(lake, order: Sequence[str] | None = None) -> str:
         lines += [f"{THIN} a stratum has one window there: it adds no bootstrap variance, so the CI is too narrow "
                   "(zero-width if", "  every stratum is so). It is kept in the estimate and the CI; read such "
                   "an interval with care."]
+    if {"recipe", "sensitivity", "window_kld"} <= set(names):
+        checks: dict[tuple[str, str], dict] = {}
+        for r in lake.query("report_budget_rank_check").to_pylist():
+            checks.setdefault((r["sensitivity"], r["set"]), r)
+        for (measured, wset), r in checks.items():
+            rho = "\u2014" if r["spearman"] is None else f"{r['spearman']:+.3f}"
+            lines.append(f"budget recipes, {wset} set: summed sensitivity ({measured}) against pooled KLD, "
+                         f"Spearman {rho} over {r['n_variants']} variants")
     if "hitrate" in names:
         det = lake.query("summary_determinism").to_pylist()[0]
         lines += [f"expert-cache determinism: {det['reps_same']} of {det['reps_checked']} repeat runs "

@@ -221,6 +221,27 @@ def make_hitrate(rng: np.random.Generator) -> pa.Table:
     return pa.Table.from_pylist(rows)
 
 
+def make_sizes() -> pa.Table:
+    """Achieved sizes: the reference at q8_0, the variants at 2.0625 / 2.625 / 2.35 bits per routed weight."""
+    bpw = {"reference": 8.5, "unhealed": 2.0625, "v1": 2.625, "v2": 2.35}
+    routed, total = 3 * 8 * 512 * 256, 3 * 8 * 512 * 256 + 2_000_000
+    rows = [{"variant": v, "kind": {"reference": "reference", "unhealed": "unhealed"}.get(v, "healed"),
+             "budget_bpw": 2.4 if v == "v2" else None, "routed_weights": routed,
+             "routed_bytes": int(routed * b / 8), "routed_bpw": b, "total_weights": total,
+             "total_bytes": int(routed * b / 8) + 2_125_000, "total_bpw": 8 * (int(routed * b / 8) + 2_125_000) / total,
+             "file_bytes": int(routed * b / 8) + 2_200_000} for v, b in bpw.items()]
+    return pa.Table.from_pylist(rows)
+
+
+def make_recipe() -> pa.Table:
+    rows = [{"variant": v, "layer": layer, "role": role, "tensor": f"blk.{layer}.{role}.weight", "format": fmt,
+             "n_weights": 8 * 512 * 256, "bytes": 8 * 512 * 256 // 256 * (66 if fmt == "tq2_0" else 84),
+             "pred_err": None, "chosen_by": "config", "sensitivity": None}
+            for v, fmt in (("unhealed", "tq2_0"), ("v1", "q2_k")) for layer in range(3)
+            for role in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
+    return pa.Table.from_pylist(rows)
+
+
 def write_run(lake: Lake, fingerprint: str, upstream: dict[str, str]) -> None:
     record = {"stage": "assemble", "fingerprint": fingerprint,
               "upstream": {k: {"stage": k, "fingerprint": fp} for k, fp in upstream.items()}}
@@ -244,6 +265,7 @@ def lake(tmp_path_factory) -> tuple[Lake, dict[str, pa.Table]]:
                               "params": ["{}"] * 4, "gguf": ["ref.gguf", "u.gguf", "v1.gguf", "v2.gguf"]}),
         "window_kld": kld, "comparisons": with_isolated_moce(make_comparisons(rng, kld, clean)),
         "layer_metrics": make_layer_metrics(rng), "ridge_cv": make_ridge_cv(rng), "hitrate": make_hitrate(rng),
+        "sizes": make_sizes(), "recipe": make_recipe(),
     }
     for name, table in tables.items():
         lake.write_table(name, table)
@@ -287,6 +309,21 @@ def test_report_has_every_section_with_its_source(report):
                  "report_hitrate", "report_docs", "report_window_sets"):
         assert f"`sql/{stem}.sql`" in text
     assert "Not computed" not in text
+
+
+def test_size_section_lists_achieved_bits_beside_kld(lake, report):
+    _, tables = lake
+    _, text = report
+    block = section(text, "## 4c. Size and budget recipes")
+    sizes = {r["variant"]: r for r in tables["sizes"].to_pylist()}
+    kld = tables["window_kld"].to_pylist()
+    for variant in VARIANTS:
+        mine = [r for r in kld if r["variant"] == variant and r["set"] == "eval" and r["moce_bonus"] == 0]
+        pooled = sum(np.float64(r["kld_mean"]) * r["n_tokens"] for r in mine) / sum(r["n_tokens"] for r in mine)
+        cells = [c.strip() for c in row_of(section(block, "### eval set"), variant).strip("|").split("|")]
+        assert cells[3] == f"{sizes[variant]['routed_bpw']:.4f}" and cells[6] == f"{pooled:.4f}"
+    assert "no `sensitivity` table" in block
+    assert (report[0] / "kld_size.png").read_bytes().startswith(PNG_MAGIC)
 
 
 def test_per_stratum_pooled_kld_matches_numpy(lake, report):
@@ -488,7 +525,7 @@ def test_determinism_counts_only_repeat_runs():
 def test_plots_are_valid_pngs(report):
     out, text = report
     pngs = sorted(p.name for p in out.glob("*.png"))
-    assert pngs == ["hitrate.png", "layers.png", "strata_kld_canary.png", "strata_kld_eval.png",
+    assert pngs == ["hitrate.png", "kld_size.png", "layers.png", "strata_kld_canary.png", "strata_kld_eval.png",
                     "window_deltas_canary.png", "window_deltas_eval.png"]
     for name in pngs:
         assert (out / name).read_bytes()[:8] == PNG_MAGIC

@@ -44,6 +44,11 @@ TABLE_DOCS: dict[str, str] = {
     "ridge_cv": "Per layer and rho: cross-validated gain of the shared-expert ridge correction.",
     "comparisons": "Paired comparisons of pooled KLD and top-1, with window-bootstrap 95% CIs.",
     "hitrate": "Expert-cache simulation per prompt: hit rates with cache-aware routing and references.",
+    "sensitivity": "Per layer, routed-expert tensor and candidate format: bytes and the routed-output error it "
+                   "causes alone (budget variants only).",
+    "recipe": "Per variant and routed-expert tensor: its format as the variant's GGUF stores it, and for a "
+              "budget variant the allocation's predicted error.",
+    "sizes": "Per model: weights and bytes of the routed experts and of the whole file, from its GGUF's tensor table.",
 }
 
 _VARIANT = "variant name (see `variants`)"
@@ -52,6 +57,8 @@ _WINDOW = "evaluation window id (see `windows`)"
 _STRATUM = "content stratum of the document (e.g. code, ja)"
 _SET = "window set: eval (the reported benchmark) or canary (a small early-warning set)"
 _LAYER = "transformer layer index, from 0"
+_ROLE = "tensor role: ffn_gate_exps, ffn_up_exps or ffn_down_exps (one tensor per layer holds every expert)"
+_FORMAT = "ggml type name, lower case (q2_k, tq2_0, ...)"
 
 COLUMN_DOCS: dict[str, dict[str, str]] = {
     "docs": {
@@ -176,6 +183,46 @@ COLUMN_DOCS: dict[str, dict[str, str]] = {
         "top1_hi": "97.5% quantile of top1_delta",
         "strata_windows": "windows per stratum behind the row, 'code=8 ja=1' (strata in name order)",
         "thin_strata": "strata with fewer than 2 windows: kept in the CI, but they add no variance to it",
+    },
+    "sensitivity": {
+        "sensitivity": "the measurement: its stage fingerprint's first 16 hex digits (budget variants with the "
+                       "same quantizer knobs and formats share one)",
+        "layer": _LAYER,
+        "role": _ROLE,
+        "tensor": "the GGUF tensor name",
+        "format": _FORMAT,
+        "n_weights": "weights in the tensor (all experts)",
+        "bytes": "bytes of the tensor in this format (weights / block size * block bytes)",
+        "bpw": "bits per weight of the format",
+        "rel_err": "||y_q - y_ref||^2 / ||y_ref||^2 of the layer's routed output on the unseen trace, pooled over "
+                   "tokens, with only this tensor quantized (the variant's rounding and importance) and alpha "
+                   "fitted on the calibration trace",
+        "rel_err_in_sample": "the same on the calibration trace",
+        "alpha": "the alpha fitted on the calibration trace (1 when the variant has alpha = false)",
+    },
+    "recipe": {
+        "variant": _VARIANT,
+        "layer": _LAYER,
+        "role": _ROLE,
+        "tensor": "the GGUF tensor name",
+        "format": _FORMAT + ", as the variant's GGUF stores it",
+        "n_weights": "weights in the tensor (all experts)",
+        "bytes": "bytes of the tensor as stored in the GGUF",
+        "pred_err": "the sensitivity rel_err of this tensor in this format, for a budget variant (NULL otherwise)",
+        "chosen_by": "allocation (a budget variant), config (one of ours with fixed formats) or gguf (an outside GGUF)",
+        "sensitivity": "the sensitivity measurement the allocation used (NULL unless chosen_by = allocation)",
+    },
+    "sizes": {
+        "variant": _VARIANT,
+        "kind": "reference, unhealed, healed or external",
+        "budget_bpw": "the budget the variant's recipe was chosen under, bits per routed weight (NULL if none)",
+        "routed_weights": "weights of the routed-expert tensors (ffn_gate/up/down_exps)",
+        "routed_bytes": "bytes of those tensors as stored in the GGUF",
+        "routed_bpw": "8 * routed_bytes / routed_weights: achieved bits per routed weight",
+        "total_weights": "elements of every tensor in the file",
+        "total_bytes": "bytes of every tensor in the file",
+        "total_bpw": "8 * total_bytes / total_weights",
+        "file_bytes": "size of the GGUF file",
     },
     "hitrate": {
         "variant": _VARIANT,

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from moeheal import kernels
 from moeheal.kernels import importance as imp
 from moeheal.kernels.gptq import damp_hessian
+from moeheal.pipeline.files import read_part
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.stages.dump import open_dump
@@ -48,9 +49,12 @@ class QuantizeParams:
 
     Without importance no calibration statistic is read, so the importance and
     GPTQ knobs are None; with least-squares rounding the GPTQ knobs are None.
+    A budget variant has no `quant`: its formats, one per (layer, tensor), are
+    its allocation's recipe (an upstream stage), and `budget` names the knobs
+    that chose it.
     """
 
-    quant: dict[str, str]  # routed-expert tensor -> format
+    quant: dict[str, str] | None  # routed-expert tensor -> format, the same in every layer
     round: str
     importance: bool
     beta_gate_up: float | None = None
@@ -60,19 +64,31 @@ class QuantizeParams:
     gptq_damp: float | None = None
     gptq_shrink: float | None = None
     gptq_router_weighted: bool | None = None
+    budget: dict[str, Any] | None = None  # {"budget_bpw", "formats", "budget_roles"} of a budget variant
 
     @classmethod
     def of(cls, variant) -> "QuantizeParams":
         """The quantize parameters of a `Variant` (config validation already refused no-effect knobs)."""
-        base = cls(quant=variant.formats(), round=variant.round, importance=variant.importance)
+        if variant.budgeted:
+            quant, budget = None, {"budget_bpw": variant.budget_bpw, "formats": list(variant.candidates),
+                                   "budget_roles": variant.budget_roles}
+        else:
+            quant, budget = variant.formats(), None
+        return cls.knobs_of(variant, quant, budget)
+
+    @classmethod
+    def knobs_of(cls, variant, quant: dict[str, str] | None, budget: dict[str, Any] | None = None
+                 ) -> "QuantizeParams":
+        """The rounding and importance knobs of `variant`, with the given formats."""
+        base = cls(quant=quant, round=variant.round, importance=variant.importance, budget=budget)
         if not variant.importance:
             return base
         gptq = variant.round == "gptq"
-        return cls(quant=variant.formats(), round=variant.round, importance=True,
+        return cls(quant=quant, round=variant.round, importance=True,
                    beta_gate_up=variant.beta_gate_up, beta_down=variant.beta_down,
                    down_blend_tokens=variant.down_blend_tokens, cal_tokens=variant.cal_tokens,
                    gptq_damp=variant.gptq_damp if gptq else None, gptq_shrink=variant.gptq_shrink if gptq else None,
-                   gptq_router_weighted=variant.gptq_router_weighted if gptq else None)
+                   gptq_router_weighted=variant.gptq_router_weighted if gptq else None, budget=budget)
 
 
 def expert_weights(model: GGUFModel, layer: int) -> dict[str, np.ndarray]:
@@ -113,28 +129,52 @@ def layer_importance(weights: dict[str, np.ndarray], mixed: np.ndarray, experts:
     return {"ffn_gate_exps": (gate_up, h_x), "ffn_up_exps": (gate_up, h_x), "ffn_down_exps": (down, h_h)}
 
 
+def importance_plan(weights: dict[str, np.ndarray], dump_root, layer: int, params: QuantizeParams
+                    ) -> dict[str, tuple[np.ndarray | None, np.ndarray | None]]:
+    """Per tensor of one layer: (importance, damped hessians) from the calibration dump, or (None, None)."""
+    if dump_root is None:
+        return {name: (None, None) for name in EXPERT_TENSORS}
+    group = dump_root[str(layer)]
+    rows = slice(0, params.cal_tokens or None)  # a prefix: the trace interleaves strata
+    return layer_importance(weights, group["mixed"][rows], group["experts"][rows], group["weights"][rows], params)
+
+
+def layer_formats(params: QuantizeParams, n_layer: int, recipe: dict[tuple[int, str], str] | None
+                  ) -> list[dict[str, str]]:
+    """The format of every routed tensor, per layer: the variant's own, or its recipe's."""
+    if recipe is None:
+        return [dict(params.quant) for _ in range(n_layer)]
+    return [{name: recipe[(layer, name)] for name in EXPERT_TENSORS} for layer in range(n_layer)]
+
+
 def quantize_model(out: Path, source: GGUFModel, dump_root, params: QuantizeParams,
-                   log: Callable[[str], None] = print) -> None:
-    """Write `layer_<i>.npz` under `out`: each expert tensor's block bytes, format and the importance used."""
+                   log: Callable[[str], None] = print, recipe: dict[tuple[int, str], str] | None = None) -> None:
+    """Write `layer_<i>.npz` under `out`: each expert tensor's block bytes, format and the importance used.
+
+    `recipe` maps (layer, tensor) to a format (a budget variant's allocation); without it every
+    layer takes `params.quant`.
+    """
     out.mkdir(parents=True, exist_ok=True)
+    formats = layer_formats(params, source.hp.n_layer, recipe)
     for layer in progress(range(source.hp.n_layer), desc="quantize", unit="layer"):
         weights = expert_weights(source, layer)
-        if dump_root is not None:
-            group = dump_root[str(layer)]
-            rows = slice(0, params.cal_tokens or None)  # a prefix: the trace interleaves strata
-            plan = layer_importance(weights, group["mixed"][rows], group["experts"][rows], group["weights"][rows],
-                                    params)
-        else:
-            plan = {name: (None, None) for name in EXPERT_TENSORS}
+        plan = importance_plan(weights, dump_root, layer, params)
         arrays: dict[str, np.ndarray] = {}
         for name, w in weights.items():
             importance, hessians = plan[name]
-            arrays[name] = kernels.quantize_experts(w, params.quant[name], importance, hessians)  # (E, rows, bytes)
+            fmt = formats[layer][name]
+            arrays[name] = kernels.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
             arrays[f"{name}.shape"] = np.asarray(w.shape)
-            arrays[f"{name}.format"] = np.asarray(params.quant[name])
+            arrays[f"{name}.format"] = np.asarray(fmt)
             if importance is not None:
                 arrays[f"{name}.importance"] = np.asarray(importance, np.float32)
         np.savez(out / f"layer_{layer}.npz", **arrays)
+
+
+def read_recipe(allocation: Path) -> dict[tuple[int, str], str]:
+    """An allocation stage's `recipe.parquet` as {(layer, tensor role): format}."""
+    rows = read_part(allocation / "recipe.parquet", ("layer", "role", "format")).to_pylist()
+    return {(r["layer"], r["role"]): r["format"] for r in rows}
 
 
 def load_quantized(path: Path, layer: int) -> dict[str, np.ndarray]:
@@ -167,7 +207,9 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
 
 
 def build_quantize(out: Path, source: Path, dump: Path | None, params: QuantizeParams,
-                   log: Callable[[str], None] = print) -> None:
-    """The quantize stage: the source's routed experts, with the calibration dump's statistics if any."""
+                   log: Callable[[str], None] = print, recipe: Path | None = None) -> None:
+    """The quantize stage: the source's routed experts, with the calibration dump's statistics if any,
+    in the formats of the allocation stage's output `recipe` when given."""
     model = GGUFModel(source)
-    quantize_model(out, model, open_dump(dump, model.hp) if dump is not None else None, params, log)
+    quantize_model(out, model, open_dump(dump, model.hp) if dump is not None else None, params, log,
+                   read_recipe(recipe) if recipe is not None else None)

@@ -43,6 +43,8 @@ QUERY_TABLES: dict[str, tuple[str, ...]] = {
     "report_ridge": ("ridge_cv",),
     "report_hitrate": ("hitrate",),
     "report_rank_check": ("layer_metrics", "window_kld"),
+    "report_sizes": ("sizes", "window_kld"),
+    "report_budget_rank_check": ("recipe", "sensitivity", "window_kld"),
 }
 
 KIND_ORDER = {"reference": 0, "unhealed": 1, "healed": 2, "external": 3}
@@ -57,7 +59,7 @@ SPLIT_LABELS = {
 }
 BASELINE_KIND = "unhealed"
 # The plots this module writes; only these are replaced in, or exported from, a report folder.
-PLOT_PATTERNS = ("strata_kld_*.png", "window_deltas_*.png", "layers.png", "hitrate.png")
+PLOT_PATTERNS = ("strata_kld_*.png", "window_deltas_*.png", "layers.png", "hitrate.png", "kld_size.png")
 DAGGER = "\u2020"
 ZERO_WIDTH = "\u2021"
 ZERO_WIDTH_NOTE = (f"{ZERO_WIDTH} = the bootstrap CI has zero width: resampling within strata cannot vary "
@@ -509,6 +511,89 @@ def section_rank_check(data: ReportData) -> list[str]:
     return lines + [source_note("report_rank_check"), ""]
 
 
+def section_budget(data: ReportData, order: dict[str, int], plot: str | None) -> list[str]:
+    """Achieved sizes against KLD for every variant, and whether the summed sensitivity ranks recipes
+    as KLD does."""
+    lines = ["## 4c. Size and budget recipes", ""]
+    if data.missing("report_sizes") or data.empty("report_sizes"):
+        lines += data.not_computed("report_sizes")
+    else:
+        rows = data.rows("report_sizes")
+        lines += ["Bits per weight as each GGUF stores them: tensor bytes over tensor weights, summed over the "
+                  "routed-expert tensors and over the whole file. Budget = the `budget_bpw` a recipe was "
+                  "chosen under.", ""]
+        for name in sorted_sets(r["set"] for r in rows):
+            mine = [r for r in rows if r["set"] == name]
+            lines += [f"### {set_label(name)}", ""]
+            lines += markdown_table(["variant", "kind", "budget", "bits / routed weight", "bits / weight (file)",
+                                     "MiB", f"pooled KLD ({name}, bonus 0)"],
+                                    ([r["variant"], r["kind"], fmt_num(r["budget_bpw"], 2), fmt_num(r["routed_bpw"], 4),
+                                      fmt_num(r["total_bpw"], 4), fmt_num(r["file_bytes"] / 2**20, 2),
+                                      fmt_num(r["kld"], 4)] for r in mine))
+            lines += [""]
+        lines += [source_note("report_sizes"), ""]
+        if plot:
+            lines += figure(plot, "KLD against bits per routed weight",
+                            "Pooled KLD (bonus 0) against bits per routed-expert weight read from each GGUF; "
+                            "line: our variants chosen under a budget; points: every other variant.")
+    lines += ["### Does the summed sensitivity rank recipes as KLD does?", ""]
+    if "sensitivity" not in data.present and "recipe" in data.present:
+        return lines + ["No variant of this run is chosen under a budget: there is no `sensitivity` table.", ""]
+    if data.missing("report_budget_rank_check") or data.empty("report_budget_rank_check"):
+        return lines + data.not_computed("report_budget_rank_check")
+    rows = data.rows("report_budget_rank_check")
+    lines += ["Predicted error = the sum over a recipe's routed tensors of the relative routed-output error "
+              "each tensor causes alone in its format (table `sensitivity`, held-out unseen trace), measured "
+              "with the quantizer knobs of the budget variants that share the measurement; every variant whose "
+              "formats it covers takes part, ours (whatever their knobs) and outside GGUFs alike.", ""]
+    for measured in sorted({r["sensitivity"] for r in rows}):
+        for name in sorted_sets(r["set"] for r in rows if r["sensitivity"] == measured):
+            mine = [r for r in rows if r["sensitivity"] == measured and r["set"] == name]
+            rho = mine[0]["spearman"]
+            lines += [f"sensitivity `{measured}`, {set_label(name)}: Spearman rank correlation "
+                      f"{fmt_signed(rho, 3)} over {mine[0]['n_variants']} variants.", ""]
+            lines += markdown_table(["variant", "predicted error (sum)", f"pooled KLD ({name}, bonus 0)",
+                                     "rank (predicted)", "rank (KLD)"],
+                                    ([r["variant"], fmt_num(r["pred_err"], 4), fmt_num(r["kld"], 4),
+                                      str(r["rank_pred"]), str(r["rank_kld"])] for r in mine))
+            lines += [""]
+    return lines + [source_note("report_budget_rank_check"), ""]
+
+
+def plot_kld_size(rows: list[Row], order: dict[str, int], out: Path) -> None:
+    """KLD against bits per routed weight, one panel per window set: budget variants as a line,
+    every other variant as a labelled point (ours filled, outside GGUFs as crosses)."""
+    sets = sorted_sets(r["set"] for r in rows)
+    fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], sets):
+        mine = [r for r in rows if r["set"] == name]
+        budget = sorted((r for r in mine if r["budget_bpw"] is not None), key=lambda r: r["routed_bpw"])
+        if budget:
+            ax.plot([r["routed_bpw"] for r in budget], [r["kld"] for r in budget], "-o", color="C0",
+                    label="ours, budget recipes")
+            for r in budget:
+                ax.annotate(r["variant"], (r["routed_bpw"], r["kld"]), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
+        for r in sorted((r for r in mine if r["budget_bpw"] is None), key=lambda r: order.get(r["variant"], 99)):
+            external = r["kind"] == "external"
+            ax.plot(r["routed_bpw"], r["kld"], "x" if external else "s", color="C3" if external else "C2",
+                    markersize=7)
+            ax.annotate(r["variant"], (r["routed_bpw"], r["kld"]), fontsize=7, xytext=(3, -9),
+                        textcoords="offset points")
+        for external, style, color, label in ((False, "s", "C2", "ours, fixed formats"),
+                                              (True, "x", "C3", "outside GGUFs")):
+            if any(r["budget_bpw"] is None and (r["kind"] == "external") == external for r in mine):
+                ax.plot([], [], style, color=color, label=label)
+        ax.set_xlabel("bits per routed-expert weight (from the GGUF)")
+        ax.set_ylabel("pooled KLD (nats/token)")
+        ax.set_yscale("log")
+        ax.set_title(set_label(name))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
 def set_disagreement(by_set: dict[str | None, dict[str, Row]]) -> list[str]:
     """The sentence saying where the eval and canary KLD rankings differ (nothing with one set);
     variants in eval-rank order, as the query returns them."""
@@ -579,7 +664,7 @@ def plot_hitrate(rows: list[Row], order: dict[str, int], out: Path) -> None:
 def draw_plots(data: ReportData, order: dict[str, int], baseline: str | None,
                out_dir: Path) -> dict[str, dict[str, str]]:
     """Write every plot the lake has data for; returns {section: {key: file name}}."""
-    plots: dict[str, dict[str, str]] = {"strata": {}, "windows": {}, "layers": {}, "hitrate": {}}
+    plots: dict[str, dict[str, str]] = {"strata": {}, "windows": {}, "layers": {}, "hitrate": {}, "budget": {}}
     strata = data.rows("pooled")
     ci = data.rows("report_stratum_ci")
     for name in sorted_sets(r["set"] for r in strata):
@@ -597,6 +682,10 @@ def draw_plots(data: ReportData, order: dict[str, int], baseline: str | None,
     if curves:
         plot_layers(curves, order, out_dir / "layers.png")
         plots["layers"]["all"] = "layers.png"
+    sizes = [r for r in data.rows("report_sizes") if r["kld"] is not None and r["kld"] > 0]
+    if sizes:
+        plot_kld_size(sizes, order, out_dir / "kld_size.png")
+        plots["budget"]["all"] = "kld_size.png"
     hits = data.rows("report_hitrate")
     if hits:
         plot_hitrate(hits, order, out_dir / "hitrate.png")
@@ -616,6 +705,7 @@ def render_report(data: ReportData, plots: dict[str, dict[str, str]], order: dic
     lines += section_windows(data, order, baseline, plots["windows"])
     lines += section_layers(data, order, plots["layers"].get("all"))
     lines += section_rank_check(data)
+    lines += section_budget(data, order, plots["budget"].get("all"))
     lines += section_ridge(data, order)
     lines += section_hitrate(data, order, plots["hitrate"].get("all"))
     return "\n".join(lines).rstrip() + "\n"

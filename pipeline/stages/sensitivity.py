@@ -1,0 +1,211 @@
+"""What each tensor's format costs, and the recipe a size budget buys.
+
+Sensitivity (stage `sensitivity`): for every layer, routed-expert tensor role
+(ffn_gate_exps, ffn_up_exps, ffn_down_exps) and candidate format, that one
+tensor is quantized with the variant's own rounding and importance knobs
+(`quantize.layer_importance`, the quantize stage's code) while the rest of the
+layer stays at the source's precision; the layer's routed block is run on the
+dumped MoE inputs with the dumped routing (`calibrate._routed`, the calibrate
+stage's code), and with the variant's alpha (fitted on the calibration dump,
+as calibration fits it) the relative output error on the unseen dump is
+
+    rel_err = ||y_q - y_ref||^2 / ||y_ref||^2,  pooled over the unseen trace's tokens,
+
+y_ref the reference's routed output (`yr`). Ridge healing acts on the whole
+layer's residual through the shared expert and is not part of the per-tensor
+measurement. Bytes are the format's: weights / block size * block bytes.
+
+Allocation (stage `allocate`): one format per (layer, role) minimising the
+summed rel_err with the summed bytes within budget_bpw bits per covered weight
+(`kernels.allocate`, an exact multiple-choice knapsack); the chosen recipe is
+`recipe.parquet`, which the quantize stage of the variant reads.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+
+from moeheal import kernels
+from moeheal.kernels.allocate import allocate
+from moeheal.kernels.alpha import fit_alpha, relative_residual
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.files import read_part, write_parquet
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.progress import progress
+from moeheal.pipeline.stages.calibrate import _load, _routed
+from moeheal.pipeline.stages.dump import open_dump
+from moeheal.pipeline.stages.quantize import EXPERT_TENSORS, QuantizeParams, expert_weights, importance_plan
+
+OUTPUTS = ("sensitivity.parquet", "recipe.parquet", "allocation.parquet")
+# budget_roles -> the tensor roles the budget covers and the allocation chooses formats for
+ROLES = {"routed": EXPERT_TENSORS}
+
+SENSITIVITY_SCHEMA = pa.schema([
+    ("layer", pa.int32()), ("role", pa.string()), ("tensor", pa.string()), ("format", pa.string()),
+    ("n_weights", pa.int64()), ("bytes", pa.int64()), ("bpw", pa.float64()),
+    ("rel_err", pa.float64()), ("rel_err_in_sample", pa.float64()), ("alpha", pa.float64())])
+RECIPE_SCHEMA = pa.schema([
+    ("layer", pa.int32()), ("role", pa.string()), ("tensor", pa.string()), ("format", pa.string()),
+    ("n_weights", pa.int64()), ("bytes", pa.int64()), ("pred_err", pa.float64())])
+
+
+@dataclass(frozen=True)
+class SensitivityParams:
+    """What a sensitivity table depends on: the candidate formats, the roles, the variant's
+    quantization knobs (with no formats of its own: `quantize.quant` is None) and whether alpha
+    heals. Budget variants that share these share one table."""
+
+    formats: tuple[str, ...]
+    roles: str
+    alpha: bool
+    quantize: QuantizeParams
+
+    @classmethod
+    def of(cls, variant) -> "SensitivityParams":
+        return cls(formats=tuple(variant.candidates), roles=variant.budget_roles, alpha=variant.alpha,
+                   quantize=QuantizeParams.knobs_of(variant, None))
+
+
+@dataclass(frozen=True)
+class AllocateParams:
+    """The budget: bits per covered weight, the formats to choose from (their order breaks ties), the roles."""
+
+    budget_bpw: float
+    formats: tuple[str, ...]
+    roles: str
+
+    @classmethod
+    def of(cls, variant) -> "AllocateParams":
+        return cls(budget_bpw=variant.budget_bpw, formats=tuple(variant.candidates), roles=variant.budget_roles)
+
+
+def tensor_bytes(fmt: str, n_weights: int) -> int:
+    """Bytes of `n_weights` weights in `fmt` (whole blocks; the registry's geometry)."""
+    cls = kernels.format_of(fmt)
+    return n_weights // cls.block_size * cls.type_size
+
+
+def measure_sensitivity(source: GGUFModel, cal, unseen, params: SensitivityParams) -> pa.Table:
+    """One row per (layer, role, format): bytes and the relative routed-output error (unseen and
+    in-sample) with only that tensor quantized, after the variant's alpha."""
+    qp = params.quantize
+    rows = []
+    for layer in progress(range(source.hp.n_layer), desc="sensitivity", unit="layer"):
+        weights = expert_weights(source, layer)
+        plan = importance_plan(weights, cal if qp.importance else None, layer, qp)
+        data = {"in_sample": _load(cal[str(layer)], slice(0, qp.cal_tokens or None)),
+                "unseen": _load(unseen[str(layer)], slice(None))}
+        for role in ROLES[params.roles]:
+            w = weights[role]  # (E, rows, cols)
+            importance, hessians = plan[role]
+            for fmt in params.formats:
+                raw = kernels.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
+                y = {s: _routed({**weights, role: kernels.dequantize(raw, fmt, w.shape)}, d) for s, d in data.items()}
+                alpha = fit_alpha(data["in_sample"]["yr"], y["in_sample"]) if params.alpha else 1.0
+                n_bytes = tensor_bytes(fmt, w.size)
+                assert raw.nbytes == n_bytes, (fmt, raw.shape)
+                rows.append({"layer": layer, "role": role, "tensor": f"blk.{layer}.{role}.weight", "format": fmt,
+                             "n_weights": int(w.size), "bytes": n_bytes, "bpw": 8 * n_bytes / w.size,
+                             "rel_err": relative_residual(data["unseen"]["yr"], alpha * y["unseen"]),
+                             "rel_err_in_sample": relative_residual(data["in_sample"]["yr"], alpha * y["in_sample"]),
+                             "alpha": float(alpha)})
+    return pa.Table.from_pylist(rows, schema=SENSITIVITY_SCHEMA)
+
+
+def budget_bytes(budget_bpw: float, n_weights: int) -> int:
+    """The byte budget of `n_weights` weights at `budget_bpw` bits each (rounded down; a budget equal
+    to a format's bits per weight admits that format exactly)."""
+    return int(np.floor(budget_bpw * n_weights / 8 + 1e-9))
+
+
+def choose_recipe(sensitivity: pa.Table, params: AllocateParams, where: str) -> tuple[pa.Table, dict[str, Any]]:
+    """The recipe (one row per (layer, role)) and a summary row of the allocation."""
+    rows = sensitivity.to_pylist()
+    items = sorted({(r["layer"], r["role"]) for r in rows})
+    cell = {(r["layer"], r["role"], r["format"]): r for r in rows}
+    costs = np.full((len(items), len(params.formats)), -1, np.int64)  # (items, formats); -1: not measured
+    errors = np.zeros(costs.shape)
+    for i, (layer, role) in enumerate(items):
+        for j, fmt in enumerate(params.formats):
+            if (layer, role, fmt) in cell:
+                costs[i, j], errors[i, j] = cell[(layer, role, fmt)]["bytes"], cell[(layer, role, fmt)]["rel_err"]
+    n_weights = sum(cell[(layer, role, params.formats[0])]["n_weights"] for layer, role in items)
+    budget = budget_bytes(params.budget_bpw, n_weights)
+    start = time.perf_counter()
+    try:
+        result = allocate(costs, errors, budget)
+    except ValueError as exc:
+        raise InputError(f"{where}: budget_bpw {params.budget_bpw:g}: {exc}") from None
+    seconds = time.perf_counter() - start
+    recipe = []
+    for (layer, role), j in zip(items, result.choice):
+        r = cell[(layer, role, params.formats[int(j)])]
+        recipe.append({"layer": layer, "role": role, "tensor": r["tensor"], "format": r["format"],
+                       "n_weights": r["n_weights"], "bytes": r["bytes"], "pred_err": r["rel_err"]})
+    summary = {"budget_bpw": params.budget_bpw, "n_weights": n_weights, "budget_bytes": budget,
+               "bytes": result.cost, "bpw": 8 * result.cost / n_weights, "pred_err": result.error,
+               "exact": result.exact, "unit_bytes": result.unit, "n_items": len(items),
+               "n_formats": len(params.formats), "seconds": seconds}
+    return pa.Table.from_pylist(recipe, schema=RECIPE_SCHEMA), summary
+
+
+def build_sensitivity(out: Path, source: Path, cal_dump: Path, unseen_dump: Path, params: SensitivityParams,
+                      log: Callable[[str], None] = print) -> None:
+    """The sensitivity stage: `sensitivity.parquet`."""
+    model = GGUFModel(source)
+    table = measure_sensitivity(model, open_dump(cal_dump, model.hp), open_dump(unseen_dump, model.hp), params)
+    write_parquet(out / "sensitivity.parquet", table)
+
+
+def build_allocation(out: Path, sensitivity: Path, params: AllocateParams, where: str,
+                     log: Callable[[str], None] = print) -> None:
+    """The allocate stage: `recipe.parquet` and a one-row `allocation.parquet`."""
+    table = read_part(sensitivity / "sensitivity.parquet", ("layer", "role", "format", "bytes", "rel_err"))
+    recipe, summary = choose_recipe(table, params, where)
+    log(f"[allocate] {where}: {summary['bpw']:.4f} bits per weight of {params.budget_bpw:g} "
+        f"({summary['n_items']} tensors x {summary['n_formats']} formats, {summary['seconds']:.2f} s)")
+    write_parquet(out / "recipe.parquet", recipe)
+    write_parquet(out / "allocation.parquet", pa.Table.from_pylist([summary]))
+
+
+# ---- what a written GGUF holds: its recipe and its size (read from the file, never estimated) --------
+ROUTED_TENSOR = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
+SIZES_SCHEMA = pa.schema([
+    ("variant", pa.string()), ("kind", pa.string()), ("budget_bpw", pa.float64()),
+    ("routed_weights", pa.int64()), ("routed_bytes", pa.int64()), ("routed_bpw", pa.float64()),
+    ("total_weights", pa.int64()), ("total_bytes", pa.int64()), ("total_bpw", pa.float64()),
+    ("file_bytes", pa.int64())])
+GGUF_RECIPE_SCHEMA = pa.schema([
+    ("variant", pa.string()), ("layer", pa.int32()), ("role", pa.string()), ("tensor", pa.string()),
+    ("format", pa.string()), ("n_weights", pa.int64()), ("bytes", pa.int64()), ("pred_err", pa.float64()),
+    ("chosen_by", pa.string()), ("sensitivity", pa.string())])
+
+
+def gguf_recipe(model: GGUFModel) -> list[dict[str, Any]]:
+    """One row per routed-expert tensor of a GGUF: layer, role, tensor, format (the ggml type's name,
+    lower case), weights and bytes as stored."""
+    rows = []
+    for name, (ggml_type, n_weights, n_bytes) in model.tensor_sizes().items():
+        match = ROUTED_TENSOR.match(name)
+        if match:
+            rows.append({"layer": int(match.group(1)), "role": match.group(2), "tensor": name,
+                         "format": ggml_type.name.lower(), "n_weights": n_weights, "bytes": n_bytes})
+    return sorted(rows, key=lambda r: (r["layer"], EXPERT_TENSORS.index(r["role"])))
+
+
+def gguf_size(model: GGUFModel) -> dict[str, Any]:
+    """Weights and bytes of the routed experts and of every tensor, summed from the file's tensor table."""
+    sizes = model.tensor_sizes()
+    routed = [(n, b) for name, (_, n, b) in sizes.items() if ROUTED_TENSOR.match(name)]
+    routed_w, routed_b = sum(n for n, _ in routed), sum(b for _, b in routed)
+    total_w, total_b = sum(n for _, n, _ in sizes.values()), sum(b for _, _, b in sizes.values())
+    return {"routed_weights": routed_w, "routed_bytes": routed_b, "routed_bpw": 8 * routed_b / routed_w,
+            "total_weights": total_w, "total_bytes": total_b, "total_bpw": 8 * total_b / total_w,
+            "file_bytes": model.path.stat().st_size}

@@ -1,0 +1,64 @@
+-- Does the summed per-tensor sensitivity predict what a whole recipe costs in
+-- KLD? For every sensitivity measurement of the run (budget variants with the
+-- same knobs share one) and every evaluated variant whose routed tensors are
+-- all in formats that measurement covers (uniform variants and outside GGUFs
+-- alike: a recipe is the routed tensors' formats read from the variant's
+-- GGUF): the predicted error = the sum over its (layer, role) of the measured
+-- relative routed-output error of that tensor in that format, beside its
+-- pooled KLD over each window set at MoCE bonus 0, their ranks (1 = best), and
+-- the Spearman rank correlation over those variants (the Pearson correlation
+-- of average ranks, so ties share a rank).
+-- From: recipe (variant, layer, role, format), sensitivity (sensitivity,
+-- layer, role, format, rel_err), window_kld (variant, moce_bonus, set,
+-- kld_mean, n_tokens; pooled as sum(kld_mean * n_tokens) / sum(n_tokens),
+-- summed exactly as DECIMAL).
+-- One row per (sensitivity, set, variant): pred_err, kld, rank_pred, rank_kld,
+-- spearman and n_variants (the same on every row of a sensitivity and set).
+WITH measured AS (
+    SELECT DISTINCT sensitivity FROM sensitivity
+), predicted AS (
+    SELECT m.sensitivity, r.variant, count(*) AS n_tensors, count(s.rel_err) AS n_covered,
+           sum(s.rel_err) AS pred_err
+    FROM recipe AS r
+    CROSS JOIN measured AS m
+    LEFT JOIN sensitivity AS s
+        ON s.sensitivity = m.sensitivity AND s.layer = r.layer AND s.role = r.role AND s.format = r.format
+    GROUP BY m.sensitivity, r.variant
+), pooled AS (
+    SELECT variant, set, sum((kld_mean * n_tokens)::DECIMAL(38, 18))::DOUBLE / sum(n_tokens) AS kld
+    FROM window_kld
+    WHERE moce_bonus = 0
+    GROUP BY variant, set
+), ranked AS (
+    SELECT
+        p.sensitivity,
+        k.set,
+        p.variant,
+        p.pred_err,
+        k.kld,
+        rank() OVER w_pred AS rank_pred,
+        rank() OVER w_kld AS rank_kld,
+        (rank() OVER w_pred + count(*) OVER w + 1 - rank() OVER w_pred_desc) / 2.0 AS avg_rank_pred,
+        (rank() OVER w_kld + count(*) OVER w + 1 - rank() OVER w_kld_desc) / 2.0 AS avg_rank_kld,
+        count(*) OVER w AS n_variants
+    FROM predicted AS p
+    JOIN pooled AS k USING (variant)
+    WHERE p.n_covered = p.n_tensors
+    WINDOW w AS (PARTITION BY p.sensitivity, k.set),
+           w_pred AS (PARTITION BY p.sensitivity, k.set ORDER BY p.pred_err),
+           w_pred_desc AS (PARTITION BY p.sensitivity, k.set ORDER BY p.pred_err DESC),
+           w_kld AS (PARTITION BY p.sensitivity, k.set ORDER BY k.kld),
+           w_kld_desc AS (PARTITION BY p.sensitivity, k.set ORDER BY k.kld DESC)
+)
+SELECT
+    sensitivity,
+    set,
+    variant,
+    pred_err,
+    kld,
+    rank_pred,
+    rank_kld,
+    corr(avg_rank_pred, avg_rank_kld) OVER (PARTITION BY sensitivity, set) AS spearman,
+    n_variants
+FROM ranked
+ORDER BY sensitivity, CASE set WHEN 'eval' THEN 0 WHEN 'canary' THEN 1 ELSE 2 END, set, rank_kld, variant

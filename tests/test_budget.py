@@ -1,0 +1,231 @@
+"""Recipes under a size budget: config, sensitivity, allocation, sizes read from the GGUF, the
+rank check, the report, and the llama-quantize command line (run when llama.cpp is built)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moeheal import kernels
+from moeheal.pipeline.cli import main
+from moeheal.pipeline.config import load_config
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.heal import HealRun
+from moeheal.pipeline.stages.quantize import EXPERT_TENSORS
+from tests.healworld import write_world
+
+FORMATS = ["tq2_0", "q2_k", "q3_k"]
+VARIANTS = f"""
+[[variant]]
+name = "b_lo"
+budget_bpw = 2.4
+formats = {FORMATS}
+[[variant]]
+name = "b_hi"
+budget_bpw = 3.0
+formats = {FORMATS}
+[[variant]]
+name = "u_q2k"
+quant = "q2_k"
+"""
+
+
+@pytest.fixture(scope="module")
+def budget_world(tmp_path_factory) -> tuple[Path, HealRun]:
+    config = write_world(tmp_path_factory.mktemp("budget"), variants=VARIANTS)
+    run = HealRun(load_config(config), log=lambda m: None)
+    run.heal()
+    return config, run
+
+
+def variant(run: HealRun, name: str):
+    return next(v for v in run.cfg.variants if v.name == name)
+
+
+# ---- config ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("body, key, why", [
+    ('budget_bpw = 2.3\nformats = ["q2_k", "iq9_zz"]', "formats", "'iq9_zz' is not one of"),
+    ('budget_bpw = 2.0\nformats = ["q2_k", "q3_k"]', "budget_bpw", "infeasible: the cheapest of formats, q2_k"),
+    ('budget_bpw = 2.3\nformats = ["q2_k"]\nquant = "q2_k"', "quant", "has no effect with budget_bpw"),
+    ('formats = ["q2_k"]', "formats", "has no effect without budget_bpw"),
+    ('quant = "q2_k"\nbudget_roles = "routed"', "budget_roles", "has no effect without budget_bpw"),
+    ('budget_bpw = 2.3', "formats", "missing"),
+    ('budget_bpw = 2.3\nformats = ["q2_k", "q2_k"]', "formats", "distinct"),
+    ('budget_bpw = 2.7\nformats = ["q2_k"]\nbudget_roles = "attention"', "budget_roles", "is not one of"),
+    ('budget_bpw = 2.7\nformats = ["q2_k", "q8_0"]\nround = "gptq"', "round", None),
+])
+def test_budget_knobs_are_validated(tmp_path, body, key, why):
+    config = write_world(tmp_path / "w", variants=f'[[variant]]\nname = "b"\n{body}\n')
+    with pytest.raises(InputError) as err:
+        load_config(config)
+    message = str(err.value)
+    assert str(config) in message and f"[variant[0]] {key}:" in message
+    assert why is None or why in message
+
+
+def test_a_budget_needs_the_unseen_dump(tmp_path):
+    config = write_world(tmp_path / "w", variants='[[variant]]\nname = "b"\nbudget_bpw = 2.7\nformats = ["q2_k"]\n')
+    config.write_text(config.read_text().replace("unseen_tokens = 512", "unseen_tokens = 0"))
+    with pytest.raises(InputError, match=r"budget_bpw: needs \[calibration\] unseen_tokens > 0"):
+        load_config(config)
+
+
+def test_budget_variant_knobs_and_fingerprints(budget_world):
+    config, run = budget_world
+    lo, hi = variant(run, "b_lo"), variant(run, "b_hi")
+    assert lo.knobs()["budget_bpw"] == 2.4 and lo.knobs()["formats"] == FORMATS and "quant" not in lo.knobs()
+    planner = HealRun(load_config(config), plan=True)
+    fp = {v.name: {s: getattr(planner, s)(v).fingerprint for s in ("sensitivity", "allocation", "quantize")}
+          for v in (lo, hi, dataclasses.replace(lo, name="b_lo2", candidates=("tq2_0", "q2_k")))}
+    assert fp["b_lo"]["sensitivity"] == fp["b_hi"]["sensitivity"]  # same knobs: one measurement
+    assert fp["b_lo"]["allocation"] != fp["b_hi"]["allocation"]  # the budget changes the recipe
+    assert fp["b_lo"]["quantize"] != fp["b_hi"]["quantize"]
+    assert all(fp["b_lo2"][s] != fp["b_lo"][s] for s in ("sensitivity", "allocation", "quantize"))  # formats
+    assert all(p.status == "cached" for p in HealRun(load_config(config), plan=True).plan())
+
+
+# ---- sensitivity ----------------------------------------------------------------------------
+def test_sensitivity_rows_cover_every_tensor_and_format(budget_world):
+    _, run = budget_world
+    rows = run.lake.read_table("sensitivity").to_pylist()
+    n_layer = run.source.hp.n_layer
+    assert len({r["sensitivity"] for r in rows}) == 1  # b_lo and b_hi share it
+    assert {(r["layer"], r["role"], r["format"]) for r in rows} == {
+        (layer, role, fmt) for layer in range(n_layer) for role in EXPERT_TENSORS for fmt in FORMATS}
+    assert len(rows) == n_layer * len(EXPERT_TENSORS) * len(FORMATS)
+    for r in rows:
+        shape = run.source.shape(r["tensor"])
+        cls = kernels.format_of(r["format"])
+        assert r["n_weights"] == int(np.prod(shape))
+        assert r["bytes"] == r["n_weights"] // cls.block_size * cls.type_size
+        assert r["bpw"] == cls.bits_per_weight and r["rel_err"] > 0
+    mean_err = {fmt: np.mean([r["rel_err"] for r in rows if r["format"] == fmt]) for fmt in FORMATS}
+    by_bits = sorted(FORMATS, key=kernels.bits_per_weight)
+    assert [mean_err[f] for f in by_bits] == sorted(mean_err.values(), reverse=True)  # more bits, less error
+
+
+def test_sensitivity_is_the_layer_output_error_with_one_tensor_quantized(budget_world):
+    """Recomputed by hand for one (layer, role, format): quantize with the variant's importance,
+    run the routed block on the unseen dump, alpha from the calibration dump."""
+    from moeheal.kernels.alpha import fit_alpha, relative_residual
+    from moeheal.pipeline.model import moe_forward
+    from moeheal.pipeline.stages.dump import open_dump
+    from moeheal.pipeline.stages.quantize import QuantizeParams, expert_weights, importance_plan
+
+    _, run = budget_world
+    lo = variant(run, "b_lo")
+    cal, unseen = open_dump(run.dump("calibration").path), open_dump(run.dump("unseen").path)
+    weights = expert_weights(run.source, 1)
+    importance, _ = importance_plan(weights, cal, 1, QuantizeParams.knobs_of(lo, None))["ffn_up_exps"]
+    w = weights["ffn_up_exps"]
+    quantized = kernels.dequantize(kernels.quantize_experts(w, "q2_k", importance), "q2_k", w.shape)
+    experts = {f"{k}.weight": v for k, v in {**weights, "ffn_up_exps": quantized}.items()}
+
+    def routed(g):
+        return np.asarray(moe_forward(experts, g["mixed"][:], g["experts"][:], g["weights"][:]))
+
+    alpha = fit_alpha(cal["1"]["yr"][:], routed(cal["1"]))
+    expected = relative_residual(unseen["1"]["yr"][:], alpha * routed(unseen["1"]))
+    row = next(r for r in run.lake.read_table("sensitivity").to_pylist()
+               if (r["layer"], r["role"], r["format"]) == (1, "ffn_up_exps", "q2_k"))
+    assert row["rel_err"] == pytest.approx(expected, rel=1e-4)
+
+
+# ---- allocation, recipe, sizes --------------------------------------------------------------
+def test_recipe_is_optimal_and_written_into_the_gguf(budget_world):
+    import itertools
+
+    _, run = budget_world
+    sens = run.lake.read_table("sensitivity").to_pylist()
+    recipe = run.lake.read_table("recipe").to_pylist()
+    sizes = {r["variant"]: r for r in run.lake.read_table("sizes").to_pylist()}
+    cell = {(r["layer"], r["role"], r["format"]): r for r in sens}
+    items = sorted({(r["layer"], r["role"]) for r in sens})
+    n_weights = sum(cell[(*item, "q2_k")]["n_weights"] for item in items)
+    for name, budget in (("b_lo", 2.4), ("b_hi", 3.0)):
+        mine = [r for r in recipe if r["variant"] == name]
+        assert {(r["layer"], r["role"]) for r in mine} == set(items)
+        assert all(r["chosen_by"] == "allocation" and r["pred_err"] == cell[(r["layer"], r["role"], r["format"])]
+                   ["rel_err"] for r in mine)
+        model = GGUFModel(run.assemble(variant(run, name)).path)
+        for r in mine:  # the GGUF holds the recipe's types
+            assert model.raw(r["tensor"]).ggml_type == kernels.format_of(r["format"]).ggml_type
+        # achieved size, from the GGUF's tensor table, within the budget
+        routed = [(n, b) for t, (_, n, b) in model.tensor_sizes().items() if "_exps.weight" in t]
+        assert sizes[name]["routed_bpw"] == 8 * sum(b for _, b in routed) / sum(n for n, _ in routed) <= budget
+        assert sizes[name]["budget_bpw"] == budget
+        # no recipe within the budget has a smaller predicted error (brute force over 3^6 recipes)
+        best = min(sum(cell[(*item, f)]["rel_err"] for item, f in zip(items, combo))
+                   for combo in itertools.product(FORMATS, repeat=len(items))
+                   if sum(cell[(*item, f)]["bytes"] for item, f in zip(items, combo)) * 8 <= budget * n_weights)
+        assert sum(r["pred_err"] for r in mine) == pytest.approx(best, rel=1e-12)
+    assert sizes["b_hi"]["routed_bpw"] > sizes["b_lo"]["routed_bpw"]
+    assert sizes["u_q2k"]["routed_bpw"] == kernels.bits_per_weight("q2_k")
+    assert sizes["unhealed"]["routed_bpw"] == kernels.bits_per_weight("tq2_0")
+    assert {r["format"] for r in recipe if r["variant"] == "u_q2k"} == {"q2_k"}
+    assert sizes["reference"]["kind"] == "reference" and sizes["reference"]["routed_bpw"] == 8.5  # q8_0
+
+
+def test_rank_check_and_report(budget_world):
+    _, run = budget_world
+    rows = run.lake.query("report_budget_rank_check").to_pylist()
+    assert {r["set"] for r in rows} == {"eval", "canary"}
+    for wset in ("eval", "canary"):
+        mine = [r for r in rows if r["set"] == wset]
+        # every variant is a recipe of measured formats: unhealed is tq2_0, u_q2k q2_k
+        assert sorted(r["variant"] for r in mine) == ["b_hi", "b_lo", "u_q2k", "unhealed"]
+        assert all(r["n_variants"] == 4 for r in mine)
+        pred, kld = np.array([r["pred_err"] for r in mine]), np.array([r["kld"] for r in mine])
+        ranks = [np.argsort(np.argsort(x)) for x in (pred, kld)]  # no ties here
+        assert mine[0]["spearman"] == pytest.approx(np.corrcoef(*ranks)[0, 1], abs=1e-9)
+    report = (run.lake.report_dir / "report.md").read_text()
+    assert "## 4c. Size and budget recipes" in report and "Spearman rank correlation" in report
+    assert (run.lake.report_dir / "kld_size.png").exists()
+    assert "budget recipes, eval set" in run.summary_table()
+
+
+# ---- the llama-quantize command -------------------------------------------------------------
+def recipe_argv(config: Path, name: str, capsys, *extra: str) -> list[str]:
+    assert main(["recipe", "-c", str(config), "--variant", name, *extra]) == 0
+    return shlex.split(capsys.readouterr().out.strip())
+
+
+def test_recipe_command_names_every_routed_tensor(budget_world, capsys, tmp_path):
+    config, run = budget_world
+    argv = recipe_argv(config, "b_lo", capsys, "--imatrix", "im.gguf", "--out", str(tmp_path / "o.gguf"))
+    types = dict(argv[i + 1].split("=") for i, a in enumerate(argv) if a == "--tensor-type")
+    recipe = {r["tensor"].removesuffix(".weight"): r["format"] for r in run.lake.read_table("recipe").to_pylist()
+              if r["variant"] == "b_lo"}
+    assert types == {**recipe, "ffn_down_shexp": "iq4_nl"}
+    assert argv[:2] == ["llama-quantize", "--pure"] and argv[argv.index("--imatrix") + 1] == "im.gguf"
+    assert argv[-3:] == [str(run.cfg.source), str(tmp_path / "o.gguf"), "Q8_0"]
+    assert main(["recipe", "-c", str(config), "--variant", "nope"]) == 2
+    assert "--variant 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.llamacpp
+@pytest.mark.skipif(not os.environ.get("LLAMA_CPP_DIR"), reason="LLAMA_CPP_DIR not set")
+def test_llama_quantize_makes_the_same_mix(budget_world, capsys, tmp_path):
+    config, run = budget_world
+    imatrix = run.write_imatrix(tmp_path / "imatrix.gguf")
+    out = tmp_path / "b_lo-llama.gguf"
+    binary = str(Path(os.environ["LLAMA_CPP_DIR"]) / "bin" / "llama-quantize")
+    argv = recipe_argv(config, "b_lo", capsys, "--imatrix", str(imatrix), "--out", str(out),
+                       "--llama-quantize", binary)
+    done = subprocess.run([*argv, "2"], capture_output=True, text=True, errors="replace", timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
+    theirs, ours = GGUFModel(out), GGUFModel(run.assemble(variant(run, "b_lo")).path)
+    source = run.source.tensor_sizes()
+    for name, (ggml_type, n_weights, _) in theirs.tensor_sizes().items():
+        if "_exps.weight" in name or "ffn_down_shexp" in name:
+            assert ggml_type == ours.raw(name).ggml_type, name
+        else:
+            assert ggml_type == source[name][0], name
+    assert set(theirs.tensor_sizes()) == set(source)
