@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moeheal.kernels import kquants  # noqa: F401  (registers q2_k .. q6_k in FORMATS)
+from moeheal.kernels import iquants  # noqa: F401  (registers iq2_xxs, iq2_xs, iq2_s, iq3_xxs)
 from moeheal.kernels.formats import FORMATS, BlockFormat, dequantize_blocks_jit, format_of
 from moeheal.kernels.gptq import damp_hessian, gptq_quantize
 

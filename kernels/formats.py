@@ -207,7 +207,8 @@ class BlockFormat:
     block when its first column starts, ``gptq_sub_plan`` what is shared by a
     sub-block when its first column starts (both from the weights as updated
     by the error feedback so far), ``gptq_round`` rounds one column given the
-    sub-block's plan and ``gptq_pack`` writes the block's bytes.
+    sub-block's plan and ``gptq_pack`` writes the block's bytes. Codebook
+    formats round ``gptq_group`` columns at once (``gptq_round_group``).
     """
 
     name: ClassVar[str]
@@ -218,6 +219,7 @@ class BlockFormat:
     scale_offsets: ClassVar[tuple[int, ...]]
     supports_gptq: ClassVar[bool] = False
     sub_block: ClassVar[int]
+    gptq_group: ClassVar[int] = 1
 
     def __init_subclass__(cls, ggml_type: GGMLQuantizationType | None = None, **kwargs: Any) -> None:
         """Register a concrete format; families (no ggml_type) stay abstract."""
@@ -289,6 +291,17 @@ class BlockFormat:
     def gptq_round(cls, sub: Any, col: jax.Array) -> tuple[jax.Array, jax.Array]:
         """GPTQ: one column (n,) -> codes (n,) int32 and their dequantized values (n,)."""
         raise NotImplementedError
+
+    @classmethod
+    def gptq_round_group(cls, sub: Any, cols: jax.Array, upper: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """GPTQ: ``gptq_group`` columns (n, g) rounded together -> codes (n, g) int32 and values (n, g).
+
+        upper (g, g) is the group's block of the upper Cholesky factor U of
+        H^-1: the group's error e costs ``|| e U^-1 ||^2``. For one column
+        the nearest level is best whatever U, so this rounds it with ``gptq_round``.
+        """
+        code, value = cls.gptq_round(sub, cols[:, 0])  # (n,) x2
+        return code[:, None], value[:, None]
 
     @classmethod
     def gptq_pack(cls, plan: Any, subs: Any, codes: jax.Array) -> jax.Array:

@@ -18,6 +18,12 @@ accumulated error is then applied to all later columns as one matrix product
 (GPTQ's lazy batch update, with the batch = the ggml block). The format
 supplies the plans, the rounding of a column and the packing (``BlockFormat``'s
 ``gptq_*`` methods).
+
+Codebook formats (the i-quants) round ``gptq_group`` columns at once, since a
+grid point covers several weights: the group's error e costs
+``|| e U_gg^-1 ||^2`` (U_gg its diagonal block of U), and ``e U_gg^-1`` travels
+to the later columns as one column's scaled error would, which is what
+feeding the group's columns one by one would give.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ def gptq_quantize(
     decides the error feedback.
     """
     rows, cols = w.shape
-    block, sub = fmt.block_size, fmt.sub_block
+    block, sub, group = fmt.block_size, fmt.sub_block, fmt.gptq_group
     n_blocks, n_sub = cols // block, block // sub
     hessian = jnp.asarray(hessian, jnp.float32)  # (cols, cols)
     importance = jnp.diag(hessian) if importance is None else jnp.asarray(importance, jnp.float32)  # (cols,)
@@ -79,17 +85,24 @@ def gptq_quantize(
             imp_sub = jax.lax.dynamic_slice(imp_blk, (0, s * sub), (rows, sub))  # (rows, S)
             sub_plan = fmt.gptq_sub_plan(plan, x_sub, imp_sub)
 
-            def col_step(j, carry):
+            def group_step(j, carry):
                 w_blk, codes, err = carry
-                c = s * sub + j
-                col = jax.lax.dynamic_index_in_dim(w_blk, c, axis=1, keepdims=False)  # (rows,)
-                code, value = fmt.gptq_round(sub_plan, col)  # (rows,) x2
-                col_err = (col - value) / u_blk[c, c]  # (rows,)
-                w_blk = w_blk - col_err[:, None] * u_blk[c][None, :]  # (rows, B); U upper: only columns >= c move
-                return w_blk, codes.at[:, j].set(code), err.at[:, c].set(col_err)
+                c = s * sub + j * group
+                cols = jax.lax.dynamic_slice_in_dim(w_blk, c, group, axis=1)  # (rows, g)
+                u_gg = jax.lax.dynamic_slice(u_blk, (c, c), (group, group))  # (g, g)
+                code, values = fmt.gptq_round_group(sub_plan, cols, u_gg)  # (rows, g) x2
+                if group == 1:
+                    g_err = (cols - values) / u_gg[0, 0]  # (rows, 1)
+                else:  # e U_gg^-1: the same as feeding each column's error to the next within the group
+                    g_err = jax.scipy.linalg.solve_triangular(u_gg, (cols - values).T, trans="T").T  # (rows, g)
+                u_rows = jax.lax.dynamic_slice_in_dim(u_blk, c, group, axis=0)  # (g, B)
+                # U upper: only columns >= c move
+                w_blk = w_blk - jnp.matmul(g_err, u_rows, precision=jax.lax.Precision.HIGHEST)  # (rows, B)
+                return (w_blk, jax.lax.dynamic_update_slice_in_dim(codes, code, j * group, axis=1),
+                        jax.lax.dynamic_update_slice_in_dim(err, g_err, c, axis=1))
 
             init = (w_blk, jnp.zeros((rows, sub), jnp.int32), err)
-            w_blk, codes, err = jax.lax.fori_loop(0, sub, col_step, init)  # (rows, B), (rows, S), (rows, B)
+            w_blk, codes, err = jax.lax.fori_loop(0, sub // group, group_step, init)  # (rows, B), (rows, S), (rows, B)
             return (w_blk, err), (sub_plan, codes)
 
         init = (w_blk, jnp.zeros((rows, block), jnp.float32))

@@ -180,3 +180,76 @@ def gptq_with_plans(w: np.ndarray, hessian: np.ndarray, importance: np.ndarray, 
         err = (W[:, i] - Q[:, i]) / U[i, i]
         W[:, i + 1:] -= np.outer(err, U[i, i + 1:])
     return Q
+
+
+def best_group_errors(x: np.ndarray, w: np.ndarray, scale: np.ndarray, grid: np.ndarray, parity: bool) -> np.ndarray:
+    """Brute force: per group of len(grid[0]) weights, the least sum w (x - sign * scale * g)^2 over every
+    grid point g, signs those of x except, with parity, one flipped in each group of 8 with an odd count of
+    negatives (every weight tried). x, w, scale (n, 256) -> (n, 256 / group) float64. The flip is placed
+    within the grid group (sign groups of 8 hold one grid group here)."""
+    x, w, scale = (np.asarray(v, np.float64) for v in (x, w, scale))
+    n, g = x.shape[0], grid.shape[1]
+    xg, wg, sg = (v.reshape(n, -1, g) for v in (x, w, scale))  # (n, G, g)
+    neg = xg < 0
+    best = np.full(xg.shape[:2], np.inf)
+    flips = [None] + (list(range(g)) if parity else [])
+    odd = (neg.sum(-1) % 2 == 1) if parity else np.zeros(xg.shape[:2], bool)  # (n, G)
+    for flip in flips:
+        s = np.where(neg, -1.0, 1.0)
+        if flip is not None:
+            s[..., flip] *= -1
+        for k in range(grid.shape[0]):
+            err = np.sum(wg * (xg - s * sg * grid[k]) ** 2, axis=-1)  # (n, G)
+            allowed = odd if flip is not None else ~odd
+            best = np.where(allowed & (err < best), err, best)
+    return best
+
+
+def gptq_codebook(w: np.ndarray, hessian: np.ndarray, importance: np.ndarray, block: int, sub: int,
+                  grid: np.ndarray, parity: bool, block_plan, sub_plan) -> np.ndarray:
+    """Textbook (unblocked) GPTQ in float64 for codebook formats.
+
+    Columns go in sign groups of 8: ``block_plan(W_block, importance_block)``
+    when a block starts and ``sub_plan(plan, W_sub, importance_sub) -> scale
+    (rows,)`` when a sub-block starts, both on the error-updated weights. A
+    sign group takes the signs of its weights; with parity, an odd count of
+    negatives flips the weight with the least P_ii x_i^2, P the inverse of the
+    group's block of H^-1. Then each grid group of the sign group takes the
+    point minimising e P_t e^T over the whole grid (P_t the inverse of its
+    block of the remaining H^-1, e against its error-updated weights), and
+    its columns' errors are fed forward one column at a time.
+    Returns the dequantized values (rows, cols)."""
+    W = np.array(w, np.float64)
+    H = np.asarray(hessian, np.float64)
+    grid = np.asarray(grid, np.float64)
+    rows, cols = W.shape
+    g = grid.shape[1]
+    U = np.linalg.cholesky(np.linalg.inv(H)).T  # H^-1 = U^T U
+    imp = np.broadcast_to(np.asarray(importance, np.float64), (rows, cols))
+    Q = np.zeros_like(W)
+    plan = scale = None
+    for i0 in range(0, cols, 8):
+        if i0 % block == 0:
+            plan = block_plan(W[:, i0:i0 + block], imp[:, i0:i0 + block])
+        if i0 % sub == 0:
+            scale = sub_plan(plan, W[:, i0:i0 + sub], imp[:, i0:i0 + sub])
+        x = W[:, i0:i0 + 8]
+        sign = np.where(x < 0, -1.0, 1.0)  # (rows, 8)
+        if parity:
+            u8 = U[i0:i0 + 8, i0:i0 + 8]
+            p_diag = np.diag(np.linalg.inv(u8.T @ u8))
+            odd = np.sum(x < 0, axis=1) % 2 == 1
+            at = np.argmin(p_diag * x * x, axis=1)
+            sign[odd, at[odd]] *= -1
+        for t in range(8 // g):
+            c = i0 + t * g
+            u_t = U[c:c + g, c:c + g]
+            p_t = np.linalg.inv(u_t.T @ u_t)
+            cand = scale[:, None, None] * grid[None] * sign[:, None, t * g:(t + 1) * g]  # (rows, K, g)
+            e = W[:, None, c:c + g] - cand
+            k = np.argmin(np.einsum("rki,ij,rkj->rk", e, p_t, e), axis=1)  # (rows,)
+            Q[:, c:c + g] = cand[np.arange(rows), k]
+            for col in range(c, c + g):
+                err = (W[:, col] - Q[:, col]) / U[col, col]
+                W[:, col + 1:] -= np.outer(err, U[col, col + 1:])
+    return Q

@@ -59,7 +59,7 @@ def test_unknown_formats_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown format 'q9_k'"):
         format_of("q9_k")
     with pytest.raises(ValueError, match="unknown format"):
-        format_of(gguf.GGMLQuantizationType.IQ2_XXS)
+        format_of(gguf.GGMLQuantizationType.IQ3_S)
     assert "format_of" in kernels.__all__
 
 

@@ -82,8 +82,18 @@ quant = { gate = "q2_k", up = "q2_k", down = "q3_k" }
 round = "gptq"
 """
 
+IQUANT_VARIANT = """
+[[variant]]
+name = "codebook"
+quant = { gate = "iq2_xxs", up = "iq2_xs", down = "iq2_s" }
+shexp_down = "iq3_xxs"
+ridge_rho = 6.0
+round = "gptq"
+"""
 
-@pytest.mark.parametrize("variants", [None, KQUANT_VARIANT], ids=["tq2_0", "q2_k-q3_k-gptq"])
+
+@pytest.mark.parametrize("variants", [None, KQUANT_VARIANT, IQUANT_VARIANT],
+                         ids=["tq2_0", "q2_k-q3_k-gptq", "iq2_xxs-iq2_xs-iq2_s-iq3_xxs-gptq"])
 def test_healed_model_runs_in_llama_cpp_and_agrees(tmp_path, variants):
     config = write_world(tmp_path / "world", variants=variants)
     run = HealRun(load_config(config), log=lambda m: None)
