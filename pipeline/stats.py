@@ -174,7 +174,8 @@ def summary_table(lake, order: Sequence[str] | None = None) -> str:
     if {"recipe", "sensitivity", "window_kld"} <= set(names):
         checks: dict[tuple[str, str], dict] = {}
         for r in lake.query("report_budget_rank_check").to_pylist():
-            checks.setdefault((r["sensitivity"], r["set"]), r)
+            if r["covered"]:
+                checks.setdefault((r["sensitivity"], r["set"]), r)
         for (measured, wset), r in checks.items():
             rho = "\u2014" if r["spearman"] is None else f"{r['spearman']:+.3f}"
             lines.append(f"budget recipes, {wset} set: summed sensitivity ({measured}) against pooled KLD, "

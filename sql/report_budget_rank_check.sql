@@ -12,8 +12,11 @@
 -- layer, role, format, rel_err), window_kld (variant, moce_bonus, set,
 -- kld_mean, n_tokens; pooled as sum(kld_mean * n_tokens) / sum(n_tokens),
 -- summed exactly as DECIMAL).
--- One row per (sensitivity, set, variant): pred_err, kld, rank_pred, rank_kld,
--- spearman and n_variants (the same on every row of a sensitivity and set).
+-- One row per (sensitivity, set, variant): covered (false: some routed tensor
+-- of the variant is in a format the measurement lacks; such a row has NULL
+-- pred_err, ranks and spearman, and is listed so the report can name it),
+-- pred_err, kld, rank_pred, rank_kld, spearman and n_variants (the same on
+-- every covered row of a sensitivity and set).
 WITH measured AS (
     SELECT DISTINCT sensitivity FROM sensitivity
 ), predicted AS (
@@ -34,6 +37,7 @@ WITH measured AS (
         p.sensitivity,
         k.set,
         p.variant,
+        p.n_covered = p.n_tensors AS covered,
         p.pred_err,
         k.kld,
         rank() OVER w_pred AS rank_pred,
@@ -43,22 +47,24 @@ WITH measured AS (
         count(*) OVER w AS n_variants
     FROM predicted AS p
     JOIN pooled AS k USING (variant)
-    WHERE p.n_covered = p.n_tensors
-    WINDOW w AS (PARTITION BY p.sensitivity, k.set),
-           w_pred AS (PARTITION BY p.sensitivity, k.set ORDER BY p.pred_err),
-           w_pred_desc AS (PARTITION BY p.sensitivity, k.set ORDER BY p.pred_err DESC),
-           w_kld AS (PARTITION BY p.sensitivity, k.set ORDER BY k.kld),
-           w_kld_desc AS (PARTITION BY p.sensitivity, k.set ORDER BY k.kld DESC)
+    WINDOW w AS (PARTITION BY p.sensitivity, k.set, covered),
+           w_pred AS (PARTITION BY p.sensitivity, k.set, covered ORDER BY p.pred_err),
+           w_pred_desc AS (PARTITION BY p.sensitivity, k.set, covered ORDER BY p.pred_err DESC),
+           w_kld AS (PARTITION BY p.sensitivity, k.set, covered ORDER BY k.kld),
+           w_kld_desc AS (PARTITION BY p.sensitivity, k.set, covered ORDER BY k.kld DESC)
 )
 SELECT
     sensitivity,
     set,
     variant,
-    pred_err,
+    covered,
+    CASE WHEN covered THEN pred_err END AS pred_err,
     kld,
-    rank_pred,
-    rank_kld,
-    corr(avg_rank_pred, avg_rank_kld) OVER (PARTITION BY sensitivity, set) AS spearman,
-    n_variants
+    CASE WHEN covered THEN rank_pred END AS rank_pred,
+    CASE WHEN covered THEN rank_kld END AS rank_kld,
+    CASE WHEN covered THEN corr(avg_rank_pred, avg_rank_kld) OVER (PARTITION BY sensitivity, set, covered) END
+        AS spearman,
+    CASE WHEN covered THEN n_variants END AS n_variants
 FROM ranked
-ORDER BY sensitivity, CASE set WHEN 'eval' THEN 0 WHEN 'canary' THEN 1 ELSE 2 END, set, rank_kld, variant
+ORDER BY sensitivity, CASE set WHEN 'eval' THEN 0 WHEN 'canary' THEN 1 ELSE 2 END, set, NOT covered, rank_kld,
+    variant

@@ -34,6 +34,9 @@ formats = {FORMATS}
 [[variant]]
 name = "u_q2k"
 quant = "q2_k"
+[[variant]]
+name = "u_q4k"
+quant = "q4_k"
 """
 
 
@@ -178,7 +181,10 @@ def test_rank_check_and_report(budget_world):
     rows = run.lake.query("report_budget_rank_check").to_pylist()
     assert {r["set"] for r in rows} == {"eval", "canary"}
     for wset in ("eval", "canary"):
-        mine = [r for r in rows if r["set"] == wset]
+        left_out = [r for r in rows if r["set"] == wset and not r["covered"]]
+        assert [r["variant"] for r in left_out] == ["u_q4k"]  # q4_k is not a candidate: no prediction
+        assert all(r["pred_err"] is None and r["spearman"] is None for r in left_out)
+        mine = [r for r in rows if r["set"] == wset and r["covered"]]
         # every variant is a recipe of measured formats: unhealed is tq2_0, u_q2k q2_k
         assert sorted(r["variant"] for r in mine) == ["b_hi", "b_lo", "u_q2k", "unhealed"]
         assert all(r["n_variants"] == 4 for r in mine)
@@ -187,8 +193,20 @@ def test_rank_check_and_report(budget_world):
         assert mine[0]["spearman"] == pytest.approx(np.corrcoef(*ranks)[0, 1], abs=1e-9)
     report = (run.lake.report_dir / "report.md").read_text()
     assert "## 4c. Size and budget recipes" in report and "Spearman rank correlation" in report
+    assert "Left out (a format not measured): u_q4k." in report
     assert (run.lake.report_dir / "kld_size.png").exists()
     assert "budget recipes, eval set" in run.summary_table()
+
+
+def test_a_budget_at_the_cheapest_format_takes_it_everywhere(budget_world):
+    from moeheal.pipeline.stages.sensitivity import AllocateParams, choose_recipe
+
+    _, run = budget_world
+    table = run.lake.read_table("sensitivity").drop_columns(["sensitivity"])
+    recipe, summary = choose_recipe(table, AllocateParams(2.0625, tuple(FORMATS), "routed"), "test")
+    assert set(recipe.column("format").to_pylist()) == {"tq2_0"} and summary["bpw"] == 2.0625 and summary["exact"]
+    with pytest.raises(InputError, match="test: budget_bpw 2.06: budget .* is below the cheapest"):
+        choose_recipe(table, AllocateParams(2.06, tuple(FORMATS), "routed"), "test")
 
 
 # ---- the llama-quantize command -------------------------------------------------------------

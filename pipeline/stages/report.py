@@ -548,10 +548,15 @@ def section_budget(data: ReportData, order: dict[str, int], plot: str | None) ->
               "formats it covers takes part, ours (whatever their knobs) and outside GGUFs alike.", ""]
     for measured in sorted({r["sensitivity"] for r in rows}):
         for name in sorted_sets(r["set"] for r in rows if r["sensitivity"] == measured):
-            mine = [r for r in rows if r["sensitivity"] == measured and r["set"] == name]
-            rho = mine[0]["spearman"]
+            here = [r for r in rows if r["sensitivity"] == measured and r["set"] == name]
+            mine = [r for r in here if r["covered"]]
+            left_out = [r["variant"] for r in here if not r["covered"]]
+            if not mine:
+                lines += [f"sensitivity `{measured}`, {set_label(name)}: no variant's formats are all measured.", ""]
+                continue
             lines += [f"sensitivity `{measured}`, {set_label(name)}: Spearman rank correlation "
-                      f"{fmt_signed(rho, 3)} over {mine[0]['n_variants']} variants.", ""]
+                      f"{fmt_signed(mine[0]['spearman'], 3)} over {mine[0]['n_variants']} variants."
+                      + (f" Left out (a format not measured): {', '.join(left_out)}." if left_out else ""), ""]
             lines += markdown_table(["variant", "predicted error (sum)", f"pooled KLD ({name}, bonus 0)",
                                      "rank (predicted)", "rank (KLD)"],
                                     ([r["variant"], fmt_num(r["pred_err"], 4), fmt_num(r["kld"], 4),
