@@ -56,11 +56,13 @@ DEMO_WINDOWS = REPO / "demo" / "windows.csv"
 DEMO_CONFIG = REPO / "demo" / "heal.toml"
 TRAIN_LOG = REPO / "demo" / "model" / "train_log.json"
 EXPORT_CHECK = REPO / "demo" / "model" / "export_check.json"
+TRAIN_TOKENS = REPO / "demo" / "model" / "train_tokens.json"  # encode.py's sources.json of the committed run
 
 CE_BLOCK = "eval-window-ce"
 LOAD_BLOCK = "expert-load"
 TRAINING_BLOCK = "training"
 HELDOUT_BLOCK = "heldout-ce"
+DATA_BLOCK = "training-data"
 MARKER = re.compile(r"<!-- card:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /card:(?P=name) -->", re.DOTALL)
 Row = dict[str, object]
 
@@ -170,6 +172,18 @@ def render_training(log_path: Path = TRAIN_LOG) -> str:
             ("held-out loss, all strata (bf16, at the end of training)",
              f"{log['heldout_loss']:.3f} nats/token over {log['heldout_tokens_scored']:,} tokens")]
     return "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
+
+
+def render_training_data(path: Path = TRAIN_TOKENS) -> str:
+    """The train pool as encode.py saw it: documents, characters and held-out tokens per stratum."""
+    stats = json.loads(path.read_text(encoding="utf-8"))
+    lines = ["| stratum | documents | characters | held-out tokens |", "|---|---|---|---|"]
+    for stratum, docs in stats["documents"].items():
+        lines.append(f"| {stratum} | {docs:,} | {stats['characters'][stratum]:,} "
+                     f"| {stats['tokens'][f'heldout_{stratum}']:,} |")
+    tokens = stats["tokens"]
+    lines += ["", f"Training tokens: {tokens['train']:,} (vocabulary {tokens['vocab']:,})."]
+    return "\n".join(lines)
 
 
 def render_heldout_ce(log_path: Path = TRAIN_LOG, check_path: Path = EXPORT_CHECK) -> str:
@@ -423,7 +437,7 @@ def readme_blocks(prefix: str, snap: dict[str, list[Row]], names: Iterable[str])
 def model_card_blocks() -> dict[str, str]:
     """Every block of MODEL_CARD.md, from the model, the demo's windows and the training files."""
     return {CE_BLOCK: render_ce(eval_window_ce()), LOAD_BLOCK: render_expert_load(),
-            TRAINING_BLOCK: render_training(), HELDOUT_BLOCK: render_heldout_ce()}
+            TRAINING_BLOCK: render_training(), HELDOUT_BLOCK: render_heldout_ce(), DATA_BLOCK: render_training_data()}
 
 
 def main() -> None:

@@ -63,10 +63,10 @@ def test_model_card_cross_entropy_is_recomputed():
     assert committed == card.render_ce(card.eval_window_ce()) + "\n"
 
 
-@pytest.mark.parametrize("block", ["LOAD_BLOCK", "TRAINING_BLOCK", "HELDOUT_BLOCK"])
+@pytest.mark.parametrize("block", ["LOAD_BLOCK", "TRAINING_BLOCK", "HELDOUT_BLOCK", "DATA_BLOCK"])
 def test_model_card_training_blocks_match_the_training_files(block):
     """Expert load, training facts and held-out cross-entropy come from train_log.json and export_check.json."""
     render = {"LOAD_BLOCK": card.render_expert_load, "TRAINING_BLOCK": card.render_training,
-              "HELDOUT_BLOCK": card.render_heldout_ce}[block]
+              "HELDOUT_BLOCK": card.render_heldout_ce, "DATA_BLOCK": card.render_training_data}[block]
     committed = card.blocks(card.MODEL_CARD.read_text(encoding="utf-8"))[getattr(card, block)]
     assert committed == render() + "\n"

@@ -96,11 +96,7 @@ def test_windows_sit_inside_eval_and_canary_docs(docs, roles, windows, tokenizer
         assert int(w["start"]) >= 0 and end <= n_tokens, w["window_id"]
 
 
-def test_shared_boilerplate_is_present_but_docs_are_distinct(docs):
-    """The overlap audit needs real shared context: many chat_json docs open with the same tools block."""
-    chat = [d["text"] for d in docs.values() if d["stratum"] == "chat_json"]
-    heads = Counter(t[:1500] for t in chat if t.startswith("<|im_start|>system\nYou are a helpful assistant."))
-    assert heads.most_common(1)[0][1] >= 20
+def test_docs_are_distinct(docs):
     assert len({d["text"] for d in docs.values()}) == len(docs)
 
 
@@ -111,11 +107,27 @@ def test_tokenizer_round_trips_utf8(tokenizer, docs):
         assert tokenizer.decode(ids, skip_special_tokens=False) == text
 
 
-def test_generator_is_deterministic(tmp_path):
-    generate = load_script("demo_generate", DEMO / "corpus" / "generate.py")
-    generate.write_demo(tmp_path, DEMO / "tokenizer.json")
-    for name in ("docs.jsonl", "split.csv", "windows.csv"):
-        assert (tmp_path / name).read_bytes() == (DEMO / name).read_bytes(), name
+@pytest.mark.slow
+def test_windows_are_what_the_placement_script_draws(tmp_path):
+    """demo/windows.csv is exactly demo/corpus/windows.py's output for the committed corpus and tokenizer."""
+    for name in ("docs.jsonl", "split.csv", "tokenizer.json"):
+        (tmp_path / name).write_bytes((DEMO / name).read_bytes())
+    load_script("demo_windows", DEMO / "corpus" / "windows.py").main(["--demo", str(tmp_path)])
+    assert (tmp_path / "windows.csv").read_bytes() == (DEMO / "windows.csv").read_bytes()
+
+
+def test_scored_spans_share_no_16_gram_with_any_calibration_doc(docs, roles, windows, tokenizer):
+    """Stricter than the audit, which checks the drawn trace: no `cal` document at all."""
+    from moeheal.kernels.ngram import ngram_hashes
+
+    def ids(doc_id: str) -> np.ndarray:
+        return np.asarray(tokenizer.encode(docs[doc_id]["text"], add_special_tokens=False).ids, np.int64)
+
+    cal = np.unique(np.concatenate([ngram_hashes(ids(d), 16) for d, r in roles.items() if r == "cal"]))
+    for w in windows:
+        score = int(w["start"]) + int(w["ctx_tokens"])
+        span = ids(w["doc_id"])[max(score - 15, 0):score + int(w["scored_tokens"]) + 15]
+        assert not np.isin(ngram_hashes(span, 16), cal).any(), w["window_id"]
 
 
 def test_heal_toml_names_existing_files_and_two_variants():
@@ -137,11 +149,11 @@ def test_gguf_model_shape():
 
     assert field("general.architecture") == "qwen2moe"
     assert field("qwen2moe.embedding_length") >= 256
-    assert field("qwen2moe.block_count") >= 4
-    assert field("qwen2moe.expert_count") >= 16
-    assert field("qwen2moe.expert_used_count") >= 2
+    assert field("qwen2moe.block_count") >= 3
+    assert field("qwen2moe.expert_count") >= 32  # many experts, several active: some see few calibration tokens
+    assert field("qwen2moe.expert_used_count") >= 4
     assert field("tokenizer.ggml.model") == "gpt2"
-    assert len(field("tokenizer.ggml.tokens")) == 8192
+    assert len(field("tokenizer.ggml.tokens")) == Tokenizer.from_file(str(DEMO / "tokenizer.json")).get_vocab_size()
     tensors = {t.name: t for t in reader.tensors}
     n_layer = field("qwen2moe.block_count")
     for i in range(n_layer):

@@ -27,16 +27,16 @@ from moeheal.pipeline.stages.corpus import build_docs, generate_windows, read_do
 
 DEMO = Path(__file__).resolve().parents[1]
 NGRAM = 16  # the audit's n
-WINDOWS = {"eval": 16, "canary": 6}  # per stratum
+WINDOWS = {"eval": 16, "canary": 3}  # per stratum: as many as the smallest stratum holds clean (chat_json canary: 3)
 CTX_TOKENS, SCORED_TOKENS = 192, 128
 SEED = 7
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Tokenize the corpus, collect the calibration documents' n-grams, draw and write the windows."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--demo", type=Path, default=DEMO)
-    args = parser.parse_args()
+    parser.add_argument("--demo", type=Path, default=DEMO, help="folder with docs.jsonl, split.csv, tokenizer.json")
+    args = parser.parse_args(argv)
     tok = Tokenizer.from_file(str(args.demo / "tokenizer.json"))
     documents = read_documents(args.demo / "docs.jsonl")
     docs, _ = build_docs(documents, read_split(args.demo / "split.csv"), lambda text: [])

@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--tokenizer-out", type=Path, default=REPO / "demo" / "tokenizer.json")
     parser.add_argument("--vocab-size", type=int, default=6144)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--heldout-share", type=float, default=0.01)
+    parser.add_argument("--heldout-share", type=float, default=0.02)
     parser.add_argument("--tokenizer-sample-chars", type=int, default=30_000_000)
     args = parser.parse_args()
 
