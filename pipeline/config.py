@@ -18,7 +18,7 @@ from moeheal.pipeline.errors import InputError
 
 ROUNDINGS = ("ls", "gptq")
 # `budget_roles`: which tensors a `budget_bpw` covers (and the allocation chooses formats for).
-BUDGET_ROLES = ("routed",)
+BUDGET_ROLES = ("routed", "all")
 # `quant = { gate = ..., up = ..., down = ... }`: the routed-expert tensor of each role.
 EXPERT_ROLES = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 
@@ -45,7 +45,7 @@ class Variant:
     cal_tokens: int = 0  # 0 = the whole calibration dump; else its first cal_tokens rows
     budget_bpw: float | None = None  # set: one format per (layer, role) chosen from `candidates` under this budget
     candidates: tuple[str, ...] = ()  # `formats = [...]`: the formats the allocation may choose from
-    budget_roles: str = "routed"  # which tensors the budget covers (BUDGET_ROLES)
+    budget_roles: str = "routed"  # which tensors the budget counts (BUDGET_ROLES); formats are chosen for routed ones
     gguf: Path | None = None
 
     @property
@@ -235,8 +235,10 @@ def _quant(r: _Reader) -> str | tuple[tuple[str, str], ...]:
 def _budget(r: _Reader) -> dict[str, Any]:
     """`budget_bpw = 2.3`, `formats = [...]`, `budget_roles`: the allocation's knobs (empty without a budget).
 
-    The formats are registered names, each once; the budget must admit the
-    cheapest of them everywhere. `quant` has no effect beside a budget.
+    The formats are registered names, each once; a budget over the routed
+    experts must admit the cheapest of them everywhere (a budget over the whole
+    file is checked against the model, in `HealRun`). `quant` has no effect
+    beside a budget.
     """
     if "budget_bpw" not in r.table:
         for key in ("formats", "budget_roles"):
@@ -252,12 +254,12 @@ def _budget(r: _Reader) -> dict[str, Any]:
     for fmt in candidates:
         if fmt not in FORMATS:
             r.fail("formats", f"{fmt!r} is not one of {', '.join(sorted(FORMATS))}")
+    roles = r.choice("budget_roles", BUDGET_ROLES, "routed")
     cheapest = min(candidates, key=lambda f: FORMATS[f].bits_per_weight)
-    if budget < FORMATS[cheapest].bits_per_weight:
+    if roles == "routed" and budget < FORMATS[cheapest].bits_per_weight:  # "all": checked against the model
         r.fail("budget_bpw", f"{budget!r} bits per weight is infeasible: the cheapest of formats, {cheapest}, "
                              f"takes {FORMATS[cheapest].bits_per_weight:g}")
-    return {"budget_bpw": budget, "candidates": tuple(candidates),
-            "budget_roles": r.choice("budget_roles", BUDGET_ROLES, "routed")}
+    return {"budget_bpw": budget, "candidates": tuple(candidates), "budget_roles": roles}
 
 
 # Knobs that only reach the computation under a condition, and that condition.

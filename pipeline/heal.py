@@ -97,6 +97,12 @@ class HealRun:
                 if columns[tensor] % block:
                     raise InputError(f"{self.cfg.path}: [[variant]] {variant.name}: {fmt} needs rows that are "
                                      f"a multiple of {block} weights; {tensor} rows have {columns[tensor]}")
+            if variant.budgeted:
+                least = sensitivity.least_bpw(self.source, variant.candidates, self.budget_fixed(variant))
+                if variant.budget_bpw < least:
+                    raise InputError(f"{self.cfg.path}: [[variant]] {variant.name}: budget_bpw {variant.budget_bpw:g} "
+                                     f"is infeasible: with budget_roles = {variant.budget_roles!r} the cheapest recipe "
+                                     f"of its formats takes {least:.4f} bits per weight")
 
     @cached_property
     def reference(self) -> GGUFModel:
@@ -216,9 +222,16 @@ class HealRun:
                            lambda out: sensitivity.build_sensitivity(out, self.cfg.source, up["dump"].path,
                                                                      up["unseen"].path, params, self.log))
 
+    def budget_fixed(self, variant: Variant) -> tuple[int, int]:
+        """(weights, bytes) the budget counts beyond the routed experts: none for "routed"; for "all",
+        every other tensor as the assembled GGUF holds it."""
+        if variant.budget_roles == "routed":
+            return 0, 0
+        return sensitivity.fixed_size(self.source, variant.shexp_down if self.source.hp.d_shexp > 0 else None)
+
     def allocation(self, variant: Variant) -> StageResult:
         """The recipe of a budget variant: one format per (layer, role) under its budget."""
-        params = sensitivity.AllocateParams.of(variant)
+        params = sensitivity.AllocateParams.of(variant, self.budget_fixed(variant))
         up = {"sensitivity": self.sensitivity(variant)}
         where = f"{self.cfg.path}: [[variant]] {variant.name}"
         return self._stage(f"allocate:{variant.name}", ALLOCATE, params, {}, up,
@@ -349,10 +362,11 @@ class HealRun:
 
     def sizes_table(self) -> pa.Table:
         """Achieved sizes of every evaluated variant and the reference, summed from each GGUF's tensor table."""
-        rows = [{"variant": "reference", "kind": "reference", "budget_bpw": None,
+        rows = [{"variant": "reference", "kind": "reference", "budget_bpw": None, "budget_roles": None,
                  **sensitivity.gguf_size(self.reference)}]
         for variant in self.evaluated_variants():
             rows.append({"variant": variant.name, "kind": variant.kind, "budget_bpw": variant.budget_bpw,
+                         "budget_roles": variant.budget_roles if variant.budgeted else None,
                          **sensitivity.gguf_size(GGUFModel(self.variant_gguf(variant)))})
         return pa.Table.from_pylist(rows, schema=sensitivity.SIZES_SCHEMA)
 

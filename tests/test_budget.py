@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from scipy.stats import spearmanr
 
 from moeheal import kernels
 from moeheal.pipeline.cli import main
@@ -31,6 +32,11 @@ formats = {FORMATS}
 name = "b_hi"
 budget_bpw = 3.0
 formats = {FORMATS}
+[[variant]]
+name = "b_all"
+budget_bpw = 3.8
+formats = {FORMATS}
+budget_roles = "all"
 [[variant]]
 name = "u_q2k"
 quant = "q2_k"
@@ -78,6 +84,19 @@ def test_a_budget_needs_the_unseen_dump(tmp_path):
     config.write_text(config.read_text().replace("unseen_tokens = 512", "unseen_tokens = 0"))
     with pytest.raises(InputError, match=r"budget_bpw: needs \[calibration\] unseen_tokens > 0"):
         load_config(config)
+
+
+def test_a_budget_over_the_whole_file_is_checked_against_the_model(budget_world, tmp_path):
+    config, run = budget_world
+    sizes = {r["variant"]: r for r in run.lake.read_table("sizes").to_pylist()}
+    least = sizes["unhealed"]["total_bpw"]  # every routed tensor at tq2_0, the cheapest candidate
+    world = tmp_path / "heal.toml"
+    world.write_text(config.read_text().replace("budget_bpw = 3.8", "budget_bpw = 3.5"))
+    for name in ("ref.gguf", "docs.jsonl", "split.csv", "windows.csv"):
+        (tmp_path / name).symlink_to(config.parent / name)
+    with pytest.raises(InputError, match=rf"b_all: budget_bpw 3.5 is infeasible: with budget_roles = 'all' "
+                                         rf"the cheapest recipe of its formats takes {least:.4f} bits per weight"):
+        HealRun(load_config(world), log=lambda m: None)
 
 
 def test_budget_variant_knobs_and_fingerprints(budget_world):
@@ -170,6 +189,17 @@ def test_recipe_is_optimal_and_written_into_the_gguf(budget_world):
                    if sum(cell[(*item, f)]["bytes"] for item, f in zip(items, combo)) * 8 <= budget * n_weights)
         assert sum(r["pred_err"] for r in mine) == pytest.approx(best, rel=1e-12)
     assert sizes["b_hi"]["routed_bpw"] > sizes["b_lo"]["routed_bpw"]
+    # budget_roles = "all": the budget counts every tensor of the file; only the routed formats are chosen
+    mine = [r for r in recipe if r["variant"] == "b_all"]
+    fixed_bytes = sizes["b_all"]["total_bytes"] - sizes["b_all"]["routed_bytes"]
+    assert fixed_bytes == sizes["u_q2k"]["total_bytes"] - sizes["u_q2k"]["routed_bytes"]  # the same other tensors
+    assert sizes["b_all"]["budget_roles"] == "all" and sizes["b_all"]["total_bpw"] <= 3.8
+    room = int(3.8 * sizes["b_all"]["total_weights"] / 8) - fixed_bytes
+    best = min(sum(cell[(*item, f)]["rel_err"] for item, f in zip(items, combo))
+               for combo in itertools.product(FORMATS, repeat=len(items))
+               if sum(cell[(*item, f)]["bytes"] for item, f in zip(items, combo)) <= room)
+    assert sum(r["pred_err"] for r in mine) == pytest.approx(best, rel=1e-12)
+    assert sizes["b_lo"]["budget_roles"] == "routed" and sizes["u_q2k"]["budget_roles"] is None
     assert sizes["u_q2k"]["routed_bpw"] == kernels.bits_per_weight("q2_k")
     assert sizes["unhealed"]["routed_bpw"] == kernels.bits_per_weight("tq2_0")
     assert {r["format"] for r in recipe if r["variant"] == "u_q2k"} == {"q2_k"}
@@ -186,11 +216,10 @@ def test_rank_check_and_report(budget_world):
         assert all(r["pred_err"] is None and r["spearman"] is None for r in left_out)
         mine = [r for r in rows if r["set"] == wset and r["covered"]]
         # every variant is a recipe of measured formats: unhealed is tq2_0, u_q2k q2_k
-        assert sorted(r["variant"] for r in mine) == ["b_hi", "b_lo", "u_q2k", "unhealed"]
-        assert all(r["n_variants"] == 4 for r in mine)
+        assert sorted(r["variant"] for r in mine) == ["b_all", "b_hi", "b_lo", "u_q2k", "unhealed"]
+        assert all(r["n_variants"] == 5 for r in mine)
         pred, kld = np.array([r["pred_err"] for r in mine]), np.array([r["kld"] for r in mine])
-        ranks = [np.argsort(np.argsort(x)) for x in (pred, kld)]  # no ties here
-        assert mine[0]["spearman"] == pytest.approx(np.corrcoef(*ranks)[0, 1], abs=1e-9)
+        assert mine[0]["spearman"] == pytest.approx(spearmanr(pred, kld).statistic, abs=1e-9)  # ties averaged
     report = (run.lake.report_dir / "report.md").read_text()
     assert "## 4c. Size and budget recipes" in report and "Spearman rank correlation" in report
     assert "Left out (a format not measured): u_q4k." in report

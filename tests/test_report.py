@@ -226,7 +226,8 @@ def make_sizes() -> pa.Table:
     bpw = {"reference": 8.5, "unhealed": 2.0625, "v1": 2.625, "v2": 2.35}
     routed, total = 3 * 8 * 512 * 256, 3 * 8 * 512 * 256 + 2_000_000
     rows = [{"variant": v, "kind": {"reference": "reference", "unhealed": "unhealed"}.get(v, "healed"),
-             "budget_bpw": 2.4 if v == "v2" else None, "routed_weights": routed,
+             "budget_bpw": 2.4 if v == "v2" else None, "budget_roles": "routed" if v == "v2" else None,
+             "routed_weights": routed,
              "routed_bytes": int(routed * b / 8), "routed_bpw": b, "total_weights": total,
              "total_bytes": int(routed * b / 8) + 2_125_000, "total_bpw": 8 * (int(routed * b / 8) + 2_125_000) / total,
              "file_bytes": int(routed * b / 8) + 2_200_000} for v, b in bpw.items()]

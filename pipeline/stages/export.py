@@ -215,7 +215,10 @@ COLUMN_DOCS: dict[str, dict[str, str]] = {
     "sizes": {
         "variant": _VARIANT,
         "kind": "reference, unhealed, healed or external",
-        "budget_bpw": "the budget the variant's recipe was chosen under, bits per routed weight (NULL if none)",
+        "budget_bpw": "the budget the variant's recipe was chosen under (NULL if none), in bits per weight of "
+                      "what budget_roles covers",
+        "budget_roles": "routed (the budget counts the routed-expert tensors) or all (every tensor of the file); "
+                        "NULL without a budget",
         "routed_weights": "weights of the routed-expert tensors (ffn_gate/up/down_exps)",
         "routed_bytes": "bytes of those tensors as stored in the GGUF",
         "routed_bpw": "8 * routed_bytes / routed_weights: achieved bits per routed weight",

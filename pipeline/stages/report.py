@@ -521,13 +521,13 @@ def section_budget(data: ReportData, order: dict[str, int], plot: str | None) ->
         rows = data.rows("report_sizes")
         lines += ["Bits per weight as each GGUF stores them: tensor bytes over tensor weights, summed over the "
                   "routed-expert tensors and over the whole file. Budget = the `budget_bpw` a recipe was "
-                  "chosen under.", ""]
+                  "chosen under, in bits per routed weight, or per weight of the file where marked (file).", ""]
         for name in sorted_sets(r["set"] for r in rows):
             mine = [r for r in rows if r["set"] == name]
             lines += [f"### {set_label(name)}", ""]
             lines += markdown_table(["variant", "kind", "budget", "bits / routed weight", "bits / weight (file)",
                                      "MiB", f"pooled KLD ({name}, bonus 0)"],
-                                    ([r["variant"], r["kind"], fmt_num(r["budget_bpw"], 2), fmt_num(r["routed_bpw"], 4),
+                                    ([r["variant"], r["kind"], fmt_budget(r), fmt_num(r["routed_bpw"], 4),
                                       fmt_num(r["total_bpw"], 4), fmt_num(r["file_bytes"] / 2**20, 2),
                                       fmt_num(r["kld"], 4)] for r in mine))
             lines += [""]
@@ -563,6 +563,11 @@ def section_budget(data: ReportData, order: dict[str, int], plot: str | None) ->
                                       str(r["rank_pred"]), str(r["rank_kld"])] for r in mine))
             lines += [""]
     return lines + [source_note("report_budget_rank_check"), ""]
+
+
+def fmt_budget(row: Row) -> str:
+    """`2.30`, or `3.80 (file)` for a budget over every tensor of the file."""
+    return fmt_num(row["budget_bpw"], 2) + (" (file)" if row["budget_roles"] == "all" else "")
 
 
 def plot_kld_size(rows: list[Row], order: dict[str, int], out: Path) -> None:

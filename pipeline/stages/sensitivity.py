@@ -44,8 +44,10 @@ from moeheal.pipeline.stages.dump import open_dump
 from moeheal.pipeline.stages.quantize import EXPERT_TENSORS, QuantizeParams, expert_weights, importance_plan
 
 OUTPUTS = ("sensitivity.parquet", "recipe.parquet", "allocation.parquet")
-# budget_roles -> the tensor roles the budget covers and the allocation chooses formats for
-ROLES = {"routed": EXPERT_TENSORS}
+# The tensor roles whose formats are measured and chosen. `budget_roles` says which tensors the
+# budget counts: "routed" these only, "all" every tensor of the written GGUF (the others at the
+# formats the variant writes them in: the source's, and `shexp_down` for the shared down projection).
+MEASURED_ROLES = EXPERT_TENSORS
 
 SENSITIVITY_SCHEMA = pa.schema([
     ("layer", pa.int32()), ("role", pa.string()), ("tensor", pa.string()), ("format", pa.string()),
@@ -58,32 +60,37 @@ RECIPE_SCHEMA = pa.schema([
 
 @dataclass(frozen=True)
 class SensitivityParams:
-    """What a sensitivity table depends on: the candidate formats, the roles, the variant's
+    """What a sensitivity table depends on: the candidate formats, the measured roles, the variant's
     quantization knobs (with no formats of its own: `quantize.quant` is None) and whether alpha
-    heals. Budget variants that share these share one table."""
+    heals. Budget variants that share these share one table, whatever their budgets."""
 
     formats: tuple[str, ...]
-    roles: str
+    roles: tuple[str, ...]
     alpha: bool
     quantize: QuantizeParams
 
     @classmethod
     def of(cls, variant) -> "SensitivityParams":
-        return cls(formats=tuple(variant.candidates), roles=variant.budget_roles, alpha=variant.alpha,
+        return cls(formats=tuple(variant.candidates), roles=MEASURED_ROLES, alpha=variant.alpha,
                    quantize=QuantizeParams.knobs_of(variant, None))
 
 
 @dataclass(frozen=True)
 class AllocateParams:
-    """The budget: bits per covered weight, the formats to choose from (their order breaks ties), the roles."""
+    """The budget: bits per covered weight, the formats to choose from (their order breaks ties), the
+    roles it covers, and (budget_roles = "all") the weights and bytes of the tensors it covers whose
+    formats are fixed, as the written GGUF will hold them."""
 
     budget_bpw: float
     formats: tuple[str, ...]
     roles: str
+    fixed_weights: int = 0
+    fixed_bytes: int = 0
 
     @classmethod
-    def of(cls, variant) -> "AllocateParams":
-        return cls(budget_bpw=variant.budget_bpw, formats=tuple(variant.candidates), roles=variant.budget_roles)
+    def of(cls, variant, fixed: tuple[int, int] = (0, 0)) -> "AllocateParams":
+        return cls(budget_bpw=variant.budget_bpw, formats=tuple(variant.candidates), roles=variant.budget_roles,
+                   fixed_weights=fixed[0], fixed_bytes=fixed[1])
 
 
 def tensor_bytes(fmt: str, n_weights: int) -> int:
@@ -102,7 +109,7 @@ def measure_sensitivity(source: GGUFModel, cal, unseen, params: SensitivityParam
         plan = importance_plan(weights, cal if qp.importance else None, layer, qp)
         data = {"in_sample": _load(cal[str(layer)], slice(0, qp.cal_tokens or None)),
                 "unseen": _load(unseen[str(layer)], slice(None))}
-        for role in ROLES[params.roles]:
+        for role in params.roles:
             w = weights[role]  # (E, rows, cols)
             importance, hessians = plan[role]
             for fmt in params.formats:
@@ -117,6 +124,27 @@ def measure_sensitivity(source: GGUFModel, cal, unseen, params: SensitivityParam
                              "rel_err_in_sample": relative_residual(data["in_sample"]["yr"], alpha * y["in_sample"]),
                              "alpha": float(alpha)})
     return pa.Table.from_pylist(rows, schema=SENSITIVITY_SCHEMA)
+
+
+def fixed_size(source: GGUFModel, shexp_down: str | None) -> tuple[int, int]:
+    """Weights and bytes of every tensor outside the routed experts as the assembled GGUF holds them:
+    the source's, with the shared down projection in `shexp_down` (None: no shared expert)."""
+    weights = n_bytes = 0
+    for name, (_, n, b) in source.tensor_sizes().items():
+        if ROUTED_TENSOR.match(name):
+            continue
+        if shexp_down is not None and name.endswith(".ffn_down_shexp.weight"):
+            b = tensor_bytes(shexp_down, n)
+        weights, n_bytes = weights + n, n_bytes + b
+    return weights, n_bytes
+
+
+def least_bpw(source: GGUFModel, formats: tuple[str, ...], fixed: tuple[int, int]) -> float:
+    """The fewest bits per covered weight any recipe of `formats` takes: every routed tensor in its
+    cheapest format, plus the `fixed` (weights, bytes) the budget also covers."""
+    routed = [n for name, (_, n, _) in source.tensor_sizes().items() if ROUTED_TENSOR.match(name)]
+    cheapest = sum(min(tensor_bytes(f, n) for f in formats) for n in routed)
+    return 8 * (cheapest + fixed[1]) / (sum(routed) + fixed[0])
 
 
 def budget_bytes(budget_bpw: float, n_weights: int) -> int:
@@ -137,7 +165,8 @@ def choose_recipe(sensitivity: pa.Table, params: AllocateParams, where: str) -> 
             if (layer, role, fmt) in cell:
                 costs[i, j], errors[i, j] = cell[(layer, role, fmt)]["bytes"], cell[(layer, role, fmt)]["rel_err"]
     n_weights = sum(cell[(layer, role, params.formats[0])]["n_weights"] for layer, role in items)
-    budget = budget_bytes(params.budget_bpw, n_weights)
+    n_weights += params.fixed_weights  # the covered weights: the routed ones, and the rest with "all"
+    budget = budget_bytes(params.budget_bpw, n_weights) - params.fixed_bytes
     start = time.perf_counter()
     try:
         result = allocate(costs, errors, budget)
@@ -149,8 +178,9 @@ def choose_recipe(sensitivity: pa.Table, params: AllocateParams, where: str) -> 
         r = cell[(layer, role, params.formats[int(j)])]
         recipe.append({"layer": layer, "role": role, "tensor": r["tensor"], "format": r["format"],
                        "n_weights": r["n_weights"], "bytes": r["bytes"], "pred_err": r["rel_err"]})
-    summary = {"budget_bpw": params.budget_bpw, "n_weights": n_weights, "budget_bytes": budget,
-               "bytes": result.cost, "bpw": 8 * result.cost / n_weights, "pred_err": result.error,
+    summary = {"budget_bpw": params.budget_bpw, "budget_roles": params.roles, "n_weights": n_weights,
+               "budget_bytes": budget + params.fixed_bytes, "bytes": result.cost + params.fixed_bytes,
+               "bpw": 8 * (result.cost + params.fixed_bytes) / n_weights, "pred_err": result.error,
                "exact": result.exact, "unit_bytes": result.unit, "n_items": len(items),
                "n_formats": len(params.formats), "seconds": seconds}
     return pa.Table.from_pylist(recipe, schema=RECIPE_SCHEMA), summary
@@ -178,7 +208,7 @@ def build_allocation(out: Path, sensitivity: Path, params: AllocateParams, where
 # ---- what a written GGUF holds: its recipe and its size (read from the file, never estimated) --------
 ROUTED_TENSOR = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
 SIZES_SCHEMA = pa.schema([
-    ("variant", pa.string()), ("kind", pa.string()), ("budget_bpw", pa.float64()),
+    ("variant", pa.string()), ("kind", pa.string()), ("budget_bpw", pa.float64()), ("budget_roles", pa.string()),
     ("routed_weights", pa.int64()), ("routed_bytes", pa.int64()), ("routed_bpw", pa.float64()),
     ("total_weights", pa.int64()), ("total_bytes", pa.int64()), ("total_bpw", pa.float64()),
     ("file_bytes", pa.int64())])
