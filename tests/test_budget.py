@@ -276,3 +276,14 @@ def test_llama_quantize_makes_the_same_mix(budget_world, capsys, tmp_path):
         else:
             assert ggml_type == source[name][0], name
     assert set(theirs.tensor_sizes()) == set(source)
+
+
+def test_command_without_a_shared_expert_keeps_the_source_types(tiny_qwen3moe):
+    from moeheal.pipeline.recipe import llama_quantize_command
+
+    model = GGUFModel(tiny_qwen3moe)  # F32 matrices, no shared expert
+    formats = {f"blk.{i}.{t}.weight": "q2_k" for i in range(model.hp.n_layer) for t in EXPERT_TENSORS}
+    argv = llama_quantize_command(formats, model, Path("out.gguf"), None, None)
+    assert "--allow-requantize" not in argv and "--imatrix" not in argv
+    assert not any("shexp" in a for a in argv) and argv[-1] == "F32"
+    assert [a for a in argv if a.startswith("blk.")] == [f"{t.removesuffix('.weight')}=q2_k" for t in formats]
