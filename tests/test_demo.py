@@ -130,11 +130,13 @@ def test_scored_spans_share_no_16_gram_with_any_calibration_doc(docs, roles, win
         assert not np.isin(ngram_hashes(span, 16), cal).any(), w["window_id"]
 
 
-def test_heal_toml_names_existing_files_and_two_variants():
+def test_heal_toml_names_existing_files_and_pairs_each_peer_with_ours():
     config = tomllib.loads((DEMO / "heal.toml").read_text())
     for rel in (config["corpus"]["docs"], config["corpus"]["split"], config["eval"]["windows"]):
         assert (DEMO / rel).exists(), rel
-    assert {"v1", "v2"} <= {v["name"] for v in config["variant"]}
+    peers = {v["name"] for v in config["variant"] if "gguf" in v}
+    assert peers and all((DEMO / v["gguf"]).exists() for v in config["variant"] if "gguf" in v)
+    assert peers <= {a for a, _ in config["eval"]["compare"]}  # every peer is compared with a variant of ours
     assert {0.0, 0.85} <= set(config["moce"]["bonus"])
     assert set(config["calibration"]["mix"]) == STRATA
 
