@@ -5,6 +5,8 @@
     LLAMA_CPP_DIR=~/llama.cpp/build python bench/bench_quant.py --gguf model-f16.gguf
     LLAMA_CPP_DIR=~/llama.cpp/build python bench/bench_quant.py \
         --gguf demo/model/demo-q8_0.gguf --imatrix imatrix.gguf   # + k-quants vs llama-quantize
+    LLAMA_CPP_DIR=~/llama.cpp/build python bench/bench_quant.py \
+        --gguf demo/model/demo-q8_0.gguf --imatrix imatrix.gguf --iquants   # i-quants instead
 
 Prints markdown tables and writes nothing else (llama-quantize's output goes
 to a temporary folder that is removed). Times exclude compilation, which is in
@@ -18,6 +20,10 @@ llama-quantize always rewrites the whole file, so it is also timed copying
 every tensor unchanged (Q8_0 -> Q8_0, same imatrix): the difference is its
 quantization time. Wall time is noisy on a shared machine, so CPU time (all
 threads) and the load average are printed beside it.
+
+With ``--iquants`` that table is the i-quants instead, each against
+llama-quantize making the same format of the same tensors (it refuses them
+without an imatrix), with the importance-weighted error of both outputs.
 """
 
 from __future__ import annotations
@@ -41,12 +47,13 @@ from bench.timing import best_of  # noqa: E402
 H200_HBM_GBPS = 4300.0  # H200 HBM3e bandwidth, GB/s
 
 KQUANTS = ("q2_k", "q3_k", "q4_k")
+IQUANTS = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs")
 EXPERT_ROLES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 CPU_SHAPES = [(16, 256, 256), (8, 512, 2048)]
-# The k-quants only at the first shape: the --imatrix table times them on the demo's
-# 12.6M expert weights, and at 8x512x2048 they would add about a minute to the run.
-CPU_FORMATS = {CPU_SHAPES[0]: ("tq2_0", "iq4_nl", *KQUANTS), CPU_SHAPES[1]: ("tq2_0", "iq4_nl")}
+# The k- and i-quants only at the first shape: the --imatrix table times them on the demo's
+# 12.6M expert weights, and at 8x512x2048 they would add minutes to the run.
+CPU_FORMATS = {CPU_SHAPES[0]: ("tq2_0", "iq4_nl", *KQUANTS, *IQUANTS), CPU_SHAPES[1]: ("tq2_0", "iq4_nl")}
 GPU_SHAPES = [(16, 256, 256), (128, 768, 2048)]  # the second: one Qwen3-30B-A3B ffn_gate_exps
 
 
@@ -112,7 +119,7 @@ def bench_gpu(repeats: int) -> list[str]:
     lines = []
     for shape in GPU_SHAPES:
         w = jax.device_put(heavy_tailed_experts(shape))
-        for fmt in ("tq2_0", "iq4_nl", *KQUANTS):
+        for fmt in ("tq2_0", "iq4_nl", *KQUANTS, *IQUANTS):
             call = lambda: _quantize_experts_jit(fmt, w, None, None).block_until_ready()  # noqa: E731
             compile_s = timed_first_call(call)
             seconds = best_of(call, repeats)
@@ -208,8 +215,10 @@ def expert_tensors(gguf_path: str, imatrix_path: str) -> list[tuple[str, np.ndar
 
 
 def run_llama_quantize(binary: Path, args: list[str], out: Path, threads: int) -> None:
-    """One llama-quantize run writing `out`; its log is shown only when it fails."""
-    done = subprocess.run([str(binary), *args[:-1], str(out), args[-1], str(threads)], capture_output=True, text=True)
+    """One llama-quantize run writing `out`; its log is shown only when it fails (its metadata dump
+    cuts strings mid-character, hence errors="replace")."""
+    done = subprocess.run([str(binary), *args[:-1], str(out), args[-1], str(threads)], capture_output=True, text=True,
+                          errors="replace")
     if done.returncode != 0:
         raise SystemExit(f"llama-quantize failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
 
@@ -281,6 +290,84 @@ def bench_kquants_vs_llama(gguf_path: str, imatrix_path: str, threads: int, repe
     return lines
 
 
+def expert_args(fmt: str) -> list[str]:
+    """llama-quantize options making every routed-expert tensor `fmt`."""
+    return [a for role in EXPERT_ROLES for a in ("--tensor-type", f"{role}={fmt}")]
+
+
+def weighted_error(tensors: list[tuple[str, np.ndarray, np.ndarray]], raws: dict[str, np.ndarray], fmt: str) -> float:
+    """sum over the tensors of sum_j importance_j (w - deq)^2, deq by gguf-py from the bytes `raws`."""
+    import gguf
+
+    from moeheal.kernels import format_of
+
+    cls = format_of(fmt)
+    total = 0.0
+    for name, w, importance in tensors:
+        deq = gguf.quants.dequantize(raws[name].reshape(-1, cls.type_size), cls.ggml_type).reshape(w.shape)
+        total += float(np.sum(importance[:, None, :] * (w - deq).astype(np.float64) ** 2))
+    return total
+
+
+def iquant_row(method: str, n_weights: int, wall: float, cpu: float, base: float | None, error: float | None,
+               compile_s: float | None) -> str:
+    """One row of the i-quant table: weights/s of wall time, the ratios to llama-quantize's same format."""
+    rate = n_weights / wall
+    ratio = f"{rate / base:.3g}x" if base else "-"
+    err = f"{error:.3f}" if error is not None else "-"
+    comp = f"{compile_s:.2f}" if compile_s is not None else "-"
+    return f"| {method} | {n_weights / 1e6:.2f}M | {wall:.3f} | {cpu:.3f} | {rate / 1e6:.2f} | {ratio} | {err} | {comp} |"
+
+
+def bench_iquants_vs_llama(gguf_path: str, imatrix_path: str, threads: int, repeats: int) -> list[str]:
+    """i-quant table rows: llama-quantize's whole-file Q8_0 copy, then per format llama-quantize making
+    it of the routed experts (less the copy) and our kernel on the same tensors and importance."""
+    import gguf
+
+    from moeheal import kernels
+
+    binary = llama_quantize_binary()
+    if binary is None:
+        raise SystemExit("--imatrix: LLAMA_CPP_DIR/bin/llama-quantize not found")
+    tensors = expert_tensors(gguf_path, imatrix_path)
+    n_weights = sum(w.size for _, w, _ in tensors)
+    copy_args = ["--allow-requantize", "--imatrix", imatrix_path, gguf_path, "Q8_0"]
+    on = f"{threads} threads"
+    lines = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "out.gguf")
+
+        def quantize_file(args: list[str]) -> None:
+            run_llama_quantize(binary, args, out, threads)
+
+        quantize_file(copy_args)  # warms the page cache
+        copy_wall, copy_cpu = best_wall_and_cpu(lambda: quantize_file(copy_args), max(repeats, 3), children_cpu_s)
+        lines.append(iquant_row(f"llama-quantize, every tensor Q8_0 -> Q8_0 (I/O baseline, {on})",
+                                n_weights, copy_wall, copy_cpu, None, None, None))
+        for fmt in IQUANTS:
+            args = [*copy_args[:3], *expert_args(fmt), *copy_args[3:]]
+            wall, cpu = best_wall_and_cpu(lambda: quantize_file(args), max(repeats, 3), children_cpu_s)  # noqa: B023
+            written = {t.name: t for t in gguf.GGUFReader(out).tensors}
+            if any(written[name].tensor_type != kernels.format_of(fmt).ggml_type for name, _, _ in tensors):
+                raise SystemExit(f"llama-quantize did not make the experts {fmt}: --tensor-type did not match")
+            err_llama = weighted_error(tensors, {name: np.array(written[name].data) for name, _, _ in tensors}, fmt)
+            base = n_weights / (wall - copy_wall)
+            lines.append(iquant_row(f"llama-quantize {fmt.upper()} alone (less the baseline)", n_weights,
+                                    wall - copy_wall, cpu - copy_cpu, base, 1.0, None))
+            ours: dict[str, np.ndarray] = {}
+
+            def quantize_all(fmt: str = fmt, ours: dict[str, np.ndarray] = ours) -> None:
+                for name, w, importance in tensors:
+                    ours[name] = kernels.quantize_experts(w, fmt, importance)
+
+            _, w0, imp0 = tensors[0]  # every expert tensor of the demo has one shape: one compilation
+            compile_s = timed_first_call(lambda: kernels.quantize_experts(w0, fmt, imp0))  # noqa: B023
+            wall, cpu = best_wall_and_cpu(quantize_all, repeats)
+            lines.append(iquant_row(f"moeheal {fmt} with importance (JAX, {on})", n_weights, wall, cpu, base,
+                                    weighted_error(tensors, ours, fmt) / err_llama, compile_s))
+    return lines
+
+
 def print_table(header: str, lines: list[str]) -> None:
     """A markdown table: header, separator, rows."""
     print(header)
@@ -293,27 +380,36 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="time the kernels on a CUDA JAX device")
     parser.add_argument("--gguf", help="model GGUF (F32/F16/BF16, or Q8_0 with --imatrix) for the llama-quantize comparison")
     parser.add_argument("--imatrix", help="imatrix GGUF of --gguf: adds k-quants vs llama-quantize Q2_K on its expert tensors")
+    parser.add_argument("--iquants", action="store_true",
+                        help="with --imatrix: the i-quants against llama-quantize making the same formats instead")
     parser.add_argument("--threads", type=int, help="cores for both JAX and llama-quantize (default: all schedulable)")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     if args.imatrix and (args.gpu or not args.gguf):
         parser.error("--imatrix compares CPU threads with CPU threads: it needs --gguf and no --gpu")
+    if args.iquants and not args.imatrix:
+        parser.error("--iquants selects the --imatrix table: it needs --imatrix")
     if not args.gpu:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     threads = pin_threads(args.threads)
     load_before = os.getloadavg()
     lines = bench_gpu(args.repeats) if args.gpu else bench_cpu(args.repeats)
     lines += bench_llama_quantize(args.gguf)
-    kquant_lines = bench_kquants_vs_llama(args.gguf, args.imatrix, threads, args.repeats) if args.imatrix else []
+    compare = bench_iquants_vs_llama if args.iquants else bench_kquants_vs_llama
+    compare_lines = compare(args.gguf, args.imatrix, threads, args.repeats) if args.imatrix else []
     load_after = os.getloadavg()
     header = "| method | shape (E x rows x cols) | seconds | Mweights/s | vs gguf-py TQ2_0 | first call s |"
     if args.gpu:
         header += " bandwidth |"
     print_table(header, lines)
-    if kquant_lines:
+    if compare_lines and args.iquants:
+        print()
+        print_table("| method | weights | wall s | CPU s | Mweights/s (wall) | vs llama-quantize, same format "
+                    "| weighted error vs llama-quantize | first call s |", compare_lines)
+    elif compare_lines:
         print()
         print_table("| method | weights | wall s | CPU s | Mweights/s (wall) | vs llama-quantize Q2_K | first call s |",
-                    kquant_lines)
+                    compare_lines)
     print(f"\n{threads} threads; load average (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load_before)}, "
           f"after {', '.join(f'{x:.2f}' for x in load_after)}")
 
