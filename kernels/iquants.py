@@ -63,8 +63,8 @@ SCALE_LEVELS = tuple(0.5 + l for l in range(16))  # d * (0.5 + l): the 4-bit sub
 # Candidate max|x| / (s * max grid value) ratios of stage 1; above 1 the largest weight is clipped.
 # 6 come within 0.1% of 12 in the final error (stage 3 re-chooses every scale code).
 STAGE1_RATIOS = tuple(float(r) for r in np.geomspace(0.75, 1.5, 6))
-# Stage 3's scale codes: the stage-1 scale's nearest code and its neighbours; all 16 gain 0.2-0.3%
-# and cost 60% more time.
+# Stage 3's scale codes: the stage-1 scale's nearest code and its neighbours; all 16 gain 0.2-0.4%
+# and cost 70% more time.
 CODE_MOVES = (0, -1, 1, -2, 2)
 # d = max(s / unit) / divisor: 15.5 gives the largest sub-block scale code 15 (ggml's choice).
 SUPER_DIVISORS = tuple(float(v) for v in 15.5 * np.geomspace(0.75, 1.1, 16))
