@@ -46,7 +46,13 @@ class Variant:
     budget_bpw: float | None = None  # set: one format per (layer, role) chosen from `candidates` under this budget
     candidates: tuple[str, ...] = ()  # `formats = [...]`: the formats the allocation may choose from
     budget_roles: str = "routed"  # which tensors the budget counts (BUDGET_ROLES); formats are chosen for routed ones
+    sensitivity_round: str = ""  # rounding of the per-tensor sensitivity measurement; "" = the variant's `round`
     gguf: Path | None = None
+
+    @property
+    def measured_round(self) -> str:
+        """The rounding the sensitivity table measures a budget variant's candidates with."""
+        return self.sensitivity_round or self.round
 
     @property
     def budgeted(self) -> bool:
@@ -69,7 +75,8 @@ class Variant:
         if self.kind == "external":
             return {"gguf": str(self.gguf)}
         if self.budgeted:
-            quant = {"budget_bpw": self.budget_bpw, "formats": list(self.candidates), "budget_roles": self.budget_roles}
+            quant = {"budget_bpw": self.budget_bpw, "formats": list(self.candidates), "budget_roles": self.budget_roles,
+                     "sensitivity_round": self.measured_round}
         else:
             quant = {"quant": self.quant if isinstance(self.quant, str) else dict(self.quant)}
         return {
@@ -140,7 +147,8 @@ _SCHEMA: dict[str, set[str]] = {
     "moce": {"bonus", "cache_experts", "reps"},
     "variant": {"name", "quant", "beta_gate_up", "beta_down", "down_blend_tokens", "alpha",
                 "ridge_rho", "ridge_eta", "shexp_down", "round", "gptq_damp", "gptq_shrink",
-                "gptq_router_weighted", "importance", "cal_tokens", "budget_bpw", "formats", "budget_roles", "gguf"},
+                "gptq_router_weighted", "importance", "cal_tokens", "budget_bpw", "formats", "budget_roles",
+                "sensitivity_round", "gguf"},
 }
 
 
@@ -241,7 +249,7 @@ def _budget(r: _Reader) -> dict[str, Any]:
     beside a budget.
     """
     if "budget_bpw" not in r.table:
-        for key in ("formats", "budget_roles"):
+        for key in ("formats", "budget_roles", "sensitivity_round"):
             if key in r.table:
                 r.fail(key, "has no effect without budget_bpw")
         return {}
@@ -259,7 +267,11 @@ def _budget(r: _Reader) -> dict[str, Any]:
     if roles == "routed" and budget < FORMATS[cheapest].bits_per_weight:  # "all": checked against the model
         r.fail("budget_bpw", f"{budget!r} bits per weight is infeasible: the cheapest of formats, {cheapest}, "
                              f"takes {FORMATS[cheapest].bits_per_weight:g}")
-    return {"budget_bpw": budget, "candidates": tuple(candidates), "budget_roles": roles}
+    # The sensitivity table quantizes every candidate of every tensor; "ls" there keeps it cheap
+    # while the chosen recipe is still quantized with the variant's own rounding.
+    measured = r.choice("sensitivity_round", ROUNDINGS, "") if "sensitivity_round" in r.table else ""
+    return {"budget_bpw": budget, "candidates": tuple(candidates), "budget_roles": roles,
+            "sensitivity_round": measured}
 
 
 # Knobs that only reach the computation under a condition, and that condition.
@@ -286,6 +298,10 @@ def _refuse_knobs_without_effect(r: _Reader, variant: Variant) -> None:
     for key, (applies, why) in _CONDITIONAL_KNOBS.items():
         if key in r.table and not applies(variant):
             r.fail(key, why)
+    if "sensitivity_round" in r.table and variant.sensitivity_round == variant.round:
+        r.fail("sensitivity_round", f'has no effect: the variant\'s round is "{variant.round}" already')
+    if variant.sensitivity_round == "gptq":
+        r.fail("sensitivity_round", '"gptq" is only measured with the variant\'s own GPTQ knobs: set round = "gptq"')
 
 
 def _windows(file: Path, base: Path, ev: _Reader) -> tuple[Path | None, WindowGeneration | None]:

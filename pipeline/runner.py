@@ -1,15 +1,18 @@
 """Layer-major forward pass over a GGUF MoE model.
 
 A batch of sequences goes through the model one layer at a time: the layer's
-tensors are dequantized from the memory-mapped file, used, and dropped before
-the next layer is read. Peak memory is therefore one layer's float32 weights
-plus the batch's activations, not the whole model, which is what lets a
-100B-parameter MoE run on a machine with far less memory than its weights.
-The same code runs on CPU and GPU JAX backends.
+tensors are dequantized from the memory-mapped file and used. Dequantized
+tensors are kept between forward passes up to a byte budget (least recently
+used dropped first), so a model that fits is dequantized once however many
+batches run, while peak memory stays bounded by that budget plus one layer's
+float32 weights and the batch's activations, not the whole model: that is
+what lets a 100B-parameter MoE run on a machine with far less memory than its
+weights. The same code runs on CPU and GPU JAX backends.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +26,8 @@ from moeheal.pipeline.gguf_model import GGUFModel
 
 # Output-matrix rows dequantized at a time, bounding the logits step's extra memory.
 OUTPUT_ROWS_PER_CHUNK = 16384
+# Dequantized float32 tensors kept between forward passes (see the module docstring).
+WEIGHT_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -43,10 +48,16 @@ LayerCallback = Callable[[int, LayerCapture], None]
 
 
 class Runner:
-    """Runs `model` layer by layer; `overrides` replace GGUF tensors by name (float32 arrays)."""
+    """Runs `model` layer by layer; `overrides` replace GGUF tensors by name (float32 arrays).
 
-    def __init__(self, model: GGUFModel, overrides: dict[str, np.ndarray] | None = None):
+    `cache_bytes` bounds the dequantized tensors kept between forward passes.
+    """
+
+    def __init__(self, model: GGUFModel, overrides: dict[str, np.ndarray] | None = None,
+                 cache_bytes: int = WEIGHT_CACHE_BYTES):
         self.model = model
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self.hp = model.hp
         self.overrides = {name: np.asarray(w, np.float32) for name, w in (overrides or {}).items()}
         for name, w in self.overrides.items():
@@ -59,12 +70,28 @@ class Runner:
     # ---- weights ----------------------------------------------------------
 
     def _tensor(self, name: str) -> np.ndarray:
-        return self.overrides[name] if name in self.overrides else self.model.tensor(name)
+        """The tensor dequantized (read-only by convention: it may be the cached copy)."""
+        if name in self.overrides:
+            return self.overrides[name]
+        if name in self._cache:
+            self._cache.move_to_end(name)
+            return self._cache[name]
+        w = self.model.tensor(name)
+        if w.nbytes <= self.cache_bytes:
+            self._cache[name] = w
+            held = sum(v.nbytes for v in self._cache.values())
+            while held > self.cache_bytes:
+                _, dropped = self._cache.popitem(last=False)
+                held -= dropped.nbytes
+        return w
 
     def _rows(self, name: str, index: np.ndarray | slice) -> np.ndarray:
-        """Rows of a 2-D tensor without dequantizing the rest of it."""
+        """Rows of a 2-D tensor: from the whole dequantized tensor when it is cached or small
+        against the cache budget, else without dequantizing the rest of it."""
         if name in self.overrides:
             return self.overrides[name][index]
+        if name in self._cache or 4 * int(np.prod(self.model.shape(name))) <= self.cache_bytes // 4:
+            return self._tensor(name)[index]
         return self.model.rows(name, index)
 
     def layer_params(self, i: int) -> dict[str, np.ndarray]:

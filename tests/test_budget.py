@@ -69,6 +69,9 @@ def variant(run: HealRun, name: str):
     ('budget_bpw = 2.3\nformats = ["q2_k", "q2_k"]', "formats", "distinct"),
     ('budget_bpw = 2.7\nformats = ["q2_k"]\nbudget_roles = "attention"', "budget_roles", "is not one of"),
     ('budget_bpw = 2.7\nformats = ["q2_k", "q8_0"]\nround = "gptq"', "round", None),
+    ('quant = "q2_k"\nsensitivity_round = "ls"', "sensitivity_round", "has no effect without budget_bpw"),
+    ('budget_bpw = 2.7\nformats = ["q2_k"]\nsensitivity_round = "ls"', "sensitivity_round", "has no effect"),
+    ('budget_bpw = 2.7\nformats = ["q2_k"]\nsensitivity_round = "gptq"', "sensitivity_round", 'set round = "gptq"'),
 ])
 def test_budget_knobs_are_validated(tmp_path, body, key, why):
     config = write_world(tmp_path / "w", variants=f'[[variant]]\nname = "b"\n{body}\n')
@@ -110,6 +113,12 @@ def test_budget_variant_knobs_and_fingerprints(budget_world):
     assert fp["b_lo"]["allocation"] != fp["b_hi"]["allocation"]  # the budget changes the recipe
     assert fp["b_lo"]["quantize"] != fp["b_hi"]["quantize"]
     assert all(fp["b_lo2"][s] != fp["b_lo"][s] for s in ("sensitivity", "allocation", "quantize"))  # formats
+    gptq = dataclasses.replace(lo, name="b_gptq", round="gptq")
+    cheap = dataclasses.replace(gptq, name="b_cheap", sensitivity_round="ls")
+    fp_gptq, fp_cheap = ({s: getattr(planner, s)(v).fingerprint for s in ("sensitivity", "quantize")}
+                         for v in (gptq, cheap))
+    assert fp_cheap["sensitivity"] == fp["b_lo"]["sensitivity"] != fp_gptq["sensitivity"]  # measured with ls
+    assert fp_cheap["quantize"] != fp["b_lo"]["quantize"]  # the recipe itself is quantized with GPTQ
     assert all(p.status == "cached" for p in HealRun(load_config(config), plan=True).plan())
 
 

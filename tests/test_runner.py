@@ -170,6 +170,24 @@ def test_overrides_replace_gguf_tensors(tiny_qwen2moe):
     assert np.all(caps[1].yr == 0) and np.any(caps[0].yr != 0)
 
 
+def test_weight_cache_is_bounded_and_changes_no_logit(tiny_qwen2moe):
+    """Dequantized tensors are reused between passes up to the budget; the logits are the same bits."""
+    model = GGUFModel(tiny_qwen2moe)
+    tokens = tokens_for(model, length=16)
+    uncached = Runner(model, cache_bytes=0)
+    base = uncached.forward(tokens)
+    assert not uncached._cache
+    budget = 3 * max(4 * int(np.prod(model.shape(n))) for n in model.tensor_names if n.startswith("blk.0."))
+    bounded = Runner(model, cache_bytes=budget)
+    for _ in range(2):
+        np.testing.assert_array_equal(bounded.forward(tokens), base)
+        assert 0 < sum(w.nbytes for w in bounded._cache.values()) <= budget
+    whole = Runner(model)
+    np.testing.assert_array_equal(whole.forward(tokens), base)
+    assert set(whole._cache) == set(model.tensor_names) - {"token_embd.weight"} or \
+        set(whole._cache) == set(model.tensor_names)
+
+
 @pytest.mark.parametrize("n_tokens, skew", [(1, False), (37, False), (64, True)])
 def test_moe_forward_matches_numpy(tiny_qwen2moe, n_tokens, skew):
     params = GGUFModel(tiny_qwen2moe).layer(0)

@@ -2,7 +2,8 @@
 
 Sensitivity (stage `sensitivity`): for every layer, routed-expert tensor role
 (ffn_gate_exps, ffn_up_exps, ffn_down_exps) and candidate format, that one
-tensor is quantized with the variant's own rounding and importance knobs
+tensor is quantized with the variant's own importance knobs and rounding (or its
+`sensitivity_round`, "ls" to keep the measurement cheap under GPTQ)
 (`quantize.layer_importance`, the quantize stage's code) while the rest of the
 layer stays at the source's precision; the layer's routed block is run on the
 dumped MoE inputs with the dumped routing (`calibrate._routed`, the calibrate
@@ -23,9 +24,10 @@ summed rel_err with the summed bytes within budget_bpw bits per covered weight
 
 from __future__ import annotations
 
+
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -71,8 +73,9 @@ class SensitivityParams:
 
     @classmethod
     def of(cls, variant) -> "SensitivityParams":
+        measured = replace(variant, round=variant.measured_round)
         return cls(formats=tuple(variant.candidates), roles=MEASURED_ROLES, alpha=variant.alpha,
-                   quantize=QuantizeParams.knobs_of(variant, None))
+                   quantize=QuantizeParams.knobs_of(measured, None))
 
 
 @dataclass(frozen=True)
