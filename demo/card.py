@@ -32,6 +32,7 @@ import argparse
 import csv
 import json
 import re
+import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -216,7 +217,13 @@ SNAPSHOTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "hitrate": ("report_hitrate", (
         "variant", "moce_bonus", "cache_experts", "n_prompts", "hit_rate", "hit_rate_lru", "hit_rate_belady",
         "reps_same", "reps_checked")),
+    "sizes": ("report_sizes", ("set", "variant", "kind", "budget_bpw", "routed_bpw", "total_bpw", "kld")),
+    "budget_rank": ("report_budget_rank_check", (
+        "sensitivity", "set", "variant", "covered", "pred_err", "kld", "rank_pred", "rank_kld", "spearman",
+        "n_variants")),
 }
+# Report plots kept beside a config's snapshot, for the README to show.
+PLOTS = ("kld_size.png",)
 
 
 def snapshot_lake(lake: Lake, settings: dict[str, object]) -> dict[str, list[Row]]:
@@ -406,6 +413,29 @@ def render_moce(snap: dict[str, list[Row]]) -> str:
     return "\n".join(lines)
 
 
+def render_sizes(snap: dict[str, list[Row]]) -> str:
+    """Achieved size (read from each GGUF) and pooled KLD per variant, smallest first; the budget
+    rank check (summed per-tensor sensitivity against KLD) when the run has one."""
+    kld = {(r["set"], r["variant"]): r["kld"] for r in snap["sizes"]}
+    rows = sorted({r["variant"]: r for r in snap["sizes"]}.values(), key=lambda r: (r["routed_bpw"], r["variant"]))
+    lines = ["| variant | kind | budget | bits per routed weight | bits per weight, whole file | KLD eval "
+             "| KLD canary |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        budget = "—" if r["budget_bpw"] is None else f"{r['budget_bpw']:g}"
+        lines.append(f"| {r['variant']} | {r['kind']} | {budget} | {r['routed_bpw']:.3f} | {r['total_bpw']:.3f} "
+                     f"| {kld.get(('eval', r['variant']), float('nan')):.4f} "
+                     f"| {kld.get(('canary', r['variant']), float('nan')):.4f} |")
+    covered = [r for r in snap["budget_rank"] if r["covered"]]
+    for set_name in ("eval", "canary"):
+        rows = [r for r in covered if r["set"] == set_name]
+        if rows:
+            left_out = sorted({r["variant"] for r in snap["budget_rank"] if not r["covered"]})
+            lines += ["", f"Budget rank check, {set_name} set: the summed per-tensor sensitivity ranks "
+                          f"{rows[0]['n_variants']} recipes with Spearman {_signed(rows[0]['spearman'], 3)} against "
+                          f"pooled KLD (left out, a format not measured: {', '.join(left_out) or 'none'})."]
+    return "\n".join(lines)
+
+
 def render_peers(snap: dict[str, list[Row]]) -> str:
     """The config's own pairs (`[eval] compare`): each of our variants against its llama.cpp peer."""
     return render_comparisons(snap, _compare_pairs(snap))
@@ -417,6 +447,7 @@ RENDERERS: dict[str, Callable[[dict[str, list[Row]]], str]] = {
     "peers": render_peers,
     "local": render_local,
     "moce": render_moce,
+    "sizes": render_sizes,
 }
 
 
@@ -455,6 +486,9 @@ def main() -> None:
         settings = {"bootstrap": cfg.bootstrap, "ngram": cfg.ngram,
                     "n_expert": GGUFModel(cfg.reference).hp.n_expert, "compare": json.dumps(cfg.compare)}
         write_snapshot(snapshot_lake(lake, settings), RESULTS / prefix)
+        for plot in PLOTS:
+            if (cfg.lake_root / "report" / plot).exists():
+                shutil.copyfile(cfg.lake_root / "report" / plot, RESULTS / prefix / plot)
         snap = read_snapshot(RESULTS / prefix)  # render from what the test will read back
         for doc, names in wanted.items():
             if names:

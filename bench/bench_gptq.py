@@ -1,0 +1,80 @@
+"""GPTQ rounding cost per format: `kernels.quantize_experts` with Hessians against without.
+
+    python bench/bench_gptq.py            # CPU: the demo's expert shape, 32 x 256 x 256
+    python bench/bench_gptq.py --gpu      # CUDA JAX: also one Qwen3-30B-A3B ffn_gate_exps, 128 x 768 x 2048
+
+GPTQ quantizes column groups in order and pushes each group's error onto the
+remaining columns through the Cholesky factor of H^-1; for the codebook
+i-quants a group is 8 columns searched against the whole grid, so the search
+is the cost. Each row times the same experts with importance-weighted
+least-squares rounding (the baseline, measured in the same run) and with GPTQ
+(damped Hessians of correlated synthetic activations), and prints the ratio
+and the GPTQ throughput. Times exclude compilation (first call), best of
+``--repeats``; on a GPU they include the host transfers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.timing import best_of  # noqa: E402
+
+FORMATS = ("tq2_0", "q2_k", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs")
+CPU_SHAPES = [(32, 256, 256)]
+GPU_SHAPES = [(32, 256, 256), (128, 768, 2048)]
+
+
+def problem(shape: tuple[int, int, int], seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Heavy-tailed experts (E, rows, cols), their importance (E, cols) and damped Hessians (E, cols, cols)."""
+    n_expert, rows, cols = shape
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_t(4, size=shape) * 0.02).astype(np.float32)  # (E, rows, cols)
+    mix = rng.normal(size=(cols, cols)).astype(np.float32) / np.sqrt(cols)  # correlated input directions
+    x = rng.normal(size=(n_expert, 256, cols)).astype(np.float32) @ mix  # (E, N, cols)
+    h = np.einsum("enc,end->ecd", x, x) / x.shape[1]  # (E, cols, cols)
+    h += np.eye(cols, dtype=np.float32)[None] * (0.01 * np.trace(h, axis1=1, axis2=2)[:, None, None] / cols)
+    importance = np.einsum("ecc->ec", h).astype(np.float32)  # (E, cols): diag(H)
+    return w, importance, h.astype(np.float32)
+
+
+def main() -> None:
+    """Time least-squares and GPTQ rounding for each format and shape; print a markdown table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu", action="store_true", help="time on a CUDA JAX device")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--formats", nargs="*", default=list(FORMATS))
+    args = parser.parse_args()
+
+    import jax
+
+    from moeheal import kernels
+
+    device = jax.devices("gpu")[0] if args.gpu else jax.devices("cpu")[0]
+    batch = 1 << 26 if args.gpu else kernels.CHUNK_WEIGHTS  # a GPU takes many experts per compiled batch
+    print(f"device: {device.device_kind}; best of {args.repeats} after a compiling call\n")
+    print("| format | experts x rows x cols | least squares s | GPTQ s | GPTQ / least squares | GPTQ M weights/s |")
+    print("|---|---|---|---|---|---|")
+    with jax.default_device(device):
+        for shape in GPU_SHAPES if args.gpu else CPU_SHAPES:
+            w, importance, h = problem(shape)
+            for fmt in args.formats:
+                def ls() -> None:
+                    kernels.quantize_experts(w, fmt, importance, batch_weights=batch)
+
+                def gptq() -> None:
+                    kernels.quantize_experts(w, fmt, importance, hessians=h, batch_weights=batch)
+
+                ls(), gptq()  # compile
+                t_ls, t_gptq = best_of(ls, args.repeats), best_of(gptq, args.repeats)
+                print(f"| {fmt} | {'x'.join(map(str, shape))} | {t_ls:.3f} | {t_gptq:.3f} | {t_gptq / t_ls:.1f}x "
+                      f"| {w.size / t_gptq / 1e6:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
