@@ -43,7 +43,7 @@ from moeheal.pipeline.stages.corpus import read_documents, read_split
 
 CTX = 256  # llama.cpp's chunk length, also its batch: tokens per forward pass
 THREADS = 2
-ATTEMPTS = 3  # llama.cpp's log thread can drop the last lines at exit; the summary is at the end
+ATTEMPTS = 8  # llama.cpp's log thread can drop the last lines at exit; the summary is at the end
 
 MEAN_KLD = re.compile(r"^Mean\s+KLD:\s+(\S+)\s+±\s+(\S+)", re.MULTILINE)
 SAME_TOP = re.compile(r"^Same top p:\s+(\S+)\s+±\s+(\S+)\s+%", re.MULTILINE)

@@ -43,6 +43,7 @@ from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.lake import Lake
 from moeheal.pipeline.runner import Runner
 from moeheal.pipeline.stages.corpus import read_documents, read_windows
+from moeheal.pipeline.stages.report import QUERY_TABLES
 from moeheal.pipeline.tokenizer import build_tokenizer, encode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -230,7 +231,11 @@ def snapshot_lake(lake: Lake, settings: dict[str, object]) -> dict[str, list[Row
     """The rows every README block renders from: the report's queries over the lake, plus
     the run's settings that the lake does not hold (bootstrap replicates, n-gram length)."""
     snap: dict[str, list[Row]] = {"settings": [{"key": k, "value": v} for k, v in settings.items()]}
+    present = set(lake.table_names())
     for name, (query, columns) in SNAPSHOTS.items():
+        if not set(QUERY_TABLES.get(query, ())) <= present:  # e.g. no budget variant: no sensitivity table
+            snap[name] = []
+            continue
         table = lake.query(query)
         absent = [c for c in columns if c not in table.column_names]
         if absent:

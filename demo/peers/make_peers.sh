@@ -11,7 +11,7 @@ imatrix=$(mktemp --suffix .gguf)
 log=$(mktemp)
 trap 'rm -f "$imatrix" "$log"' EXIT
 .venv/bin/moeheal imatrix -c "$config" --out "$imatrix" >"$log" 2>&1 || { cat "$log" >&2; exit 1; }
-for format in ${FORMATS:-iq2_xxs q2_k iq3_xxs}; do
+for format in ${FORMATS:-iq2_xxs iq2_xs q2_k iq3_xxs}; do
   "$LLAMA_CPP_DIR/bin/llama-quantize" --allow-requantize --imatrix "$imatrix" \
     --tensor-type ffn_gate_exps="$format" --tensor-type ffn_up_exps="$format" \
     --tensor-type ffn_down_exps="$format" --tensor-type ffn_down_shexp=iq4_nl \
