@@ -231,6 +231,17 @@ def kquant_row(method: str, n_weights: int, wall: float, cpu: float, base: float
     return f"| {method} | {n_weights / 1e6:.2f}M | {wall:.3f} | {cpu:.3f} | {rate / 1e6:.2f} | {ratio} | {comp} |"
 
 
+def llama_comparison_inputs(gguf_path: str, imatrix_path: str) -> tuple[Path, list, int, list[str]]:
+    """llama-quantize's binary, the routed-expert tensors with their importance, their weight count,
+    and llama-quantize's arguments for the whole-file Q8_0 copy (the I/O baseline)."""
+    binary = llama_quantize_binary()
+    if binary is None:
+        raise SystemExit("--imatrix: LLAMA_CPP_DIR/bin/llama-quantize not found")
+    tensors = expert_tensors(gguf_path, imatrix_path)
+    return binary, tensors, sum(w.size for _, w, _ in tensors), ["--allow-requantize", "--imatrix", imatrix_path,
+                                                                  gguf_path, "Q8_0"]
+
+
 def bench_kquants_vs_llama(gguf_path: str, imatrix_path: str, threads: int, repeats: int) -> list[str]:
     """k-quant table rows: llama-quantize Q2_K of the routed experts (minus its whole-file
     Q8_0 copy) first, then our q2_k/q3_k/q4_k on the same tensors and importance."""
@@ -239,12 +250,7 @@ def bench_kquants_vs_llama(gguf_path: str, imatrix_path: str, threads: int, repe
     from moeheal import kernels
     from moeheal.pipeline.gguf_model import GGUFModel
 
-    binary = llama_quantize_binary()
-    if binary is None:
-        raise SystemExit("--imatrix: LLAMA_CPP_DIR/bin/llama-quantize not found")
-    tensors = expert_tensors(gguf_path, imatrix_path)
-    n_weights = sum(w.size for _, w, _ in tensors)
-    copy_args = ["--allow-requantize", "--imatrix", imatrix_path, gguf_path, "Q8_0"]
+    binary, tensors, n_weights, copy_args = llama_comparison_inputs(gguf_path, imatrix_path)
     q2k_args = [*copy_args[:3], *(a for role in EXPERT_ROLES for a in ("--tensor-type", f"{role}=q2_k")), *copy_args[3:]]
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -326,12 +332,7 @@ def bench_iquants_vs_llama(gguf_path: str, imatrix_path: str, threads: int, repe
 
     from moeheal import kernels
 
-    binary = llama_quantize_binary()
-    if binary is None:
-        raise SystemExit("--imatrix: LLAMA_CPP_DIR/bin/llama-quantize not found")
-    tensors = expert_tensors(gguf_path, imatrix_path)
-    n_weights = sum(w.size for _, w, _ in tensors)
-    copy_args = ["--allow-requantize", "--imatrix", imatrix_path, gguf_path, "Q8_0"]
+    binary, tensors, n_weights, copy_args = llama_comparison_inputs(gguf_path, imatrix_path)
     on = f"{threads} threads"
     lines = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,35 +3,24 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import itertools
 import json
 import random
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from tests.test_demo import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "demo" / "corpus"
 STRATA = ("ops", "chat_json", "ja", "persona")
 
 
-def load(name: str, path: Path):
-    """Import a demo script as a module (registered so its dataclasses resolve)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-build = load("corpus_build", CORPUS / "build.py")
-stats = load("corpus_stats", CORPUS / "stats.py")
+build = load_script("corpus_build", CORPUS / "build.py")
+stats = load_script("corpus_stats", CORPUS / "stats.py")
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey", "xray", "yankee", "zulu"]
 
