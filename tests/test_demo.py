@@ -137,7 +137,7 @@ def test_heal_toml_names_existing_files_and_pairs_each_peer_with_ours():
     peers = {v["name"] for v in config["variant"] if "gguf" in v}
     assert peers and all((DEMO / v["gguf"]).exists() for v in config["variant"] if "gguf" in v)
     assert peers <= {a for a, _ in config["eval"]["compare"]}  # every peer is compared with a variant of ours
-    assert {0.0, 0.85} <= set(config["moce"]["bonus"])
+    assert 0.0 in config["moce"]["bonus"] and config["moce"]["reps"] >= 2  # repeats check determinism
     assert set(config["calibration"]["mix"]) == STRATA
 
 
