@@ -40,7 +40,7 @@ def weighted_error(w: np.ndarray, w_hat: np.ndarray, importance: np.ndarray) -> 
     return float(np.sum(importance[..., None, :] * (w.astype(np.float64) - w_hat) ** 2))
 
 
-@pytest.mark.parametrize("layer", [0, 3])
+@pytest.mark.parametrize("layer", [0, 2])  # the first and the last of the demo model's 3 layers
 def test_tq2_0_beats_gguf_py_on_every_real_tensor(real, layer):
     model, captured = real
     mixed, experts = captured[layer]
