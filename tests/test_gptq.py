@@ -85,7 +85,13 @@ def test_kquant_gptq_equals_float64_reference(fmt: str) -> None:
         assert same_rows >= 0.5
 
 
-@pytest.mark.parametrize("fmt", ["tq2_0", "iq4_nl", "q2_k"])
+# GPTQ's output error at most this share of importance-weighted rounding's; the codebook
+# i-quants (vector GPTQ over 8-column groups) gain more than the scalar formats.
+GPTQ_GAIN = {"tq2_0": 0.85, "iq4_nl": 0.85, "q2_k": 0.85, "iq2_xxs": 0.75, "iq2_xs": 0.75, "iq2_s": 0.75,
+             "iq3_xxs": 0.75}
+
+
+@pytest.mark.parametrize("fmt", list(GPTQ_GAIN))
 def test_gptq_lowers_output_error_on_correlated_inputs(fmt: str) -> None:
     rng = np.random.default_rng(1)
     cols = 512
@@ -93,7 +99,7 @@ def test_gptq_lowers_output_error_on_correlated_inputs(fmt: str) -> None:
     w = (0.02 * rng.standard_t(4, (32, cols))).astype(np.float32)
     gptq = dequantize(quantize(w, fmt, hessian=h.astype(np.float32)), fmt, w.shape)
     least_squares = dequantize(quantize(w, fmt, importance=np.diag(h).astype(np.float32)), fmt, w.shape)
-    assert ref.output_error(w, gptq, h) < 0.85 * ref.output_error(w, least_squares, h)
+    assert ref.output_error(w, gptq, h) < GPTQ_GAIN[fmt] * ref.output_error(w, least_squares, h)
 
 
 def test_quantize_experts_with_hessians_equals_per_expert() -> None:

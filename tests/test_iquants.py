@@ -152,17 +152,6 @@ def test_gptq_equals_float64_reference(fmt: str) -> None:
         assert same_rows >= 0.5
 
 
-@pytest.mark.parametrize("fmt", IQUANTS)
-def test_gptq_lowers_output_error_on_correlated_inputs(fmt: str) -> None:
-    rng = np.random.default_rng(1)
-    cols = 512
-    h = np.asarray(damp_hessian(correlated_hessian(rng, cols, 3.0), 0.01), np.float64)
-    w = (0.02 * rng.standard_t(4, (32, cols))).astype(np.float32)
-    gptq = dequantize(quantize(w, fmt, hessian=h.astype(np.float32)), fmt, w.shape)
-    least_squares = dequantize(quantize(w, fmt, importance=np.diag(h).astype(np.float32)), fmt, w.shape)
-    assert ref.output_error(w, gptq, h) < 0.75 * ref.output_error(w, least_squares, h)
-
-
 # --------------------------------------------------------------------------- llama.cpp
 
 
