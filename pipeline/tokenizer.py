@@ -146,7 +146,8 @@ def _byte_level_spelling(token: str, alphabet: set[str], spelling: dict[int, str
     return "".join(spelling[b] for b in token.encode("utf-8"))
 
 
-def _add_special_tokens(tok: Tokenizer, tokens: list[str], token_types: list[int], control_ok: Callable[[str], bool]) -> None:
+def _add_special_tokens(tok: Tokenizer, tokens: list[str], token_types: list[int],
+                        control_ok: Callable[[str], bool]) -> None:
     """Control and user-defined tokens match whole in raw text before the model sees it, as in llama.cpp."""
     control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, token_types)
                if ty == TOKEN_TYPE_CONTROL and control_ok(t)]
