@@ -128,6 +128,18 @@ def cmd_sql(args: argparse.Namespace) -> int:
     return run_user_sql(lake, args.query, fmt, rest[0] if rest else args.out)
 
 
+def cmd_synth(args: argparse.Namespace) -> int:
+    from moeheal.pipeline.synth import parse_size, write_synth
+
+    split_max_size = parse_size(args.split_max_size) if args.split_max_size else 0
+    result = write_synth(Path(args.out), args.like, args.layers, args.seed, args.type, split_max_size,
+                         args.vocab, args.experts, args.zeros)
+    shards = f" in {len(result.paths)} shards" if len(result.paths) > 1 else ""
+    print(f"{result.paths[0]}: {result.n_tensors} tensors, {result.n_bytes / 1e9:.2f} GB{shards}, "
+          f"{result.seconds:.1f} s")
+    return 0
+
+
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "heal": (cmd_heal, "run the whole DAG (every stage cached by fingerprint)"),
     "plan": (cmd_plan, "list every stage with its fingerprint and whether it is cached, running nothing"),
@@ -142,6 +154,8 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "import-dump": (cmd_import_dump, "import raw float32 dumps made by another engine"),
     "sql": (cmd_sql, "query the lake's views"),
     "export": (cmd_export, "reviewer bundle: tables as Parquet + report + plots"),
+    "synth": (cmd_synth, "write a GGUF with a real model's shapes, types and metadata and random heavy-tailed "
+                         "weights (qwen3-next-80b: its MoE shapes as qwen2moe, full attention, no gated DeltaNet)"),
 }
 
 
@@ -151,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (fn, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("-c", "--config", default="heal.toml", help="path to heal.toml")
+        if name != "synth":  # the one command that reads no config
+            p.add_argument("-c", "--config", default="heal.toml", help="path to heal.toml")
         p.set_defaults(fn=fn)
         if name in ("export", "imatrix"):
             p.add_argument("--out", required=True, help="output folder (export) or GGUF file (imatrix)")
@@ -172,7 +187,27 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--format", nargs="+", default=["table"], metavar="FORMAT [OUT]",
                            help="table (default), csv, or parquet OUT")
             p.add_argument("--out", help="output file for --format parquet")
+        if name == "synth":
+            _synth_arguments(p)
     return parser
+
+
+def _synth_arguments(p: argparse.ArgumentParser) -> None:
+    """Names are checked by `write_synth` (one InputError line), so building the parser imports nothing."""
+    p.add_argument("--like", required=True, metavar="NAME",
+                   help="the model whose shapes to copy: qwen3-30b-a3b, qwen3-235b, or qwen3-next-80b, written as "
+                        "qwen2moe with Qwen3-Next's MoE shapes and full attention in every layer (its gated-DeltaNet "
+                        "layers are not modelled)")
+    p.add_argument("--layers", type=int, help="write the first N layers (default: all of the model's)")
+    p.add_argument("--out", required=True, help="the GGUF to write (shards <stem>-0000i-of-0000n.gguf when split)")
+    p.add_argument("--seed", type=int, default=0, help="weights are a function of the seed and the tensor name")
+    p.add_argument("--type", default="q8_0", help="type of the matrices: q8_0 (default), f16, bf16 or f32 "
+                                                  "(norms, biases and routers stay f32)")
+    p.add_argument("--split-max-size", metavar="SIZE",
+                   help="split into llama.cpp gguf-split shards of at most SIZE of tensor data (500M, 50G)")
+    p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)  # tests: a smaller vocabulary
+    p.add_argument("--experts", type=int, help=argparse.SUPPRESS)  # tests: fewer routed experts
+    p.add_argument("--zeros", action="store_true", help=argparse.SUPPRESS)  # tests: sparse zero weights
 
 
 WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)

@@ -14,6 +14,11 @@ four positive dimensions, rows a whole number of blocks, each tensor starting
 where the previous one's padded data ends, all of it inside the file), the
 architecture's keys against their llama.cpp types and against the tensor
 shapes, and the vocabulary as `pipeline.tokenizer.check_vocabulary` does.
+
+A model split by llama.cpp's `gguf-split` is opened by its first shard
+(`<stem>-00001-of-0000N.gguf`, metadata in it, `split.*` keys in every shard):
+each shard's header is checked as a file of its own and its tensors join one
+table, so the model reads as if it were one file.
 """
 
 from __future__ import annotations
@@ -95,7 +100,8 @@ class RawTensor(NamedTuple):
     shape: tuple[int, ...]  # logical shape in NumPy order, e.g. (E, f, d)
 
 
-_DIGEST_CACHE: dict[tuple[str, int, int], str] = {}
+_DIGEST_CACHE: dict[tuple[tuple[str, int, int], ...], str] = {}
+SHARD_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")  # llama.cpp's llama_split_path
 
 
 def _dequantizable(ggml_type: GGMLQuantizationType) -> bool:
@@ -361,8 +367,14 @@ class GGUFModel:
             keys = _scan_header(self.path, self.name)
         except OSError as exc:
             raise InputError(f"{self.path}: cannot read ({exc.strerror or exc})") from None
-        self._reader = self._open_reader()
+        self._reader = self._open_reader(self.path)
         self._tensors = {t.name: t for t in self._reader.tensors}
+        self.shards = [self.path]
+        n_split = self.metadata(Keys.Split.LLM_KV_SPLIT_COUNT, 1)
+        if not isinstance(n_split, int):
+            raise InputError(f"{self.name}: key {Keys.Split.LLM_KV_SPLIT_COUNT}: {n_split!r} is not a count")
+        if n_split > 1:
+            self._add_shards(n_split)
         self.arch = self._read_arch()
         _check_key_names(keys, self.arch, self.name)
         self._check_arch_keys(keys)
@@ -376,12 +388,45 @@ class GGUFModel:
 
     # ---- validation -------------------------------------------------------
 
-    def _open_reader(self) -> GGUFReader:
+    def _open_reader(self, path: Path) -> GGUFReader:
         """gguf-py's reader on a header `_scan_header` has already walked; a failure here is still ours to name."""
         try:
-            return GGUFReader(self.path, "r")
+            return GGUFReader(path, "r")
         except Exception as exc:  # gguf-py raises ValueError, struct/IndexError on garbage
-            raise InputError(f"{self.name}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+            raise InputError(f"{path.name}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+
+    def _add_shards(self, n_split: int) -> None:
+        """Merge the tensor tables of shards 2..n into ours; each shard must say which shard it is."""
+        split = Keys.Split
+        expected = {split.LLM_KV_SPLIT_NO: 0, split.LLM_KV_SPLIT_COUNT: n_split,
+                    split.LLM_KV_SPLIT_TENSORS_COUNT: self.metadata(split.LLM_KV_SPLIT_TENSORS_COUNT)}
+        match = SHARD_NAME.fullmatch(self.name)
+        if self.metadata(split.LLM_KV_SPLIT_NO) != 0 or not match or int(match[3]) != n_split:
+            raise InputError(f"{self.path}: split model: open it by its first shard, "
+                             f"<name>-00001-of-{n_split:05d}.gguf")
+        for no in range(1, n_split):
+            shard = self.path.with_name(f"{match[1]}-{no + 1:05d}-of-{n_split:05d}.gguf")
+            if not shard.is_file():
+                raise InputError(f"{shard}: shard {no + 1} of {n_split} of {self.name} is missing")
+            try:
+                _scan_header(shard, shard.name)
+            except OSError as exc:
+                raise InputError(f"{shard}: cannot read ({exc.strerror or exc})") from None
+            reader = self._open_reader(shard)
+            for key, value in {**expected, split.LLM_KV_SPLIT_NO: no}.items():
+                field = reader.get_field(key)
+                if field is None or field.contents() != value:
+                    raise InputError(f"{shard.name}: key {key}: {field.contents() if field else 'missing'}, "
+                                     f"expected {value} (shard {no + 1} of {n_split} of {self.name})")
+            for t in reader.tensors:
+                if t.name in self._tensors:
+                    raise InputError(f"{shard.name}: tensor {t.name}: also in an earlier shard")
+                self._tensors[t.name] = t
+            self.shards.append(shard)
+        if len(self._tensors) != expected[split.LLM_KV_SPLIT_TENSORS_COUNT]:
+            raise InputError(f"{self.name}: key {split.LLM_KV_SPLIT_TENSORS_COUNT}: "
+                             f"{expected[split.LLM_KV_SPLIT_TENSORS_COUNT]}, but the {n_split} shards hold "
+                             f"{len(self._tensors)} tensors")
 
     def _read_arch(self) -> str:
         arch = self.metadata("general.architecture")
@@ -407,7 +452,7 @@ class GGUFModel:
                 raise InputError(f"{self.name}: key {key}: {value} is outside [{lo:g}, {hi:g}]")
 
     def _check_tensor_types(self) -> None:
-        for t in self._reader.tensors:
+        for t in self._tensors.values():
             if not _dequantizable(t.tensor_type):
                 raise InputError(
                     f"{self.name}: tensor {t.name}: type {t.tensor_type.name} cannot be dequantized"
@@ -528,8 +573,9 @@ class GGUFModel:
         return value
 
     def metadata_fields(self) -> dict[str, Any]:
-        """Every KV field (gguf-py `ReaderField`s), for copying a file's metadata."""
-        return dict(self._reader.fields)
+        """Every KV field (gguf-py `ReaderField`s), for copying a file's metadata; `split.*` keys
+        are left out, as they describe how this file is stored, not the model a copy holds."""
+        return {key: field for key, field in self._reader.fields.items() if not key.startswith("split.")}
 
     def _shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(n) for n in reversed(self._tensors[name].shape.tolist()))  # ggml ne -> NumPy order
@@ -574,14 +620,14 @@ class GGUFModel:
         return build_tokenizer(self)
 
     def digest(self) -> str:
-        """SHA-256 of the file's bytes, cached per (path, mtime, size)."""
-        st = self.path.stat()
-        key = (str(self.path.resolve()), st.st_mtime_ns, st.st_size)
+        """SHA-256 of the file's bytes (of every shard's, in order), cached per (path, mtime, size)."""
+        key = tuple((str(p.resolve()), p.stat().st_mtime_ns, p.stat().st_size) for p in self.shards)
         if key not in _DIGEST_CACHE:
             h = hashlib.sha256()
-            with open(self.path, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 24), b""):
-                    h.update(chunk)
+            for path in self.shards:
+                with open(path, "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 24), b""):
+                        h.update(chunk)
             _DIGEST_CACHE[key] = h.hexdigest()
         return _DIGEST_CACHE[key]
 

@@ -1,0 +1,509 @@
+"""`moeheal synth`: GGUF models with a real model's shapes and random weights, no download.
+
+Healing, dumping and llama.cpp's tools behave differently at real scale (a
+routed tensor of 128 x 768 x 2048 weights, a 151936-token vocabulary, split
+files), and the real checkpoints are hundreds of GB. `synth` writes a file with
+the tensor names, shapes, ggml types and metadata of a named model, so that
+every size-dependent path can be exercised offline:
+
+- `qwen3-30b-a3b`, `qwen3-235b`: `qwen3moe` exactly as llama.cpp's converter
+  writes Qwen3-30B-A3B / Qwen3-235B-A22B (q/k norms, no shared expert).
+- `qwen3-next-80b`: NOT the real architecture. moeheal's runner knows only
+  `qwen2moe` and `qwen3moe`, so Qwen3-Next-80B-A3B's MoE (512 experts, top-10,
+  expert width 512, one shared expert of width 512 behind a sigmoid gate) is
+  written as `qwen2moe`, with full attention in every layer: its gated-DeltaNet
+  layers, attention output gate and q/k norms are not modelled. llama.cpp's
+  qwen2moe loader wants the query projection square (heads x head dim = hidden
+  size), so the 16 query / 2 key-value heads have head dim 128, not
+  Qwen3-Next's 256. qwen2moe needs q/k/v biases, which Qwen3-Next does not have:
+  they are written as zeros. The file's general.name and general.description
+  say so too.
+
+Weights are random but shaped like trained ones. Each matrix is drawn from a
+Student-t distribution whose degrees of freedom and scale come from the role it
+plays (`ROLE_FITS`, fitted to the bundled trained demo model
+`demo/model/demo-q8_0.gguf` by `fit_roles`: degrees of freedom by the method of
+moments on excess kurtosis, nu = 4 + 6 / kurtosis, Gaussian when the kurtosis is
+not positive; scale from the standard deviation). The table is a committed
+constant, so `synth` needs no demo file at run time; `tests/test_synth.py`
+refits it from the demo model and checks the constant. A role's standard
+deviation is rescaled by sqrt(demo fan-in / fan-in), as trained matrices' are
+(the token embedding, a lookup table, is not). Norm weights are 1 + N(0, 0.1^2),
+near 1 as trained models have them.
+
+Deterministic: a tensor is cut into fixed row chunks (`CHUNK_WEIGHTS` weights),
+and chunk k is drawn from the generator seeded by (seed, SHA-256 of the tensor
+name, k), so any tensor can be regenerated alone (`tensor_values`).
+
+Streaming: tensor infos are written first, then each tensor chunk by chunk
+(drawn, quantized, written), so host memory holds one chunk and never a whole
+tensor. Measured with `/usr/bin/time -v` on `--like qwen3-30b-a3b --layers 2`
+(q8_0, 27 tensors, 1.99 GB of tensor data): peak RSS 134 MB (43 MB of it is the
+interpreter and the imports), 61 s on a shared 2-core machine, i.e. about
+30 s per GB written.
+
+Vocabulary: the real Qwen tokenizer is not available offline, so the file
+carries a valid byte-level BPE of the real size: the demo model's tokens and
+merges (all 256 byte tokens included), unique filler tokens up to id 151643,
+Qwen's `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` at their real ids
+151643-151645, and `[PAD<id>]` tokens after them as llama.cpp's converter writes
+a padded vocabulary. The demo model is read for this, so `synth` runs from a
+checkout of this repository (`write_synth(demo_model=...)` names another copy).
+
+Options for tests only (hidden from --help): `--vocab N` and `--experts N`
+shrink the vocabulary and the expert count, and `--zeros` writes zero weights
+as a sparse file (real shapes and metadata, nothing drawn), so tests stay small
+and fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf.constants import GGML_QUANT_SIZES, GGML_QUANT_VERSION
+from gguf.quants import quantize
+
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.progress import progress
+
+if TYPE_CHECKING:
+    from moeheal.pipeline.gguf_model import GGUFModel
+
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "model" / "demo-q8_0.gguf"
+CHUNK_WEIGHTS = 1 << 22  # weights drawn at once: 16 MB of float32, the unit of memory and of seeding
+NORM_STD = 0.1
+TypedKV = tuple[str, Any, GGUFValueType]  # a key, its value, and the GGUF type (of the items, for a list)
+
+
+@dataclass(frozen=True)
+class LikeModel:
+    """The numbers of a real model that its GGUF carries (llama.cpp converter's keys)."""
+
+    title: str  # general.name
+    arch: str
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_expert: int
+    n_expert_used: int
+    d_expert: int
+    d_shexp: int  # 0: no shared expert
+    d_ff: int  # the dense FFN width of the config (feed_forward_length), unused by MoE layers
+    rope_theta: float
+    rms_eps: float
+    vocab_size: int
+    context_length: int
+    norm_topk_prob: bool
+    description: str
+
+
+_QWEN3_NOTE = "random heavy-tailed weights and a filler vocabulary; made by moeheal synth, not a trained model"
+LIKE: dict[str, LikeModel] = {
+    "qwen3-30b-a3b": LikeModel(
+        title="Qwen3-30B-A3B shapes (synthetic)", arch="qwen3moe", n_layer=48, d_model=2048, n_head=32,
+        n_head_kv=4, head_dim=128, n_expert=128, n_expert_used=8, d_expert=768, d_shexp=0, d_ff=6144,
+        rope_theta=1e6, rms_eps=1e-6, vocab_size=151936, context_length=40960, norm_topk_prob=True,
+        description=f"Qwen3-30B-A3B's tensor shapes and metadata; {_QWEN3_NOTE}"),
+    "qwen3-235b": LikeModel(
+        title="Qwen3-235B-A22B shapes (synthetic)", arch="qwen3moe", n_layer=94, d_model=4096, n_head=64,
+        n_head_kv=4, head_dim=128, n_expert=128, n_expert_used=8, d_expert=1536, d_shexp=0, d_ff=12288,
+        rope_theta=1e6, rms_eps=1e-6, vocab_size=151936, context_length=40960, norm_topk_prob=True,
+        description=f"Qwen3-235B-A22B's tensor shapes and metadata; {_QWEN3_NOTE}"),
+    "qwen3-next-80b": LikeModel(
+        title="Qwen3-Next-80B-A3B MoE shapes as qwen2moe (synthetic)", arch="qwen2moe", n_layer=48, d_model=2048,
+        n_head=16, n_head_kv=2, head_dim=128, n_expert=512, n_expert_used=10, d_expert=512, d_shexp=512,
+        d_ff=5120, rope_theta=1e7, rms_eps=1e-6, vocab_size=151936, context_length=262144, norm_topk_prob=True,
+        description="Qwen3-Next-80B-A3B's MoE shapes (512 experts, top-10, shared expert with a sigmoid gate) "
+                    "written as qwen2moe: full attention in every layer with head dim 128 and zero q/k/v biases; "
+                    "the gated-DeltaNet layers, attention output gate and q/k norms are not modelled; "
+                    f"{_QWEN3_NOTE}"),
+}
+
+MATRIX_TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
+    "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
+    "bf16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),
+    "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
+}
+
+
+@dataclass(frozen=True)
+class TailFit:
+    """A role's weight distribution in the demo model: Student-t with `df` degrees of freedom."""
+
+    df: float  # math.inf: Gaussian (the demo's excess kurtosis was not positive)
+    std: float  # standard deviation of the demo's weights of this role
+    fan_in: int  # the demo's row length for this role
+
+    @property
+    def excess_kurtosis(self) -> float:
+        return 6.0 / (self.df - 4.0) if math.isfinite(self.df) else 0.0
+
+
+# fit_roles(GGUFModel("demo/model/demo-q8_0.gguf")), rounded to 4 significant digits.
+ROLE_FITS: dict[str, TailFit] = {
+    "token_embd": TailFit(df=56.74, std=0.1574, fan_in=256),
+    "output": TailFit(df=26.69, std=0.0897, fan_in=256),
+    "attn_q": TailFit(df=12.8, std=0.0961, fan_in=256),
+    "attn_k": TailFit(df=10.02, std=0.09533, fan_in=256),
+    "attn_v": TailFit(df=27.53, std=0.06251, fan_in=256),
+    "attn_output": TailFit(df=13.09, std=0.0684, fan_in=256),
+    "ffn_gate_inp": TailFit(df=math.inf, std=0.08227, fan_in=256),
+    "ffn_gate_exps": TailFit(df=146.9, std=0.089, fan_in=256),
+    "ffn_up_exps": TailFit(df=118.3, std=0.09128, fan_in=256),
+    "ffn_down_exps": TailFit(df=26.91, std=0.08989, fan_in=256),
+    "ffn_gate_inp_shexp": TailFit(df=4.428, std=0.0541, fan_in=256),
+    "ffn_gate_shexp": TailFit(df=176.2, std=0.07302, fan_in=256),
+    "ffn_up_shexp": TailFit(df=55.62, std=0.07655, fan_in=256),
+    "ffn_down_shexp": TailFit(df=4.928, std=0.07746, fan_in=256),
+}
+NORM_ROLE, ZERO_ROLE = "norm", "zero"
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor to write: name, logical shape (NumPy order), stored type, how its values are drawn."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: GGMLQuantizationType
+    role: str  # a ROLE_FITS key, NORM_ROLE or ZERO_ROLE
+
+    @property
+    def n_bytes(self) -> int:
+        block_size, type_size = GGML_QUANT_SIZES[self.ggml_type]
+        return math.prod(self.shape) // block_size * type_size
+
+
+@dataclass(frozen=True)
+class SynthResult:
+    paths: list[Path]  # the shards, in order (one path when not split)
+    n_tensors: int
+    n_bytes: int  # tensor data bytes
+    seconds: float
+
+
+# ---- the fit ----------------------------------------------------------------
+
+
+def role_of(name: str) -> str:
+    """How a tensor's values are drawn, from its name (`blk.3.ffn_up_exps.weight` -> `ffn_up_exps`)."""
+    short = name.split(".", 2)[-1] if name.startswith("blk.") else name
+    if short.endswith("norm.weight"):
+        return NORM_ROLE
+    if short.endswith(".bias"):
+        return ZERO_ROLE
+    return short.removesuffix(".weight")
+
+
+def fit_student_t(values: np.ndarray, fan_in: int) -> TailFit:
+    """Method of moments: excess kurtosis k of a Student-t is 6 / (nu - 4), so nu = 4 + 6 / k."""
+    x = values.astype(np.float64).ravel()
+    centred = x - x.mean()
+    var = float(np.mean(centred**2))
+    kurtosis = float(np.mean(centred**4)) / var**2 - 3.0
+    df = 4.0 + 6.0 / kurtosis if kurtosis > 0 else math.inf
+    return TailFit(df=df, std=math.sqrt(var), fan_in=fan_in)
+
+
+def fit_roles(model: GGUFModel) -> dict[str, TailFit]:
+    """A `TailFit` per weight role, pooled over the layers of a trained model (how ROLE_FITS was made)."""
+    pooled: dict[str, list[np.ndarray]] = {}
+    fan_in: dict[str, int] = {}
+    for name in model.tensor_names:
+        role = role_of(name)
+        if role in (NORM_ROLE, ZERO_ROLE):
+            continue
+        pooled.setdefault(role, []).append(model.tensor(name).ravel())
+        fan_in[role] = model.shape(name)[-1]
+    return {role: fit_student_t(np.concatenate(parts), fan_in[role]) for role, parts in pooled.items()}
+
+
+# ---- the plan -----------------------------------------------------------------
+
+
+def plan_tensors(like: LikeModel, n_layer: int, n_expert: int, vocab_size: int,
+                 matrix_type: GGMLQuantizationType) -> list[TensorPlan]:
+    """Every tensor in llama.cpp's converter order, shapes in NumPy order; 1-D tensors and the
+    router stay F32 as the converter keeps them."""
+    d, f, fs = like.d_model, like.d_expert, like.d_shexp
+    q, kv = like.n_head * like.head_dim, like.n_head_kv * like.head_dim
+    F32 = GGMLQuantizationType.F32
+
+    def t(name: str, *shape: int) -> TensorPlan:
+        role = role_of(name)
+        ggml_type = F32 if len(shape) == 1 or role == "ffn_gate_inp" else matrix_type
+        return TensorPlan(name, tuple(shape), ggml_type, role)
+
+    plan = [t("token_embd.weight", vocab_size, d), t("output_norm.weight", d), t("output.weight", vocab_size, d)]
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        plan += [t(b + "attn_norm.weight", d), t(b + "attn_q.weight", q, d), t(b + "attn_k.weight", kv, d),
+                 t(b + "attn_v.weight", kv, d), t(b + "attn_output.weight", d, q)]
+        if like.arch == "qwen2moe":
+            plan += [t(b + "attn_q.bias", q), t(b + "attn_k.bias", kv), t(b + "attn_v.bias", kv)]
+        else:
+            plan += [t(b + "attn_q_norm.weight", like.head_dim), t(b + "attn_k_norm.weight", like.head_dim)]
+        plan += [t(b + "ffn_norm.weight", d), t(b + "ffn_gate_inp.weight", n_expert, d),
+                 t(b + "ffn_gate_exps.weight", n_expert, f, d), t(b + "ffn_up_exps.weight", n_expert, f, d),
+                 t(b + "ffn_down_exps.weight", n_expert, d, f)]
+        if fs:
+            plan += [t(b + "ffn_gate_inp_shexp.weight", d), t(b + "ffn_gate_shexp.weight", fs, d),
+                     t(b + "ffn_up_shexp.weight", fs, d), t(b + "ffn_down_shexp.weight", d, fs)]
+    return plan
+
+
+def hparams_kv(like: LikeModel, n_layer: int, n_expert: int, file_type: LlamaFileType) -> list[TypedKV]:
+    """`general.*` and `<arch>.*` keys, typed as llama.cpp reads them."""
+    a, u32, f32 = like.arch, GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    kv = [
+        ("general.name", like.title, GGUFValueType.STRING),
+        ("general.description", like.description, GGUFValueType.STRING),
+        ("general.file_type", int(file_type), u32),
+        ("general.quantization_version", GGML_QUANT_VERSION, u32),
+        (f"{a}.context_length", like.context_length, u32),
+        (f"{a}.embedding_length", like.d_model, u32),
+        (f"{a}.block_count", n_layer, u32),
+        (f"{a}.feed_forward_length", like.d_ff, u32),
+        (f"{a}.attention.head_count", like.n_head, u32),
+        (f"{a}.attention.head_count_kv", like.n_head_kv, u32),
+        (f"{a}.attention.key_length", like.head_dim, u32),
+        (f"{a}.attention.value_length", like.head_dim, u32),
+        (f"{a}.rope.freq_base", like.rope_theta, f32),
+        (f"{a}.attention.layer_norm_rms_epsilon", like.rms_eps, f32),
+        (f"{a}.expert_count", n_expert, u32),
+        (f"{a}.expert_used_count", min(like.n_expert_used, n_expert), u32),
+        (f"{a}.expert_feed_forward_length", like.d_expert, u32),
+        (f"{a}.expert_weights_norm", like.norm_topk_prob, GGUFValueType.BOOL),
+    ]
+    if like.d_shexp:
+        kv.append((f"{a}.expert_shared_feed_forward_length", like.d_shexp, u32))
+    return kv
+
+
+# ---- the vocabulary -----------------------------------------------------------
+
+QWEN_TEXT_TOKENS = 151643  # Qwen2/Qwen3's ordinary BPE tokens; special tokens start here
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5
+
+
+def synth_vocabulary(vocab_size: int, demo: GGUFModel) -> tuple[list[str], list[int], list[str]]:
+    """Tokens, token types and merges of `vocab_size` entries laid out as Qwen's padded vocabulary.
+
+    The demo's ordinary tokens come first (a prefix of them when `vocab_size` is
+    small, merges kept only where both parts and the result are kept), then
+    filler tokens spelled in the byte alphabet (reachable by no merge, like
+    rare tokens), the three specials, then `[PAD<id>]` tokens.
+    """
+    demo_tokens, demo_types = demo.metadata("tokenizer.ggml.tokens"), demo.metadata("tokenizer.ggml.token_type")
+    ordinary = [tok for tok, ty in zip(demo_tokens, demo_types) if ty == TOKEN_NORMAL]
+    n_text = min(QWEN_TEXT_TOKENS, vocab_size - len(QWEN_SPECIALS))
+    tokens = ordinary[:n_text]
+    kept = set(tokens)
+    fill = 0
+    while len(tokens) < n_text:
+        candidate = f"ĠĠfill{fill}"  # Ġ is byte-level BPE's space
+        fill += 1
+        if candidate not in kept:
+            tokens.append(candidate)
+            kept.add(candidate)
+    merges = []
+    for merge in demo.metadata("tokenizer.ggml.merges"):
+        left, right = merge.split(" ", 1)
+        if left in kept and right in kept and left + right in kept:
+            merges.append(merge)
+    types = [TOKEN_NORMAL] * n_text + [TOKEN_CONTROL] * len(QWEN_SPECIALS)
+    tokens += list(QWEN_SPECIALS)
+    pads = range(len(tokens), vocab_size)
+    tokens += [f"[PAD{i}]" for i in pads]
+    types += [TOKEN_UNUSED] * len(pads)
+    return tokens, types, merges
+
+
+def vocab_kv(tokens: list[str], types: list[int], merges: list[str]) -> list[TypedKV]:
+    """`tokenizer.ggml.*` as llama.cpp's converter writes Qwen's (BOS = PAD = <|endoftext|>, EOS = <|im_end|>)."""
+    string, u32 = GGUFValueType.STRING, GGUFValueType.UINT32
+    return [
+        ("tokenizer.ggml.model", "gpt2", string),
+        ("tokenizer.ggml.pre", "qwen2", string),
+        ("tokenizer.ggml.tokens", tokens, string),
+        ("tokenizer.ggml.token_type", types, GGUFValueType.INT32),
+        ("tokenizer.ggml.merges", merges, string),
+        ("tokenizer.ggml.bos_token_id", tokens.index("<|endoftext|>"), u32),
+        ("tokenizer.ggml.eos_token_id", tokens.index("<|im_end|>"), u32),
+        ("tokenizer.ggml.padding_token_id", tokens.index("<|endoftext|>"), u32),
+        ("tokenizer.ggml.add_bos_token", False, GGUFValueType.BOOL),
+    ]
+
+
+# ---- the weights --------------------------------------------------------------
+
+
+def _name_key(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+
+
+def _student_t(rng: np.random.Generator, df: float, size: tuple[int, int]) -> np.ndarray:
+    """Unit-scale Student-t draws, float32: z / sqrt(chi2_df / df), chi2_df / df = Gamma(df / 2) / (df / 2)."""
+    z = rng.standard_normal(size, dtype=np.float32)  # (rows, cols)
+    if math.isfinite(df):
+        z /= np.sqrt(rng.standard_gamma(df / 2, size, dtype=np.float32) / np.float32(df / 2))
+    return z
+
+
+def chunk_rows(shape: tuple[int, ...]) -> int:
+    """Rows per drawn chunk of a tensor viewed as (rows, cols), cols = its row length."""
+    return max(1, CHUNK_WEIGHTS // shape[-1])
+
+
+def value_chunks(t: TensorPlan, seed: int) -> Iterator[np.ndarray]:
+    """The tensor's values as float32 chunks (rows, cols) of `chunk_rows` rows, in storage order."""
+    cols = t.shape[-1]
+    rows = math.prod(t.shape[:-1])
+    step = chunk_rows(t.shape)
+    for k, start in enumerate(range(0, rows, step)):
+        size = (min(step, rows - start), cols)
+        if t.role == ZERO_ROLE:
+            yield np.zeros(size, dtype=np.float32)
+            continue
+        rng = np.random.default_rng([seed, _name_key(t.name), k])
+        if t.role == NORM_ROLE:
+            yield 1.0 + NORM_STD * rng.standard_normal(size, dtype=np.float32)
+            continue
+        fit = ROLE_FITS[t.role]
+        std = fit.std if t.role == "token_embd" else fit.std * math.sqrt(fit.fan_in / cols)
+        scale = std * math.sqrt((fit.df - 2) / fit.df) if math.isfinite(fit.df) else std  # t's variance is df/(df-2)
+        chunk = _student_t(rng, fit.df, size)  # (rows, cols)
+        chunk *= np.float32(scale)
+        yield chunk
+
+
+def tensor_values(t: TensorPlan, seed: int) -> np.ndarray:
+    """One whole tensor, float32 in its shape, regenerated alone (tests; small tensors)."""
+    return np.concatenate(list(value_chunks(t, seed))).reshape(t.shape)
+
+
+def _encode(chunk: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    """A (rows, cols) float32 chunk as the bytes stored for `ggml_type`."""
+    if ggml_type == GGMLQuantizationType.F32:
+        return chunk
+    if ggml_type == GGMLQuantizationType.F16:
+        return chunk.astype(np.float16)
+    return quantize(chunk, ggml_type)  # (rows, row_bytes) uint8
+
+
+# ---- the file -----------------------------------------------------------------
+
+_SIZE = re.compile(r"(\d+)([KMG]?)")
+
+
+def parse_size(text: str) -> int:
+    """`500M`, `50G`, `4096`: bytes, with llama.cpp gguf-split's decimal units."""
+    m = _SIZE.fullmatch(text.strip().upper())
+    if not m or int(m[1]) == 0:
+        raise InputError(f"synth: --split-max-size {text}: expected a positive size such as 500M or 50G")
+    return int(m[1]) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}[m[2]]
+
+
+def _writer(tmp: Path, like: LikeModel, plan: list[TensorPlan], kv: list[TypedKV], split_max_size: int) -> GGUFWriter:
+    """gguf-py's writer with every key and tensor info added; it assigns tensors to shards and
+    writes llama.cpp's split.* keys."""
+    writer = GGUFWriter(tmp, like.arch, split_max_size=split_max_size)
+    for key, value, vtype in kv:
+        if isinstance(value, list):
+            writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=vtype)
+        else:
+            writer.add_key_value(key, value, vtype)
+    for t in plan:
+        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.n_bytes, raw_dtype=t.ggml_type)
+    return writer
+
+
+def write_synth(out: str | os.PathLike[str], like_name: str, n_layer: int | None = None, seed: int = 0,
+                matrix_type: str = "q8_0", split_max_size: int = 0, vocab_size: int | None = None,
+                n_expert: int | None = None, zeros: bool = False, demo_model: Path = DEMO_MODEL) -> SynthResult:
+    """Write the synthetic model to `out` (or its shards `<stem>-0000i-of-0000n.gguf`), atomically.
+
+    Shards are written under temporary names and renamed once all are complete.
+    """
+    from moeheal.pipeline.gguf_model import GGUFModel
+
+    like = _check_args(like_name, n_layer, seed, matrix_type, vocab_size, n_expert, demo_model)
+    n_layer = like.n_layer if n_layer is None else n_layer
+    vocab_size = like.vocab_size if vocab_size is None else vocab_size
+    n_expert = like.n_expert if n_expert is None else n_expert
+    ggml_type, file_type = MATRIX_TYPES[matrix_type]
+    started = time.monotonic()
+    plan = plan_tensors(like, n_layer, n_expert, vocab_size, ggml_type)
+    vocabulary = synth_vocabulary(vocab_size, GGUFModel(demo_model))
+    kv = hparams_kv(like, n_layer, n_expert, file_type) + vocab_kv(*vocabulary)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    writer = _writer(tmp, like, plan, kv, split_max_size)
+    tmp_paths, final_paths = writer.format_shard_names(tmp), writer.format_shard_names(out)
+    by_name = {t.name: t for t in plan}
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for fout in writer.fout:  # tensor data starts aligned after the tensor table
+            writer.write_padding(fout, fout.tell())
+        shard_of = [(fout, name) for fout, infos in zip(writer.fout, writer.tensors) for name in infos]
+        for fout, name in progress(shard_of, desc="synth", unit="tensors"):
+            _write_tensor(fout, by_name[name], seed, zeros)
+            writer.write_padding(fout, by_name[name].n_bytes)
+        for fout in writer.fout:
+            fout.truncate()  # a sparse --zeros file ends where its last tensor does
+        writer.close()
+        for tmp_path, path in zip(tmp_paths, final_paths):
+            os.replace(tmp_path, path)
+    finally:
+        writer.close()
+        for tmp_path in tmp_paths:
+            tmp_path.unlink(missing_ok=True)
+    return SynthResult(final_paths, len(plan), sum(t.n_bytes for t in plan), time.monotonic() - started)
+
+
+def _write_tensor(fout: BinaryIO, t: TensorPlan, seed: int, zeros: bool) -> None:
+    """One tensor's data at the file's position: drawn and encoded chunk by chunk, or a hole of zeros."""
+    if zeros:
+        fout.seek(t.n_bytes, os.SEEK_CUR)
+        return
+    for chunk in value_chunks(t, seed):
+        _encode(chunk, t.ggml_type).tofile(fout)
+
+
+def _check_args(like_name: str, n_layer: int | None, seed: int, matrix_type: str, vocab_size: int | None,
+                n_expert: int | None, demo_model: Path) -> LikeModel:
+    """The named model, once every argument is one `write_synth` can honour (InputError otherwise)."""
+    like = LIKE.get(like_name)
+    if like is None:
+        raise InputError(f"synth: --like {like_name}: unknown model (known: {', '.join(LIKE)})")
+    if n_layer is not None and not 1 <= n_layer <= like.n_layer:
+        raise InputError(f"synth: --layers {n_layer}: {like_name} has 1 to {like.n_layer} layers")
+    if seed < 0:
+        raise InputError(f"synth: --seed {seed}: expected a non-negative integer")
+    if matrix_type not in MATRIX_TYPES:
+        raise InputError(f"synth: --type {matrix_type}: expected one of {', '.join(MATRIX_TYPES)}")
+    min_vocab = 256 + len(QWEN_SPECIALS)  # every byte token, and the specials
+    if vocab_size is not None and not min_vocab <= vocab_size <= like.vocab_size:
+        raise InputError(f"synth: --vocab {vocab_size}: expected {min_vocab} to {like.vocab_size}")
+    if n_expert is not None and not 1 <= n_expert <= like.n_expert:
+        raise InputError(f"synth: --experts {n_expert}: expected 1 to {like.n_expert}")
+    if not demo_model.is_file():
+        raise InputError(f"synth: {demo_model}: the demo model, whose vocabulary synth reuses, is missing")
+    return like

@@ -1,0 +1,198 @@
+"""`moeheal synth`: real shapes and metadata, weights that follow the demo fit, determinism, split files.
+
+The real-shape checks use `--zeros` files (sparse: every shape and key of the
+real model, no weights drawn); the weight checks use a shrunk vocabulary and
+expert count, so the whole module writes a few tens of MB.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+from scipy import stats
+
+from moeheal.pipeline.cli import main
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.synth import (
+    DEMO_MODEL, LIKE, NORM_STD, ROLE_FITS, fit_roles, plan_tensors, role_of, tensor_values, write_synth,
+)
+
+Q8_0, F32 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32
+
+# The published configs' numbers, written out independently of synth.LIKE. Qwen3-Next's head dim is
+# 128 here, not its real 256: written as qwen2moe, llama.cpp wants heads x head dim = hidden size.
+REAL = {
+    "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, d_model=2048, n_head=32, n_head_kv=4, head_dim=128,
+                          n_expert=128, n_expert_used=8, d_expert=768, d_shexp=0, rope_theta=1e6,
+                          vocab_size=151936, norm_topk_prob=True, context_length=40960),
+    "qwen3-235b": dict(arch="qwen3moe", n_layer=94, d_model=4096, n_head=64, n_head_kv=4, head_dim=128,
+                       n_expert=128, n_expert_used=8, d_expert=1536, d_shexp=0, rope_theta=1e6,
+                       vocab_size=151936, norm_topk_prob=True, context_length=40960),
+    "qwen3-next-80b": dict(arch="qwen2moe", n_layer=48, d_model=2048, n_head=16, n_head_kv=2, head_dim=128,
+                           n_expert=512, n_expert_used=10, d_expert=512, d_shexp=512, rope_theta=1e7,
+                           vocab_size=151936, norm_topk_prob=True, context_length=262144),
+}
+SMALL = dict(n_layer=1, vocab_size=1024, n_expert=8)  # shrunk for the weight checks
+
+
+@pytest.fixture(scope="module")
+def next_small(tmp_path_factory) -> Path:
+    """1-layer qwen3-next-80b (every weight role but q/k norms), 8 experts, 1024 tokens, q8_0."""
+    return write_synth(tmp_path_factory.mktemp("synth") / "next.gguf", "qwen3-next-80b", **SMALL).paths[0]
+
+
+@pytest.fixture(scope="module")
+def qwen3_small(tmp_path_factory) -> Path:
+    """1-layer qwen3-30b-a3b, 2 experts, 512 tokens: the smallest file, for byte comparisons."""
+    return write_synth(tmp_path_factory.mktemp("synth") / "q3.gguf", "qwen3-30b-a3b", n_layer=1,
+                       vocab_size=512, n_expert=2).paths[0]
+
+
+@pytest.mark.parametrize("like", list(REAL))
+def test_real_shapes_and_metadata(like: str, tmp_path: Path) -> None:
+    result = write_synth(tmp_path / f"{like}.gguf", like, n_layer=1, zeros=True)
+    model = GGUFModel(result.paths[0])
+    real = {**REAL[like], "n_layer": 1}
+    assert model.arch == real.pop("arch")
+    assert {key: getattr(model.hp, key) for key in real} == pytest.approx(real)
+    hp = model.hp
+    assert model.shape("blk.0.ffn_gate_exps.weight") == (hp.n_expert, hp.d_expert, hp.d_model)
+    assert model.shape("blk.0.ffn_down_exps.weight") == (hp.n_expert, hp.d_model, hp.d_expert)
+    assert model.shape("blk.0.attn_q.weight") == (hp.n_head * hp.head_dim, hp.d_model)
+    sizes = model.tensor_sizes()
+    assert sizes["blk.0.ffn_up_exps.weight"][0] == Q8_0 and sizes["token_embd.weight"][0] == Q8_0
+    assert sizes["blk.0.ffn_gate_inp.weight"][0] == F32 and sizes["blk.0.ffn_norm.weight"][0] == F32
+    assert "synthetic" in model.metadata("general.name")
+    if like == "qwen3-next-80b":
+        assert "qwen2moe" in model.metadata("general.name")
+        assert "not modelled" in model.metadata("general.description")
+        assert not model.tensor("blk.0.attn_k.bias").any()  # Qwen3-Next has no q/k/v biases
+    text = "The experts route every token. 東京 🙂"
+    tok = model.tokenizer()
+    assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text
+    assert tok.token_to_id("<|im_end|>") == 151645 == model.metadata("tokenizer.ggml.eos_token_id")
+
+
+def test_weights_follow_the_demo_fit(next_small: Path) -> None:
+    """Per role: std as fitted (rescaled to the fan-in), the Student-t's tail quantile, and its
+    excess kurtosis where it is finite enough to estimate (df >= 10); norms near 1."""
+    model = GGUFModel(next_small)
+    for name in model.tensor_names:
+        x = model.tensor(name).ravel().astype(np.float64)
+        role = role_of(name)
+        if role == "norm":
+            assert abs(x.mean() - 1) < 0.02 and abs(x.std() - NORM_STD) < 0.02, name
+            continue
+        if role not in ROLE_FITS or x.size < 1_000_000:
+            continue
+        fit = ROLE_FITS[role]
+        std = fit.std if role == "token_embd" else fit.std * math.sqrt(fit.fan_in / model.shape(name)[-1])
+        assert x.std() == pytest.approx(std, rel=0.03), name
+        df = fit.df if math.isfinite(fit.df) else 1e9
+        tail = std * math.sqrt((df - 2) / df) * stats.t.ppf(0.9995, df)
+        assert np.quantile(np.abs(x), 0.999) == pytest.approx(tail, rel=0.1), name
+        if fit.df >= 10:
+            assert stats.kurtosis(x) == pytest.approx(fit.excess_kurtosis, abs=0.05 + 0.2 * fit.excess_kurtosis), name
+
+
+def test_role_fits_are_the_demo_models() -> None:
+    fitted = fit_roles(GGUFModel(DEMO_MODEL))
+    assert set(fitted) == set(ROLE_FITS)
+    for role, fit in fitted.items():
+        committed = ROLE_FITS[role]
+        assert (fit.df, fit.std, fit.fan_in) == pytest.approx((committed.df, committed.std, committed.fan_in),
+                                                              rel=2e-3), role
+
+
+def test_same_seed_same_bytes_and_tensors_regenerate_alone(qwen3_small: Path, tmp_path: Path) -> None:
+    again = write_synth(tmp_path / "again.gguf", "qwen3-30b-a3b", n_layer=1, vocab_size=512, n_expert=2).paths[0]
+    assert filecmp.cmp(qwen3_small, again, shallow=False)
+    other = write_synth(tmp_path / "other.gguf", "qwen3-30b-a3b", n_layer=1, vocab_size=512, n_expert=2, seed=1)
+    assert not filecmp.cmp(qwen3_small, other.paths[0], shallow=False)
+    model = GGUFModel(qwen3_small)
+    plan = {t.name: t for t in plan_tensors(LIKE["qwen3-30b-a3b"], 1, 2, 512, Q8_0)}
+    router = plan["blk.0.ffn_gate_inp.weight"]
+    np.testing.assert_array_equal(tensor_values(router, seed=0), model.tensor(router.name))
+    up = plan["blk.0.ffn_up_exps.weight"]  # (E, f, d) q8_0
+    values = tensor_values(up, seed=0).reshape(-1, up.shape[-1])  # (E*f, d)
+    np.testing.assert_array_equal(quantize(values, Q8_0), model.raw(up.name).data.reshape(values.shape[0], -1))
+
+
+def test_split_reads_as_the_unsplit_file(qwen3_small: Path, tmp_path: Path) -> None:
+    split = write_synth(tmp_path / "split.gguf", "qwen3-30b-a3b", n_layer=1, vocab_size=512, n_expert=2,
+                        split_max_size=4_000_000)
+    n = len(split.paths)
+    assert n > 2 and [p.name for p in split.paths] == [f"split-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+    whole, parts = GGUFModel(qwen3_small), GGUFModel(split.paths[0])
+    assert parts.tensor_names == whole.tensor_names and parts.shards == split.paths
+    for name in whole.tensor_names:
+        np.testing.assert_array_equal(parts.raw(name).data, whole.raw(name).data)
+    assert parts.metadata("split.count") == n and parts.metadata("split.tensors.count") == len(whole.tensor_names)
+    assert not any(key.startswith("split.") for key in parts.metadata_fields())  # a copy is one file
+
+    with pytest.raises(InputError, match="open it by its first shard"):
+        GGUFModel(split.paths[1])
+    split.paths[2].unlink()
+    with pytest.raises(InputError, match=rf"{split.paths[2].name}: shard 3 of {n} .* is missing"):
+        GGUFModel(split.paths[0])
+    other = write_synth(tmp_path / "other.gguf", "qwen3-30b-a3b", n_layer=1, vocab_size=512, n_expert=2,
+                        split_max_size=8_000_000)
+    assert len(other.paths) != n
+    shutil.copyfile(other.paths[1], split.paths[1])  # a shard of another split of the same model
+    with pytest.raises(InputError, match=rf"{split.paths[1].name}: key split.count: {len(other.paths)}, expected {n}"):
+        GGUFModel(split.paths[0])
+
+
+def test_cli(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "cli.gguf"
+    assert main(["synth", "--like", "qwen3-235b", "--layers", "1", "--out", str(out), "--zeros",
+                 "--split-max-size", "2G"]) == 0
+    summary = capsys.readouterr().out
+    assert "cli-00001-of-0000" in summary and "tensors" in summary and " s" in summary
+    for bad in (["--like", "qwen3-31b"], ["--like", "qwen3-235b", "--layers", "95"],
+                ["--like", "qwen3-235b", "--type", "q4_0"], ["--like", "qwen3-235b", "--split-max-size", "5X"],
+                ["--like", "qwen3-235b", "--vocab", "100"], ["--like", "qwen3-235b", "--seed", "-1"]):
+        assert main(["synth", *bad, "--out", str(tmp_path / "bad.gguf")]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def _llama_binary(name: str) -> Path:
+    binary = Path(os.environ.get("LLAMA_CPP_DIR", ""), "bin", name)
+    if not binary.is_file():
+        pytest.skip(f"{binary} not built")
+    return binary
+
+
+def _run(argv: list[str]) -> None:
+    run = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=300)  # logs cut UTF-8
+    assert run.returncode == 0, (run.stdout + run.stderr)[-2000:]
+
+
+@pytest.mark.llamacpp
+def test_llama_quantize_accepts_a_synth(next_small: Path, tmp_path: Path) -> None:
+    """llama.cpp reads the file as a model of its architecture: llama-quantize to Q2_K succeeds."""
+    out = tmp_path / "q2_k.gguf"
+    _run([str(_llama_binary("llama-quantize")), "--allow-requantize", str(next_small), str(out), "Q2_K"])
+    assert GGUFModel(out).tensor_sizes()["blk.0.ffn_up_exps.weight"][0] == GGMLQuantizationType.Q2_K
+
+
+@pytest.mark.llamacpp
+def test_llama_cpp_runs_a_split_synth(next_small: Path, tmp_path: Path) -> None:
+    """llama.cpp loads and runs both architectures, the qwen3moe one from split shards."""
+    split = write_synth(tmp_path / "split.gguf", "qwen3-30b-a3b", n_layer=1, vocab_size=512, n_expert=2,
+                        split_max_size=8_000_000)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(["the model routes every token to two experts."] * 40))
+    for model in (split.paths[0], next_small):
+        _run([str(_llama_binary("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", "64",
+              "--chunks", "1", "-t", "2"])
