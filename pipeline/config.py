@@ -17,7 +17,9 @@ from moeheal.kernels import FORMATS
 from moeheal.pipeline.errors import InputError
 
 ROUNDINGS = ("ls", "gptq")
-# `budget_roles`: which tensors a `budget_bpw` covers (and the allocation chooses formats for).
+# `budget_roles`: which tensors a `budget_bpw` covers and the allocation chooses formats for: "routed"
+# the routed experts; "all" every tensor of the file, the formats chosen for the routed experts', the
+# shared expert's and attention's (`pipeline.roles`), the rest counted as the source stores it.
 BUDGET_ROLES = ("routed", "all")
 # `quant = { gate = ..., up = ..., down = ... }`: the routed-expert tensor of each role.
 EXPERT_ROLES = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
@@ -45,7 +47,7 @@ class Variant:
     cal_tokens: int = 0  # 0 = the whole calibration dump; else its first cal_tokens rows
     budget_bpw: float | None = None  # set: one format per (layer, role) chosen from `candidates` under this budget
     candidates: tuple[str, ...] = ()  # `formats = [...]`: the formats the allocation may choose from
-    budget_roles: str = "routed"  # which tensors the budget counts (BUDGET_ROLES); formats are chosen for routed ones
+    budget_roles: str = "routed"  # which tensors the budget counts and chooses formats for (BUDGET_ROLES)
     sensitivity_round: str = ""  # rounding of the per-tensor sensitivity measurement; "" = the variant's `round`
     gguf: Path | None = None
 
@@ -283,6 +285,8 @@ _CONDITIONAL_KNOBS = {
     "beta_down": (lambda v: v.importance, "has no effect with importance = false"),
     "down_blend_tokens": (lambda v: v.importance, "has no effect with importance = false"),
     "ridge_eta": (lambda v: v.ridge_rho > 0, "has no effect with ridge_rho = 0 (no ridge)"),
+    "shexp_down": (lambda v: not (v.budgeted and v.budget_roles == "all"),
+                   'has no effect with budget_roles = "all": the allocation chooses the shared down projection\'s format'),
 }
 
 

@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from moeheal import kernels
 from moeheal.pipeline import audit as audit_mod
+from moeheal.pipeline import roles
 from moeheal.pipeline import stats as stats_mod
 from moeheal.pipeline.config import UNHEALED, Config, Variant
 from moeheal.pipeline.dag import PlannedStage, Stage, plan_stage, run_stage
@@ -88,17 +89,18 @@ class HealRun:
                              f"{ref_hp.n_expert} x d={ref_hp.d_model}")
         for variant in self.external_variants():
             GGUFModel(variant.gguf)
-        columns = {"ffn_gate_exps": src_hp.d_model, "ffn_up_exps": src_hp.d_model, "ffn_down_exps": src_hp.d_expert,
-                   "ffn_down_shexp": src_hp.d_shexp}
         for variant in self.cfg.healed_variants:
-            routed = [(t, f) for f in variant.candidate_formats() for t in quantize.EXPERT_TENSORS]
-            for tensor, fmt in [*routed, ("ffn_down_shexp", variant.shexp_down)]:
-                block = kernels.format_of(fmt).block_size
-                if columns[tensor] % block:
+            chosen = self.chosen_roles(variant)
+            pairs = [(t, f) for f in variant.candidate_formats() for t in chosen]
+            if src_hp.d_shexp > 0 and "ffn_down_shexp" not in chosen:
+                pairs.append(("ffn_down_shexp", variant.shexp_down))
+            for tensor, fmt in pairs:
+                block, columns = kernels.format_of(fmt).block_size, roles.input_columns(tensor, src_hp)
+                if columns % block:
                     raise InputError(f"{self.cfg.path}: [[variant]] {variant.name}: {fmt} needs rows that are "
-                                     f"a multiple of {block} weights; {tensor} rows have {columns[tensor]}")
+                                     f"a multiple of {block} weights; {tensor} rows have {columns}")
             if variant.budgeted:
-                least = sensitivity.least_bpw(self.source, variant.candidates, self.budget_fixed(variant))
+                least = sensitivity.least_bpw(self.source, variant.candidates, chosen, self.budget_fixed(variant))
                 if variant.budget_bpw < least:
                     raise InputError(f"{self.cfg.path}: [[variant]] {variant.name}: budget_bpw {variant.budget_bpw:g} "
                                      f"is infeasible: with budget_roles = {variant.budget_roles!r} the cheapest recipe "
@@ -189,10 +191,17 @@ class HealRun:
         if trace in cfg.imported_dumps:  # made by another engine: `[calibration] import_dump`
             return self.import_dump(cfg.imported_dumps[trace], label=f"dump:{trace}")
         up = {"traces": self.traces()}
-        return self._stage(f"dump:{trace}", DUMP, {"trace": trace, "seq_tokens": cfg.seq_tokens},
-                           {"reference": cfg.reference}, up, lambda out: dump.build_dump(
-                               out, cfg.reference, up["traces"].path, trace, cfg.dump_chunk_tokens,
-                               cfg.seq_tokens, self.log))
+        params: dict[str, Any] = {"trace": trace, "seq_tokens": cfg.seq_tokens}
+        attention = self.attention_inputs()
+        if attention:  # only then: other configs' dumps keep their fingerprints
+            params["attention_inputs"] = True
+        return self._stage(f"dump:{trace}", DUMP, params, {"reference": cfg.reference}, up,
+                           lambda out: dump.build_dump(out, cfg.reference, up["traces"].path, trace,
+                                                       cfg.dump_chunk_tokens, cfg.seq_tokens, self.log, attention))
+
+    def attention_inputs(self) -> bool:
+        """Whether some variant's recipe chooses attention formats, so the dumps need attn_in."""
+        return any(roles.dump_arrays(self.chosen_roles(v)) for v in self.cfg.healed_variants)
 
     def import_dump(self, spec: Path, label: str = "import-dump") -> StageResult:
         hp = self.reference.hp
@@ -216,18 +225,23 @@ class HealRun:
 
     def sensitivity(self, variant: Variant) -> StageResult:
         """Per (layer, role, candidate format): bytes and the routed-output error on the unseen dump."""
-        params = sensitivity.SensitivityParams.of(variant)
+        params = sensitivity.SensitivityParams.of(variant, self.source.hp)
         up = {"dump": self.dump("calibration"), "unseen": self.dump("unseen")}
         return self._stage(f"sensitivity:{variant.name}", SENSITIVITY, params, {"source": self.cfg.source}, up,
                            lambda out: sensitivity.build_sensitivity(out, self.cfg.source, up["dump"].path,
                                                                      up["unseen"].path, params, self.log))
 
+    def chosen_roles(self, variant: Variant) -> tuple[str, ...]:
+        """The roles whose formats the variant sets: a budget's chosen roles, else the routed ones."""
+        return roles.chosen_roles(variant.budget_roles, self.source.hp) if variant.budgeted else roles.ROUTED
+
     def budget_fixed(self, variant: Variant) -> tuple[int, int]:
-        """(weights, bytes) the budget counts beyond the routed experts: none for "routed"; for "all",
-        every other tensor as the assembled GGUF holds it."""
+        """(weights, bytes) the budget counts beyond the tensors it chooses: none for "routed"; for
+        "all", every other tensor (embeddings, output, norms, routers) as the assembled GGUF holds it."""
         if variant.budget_roles == "routed":
             return 0, 0
-        return sensitivity.fixed_size(self.source, variant.shexp_down if self.source.hp.d_shexp > 0 else None)
+        return sensitivity.fixed_size(self.source, self.chosen_roles(variant),
+                                      variant.shexp_down if self.source.hp.d_shexp > 0 else None)
 
     def allocation(self, variant: Variant) -> StageResult:
         """The recipe of a budget variant: one format per (layer, role) under its budget."""
@@ -344,20 +358,27 @@ class HealRun:
         return pa.concat_tables(parts)
 
     def recipe_table(self) -> pa.Table:
-        """The routed tensors' formats of every evaluated variant, read from its GGUF; a budget variant's
-        rows carry its allocation's predicted error and sensitivity (and must match its GGUF)."""
+        """The formats of every evaluated variant's tensors in a role a recipe may choose, read from its
+        GGUF. chosen_by: "allocation" (a budget's choice, with its predicted error and sensitivity,
+        which must match the GGUF), "config" (a routed tensor's configured format), "source" (a
+        tensor our variant left as the source stores it, or the shared down projection's
+        `shexp_down`), "gguf" (an outside GGUF's)."""
         rows = []
         for variant in self.evaluated_variants():
             written = sensitivity.gguf_recipe(GGUFModel(self.variant_gguf(variant)))
-            chosen_by, measured, predicted = "gguf" if variant.kind == "external" else "config", None, {}
+            measured, predicted = None, {}
             if variant.budgeted:
-                chosen_by, measured = "allocation", self.sensitivity(variant).fingerprint[:16]
-                recipe = _read_parts(self.allocation(variant), "recipe").to_pylist()
-                predicted = {r["tensor"]: r for r in recipe}
-                if {r["tensor"]: r["format"] for r in written} != {t: r["format"] for t, r in predicted.items()}:
-                    raise AssertionError(f"{variant.name}: the written GGUF's routed formats differ from its recipe")
-            rows += [{"variant": variant.name, **r, "chosen_by": chosen_by, "sensitivity": measured,
-                      "pred_err": predicted[r["tensor"]]["pred_err"] if predicted else None} for r in written]
+                measured = self.sensitivity(variant).fingerprint[:16]
+                predicted = {r["tensor"]: r for r in _read_parts(self.allocation(variant), "recipe").to_pylist()}
+                if {r["tensor"]: r["format"] for r in written if r["tensor"] in predicted} != \
+                        {t: r["format"] for t, r in predicted.items()}:
+                    raise AssertionError(f"{variant.name}: the written GGUF's formats differ from its recipe")
+            for r in written:
+                mine = predicted.get(r["tensor"])
+                chosen_by = ("gguf" if variant.kind == "external" else "allocation" if mine
+                             else "config" if r["role"] in roles.ROUTED else "source")
+                rows.append({"variant": variant.name, **r, "chosen_by": chosen_by,
+                             "sensitivity": measured if mine else None, "pred_err": mine["pred_err"] if mine else None})
         return pa.Table.from_pylist(rows, schema=sensitivity.GGUF_RECIPE_SCHEMA)
 
     def sizes_table(self) -> pa.Table:

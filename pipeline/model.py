@@ -57,8 +57,9 @@ def _project(params: dict, name: str, x: jax.Array) -> jax.Array:
     return y if bias is None else y + bias
 
 
-def attention(params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, hp: HParams) -> jax.Array:
-    """Causal grouped-query self-attention. x (B, T, d) normed input -> (B, T, d)."""
+def attention_heads(params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, hp: HParams) -> jax.Array:
+    """Causal grouped-query self-attention up to the heads' concatenated outputs, the input of
+    `attn_output`. x (B, T, d) normed input -> (B, T, H*hd)."""
     B, T, _ = x.shape
     H, Hkv, hd = hp.n_head, hp.n_head_kv, hp.head_dim
     G = H // Hkv  # query heads per KV head
@@ -74,21 +75,27 @@ def attention(params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, hp: HP
     causal = jnp.tril(jnp.ones((T, T), dtype=bool))  # (T, T): query t sees keys s <= t
     scores = jnp.where(causal, scores, -jnp.inf)  # (B, Hkv, G, T, T)
     probs = jax.nn.softmax(scores, axis=-1)  # (B, Hkv, G, T, T)
-    out = einsum("bkgts,bskh->btkgh", probs, v).reshape(B, T, H * hd)  # (B, T, H*hd)
-    return _project(params, "attn_output", out)  # (B, T, d)
+    return einsum("bkgts,bskh->btkgh", probs, v).reshape(B, T, H * hd)  # (B, T, H*hd)
+
+
+def attention(params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, hp: HParams) -> jax.Array:
+    """Causal grouped-query self-attention. x (B, T, d) normed input -> (B, T, d)."""
+    return _project(params, "attn_output", attention_heads(params, x, cos, sin, hp))  # (B, T, d)
 
 
 @partial(jax.jit, static_argnames="hp")
 def attention_block(params: dict, h: jax.Array, cos: jax.Array, sin: jax.Array,
-                    hp: HParams) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    hp: HParams) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Residual attention, then the MoE input and router logits.
 
-    h (B, T, d) -> h_attn (B, T, d), mixed (B, T, d), router_logits (B, T, E).
+    h (B, T, d) -> h_attn (B, T, d), attn_in (B, T, d) the attention's normed input,
+    mixed (B, T, d), router_logits (B, T, E).
     """
-    h_attn = h + attention(params, rms_norm(h, params["attn_norm.weight"], hp.rms_eps), cos, sin, hp)  # (B, T, d)
+    attn_in = rms_norm(h, params["attn_norm.weight"], hp.rms_eps)  # (B, T, d)
+    h_attn = h + attention(params, attn_in, cos, sin, hp)  # (B, T, d)
     mixed = rms_norm(h_attn, params["ffn_norm.weight"], hp.rms_eps)  # (B, T, d)
     router_logits = einsum("btd,ed->bte", mixed, params["ffn_gate_inp.weight"])  # (B, T, E)
-    return h_attn, mixed, router_logits
+    return h_attn, attn_in, mixed, router_logits
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:

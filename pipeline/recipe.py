@@ -4,8 +4,10 @@ llama-quantize takes `--tensor-type PATTERN=TYPE`, PATTERN a regular
 expression searched in each tensor's name, the first pattern that matches
 deciding. `blk.N.ffn_gate_exps` matches exactly layer N's tensor of that role
 (the dots match themselves, and no other tensor name contains the string), so
-every routed tensor is named once with its format; the shared expert's down
-projection takes the variant's `shexp_down`, as our assembly requantizes it;
+every tensor a recipe chose is named once with its format (the attention
+patterns also match that layer's 1-D q/k norms, which llama-quantize never
+quantizes); the shared expert's down projection, where the recipe does not
+choose it, takes the variant's `shexp_down`, as our assembly requantizes it;
 `--pure` keeps every other tensor at the base type, the source's own type of
 its other matrices (token embedding and output keep theirs), so the rest of
 the model stays at the source's precision as in our variant.
@@ -19,7 +21,7 @@ from pathlib import Path
 from gguf import GGMLQuantizationType
 
 from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.stages.sensitivity import ROUTED_TENSOR
+from moeheal.pipeline.roles import ROUTED_TENSOR
 
 UNQUANTIZED = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
@@ -34,8 +36,9 @@ def base_type(source: GGUFModel) -> GGMLQuantizationType:
 
 def llama_quantize_command(formats: dict[str, str], source: GGUFModel, out: Path, shexp_down: str | None,
                            imatrix: Path | None, binary: str = "llama-quantize") -> list[str]:
-    """argv of llama-quantize writing `out` from `source` with each routed tensor in `formats`
-    ({"blk.N.ffn_gate_exps.weight": "q2_k", ...}) and `shexp_down` for the shared down projection."""
+    """argv of llama-quantize writing `out` from `source` with each tensor of `formats` in its format
+    ({"blk.N.ffn_gate_exps.weight": "q2_k", ...}) and, unless `formats` names it, `shexp_down` for
+    the shared down projection."""
     sizes = source.tensor_sizes()
     argv = [binary, "--pure"]
     if any(t not in UNQUANTIZED for t, _, _ in sizes.values()):
@@ -47,6 +50,6 @@ def llama_quantize_command(formats: dict[str, str], source: GGUFModel, out: Path
             argv += [flag, sizes[name][0].name.lower()]
     for tensor, fmt in formats.items():
         argv += ["--tensor-type", f"{tensor.removesuffix('.weight')}={fmt}"]
-    if shexp_down is not None and source.has_shared_expert:
+    if shexp_down is not None and source.has_shared_expert and not any("ffn_down_shexp" in t for t in formats):
         argv += ["--tensor-type", f"ffn_down_shexp={shexp_down}"]
     return argv + [str(source.path), str(out), base_type(source).name]

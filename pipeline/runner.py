@@ -32,8 +32,9 @@ WEIGHT_CACHE_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class LayerCapture:
-    """One layer's MoE activations for a batch (NumPy, float32 unless noted)."""
+    """One layer's activations for a batch (NumPy, float32 unless noted)."""
 
+    attn_in: np.ndarray  # (B, T, d) attention input, after attn_norm
     mixed: np.ndarray  # (B, T, d) MoE input, after ffn_norm
     router_logits: np.ndarray  # (B, T, E)
     experts: np.ndarray  # (B, T, k) int32
@@ -144,12 +145,12 @@ class Runner:
         h = self.embed(tokens)  # (B, T, d)
         for i in range(hp.n_layer):
             params = self.layer_params(i)  # the only layer resident
-            h_attn, mixed, router_logits = M.attention_block(params, h, cos, sin, hp)  # (B,T,d) x2, (B,T,E)
+            h_attn, attn_in, mixed, router_logits = M.attention_block(params, h, cos, sin, hp)  # (B,T,d) x3, (B,T,E)
             experts, weights = self._routing(i, router_logits, routing_hook)  # (B, T, k) each
             h, yr, hh, gate = M.moe_block(params, h_attn, mixed, experts, weights)  # (B,T,d) x2, (B,T,f_s), (B,T)
             if capture and on_layer is not None:
                 on_layer(i, LayerCapture(
-                    mixed=np.asarray(mixed), router_logits=np.asarray(router_logits),
+                    attn_in=np.asarray(attn_in), mixed=np.asarray(mixed), router_logits=np.asarray(router_logits),
                     experts=np.asarray(experts, np.int32), weights=np.asarray(weights, np.float32),
                     yr=np.asarray(yr), hh=np.asarray(hh), shexp_gate=np.asarray(gate)))
             del params

@@ -1,10 +1,10 @@
 -- Does the summed per-tensor sensitivity predict what a whole recipe costs in
 -- KLD? For every sensitivity measurement of the run (budget variants with the
--- same knobs share one) and every evaluated variant whose routed tensors are
--- all in formats that measurement covers (uniform variants and outside GGUFs
--- alike: a recipe is the routed tensors' formats read from the variant's
--- GGUF): the predicted error = the sum over its (layer, role) of the measured
--- relative routed-output error of that tensor in that format, beside its
+-- same knobs share one) and every evaluated variant whose tensors, in the
+-- roles that measurement covers, are all in formats it measured (uniform
+-- variants and outside GGUFs alike: a recipe is the tensors' formats read from
+-- the variant's GGUF): the predicted error = the sum over those (layer, role)
+-- of the measured relative output error of that tensor in that format, beside its
 -- pooled KLD over each window set at MoCE bonus 0, their ranks (1 = best), and
 -- the Spearman rank correlation over those variants (the Pearson correlation
 -- of average ranks, so ties share a rank).
@@ -12,18 +12,18 @@
 -- layer, role, format, rel_err), window_kld (variant, moce_bonus, set,
 -- kld_mean, n_tokens; pooled as sum(kld_mean * n_tokens) / sum(n_tokens),
 -- summed exactly as DECIMAL).
--- One row per (sensitivity, set, variant): covered (false: some routed tensor
--- of the variant is in a format the measurement lacks; such a row has NULL
+-- One row per (sensitivity, set, variant): covered (false: some tensor of a
+-- measured role of the variant is in a format the measurement lacks; such a row has NULL
 -- pred_err, ranks and spearman, and is listed so the report can name it),
 -- pred_err, kld, rank_pred, rank_kld, spearman and n_variants (the same on
 -- every covered row of a sensitivity and set).
 WITH measured AS (
-    SELECT DISTINCT sensitivity FROM sensitivity
+    SELECT DISTINCT sensitivity, role FROM sensitivity
 ), predicted AS (
     SELECT m.sensitivity, r.variant, count(*) AS n_tensors, count(s.rel_err) AS n_covered,
            sum(s.rel_err) AS pred_err
     FROM recipe AS r
-    CROSS JOIN measured AS m
+    JOIN measured AS m ON m.role = r.role
     LEFT JOIN sensitivity AS s
         ON s.sensitivity = m.sensitivity AND s.layer = r.layer AND s.role = r.role AND s.format = r.format
     GROUP BY m.sensitivity, r.variant

@@ -4,6 +4,7 @@ rank check, the report, and the llama-quantize command line (run when llama.cpp 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import shlex
 import subprocess
@@ -35,7 +36,7 @@ formats = {FORMATS}
 [[variant]]
 name = "b_all"
 budget_bpw = 3.8
-formats = {FORMATS}
+formats = {FORMATS + ["iq4_nl"]}
 budget_roles = "all"
 [[variant]]
 name = "u_q2k"
@@ -56,6 +57,12 @@ def budget_world(tmp_path_factory) -> tuple[Path, HealRun]:
 
 def variant(run: HealRun, name: str):
     return next(v for v in run.cfg.variants if v.name == name)
+
+
+def measured(run: HealRun, name: str) -> list[dict]:
+    """The sensitivity rows of budget variant `name`'s measurement."""
+    key = run.sensitivity(variant(run, name)).fingerprint[:16]
+    return [r for r in run.lake.read_table("sensitivity").to_pylist() if r["sensitivity"] == key]
 
 
 # ---- config ---------------------------------------------------------------------------------
@@ -89,16 +96,23 @@ def test_a_budget_needs_the_unseen_dump(tmp_path):
         load_config(config)
 
 
+def least_whole_file_bpw(model: GGUFModel) -> float:
+    """Every tensor a whole-file budget chooses at tq2_0 (the cheapest candidate), the rest as stored."""
+    chosen = ("_exps.weight", ".ffn_gate_shexp.weight", ".ffn_up_shexp.weight", ".ffn_down_shexp.weight", ".attn_q.weight", ".attn_k.weight", ".attn_v.weight",
+              ".attn_output.weight")
+    n_bytes = sum(n // 256 * 66 if name.endswith(chosen) else b for name, (_, n, b) in model.tensor_sizes().items())
+    return 8 * n_bytes / sum(n for _, n, _ in model.tensor_sizes().values())
+
+
 def test_a_budget_over_the_whole_file_is_checked_against_the_model(budget_world, tmp_path):
     config, run = budget_world
-    sizes = {r["variant"]: r for r in run.lake.read_table("sizes").to_pylist()}
-    least = sizes["unhealed"]["total_bpw"]  # every routed tensor at tq2_0, the cheapest candidate
+    least = least_whole_file_bpw(run.source)
     world = tmp_path / "heal.toml"
-    world.write_text(config.read_text().replace("budget_bpw = 3.8", "budget_bpw = 3.5"))
+    world.write_text(config.read_text().replace("budget_bpw = 3.8", f"budget_bpw = {least - 0.01:.3f}"))
     for name in ("ref.gguf", "docs.jsonl", "split.csv", "windows.csv"):
         (tmp_path / name).symlink_to(config.parent / name)
-    with pytest.raises(InputError, match=rf"b_all: budget_bpw 3.5 is infeasible: with budget_roles = 'all' "
-                                         rf"the cheapest recipe of its formats takes {least:.4f} bits per weight"):
+    with pytest.raises(InputError, match=rf"b_all: budget_bpw {least - 0.01:.3f} is infeasible: with budget_roles = "
+                                         rf"'all' the cheapest recipe of its formats takes {least:.4f} bits per weight"):
         HealRun(load_config(world), log=lambda m: None)
 
 
@@ -125,9 +139,10 @@ def test_budget_variant_knobs_and_fingerprints(budget_world):
 # ---- sensitivity ----------------------------------------------------------------------------
 def test_sensitivity_rows_cover_every_tensor_and_format(budget_world):
     _, run = budget_world
-    rows = run.lake.read_table("sensitivity").to_pylist()
+    rows = measured(run, "b_lo")
     n_layer = run.source.hp.n_layer
-    assert len({r["sensitivity"] for r in rows}) == 1  # b_lo and b_hi share it
+    assert measured(run, "b_hi") == rows  # b_lo and b_hi share it
+    assert len({r["sensitivity"] for r in run.lake.read_table("sensitivity").to_pylist()}) == 2  # and b_all's
     assert {(r["layer"], r["role"], r["format"]) for r in rows} == {
         (layer, role, fmt) for layer in range(n_layer) for role in EXPERT_TENSORS for fmt in FORMATS}
     assert len(rows) == n_layer * len(EXPERT_TENSORS) * len(FORMATS)
@@ -140,6 +155,58 @@ def test_sensitivity_rows_cover_every_tensor_and_format(budget_world):
     mean_err = {fmt: np.mean([r["rel_err"] for r in rows if r["format"] == fmt]) for fmt in FORMATS}
     by_bits = sorted(FORMATS, key=kernels.bits_per_weight)
     assert [mean_err[f] for f in by_bits] == sorted(mean_err.values(), reverse=True)  # more bits, less error
+
+
+def test_a_whole_file_measurement_covers_shared_expert_and_attention(budget_world):
+    from moeheal.pipeline.roles import ATTENTION, ROUTED, SHARED
+
+    _, run = budget_world
+    rows = measured(run, "b_all")
+    formats = [*FORMATS, "iq4_nl"]
+    n_layer = run.source.hp.n_layer
+    expected = {(layer, role, fmt) for layer in range(n_layer) for role in ROUTED + SHARED + ATTENTION for fmt in formats}
+    kept = {(layer, role, "q8_0") for layer in range(n_layer) for role in SHARED + ATTENTION}  # as the source stores it
+    assert {(r["layer"], r["role"], r["format"]) for r in rows} == expected | kept
+    for r in rows:
+        stored = run.source.tensor_sizes()[r["tensor"]]
+        if r["format"] == "q8_0":
+            assert r["rel_err"] == r["rel_err_in_sample"] == 0 and r["bytes"] == stored[2]
+        else:
+            assert r["rel_err"] > 0 and r["bytes"] == r["n_weights"] // kernels.format_of(r["format"]).block_size * \
+                kernels.format_of(r["format"]).type_size
+        assert (r["alpha"] is None) == (r["role"] not in ROUTED)
+    routed = {(r["layer"], r["role"], r["format"]): r["rel_err"] for r in measured(run, "b_lo")}
+    for r in rows:  # the routed rows are the routed measurement's (same knobs, same denominators)
+        if r["role"] in ROUTED and r["format"] in FORMATS:
+            assert r["rel_err"] == pytest.approx(routed[(r["layer"], r["role"], r["format"])], rel=1e-9)
+
+
+def test_attention_sensitivity_is_the_attention_output_change(budget_world):
+    """Recomputed for one (layer, attention role, format) a sequence at a time, in float64 sums:
+    quantize with the importance of the role's calibration inputs, the change of the attention
+    output over the unseen dump's sequences, over the layer's ||yr||^2."""
+    from moeheal.kernels.importance import gate_up_importance
+    from moeheal.pipeline.model import attention, rope_tables
+    from moeheal.pipeline.stages.dump import open_dump
+
+    _, run = budget_world
+    hp = run.source.hp
+    cal, unseen = open_dump(run.dump("calibration").path), open_dump(run.dump("unseen").path)
+    params = {k: v for k, v in run.source.layer(1).items() if k.startswith("attn_") and k != "attn_norm.weight"}
+    x_cal = cal["1"]["attn_in"][:]  # (N, d)
+    importance = gate_up_importance(np.mean(np.square(x_cal, dtype=np.float64), axis=0), 0.5)
+    w = params["attn_v.weight"]
+    w_q = kernels.dequantize(kernels.quantize(w, "q2_k", importance), "q2_k", w.shape)
+    x, change = unseen["1"]["attn_in"][:], 0.0
+    starts = list(unseen.attrs["seq_starts"]) + [x.shape[0]]
+    for s, e in zip(starts, starts[1:]):
+        cos, sin = rope_tables(e - s, hp.head_dim, hp.rope_theta)
+        ref = np.asarray(attention(params, x[None, s:e], cos, sin, hp), np.float64)
+        new = np.asarray(attention({**params, "attn_v.weight": w_q}, x[None, s:e], cos, sin, hp), np.float64)
+        change += float(np.sum((new - ref) ** 2))
+    expected = change / float(np.sum(np.square(unseen["1"]["yr"][:], dtype=np.float64)))
+    row = next(r for r in measured(run, "b_all") if (r["layer"], r["role"], r["format"]) == (1, "attn_v", "q2_k"))
+    assert row["rel_err"] == pytest.approx(expected, rel=1e-4)
 
 
 def test_sensitivity_is_the_layer_output_error_with_one_tensor_quantized(budget_world):
@@ -164,24 +231,21 @@ def test_sensitivity_is_the_layer_output_error_with_one_tensor_quantized(budget_
 
     alpha = fit_alpha(cal["1"]["yr"][:], routed(cal["1"]))
     expected = relative_residual(unseen["1"]["yr"][:], alpha * routed(unseen["1"]))
-    row = next(r for r in run.lake.read_table("sensitivity").to_pylist()
-               if (r["layer"], r["role"], r["format"]) == (1, "ffn_up_exps", "q2_k"))
+    row = next(r for r in measured(run, "b_lo") if (r["layer"], r["role"], r["format"]) == (1, "ffn_up_exps", "q2_k"))
     assert row["rel_err"] == pytest.approx(expected, rel=1e-4)
 
 
 # ---- allocation, recipe, sizes --------------------------------------------------------------
 def test_recipe_is_optimal_and_written_into_the_gguf(budget_world):
-    import itertools
-
     _, run = budget_world
-    sens = run.lake.read_table("sensitivity").to_pylist()
+    sens = measured(run, "b_lo")
     recipe = run.lake.read_table("recipe").to_pylist()
     sizes = {r["variant"]: r for r in run.lake.read_table("sizes").to_pylist()}
     cell = {(r["layer"], r["role"], r["format"]): r for r in sens}
     items = sorted({(r["layer"], r["role"]) for r in sens})
     n_weights = sum(cell[(*item, "q2_k")]["n_weights"] for item in items)
     for name, budget in (("b_lo", 2.4), ("b_hi", 3.0)):
-        mine = [r for r in recipe if r["variant"] == name]
+        mine = [r for r in recipe if r["variant"] == name and r["chosen_by"] == "allocation"]
         assert {(r["layer"], r["role"]) for r in mine} == set(items)
         assert all(r["chosen_by"] == "allocation" and r["pred_err"] == cell[(r["layer"], r["role"], r["format"])]
                    ["rel_err"] for r in mine)
@@ -198,28 +262,51 @@ def test_recipe_is_optimal_and_written_into_the_gguf(budget_world):
                    if sum(cell[(*item, f)]["bytes"] for item, f in zip(items, combo)) * 8 <= budget * n_weights)
         assert sum(r["pred_err"] for r in mine) == pytest.approx(best, rel=1e-12)
     assert sizes["b_hi"]["routed_bpw"] > sizes["b_lo"]["routed_bpw"]
-    # budget_roles = "all": the budget counts every tensor of the file; only the routed formats are chosen
-    mine = [r for r in recipe if r["variant"] == "b_all"]
-    fixed_bytes = sizes["b_all"]["total_bytes"] - sizes["b_all"]["routed_bytes"]
-    assert fixed_bytes == sizes["u_q2k"]["total_bytes"] - sizes["u_q2k"]["routed_bytes"]  # the same other tensors
+    # budget_roles = "all": the budget counts every tensor of the file, and chooses the routed, shared-expert
+    # and attention formats; the optimum checked against an integer program (scipy's HiGHS)
+    mine = [r for r in recipe if r["variant"] == "b_all" and r["chosen_by"] == "allocation"]
+    cells = measured(run, "b_all")
+    items = sorted({(r["layer"], r["role"]) for r in cells})
+    assert {(r["layer"], r["role"]) for r in mine} == set(items)
+    model = GGUFModel(run.assemble(variant(run, "b_all")).path)
+    assert all(model.raw(r["tensor"]).ggml_type.name.lower() == r["format"] for r in mine)
+    fixed_bytes = sizes["b_all"]["total_bytes"] - sum(r["bytes"] for r in mine)
     assert sizes["b_all"]["budget_roles"] == "all" and sizes["b_all"]["total_bpw"] <= 3.8
     room = int(3.8 * sizes["b_all"]["total_weights"] / 8) - fixed_bytes
-    best = min(sum(cell[(*item, f)]["rel_err"] for item, f in zip(items, combo))
-               for combo in itertools.product(FORMATS, repeat=len(items))
-               if sum(cell[(*item, f)]["bytes"] for item, f in zip(items, combo)) <= room)
-    assert sum(r["pred_err"] for r in mine) == pytest.approx(best, rel=1e-12)
+    assert sum(r["pred_err"] for r in mine) == pytest.approx(integer_program_optimum(cells, items, room), rel=1e-9)
     assert sizes["b_lo"]["budget_roles"] == "routed" and sizes["u_q2k"]["budget_roles"] is None
     assert sizes["u_q2k"]["routed_bpw"] == kernels.bits_per_weight("q2_k")
     assert sizes["unhealed"]["routed_bpw"] == kernels.bits_per_weight("tq2_0")
-    assert {r["format"] for r in recipe if r["variant"] == "u_q2k"} == {"q2_k"}
+    assert {r["format"] for r in recipe if r["variant"] == "u_q2k" and r["chosen_by"] == "config"} == {"q2_k"}
+    assert {(r["role"], r["format"]) for r in recipe if r["variant"] == "u_q2k" and r["chosen_by"] == "source"} == {
+        *((role, "q8_0") for role in ("ffn_gate_shexp", "ffn_up_shexp", "attn_q", "attn_k", "attn_v", "attn_output")),
+        ("ffn_down_shexp", "iq4_nl")}
     assert sizes["reference"]["kind"] == "reference" and sizes["reference"]["routed_bpw"] == 8.5  # q8_0
+
+
+def integer_program_optimum(cells: list[dict], items: list[tuple], room: int) -> float:
+    """min sum of rel_err, one format per item, bytes <= room: solved as a 0/1 integer program."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    choices = [r for r in cells]
+    index = {item: i for i, item in enumerate(items)}
+    one_each = np.zeros((len(items), len(choices)))
+    for j, r in enumerate(choices):
+        one_each[index[(r["layer"], r["role"])], j] = 1
+    size = np.array([[r["bytes"] for r in choices]], np.float64)
+    result = milp(np.array([r["rel_err"] for r in choices]), integrality=np.ones(len(choices)),
+                  bounds=Bounds(0, 1), constraints=[LinearConstraint(one_each, 1, 1), LinearConstraint(size, 0, room)])
+    assert result.success
+    return float(result.fun)
 
 
 def test_rank_check_and_report(budget_world):
     _, run = budget_world
-    rows = run.lake.query("report_budget_rank_check").to_pylist()
-    assert {r["set"] for r in rows} == {"eval", "canary"}
-    for wset in ("eval", "canary"):
+    every = run.lake.query("report_budget_rank_check").to_pylist()
+    assert {r["set"] for r in every} == {"eval", "canary"}
+    assert len({r["sensitivity"] for r in every}) == 2  # the routed measurement and the whole-file one
+    for wset, key in itertools.product(("eval", "canary"), {r["sensitivity"] for r in every}):
+        rows = [r for r in every if r["sensitivity"] == key]
         left_out = [r for r in rows if r["set"] == wset and not r["covered"]]
         assert [r["variant"] for r in left_out] == ["u_q4k"]  # q4_k is not a candidate: no prediction
         assert all(r["pred_err"] is None and r["spearman"] is None for r in left_out)
@@ -258,10 +345,15 @@ def test_recipe_command_names_every_routed_tensor(budget_world, capsys, tmp_path
     argv = recipe_argv(config, "b_lo", capsys, "--imatrix", "im.gguf", "--out", str(tmp_path / "o.gguf"))
     types = dict(argv[i + 1].split("=") for i, a in enumerate(argv) if a == "--tensor-type")
     recipe = {r["tensor"].removesuffix(".weight"): r["format"] for r in run.lake.read_table("recipe").to_pylist()
-              if r["variant"] == "b_lo"}
+              if r["variant"] == "b_lo" and r["chosen_by"] == "allocation"}
     assert types == {**recipe, "ffn_down_shexp": "iq4_nl"}
     assert argv[:2] == ["llama-quantize", "--pure"] and argv[argv.index("--imatrix") + 1] == "im.gguf"
     assert argv[-3:] == [str(run.cfg.source), str(tmp_path / "o.gguf"), "Q8_0"]
+    argv = recipe_argv(config, "b_all", capsys)  # every chosen tensor by name, the shared down projection too
+    types = dict(argv[i + 1].split("=") for i, a in enumerate(argv) if a == "--tensor-type")
+    assert types == {r["tensor"].removesuffix(".weight"): r["format"] for r in run.lake.read_table("recipe").to_pylist()
+                     if r["variant"] == "b_all" and r["chosen_by"] == "allocation"}
+    assert any(".attn_q" in t for t in types) and any(".ffn_down_shexp" in t for t in types)
     assert main(["recipe", "-c", str(config), "--variant", "nope"]) == 2
     assert "--variant 'nope'" in capsys.readouterr().err
 

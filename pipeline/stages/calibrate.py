@@ -11,6 +11,11 @@ Per layer, on the calibration dump (in_sample) and on the unseen dump:
   ||R - Z dW^T||^2 + lam ||dW||^2, lam = rho mean(diag(Z^T Z)); W' = W + eta dW,
   requantized to `shexp_down`. A layer whose ridge does not help on held-out
   blocks (lobo4) keeps W (still requantized), and `ridge_cv.applied` says so.
+  Where a budget's recipe chose the shared expert's formats, Z comes from its
+  quantized gate/up, the target is y_ref minus what they already change, and
+  W' is requantized to the recipe's format for ffn_down_shexp (kept as the
+  quantize stage wrote it when the ridge is not applied). Quantized attention
+  is not seen here: the dumped MoE inputs are the reference's.
   The cross-validation refits alpha inside each fold, and `ridge_cv.chosen`
   marks the rho of the grid that does best on held-out blocks.
 - Every residual is ||y_ref - y||^2 / ||y_ref||^2 with y the layer's total
@@ -36,9 +41,9 @@ from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import write_parquet
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.gguf_write import copy_gguf
-from moeheal.pipeline.model import moe_forward
+from moeheal.pipeline.model import moe_forward, swiglu
 from moeheal.pipeline.progress import progress
-from moeheal.pipeline.stages.dump import open_dump
+from moeheal.pipeline.stages.dump import open_dump, read_layer
 from moeheal.pipeline.stages.quantize import EXPERT_TENSORS, load_quantized
 
 OUTPUTS = ("layer_<i>.npz", "layer_metrics.parquet", "ridge_cv.parquet")
@@ -63,7 +68,6 @@ class CalibrateParams:
             return base
         return cls(variant=variant.name, alpha=variant.alpha, cal_tokens=variant.cal_tokens,
                    ridge_rho=variant.ridge_rho, ridge_eta=variant.ridge_eta, shexp_down=variant.shexp_down)
-DUMP_ARRAYS = ("mixed", "experts", "weights", "yr", "hh")
 RHO_GRID = (0.25, 1.0, 6.0, 24.0)
 CV_SPLITS = ("in_sample", "lobo4", "even_odd")
 
@@ -90,11 +94,6 @@ def dequantized_experts(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             for name in EXPERT_TENSORS}
 
 
-def _load(group, rows: slice) -> dict[str, np.ndarray]:
-    """One layer's dumped arrays over `rows`, read once."""
-    return {name: group[name][rows] for name in DUMP_ARRAYS}
-
-
 def _routed(experts_f32: dict[str, np.ndarray], data: dict[str, np.ndarray]) -> np.ndarray:
     return np.asarray(moe_forward(
         {"gate_exps": experts_f32["ffn_gate_exps"], "up_exps": experts_f32["ffn_up_exps"],
@@ -102,11 +101,23 @@ def _routed(experts_f32: dict[str, np.ndarray], data: dict[str, np.ndarray]) -> 
         data["mixed"], data["experts"], data["weights"]))  # (T, d)
 
 
-def _gated_hidden(source: GGUFModel, layer: int, data: dict[str, np.ndarray]) -> np.ndarray:
-    """Z = sigmoid(x . w_gate_shexp) * hh: what the shared down projection multiplies."""
+def _gated_hidden(source: GGUFModel, layer: int, data: dict[str, np.ndarray],
+                  arrays: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    """Z = sigmoid(x . w_gate_shexp) * hh: what the shared down projection multiplies; with
+    `arrays` holding quantized ffn_gate_shexp / ffn_up_shexp (a recipe chose them), hh from those."""
     gate_w = source.tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight").reshape(-1)  # (d,)
     gate = 1.0 / (1.0 + np.exp(-(data["mixed"] @ gate_w)))  # (T,)
-    return data["hh"] * gate[:, None]  # (T, f)
+    hh = data["hh"]  # (T, f) from the source's gate/up
+    if arrays is not None and ("ffn_gate_shexp" in arrays or "ffn_up_shexp" in arrays):
+        w_gate, w_up = (dequantized_matrix(arrays, name) if name in arrays
+                        else source.tensor(f"blk.{layer}.{name}.weight") for name in ("ffn_gate_shexp", "ffn_up_shexp"))
+        hh = np.asarray(swiglu(data["mixed"], w_gate, w_up))  # (T, f)
+    return hh * gate[:, None]  # (T, f)
+
+
+def dequantized_matrix(arrays: dict[str, np.ndarray], name: str) -> np.ndarray:
+    """A quantized tensor of the layer's arrays back to float32, in the shape recorded beside it."""
+    return kernels.dequantize(arrays[name], tensor_format(arrays, name), tuple(arrays[f"{name}.shape"]))
 
 
 def calibrate_model(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, params: CalibrateParams,
@@ -120,7 +131,7 @@ def calibrate_model(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
     for layer in progress(range(source.hp.n_layer), desc="calibrate", unit="layer"):
         arrays = load_quantized(quant_dir, layer)
         in_sample_rows = slice(0, params.cal_tokens or None)  # the rows quantization saw
-        groups = {s: _load(d[str(layer)], in_sample_rows if s == "in_sample" else slice(None))
+        groups = {s: read_layer(d[str(layer)], in_sample_rows if s == "in_sample" else slice(None))
                   for s, d in splits.items()}
         y_ref = {s: g["yr"] for s, g in groups.items()}  # (T, d) each
         y_q = {s: _routed(dequantized_experts(arrays), g) for s, g in groups.items()}
@@ -131,18 +142,25 @@ def calibrate_model(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
         shexp_delta = {s: np.zeros_like(y) for s, y in y_ref.items()}
         if shared:
             w_down = source.tensor(f"blk.{layer}.ffn_down_shexp.weight")  # (d, f)
-            z = {s: _gated_hidden(source, layer, g) for s, g in groups.items()}
-            residual = y_ref["in_sample"] - y_healed["in_sample"]  # (T, d)
+            z = {s: _gated_hidden(source, layer, g) for s, g in groups.items()}  # (T, f) the source's
+            z_q = {s: _gated_hidden(source, layer, g, arrays) for s, g in groups.items()}  # (T, f) as written
+            moved = {s: (z_q[s] - z[s]) @ w_down.T for s in groups}  # (T, d) what quantized gate/up change
+            target = y_ref["in_sample"] - moved["in_sample"]  # (T, d) what routed + ridge should give
+            residual = target - y_healed["in_sample"]  # (T, d)
             rho, eta = params.ridge_rho, params.ridge_eta
-            gram, cross, _, _ = ridge_stats(z["in_sample"], residual)
+            gram, cross, _, _ = ridge_stats(z_q["in_sample"], residual)
             rank = matrix_rank(gram)
-            grid_rows, best_rho, applied = ridge_cv_rows(z["in_sample"], y_ref["in_sample"], y_q["in_sample"],
+            grid_rows, best_rho, applied = ridge_cv_rows(z_q["in_sample"], target, y_q["in_sample"],
                                                          gram, rank, rho, eta, refit_alpha=params.alpha)
             cv_rows += [{"variant": variant, "layer": layer, **r} for r in grid_rows]
             corrected = w_down + eta * solve_ridge(gram, cross, rho) if applied else w_down  # (d, f)
-            arrays["ffn_down_shexp"] = kernels.quantize(corrected, params.shexp_down)
-            w_requant = kernels.dequantize(arrays["ffn_down_shexp"], params.shexp_down, w_down.shape)
-            shexp_delta = {s: z[s] @ (w_requant - w_down).T for s in groups}  # (T, d)
+            chosen = "ffn_down_shexp.format" in arrays  # a recipe chose its format (and quantized it)
+            if applied or not chosen:  # requantized by least squares (with its importance, if any)
+                fmt = tensor_format(arrays, "ffn_down_shexp") if chosen else params.shexp_down
+                arrays["ffn_down_shexp"] = kernels.quantize(corrected, fmt, arrays.get("ffn_down_shexp.importance"))
+                arrays["ffn_down_shexp.format"], arrays["ffn_down_shexp.shape"] = np.asarray(fmt), np.asarray(w_down.shape)
+            w_requant = dequantized_matrix(arrays, "ffn_down_shexp")  # (d, f)
+            shexp_delta = {s: z_q[s] @ w_requant.T - z[s] @ w_down.T for s in groups}  # (T, d)
             if rho > 0:  # realized gain of the configured rho after requantization, per split
                 cv_rows += [{"variant": variant, "layer": layer, "rho": rho, "split": f"{s}_realized",
                              "rel_gain": float(relative_residual(y_ref[s] - y_healed[s], shexp_delta[s]) - 1.0),
@@ -196,16 +214,14 @@ def ridge_cv_rows(z: np.ndarray, y_ref: np.ndarray, y_q: np.ndarray, gram: np.nd
 
 
 def assemble_gguf(out: Path, source: GGUFModel, calibrated: Path, variant: str, params: dict[str, Any]) -> None:
-    """The healed model: the source GGUF with routed experts (each in its variant's format) and
-    the shared down projection replaced; `moeheal.*` keys record the variant and its knobs."""
+    """The healed model: the source GGUF with every tensor the variant quantized replaced, each in
+    the format recorded beside it (routed experts, the shared down projection, any other role a
+    recipe chose); `moeheal.*` keys record the variant and its knobs."""
     replace: dict[str, tuple[np.ndarray, GGMLQuantizationType]] = {}
-    shexp_type = kernels.format_of(params["knobs"].get("shexp_down", "iq4_nl")).ggml_type
     for layer in range(source.hp.n_layer):
         arrays = load_quantized(calibrated, layer)
-        for name in EXPERT_TENSORS:
+        for name in (key.removesuffix(".format") for key in arrays if key.endswith(".format")):
             replace[f"blk.{layer}.{name}.weight"] = (arrays[name], kernels.format_of(tensor_format(arrays, name)).ggml_type)
-        if "ffn_down_shexp" in arrays:
-            replace[f"blk.{layer}.ffn_down_shexp.weight"] = (arrays["ffn_down_shexp"], shexp_type)
     copy_gguf(source, out, replace, extra_kv=[
         ("moeheal.variant", variant, None),
         ("moeheal.params", json.dumps(params, sort_keys=True), None),

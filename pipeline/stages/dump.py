@@ -11,7 +11,10 @@ how the trace is cut into processing chunks cannot change a single byte.
 Layout (SPEC.md): group per layer (`"0"`, `"1"`, ...) with `mixed` [T,d],
 `yr` [T,d], `hh` [T,f], plus `experts` [T,k] and `weights` [T,k] (the routing
 that produced `yr`); group attrs name the trace. Routing also goes to Parquet
-(`routing/*.parquet` inside the dump) for the `routing` table.
+(`routing/*.parquet` inside the dump) for the `routing` table. Where a size
+budget chooses attention formats the dump also holds `attn_in` [T,d], the
+attention's normed input, and the root attribute `seq_starts` (the first row
+of every sequence: attention runs a sequence at a time).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from moeheal.pipeline.runner import Runner
 from moeheal.pipeline.stages.corpus import trace_tokens
 
 ARRAYS = ("mixed", "yr", "hh", "experts", "weights")
+ATTENTION_ARRAYS = ("attn_in",)  # dumped only when asked (`attention_inputs`)
 # Zarr's default zstd frame carries no checksum, so a flipped bit in a stored chunk can
 # decode to plausible wrong numbers; with it, every such chunk fails to decode, and the
 # read names the layer and array (`DumpArray`). Costs 4 bytes and one hash per chunk.
@@ -43,7 +47,8 @@ ROUTING_COLUMNS = ("trace", "layer", "pos", "k", "expert", "weight")
 
 def _widths(hp, k: int) -> dict[str, tuple[int, str]]:
     return {"mixed": (hp.d_model, "float32"), "yr": (hp.d_model, "float32"),
-            "hh": (hp.d_shexp, "float32"), "experts": (k, "int32"), "weights": (k, "float32")}
+            "hh": (hp.d_shexp, "float32"), "experts": (k, "int32"), "weights": (k, "float32"),
+            "attn_in": (hp.d_model, "float32")}
 
 
 def _open_or_create(path: Path, trace: str, n_layer: int, widths: dict[str, tuple[int, str]],
@@ -65,10 +70,10 @@ def _open_or_create(path: Path, trace: str, n_layer: int, widths: dict[str, tupl
     return root
 
 
-def _truncate(root: zarr.Group, n_layer: int, rows: int, routing_dir: Path) -> None:
+def _truncate(root: zarr.Group, n_layer: int, rows: int, routing_dir: Path, names: tuple[str, ...]) -> None:
     """Drop anything a killed run wrote past the last complete chunk."""
     for layer in range(n_layer):
-        for name in ARRAYS:
+        for name in names:
             arr = root[str(layer)][name]
             if arr.shape[0] != rows:
                 arr.resize((rows, arr.shape[1]))
@@ -97,25 +102,28 @@ def _check_routing(file: Path, layer: int, experts: np.ndarray, weights: np.ndar
 
 
 def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: str, chunk_tokens: int,
-               seq_tokens: int, log: Callable[[str], None] = print) -> None:
+               seq_tokens: int, log: Callable[[str], None] = print, attention_inputs: bool = False) -> None:
     """Run `runner` over every sequence of the trace and append its activations to `out`.
 
-    tokens (T,) int32, seq (T,) sequence index per position (non-decreasing).
+    tokens (T,) int32, seq (T,) sequence index per position (non-decreasing);
+    `attention_inputs` adds `attn_in`.
     """
     hp = runner.hp
     k = hp.n_expert_used
-    widths = _widths(hp, k)
+    names = ARRAYS + (ATTENTION_ARRAYS if attention_inputs else ())
+    widths = {name: width for name, width in _widths(hp, k).items() if name in names}
     total = int(len(tokens))
     root = _open_or_create(out, trace, hp.n_layer, widths, seq_tokens, total)
     routing_dir = out / "routing"
     routing_dir.mkdir(exist_ok=True)
     done = int(root.attrs["rows_done"])
-    _truncate(root, hp.n_layer, done, routing_dir)
+    _truncate(root, hp.n_layer, done, routing_dir, names)
     starts = np.flatnonzero(np.diff(seq, prepend=-1))  # first position of each sequence
+    root.attrs["seq_starts"] = [int(s) for s in starts]
     bounds = list(zip(starts, list(starts[1:]) + [total]))
     per_chunk = max(1, chunk_tokens // seq_tokens)
     chunks = [bounds[i:i + per_chunk] for i in range(0, len(bounds), per_chunk)]
-    arrays = {(layer, name): root[str(layer)][name] for layer in range(hp.n_layer) for name in ARRAYS}
+    arrays = {(layer, name): root[str(layer)][name] for layer in range(hp.n_layer) for name in names}
     if done:
         log(f"[dump:{trace}] resuming after {done} of {total} tokens")
     for chunk in progress([c for c in chunks if c[0][0] >= done], desc=f"dump {trace}", unit="chunk"):
@@ -123,7 +131,7 @@ def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: st
         buffers: dict[tuple[int, str], list[np.ndarray]] = {key: [] for key in arrays}
         for s, e in chunk:
             def on_layer(layer: int, cap, s=int(s)) -> None:
-                for name in ARRAYS:
+                for name in names:
                     values = np.asarray(getattr(cap, name))[0]  # (T_seq, width)
                     if values.dtype.kind == "f":
                         _check_finite(name, layer, values, s)
@@ -149,6 +157,11 @@ def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: st
         write_parquet(routing_dir / f"{lo:012d}.parquet", pa.concat_tables(routing_rows))
         root.attrs["rows_done"] = hi  # last: the chunk is complete
     root.attrs["complete"] = True
+
+
+def read_layer(group, rows: slice, extra: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """One layer's dumped arrays (the routed block's, and `extra` ones such as attn_in) over `rows`."""
+    return {name: group[name][rows] for name in ARRAYS + extra}
 
 
 def read_routing(dump: Path) -> pa.Table:
@@ -217,12 +230,21 @@ class DumpGroup:
 class Dump:
     """A complete, structurally checked dump (what `open_dump` returns): `dump[str(layer)][name][rows]`."""
 
-    def __init__(self, root: zarr.Group, path: Path, n_layer: int, n_expert: int | None):
-        self._root, self.path, self.n_layer, self._n_expert = root, path, n_layer, n_expert
+    def __init__(self, root: zarr.Group, path: Path, n_layer: int, n_expert: int | None,
+                 arrays: tuple[str, ...] = ARRAYS):
+        self._root, self.path, self.n_layer, self._n_expert, self.arrays = root, path, n_layer, n_expert, arrays
 
     @property
     def attrs(self):
         return self._root.attrs
+
+    def sequences(self, where: str) -> list[tuple[int, int]]:
+        """(first row, end row) of every sequence, for what runs a sequence at a time (attention);
+        a dump made without attention inputs is an InputError naming `where`, the reader."""
+        if "attn_in" not in self.arrays:
+            raise InputError(f"{self.path}: {where}: the dump holds no attention inputs (attn_in)")
+        starts = list(self.attrs["seq_starts"])
+        return list(zip(starts, starts[1:] + [int(self.attrs["total_rows"])]))
 
     def __getitem__(self, layer: str) -> DumpGroup:
         if layer not in {str(i) for i in range(self.n_layer)}:
@@ -258,8 +280,10 @@ def open_dump(path: Path, hp: HParams | None = None) -> Dump:
         raise InputError(f"{path}: {n_layer} layers, the model has {hp.n_layer}")
     expected = _widths(hp, hp.n_expert_used) if hp is not None else None
     first: dict[str, tuple[int, str]] = {}
+    # the optional arrays are there when layer 0 has their folder (each array is then checked below)
+    names = ARRAYS + tuple(name for name in ATTENTION_ARRAYS if (Path(path) / "0" / name).is_dir())
     for layer in range(n_layer):
-        for name in ARRAYS:
+        for name in names:
             where = f"{path}: layer {layer} {name}"
             try:
                 arr = root[str(layer)][name]
@@ -276,7 +300,13 @@ def open_dump(path: Path, hp: HParams | None = None) -> Dump:
                                  f"[{total}, {want[0]}] {want[1]}" + (" (the model's)" if expected else " (layer 0's)"))
             if missing:
                 raise InputError(f"{where}: {missing} of {arr.nchunks} chunk files missing")
-    return Dump(root, Path(path), n_layer, hp.n_expert if hp is not None else None)
+    starts = attrs.get("seq_starts")
+    if "attn_in" in names and not (isinstance(starts, list) and starts and starts[0] == 0
+                                   and all(isinstance(s, int) and 0 <= s < total for s in starts)
+                                   and starts == sorted(set(starts))):
+        raise InputError(f"{path}: attribute seq_starts {str(starts)[:80]} is not the increasing first rows "
+                         f"of the dump's sequences")
+    return Dump(root, Path(path), n_layer, hp.n_expert if hp is not None else None, names)
 
 
 SPEC_KEYS = {"trace", "T", "d", "f", "k", "layers"}
@@ -390,10 +420,11 @@ def import_raw_dump(spec_path: Path, out: Path) -> None:
 
 
 def build_dump(out: Path, reference: Path, traces_dir: Path, trace: str, chunk_tokens: int, seq_tokens: int,
-               log: Callable[[str], None] = print) -> None:
+               log: Callable[[str], None] = print, attention_inputs: bool = False) -> None:
     """The dump stage: the reference model run over one trace of the traces stage's output."""
     tokens, seq = trace_tokens(traces_dir, trace)
-    dump_trace(out, Runner(GGUFModel(reference)), tokens, seq, trace, chunk_tokens, seq_tokens, log)
+    dump_trace(out, Runner(GGUFModel(reference)), tokens, seq, trace, chunk_tokens, seq_tokens, log,
+               attention_inputs)
 
 
 def check_spec_fits(spec_path: Path, d: int, f: int, k: int, n_layer: int) -> None:

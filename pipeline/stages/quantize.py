@@ -1,4 +1,5 @@
-"""Quantize every routed expert tensor to the variant's 2-bit format.
+"""Quantize every routed expert tensor to the variant's 2-bit format (and, where a
+budget's recipe chooses them, the shared expert's and attention's matrices).
 
 Importance comes from the calibration dump (the audit's §1.1, with its
 inconsistencies fixed and both exponents explicit):
@@ -17,6 +18,11 @@ inconsistencies fixed and both exponents explicit):
   routing weight for e, H_e is the weighted mean, and the shrink pseudo-count
   is in tokens of the layer's mean routing weight (`importance.hessian_mass`).
 
+The shared expert's and attention's matrices (`pipeline.roles`) take the same
+tempered importance of their own inputs, E[x_j^2]^beta (beta_down for the
+hidden-side inputs of ffn_down_shexp and attn_output), and with GPTQ their
+H = E[x x^T] over every calibration token, damped.
+
 Without importance (the `unhealed` baseline) every weight counts the same and
 the dump is not read at all. `cal_tokens` > 0 uses only the first rows of the
 dump (the trace interleaves strata document by document), so calibration
@@ -34,13 +40,14 @@ import numpy as np
 from moeheal import kernels
 from moeheal.kernels import importance as imp
 from moeheal.kernels.gptq import damp_hessian
+from moeheal.pipeline import roles
 from moeheal.pipeline.files import read_part
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.progress import progress
-from moeheal.pipeline.stages.dump import open_dump
+from moeheal.pipeline.stages.dump import open_dump, read_layer
 
-EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-OUTPUTS = ("layer_<i>.npz",)  # per layer: each expert tensor's block bytes, its shape and the importance used
+EXPERT_TENSORS = roles.ROUTED
+OUTPUTS = ("layer_<i>.npz",)  # per layer: each quantized tensor's block bytes, its shape and the importance used
 
 
 @dataclass(frozen=True)
@@ -139,12 +146,69 @@ def importance_plan(weights: dict[str, np.ndarray], dump_root, layer: int, param
     return layer_importance(weights, group["mixed"][rows], group["experts"][rows], group["weights"][rows], params)
 
 
+def layer_matrices(model: GGUFModel, layer: int) -> dict[str, np.ndarray]:
+    """One layer's tensors outside the routed experts and the router (attention, its norms and
+    biases, the shared expert), dequantized, keyed by short name (`attn_q.weight`)."""
+    prefix = f"blk.{layer}."
+    return {name[len(prefix):]: model.tensor(name) for name in model.tensor_names
+            if name.startswith(prefix) and not roles.ROUTED_TENSOR.match(name) and ".ffn_gate_inp." not in name}
+
+
+def matrix_plan(role: str, matrices: dict[str, np.ndarray], data: dict[str, np.ndarray] | None,
+                sequences: roles.Sequences, hp, params: QuantizeParams) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(importance (cols,), damped hessian (cols, cols) or None) of a non-routed role's matrix from
+    the calibration rows `data`, or (None, None) without importance."""
+    if data is None:
+        return None, None
+    x = roles.matrix_input(role, matrices, data, sequences, hp)  # (N, cols)
+    importance = roles.matrix_importance(role, x, params.beta_gate_up, params.beta_down)  # (cols,)
+    if params.round != "gptq":
+        return importance, None
+    x64 = x.astype(np.float64)
+    hessian = (x64.T @ x64 / max(1, x.shape[0])).astype(np.float32)  # (cols, cols) E[x x^T]
+    return importance, np.asarray(damp_hessian(hessian, params.gptq_damp))
+
+
+def calibration_rows(dump_root, layer: int, params: QuantizeParams, names: tuple[str, ...]
+                     ) -> tuple[dict[str, np.ndarray], roles.Sequences]:
+    """The rows quantization sees of one layer (a prefix with `cal_tokens`), and their sequences
+    when `names` asks for attention inputs."""
+    rows = slice(0, params.cal_tokens or None)
+    data = read_layer(dump_root[str(layer)], rows, names)
+    seqs = roles.clip_sequences(dump_root.sequences("quantize"), rows) if "attn_in" in names else []
+    return data, seqs
+
+
+def quantize_matrices(source: GGUFModel, layer: int, formats: dict[str, str], dump_root, params: QuantizeParams
+                      ) -> dict[str, np.ndarray]:
+    """The non-routed roles of one layer in `formats` ({role: format}): bytes, shape, format, importance."""
+    matrices = layer_matrices(source, layer)
+    data, seqs = None, []
+    if params.importance:
+        data, seqs = calibration_rows(dump_root, layer, params, roles.dump_arrays(tuple(formats)))
+    arrays: dict[str, np.ndarray] = {}
+    for role, fmt in formats.items():
+        w = matrices[f"{role}.weight"]  # (rows, cols)
+        stored = source.raw(f"blk.{layer}.{role}.weight")
+        importance, hessian = matrix_plan(role, matrices, data, seqs, source.hp, params)
+        if stored.ggml_type.name.lower() == fmt:  # kept as the source stores it: its bytes, exactly
+            arrays[role] = np.array(stored.data)  # (rows, bytes)
+        else:
+            arrays[role] = kernels.quantize(w, fmt, importance, hessian)  # (rows, bytes)
+        arrays[f"{role}.shape"] = np.asarray(w.shape)
+        arrays[f"{role}.format"] = np.asarray(fmt)
+        if importance is not None:
+            arrays[f"{role}.importance"] = np.asarray(importance, np.float32)
+    return arrays
+
+
 def layer_formats(params: QuantizeParams, n_layer: int, recipe: dict[tuple[int, str], str] | None
                   ) -> list[dict[str, str]]:
-    """The format of every routed tensor, per layer: the variant's own, or its recipe's."""
+    """The format of every tensor quantized here, per layer: the routed ones in the variant's own
+    formats, or every role of its recipe (the routed ones and any others it chose)."""
     if recipe is None:
         return [dict(params.quant) for _ in range(n_layer)]
-    return [{name: recipe[(layer, name)] for name in EXPERT_TENSORS} for layer in range(n_layer)]
+    return [{role: f for (lay, role), f in recipe.items() if lay == layer} for layer in range(n_layer)]
 
 
 def quantize_model(out: Path, source: GGUFModel, dump_root, params: QuantizeParams,
@@ -168,11 +232,14 @@ def quantize_model(out: Path, source: GGUFModel, dump_root, params: QuantizePara
             arrays[f"{name}.format"] = np.asarray(fmt)
             if importance is not None:
                 arrays[f"{name}.importance"] = np.asarray(importance, np.float32)
+        others = {role: fmt for role, fmt in formats[layer].items() if role not in EXPERT_TENSORS}
+        if others:
+            arrays |= quantize_matrices(source, layer, others, dump_root, params)
         np.savez(out / f"layer_{layer}.npz", **arrays)
 
 
 def read_recipe(allocation: Path) -> dict[tuple[int, str], str]:
-    """An allocation stage's `recipe.parquet` as {(layer, tensor role): format}."""
+    """An allocation stage's `recipe.parquet` as {(layer, tensor role): format}, every chosen role."""
     rows = read_part(allocation / "recipe.parquet", ("layer", "role", "format")).to_pylist()
     return {(r["layer"], r["role"]): r["format"] for r in rows}
 
@@ -186,12 +253,25 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
     """The calibration statistics as a llama.cpp importance matrix (sum of x^2 per input column).
 
     Per expert for `*_exps` tensors: gate/up see the MoE input x of the tokens
-    routed to that expert, down sees that expert's hidden activation h.
+    routed to that expert, down sees that expert's hidden activation h. The
+    shared expert's matrices see every token's x (gate/up) and hh (down); and
+    where the dump holds attention inputs, attention's matrices theirs
+    (`roles.matrix_input`), so a recipe that quantizes them to a codebook
+    format can be made by llama-quantize too.
     """
     from moeheal.pipeline.imatrix import write_imatrix
 
     stats: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    others = (roles.SHARED if source.hp.d_shexp > 0 else ()) + (roles.ATTENTION if "attn_in" in dump_root.arrays else ())
     for layer in range(source.hp.n_layer):
+        if others:
+            matrices = layer_matrices(source, layer)
+            data = read_layer(dump_root[str(layer)], slice(None), roles.dump_arrays(others))
+            seqs = dump_root.sequences("imatrix") if "attn_in" in data else []
+            for role in others:
+                x = roles.matrix_input(role, matrices, data, seqs, source.hp)  # (T, cols)
+                stats[f"blk.{layer}.{role}.weight"] = (np.sum(np.square(x, dtype=np.float64), axis=0).astype(np.float32),
+                                                       np.asarray([x.shape[0]], np.float32))
         group = dump_root[str(layer)]
         weights = expert_weights(source, layer)
         mixed, experts = group["mixed"][:], group["experts"][:]

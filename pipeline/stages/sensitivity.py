@@ -1,20 +1,27 @@
 """What each tensor's format costs, and the recipe a size budget buys.
 
-Sensitivity (stage `sensitivity`): for every layer, routed-expert tensor role
-(ffn_gate_exps, ffn_up_exps, ffn_down_exps) and candidate format, that one
-tensor is quantized with the variant's own importance knobs and rounding (or its
-`sensitivity_round`, "ls" to keep the measurement cheap under GPTQ)
-(`quantize.layer_importance`, the quantize stage's code) while the rest of the
-layer stays at the source's precision; the layer's routed block is run on the
-dumped MoE inputs with the dumped routing (`calibrate._routed`, the calibrate
-stage's code), and with the variant's alpha (fitted on the calibration dump,
-as calibration fits it) the relative output error on the unseen dump is
+Sensitivity (stage `sensitivity`): for every layer, measured tensor role
+(`pipeline.roles`: the routed experts', and with budget_roles = "all" also the
+shared expert's and attention's) and candidate format, that one tensor is
+quantized with the variant's own importance knobs and rounding (or its
+`sensitivity_round`, "ls" to keep the measurement cheap under GPTQ), with the
+quantize stage's code, while the rest of the layer stays at the source's
+precision. What it changes in the layer's output is measured on the dumped
+inputs, on the unseen dump (and in-sample on the calibration rows):
 
-    rel_err = ||y_q - y_ref||^2 / ||y_ref||^2,  pooled over the unseen trace's tokens,
+    rel_err = ||delta||^2 / ||y_ref||^2,  pooled over the trace's tokens,
 
-y_ref the reference's routed output (`yr`). Ridge healing acts on the whole
-layer's residual through the shared expert and is not part of the per-tensor
-measurement. Bytes are the format's: weights / block size * block bytes.
+y_ref the layer's routed output (`yr`), one denominator per layer so the
+errors of all roles of a layer add up on one scale; delta is, for a routed
+role, the routed block's output error after the variant's alpha (fitted on
+the calibration rows, as calibration fits it: y_ref - alpha y_q, with the
+dumped routing), for a shared-expert role the change of the gated shared
+output, for an attention role the change of the attention output (a
+sequence at a time). Ridge healing acts on the whole layer's residual through
+the shared expert and is not part of the per-tensor measurement. Bytes are the
+format's: weights / block size * block bytes. A non-routed tensor may also
+stay as the source stores it, when that is a registered format: a row in the
+source's format with its stored bytes and rel_err 0.
 
 Allocation (stage `allocate`): one format per (layer, role) minimising the
 summed rel_err with the summed bytes within budget_bpw bits per covered weight
@@ -25,7 +32,6 @@ summed rel_err with the summed bytes within budget_bpw bits per covered weight
 from __future__ import annotations
 
 
-import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,26 +41,26 @@ import numpy as np
 import pyarrow as pa
 
 from moeheal import kernels
+from moeheal.kernels import FORMATS
 from moeheal.kernels.allocate import allocate
 from moeheal.kernels.alpha import fit_alpha, relative_residual
+from moeheal.pipeline import roles
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import read_part, write_parquet
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.progress import progress
-from moeheal.pipeline.stages.calibrate import _load, _routed
-from moeheal.pipeline.stages.dump import open_dump
-from moeheal.pipeline.stages.quantize import EXPERT_TENSORS, QuantizeParams, expert_weights, importance_plan
+from moeheal.pipeline.roles import ROLE_TENSOR, ROUTED_TENSOR
+from moeheal.pipeline.stages.calibrate import _routed
+from moeheal.pipeline.stages.dump import open_dump, read_layer
+from moeheal.pipeline.stages.quantize import (EXPERT_TENSORS, QuantizeParams, expert_weights, importance_plan,
+                                              layer_matrices, matrix_plan)
 
 OUTPUTS = ("sensitivity.parquet", "recipe.parquet", "allocation.parquet")
-# The tensor roles whose formats are measured and chosen. `budget_roles` says which tensors the
-# budget counts: "routed" these only, "all" every tensor of the written GGUF (the others at the
-# formats the variant writes them in: the source's, and `shexp_down` for the shared down projection).
-MEASURED_ROLES = EXPERT_TENSORS
 
 SENSITIVITY_SCHEMA = pa.schema([
     ("layer", pa.int32()), ("role", pa.string()), ("tensor", pa.string()), ("format", pa.string()),
     ("n_weights", pa.int64()), ("bytes", pa.int64()), ("bpw", pa.float64()),
-    ("rel_err", pa.float64()), ("rel_err_in_sample", pa.float64()), ("alpha", pa.float64())])
+    ("rel_err", pa.float64()), ("rel_err_in_sample", pa.float64()), ("alpha", pa.float64())])  # alpha: routed only
 RECIPE_SCHEMA = pa.schema([
     ("layer", pa.int32()), ("role", pa.string()), ("tensor", pa.string()), ("format", pa.string()),
     ("n_weights", pa.int64()), ("bytes", pa.int64()), ("pred_err", pa.float64())])
@@ -72,10 +78,10 @@ class SensitivityParams:
     quantize: QuantizeParams
 
     @classmethod
-    def of(cls, variant) -> "SensitivityParams":
+    def of(cls, variant, hp) -> "SensitivityParams":
         measured = replace(variant, round=variant.measured_round)
-        return cls(formats=tuple(variant.candidates), roles=MEASURED_ROLES, alpha=variant.alpha,
-                   quantize=QuantizeParams.knobs_of(measured, None))
+        return cls(formats=tuple(variant.candidates), roles=roles.chosen_roles(variant.budget_roles, hp),
+                   alpha=variant.alpha, quantize=QuantizeParams.knobs_of(measured, None))
 
 
 @dataclass(frozen=True)
@@ -102,39 +108,83 @@ def tensor_bytes(fmt: str, n_weights: int) -> int:
     return n_weights // cls.block_size * cls.type_size
 
 
+def _row(layer: int, role: str, fmt: str, n_weights: int, n_bytes: int, errors: dict[str, float],
+         alpha: float | None) -> dict[str, Any]:
+    return {"layer": layer, "role": role, "tensor": f"blk.{layer}.{role}.weight", "format": fmt,
+            "n_weights": n_weights, "bytes": n_bytes, "bpw": 8 * n_bytes / n_weights,
+            "rel_err": errors["unseen"], "rel_err_in_sample": errors["in_sample"], "alpha": alpha}
+
+
+def _routed_rows(layer: int, role: str, weights: dict[str, np.ndarray], plan, data, params: "SensitivityParams"
+                 ) -> list[dict[str, Any]]:
+    """One routed role of one layer in every candidate format: the routed output error after alpha."""
+    w = weights[role]  # (E, rows, cols)
+    importance, hessians = plan[role]
+    rows = []
+    for fmt in params.formats:
+        raw = kernels.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
+        assert raw.nbytes == tensor_bytes(fmt, w.size), (fmt, raw.shape)
+        y = {s: _routed({**weights, role: kernels.dequantize(raw, fmt, w.shape)}, d) for s, d in data.items()}
+        alpha = fit_alpha(data["in_sample"]["yr"], y["in_sample"]) if params.alpha else 1.0
+        errors = {s: relative_residual(d["yr"], alpha * y[s]) for s, d in data.items()}
+        rows.append(_row(layer, role, fmt, int(w.size), raw.nbytes, errors, float(alpha)))
+    return rows
+
+
+def _matrix_rows(source: GGUFModel, layer: int, role: str, matrices: dict[str, np.ndarray], data, seqs,
+                 params: "SensitivityParams") -> list[dict[str, Any]]:
+    """One shared-expert or attention role of one layer in every candidate format (and as the source
+    stores it, where that is a registered format): the change of its block's output over ||yr||^2."""
+    qp, hp = params.quantize, source.hp
+    w = matrices[f"{role}.weight"]  # (rows, cols)
+    importance, hessian = matrix_plan(role, matrices, data["in_sample"] if qp.importance else None,
+                                      seqs["in_sample"], hp, qp)
+    scale = {s: float(np.sum(np.square(d["yr"], dtype=np.float64))) for s, d in data.items()}
+    stored, _, stored_bytes = source.tensor_sizes()[f"blk.{layer}.{role}.weight"]
+    rows = []
+    for fmt in params.formats:
+        raw = kernels.quantize(w, fmt, importance, hessian)  # (rows, bytes)
+        w_q = kernels.dequantize(raw, fmt, w.shape)  # (rows, cols)
+        errors = {s: float(np.sum(np.square(roles.output_change(role, w_q, matrices, d, seqs[s], hp),
+                                            dtype=np.float64)) / scale[s]) for s, d in data.items()}
+        rows.append(_row(layer, role, fmt, int(w.size), raw.nbytes, errors, None))
+    kept = stored.name.lower()
+    if kept in FORMATS and kept not in params.formats:
+        rows.append(_row(layer, role, kept, int(w.size), stored_bytes, {s: 0.0 for s in data}, None))
+    return rows
+
+
 def measure_sensitivity(source: GGUFModel, cal, unseen, params: SensitivityParams) -> pa.Table:
-    """One row per (layer, role, format): bytes and the relative routed-output error (unseen and
-    in-sample) with only that tensor quantized, after the variant's alpha."""
+    """One row per (layer, role, format): bytes and the relative output error (unseen and in-sample)
+    with only that tensor quantized (after the variant's alpha, for a routed role)."""
     qp = params.quantize
+    extra = roles.dump_arrays(params.roles)
+    in_rows = slice(0, qp.cal_tokens or None)
+    seqs = {"in_sample": roles.clip_sequences(cal.sequences("sensitivity"), in_rows),
+            "unseen": unseen.sequences("sensitivity")} if extra else {"in_sample": [], "unseen": []}
     rows = []
     for layer in progress(range(source.hp.n_layer), desc="sensitivity", unit="layer"):
         weights = expert_weights(source, layer)
         plan = importance_plan(weights, cal if qp.importance else None, layer, qp)
-        data = {"in_sample": _load(cal[str(layer)], slice(0, qp.cal_tokens or None)),
-                "unseen": _load(unseen[str(layer)], slice(None))}
+        data = {"in_sample": read_layer(cal[str(layer)], in_rows, extra),
+                "unseen": read_layer(unseen[str(layer)], slice(None), extra)}
+        matrices = layer_matrices(source, layer) if set(params.roles) - set(EXPERT_TENSORS) else {}
         for role in params.roles:
-            w = weights[role]  # (E, rows, cols)
-            importance, hessians = plan[role]
-            for fmt in params.formats:
-                raw = kernels.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
-                y = {s: _routed({**weights, role: kernels.dequantize(raw, fmt, w.shape)}, d) for s, d in data.items()}
-                alpha = fit_alpha(data["in_sample"]["yr"], y["in_sample"]) if params.alpha else 1.0
-                n_bytes = tensor_bytes(fmt, w.size)
-                assert raw.nbytes == n_bytes, (fmt, raw.shape)
-                rows.append({"layer": layer, "role": role, "tensor": f"blk.{layer}.{role}.weight", "format": fmt,
-                             "n_weights": int(w.size), "bytes": n_bytes, "bpw": 8 * n_bytes / w.size,
-                             "rel_err": relative_residual(data["unseen"]["yr"], alpha * y["unseen"]),
-                             "rel_err_in_sample": relative_residual(data["in_sample"]["yr"], alpha * y["in_sample"]),
-                             "alpha": float(alpha)})
+            if role in EXPERT_TENSORS:
+                rows += _routed_rows(layer, role, weights, plan, data, params)
+            else:
+                rows += _matrix_rows(source, layer, role, matrices, data, seqs, params)
     return pa.Table.from_pylist(rows, schema=SENSITIVITY_SCHEMA)
 
 
-def fixed_size(source: GGUFModel, shexp_down: str | None) -> tuple[int, int]:
-    """Weights and bytes of every tensor outside the routed experts as the assembled GGUF holds them:
-    the source's, with the shared down projection in `shexp_down` (None: no shared expert)."""
+def fixed_size(source: GGUFModel, chosen: tuple[str, ...], shexp_down: str | None) -> tuple[int, int]:
+    """Weights and bytes of every tensor whose format a recipe does not choose, as the assembled
+    GGUF holds it: the source's, with the shared down projection in `shexp_down` where it is not
+    chosen (None: no shared expert)."""
     weights = n_bytes = 0
     for name, (_, n, b) in source.tensor_sizes().items():
-        if ROUTED_TENSOR.match(name):
+        match = ROLE_TENSOR.match(name)
+        if match and match.group(2) in chosen:
             continue
         if shexp_down is not None and name.endswith(".ffn_down_shexp.weight"):
             b = tensor_bytes(shexp_down, n)
@@ -142,12 +192,13 @@ def fixed_size(source: GGUFModel, shexp_down: str | None) -> tuple[int, int]:
     return weights, n_bytes
 
 
-def least_bpw(source: GGUFModel, formats: tuple[str, ...], fixed: tuple[int, int]) -> float:
-    """The fewest bits per covered weight any recipe of `formats` takes: every routed tensor in its
+def least_bpw(source: GGUFModel, formats: tuple[str, ...], chosen: tuple[str, ...], fixed: tuple[int, int]) -> float:
+    """The fewest bits per covered weight any recipe of `formats` takes: every chosen tensor in its
     cheapest format, plus the `fixed` (weights, bytes) the budget also covers."""
-    routed = [n for name, (_, n, _) in source.tensor_sizes().items() if ROUTED_TENSOR.match(name)]
-    cheapest = sum(min(tensor_bytes(f, n) for f in formats) for n in routed)
-    return 8 * (cheapest + fixed[1]) / (sum(routed) + fixed[0])
+    sizes = [n for name, (_, n, _) in source.tensor_sizes().items()
+             if (m := ROLE_TENSOR.match(name)) and m.group(2) in chosen]
+    cheapest = sum(min(tensor_bytes(f, n) for f in formats) for n in sizes)
+    return 8 * (cheapest + fixed[1]) / (sum(sizes) + fixed[0])
 
 
 def budget_bytes(budget_bpw: float, n_weights: int) -> int:
@@ -161,10 +212,12 @@ def choose_recipe(sensitivity: pa.Table, params: AllocateParams, where: str) -> 
     rows = sensitivity.to_pylist()
     items = sorted({(r["layer"], r["role"]) for r in rows})
     cell = {(r["layer"], r["role"], r["format"]): r for r in rows}
-    costs = np.full((len(items), len(params.formats)), -1, np.int64)  # (items, formats); -1: not measured
+    # the candidates, then any stored format a tensor may keep (`measure_sensitivity`); order breaks ties
+    formats = [*params.formats, *sorted({r["format"] for r in rows} - set(params.formats))]
+    costs = np.full((len(items), len(formats)), -1, np.int64)  # (items, formats); -1: not measured
     errors = np.zeros(costs.shape)
     for i, (layer, role) in enumerate(items):
-        for j, fmt in enumerate(params.formats):
+        for j, fmt in enumerate(formats):
             if (layer, role, fmt) in cell:
                 costs[i, j], errors[i, j] = cell[(layer, role, fmt)]["bytes"], cell[(layer, role, fmt)]["rel_err"]
     n_weights = sum(cell[(layer, role, params.formats[0])]["n_weights"] for layer, role in items)
@@ -178,14 +231,14 @@ def choose_recipe(sensitivity: pa.Table, params: AllocateParams, where: str) -> 
     seconds = time.perf_counter() - start
     recipe = []
     for (layer, role), j in zip(items, result.choice):
-        r = cell[(layer, role, params.formats[int(j)])]
+        r = cell[(layer, role, formats[int(j)])]
         recipe.append({"layer": layer, "role": role, "tensor": r["tensor"], "format": r["format"],
                        "n_weights": r["n_weights"], "bytes": r["bytes"], "pred_err": r["rel_err"]})
     summary = {"budget_bpw": params.budget_bpw, "budget_roles": params.roles, "n_weights": n_weights,
                "budget_bytes": budget + params.fixed_bytes, "bytes": result.cost + params.fixed_bytes,
                "bpw": 8 * (result.cost + params.fixed_bytes) / n_weights, "pred_err": result.error,
                "exact": result.exact, "unit_bytes": result.unit, "n_items": len(items),
-               "n_formats": len(params.formats), "seconds": seconds}
+               "n_formats": len(formats), "seconds": seconds}
     return pa.Table.from_pylist(recipe, schema=RECIPE_SCHEMA), summary
 
 
@@ -200,7 +253,7 @@ def build_sensitivity(out: Path, source: Path, cal_dump: Path, unseen_dump: Path
 def build_allocation(out: Path, sensitivity: Path, params: AllocateParams, where: str,
                      log: Callable[[str], None] = print) -> None:
     """The allocate stage: `recipe.parquet` and a one-row `allocation.parquet`."""
-    table = read_part(sensitivity / "sensitivity.parquet", ("layer", "role", "format", "bytes", "rel_err"))
+    table = read_part(sensitivity / "sensitivity.parquet", ("layer", "role", "format", "n_weights", "bytes", "rel_err"))
     recipe, summary = choose_recipe(table, params, where)
     log(f"[allocate] {where}: {summary['bpw']:.4f} bits per weight of {params.budget_bpw:g} "
         f"({summary['n_items']} tensors x {summary['n_formats']} formats, {summary['seconds']:.2f} s)")
@@ -209,7 +262,6 @@ def build_allocation(out: Path, sensitivity: Path, params: AllocateParams, where
 
 
 # ---- what a written GGUF holds: its recipe and its size (read from the file, never estimated) --------
-ROUTED_TENSOR = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
 SIZES_SCHEMA = pa.schema([
     ("variant", pa.string()), ("kind", pa.string()), ("budget_bpw", pa.float64()), ("budget_roles", pa.string()),
     ("routed_weights", pa.int64()), ("routed_bytes", pa.int64()), ("routed_bpw", pa.float64()),
@@ -221,16 +273,19 @@ GGUF_RECIPE_SCHEMA = pa.schema([
     ("chosen_by", pa.string()), ("sensitivity", pa.string())])
 
 
+ROLE_ORDER = roles.ROUTED + roles.SHARED + roles.ATTENTION
+
+
 def gguf_recipe(model: GGUFModel) -> list[dict[str, Any]]:
-    """One row per routed-expert tensor of a GGUF: layer, role, tensor, format (the ggml type's name,
-    lower case), weights and bytes as stored."""
+    """One row per tensor of a GGUF in a role a recipe may choose (`pipeline.roles`): layer, role,
+    tensor, format (the ggml type's name, lower case), weights and bytes as stored."""
     rows = []
     for name, (ggml_type, n_weights, n_bytes) in model.tensor_sizes().items():
-        match = ROUTED_TENSOR.match(name)
+        match = ROLE_TENSOR.match(name)
         if match:
             rows.append({"layer": int(match.group(1)), "role": match.group(2), "tensor": name,
                          "format": ggml_type.name.lower(), "n_weights": n_weights, "bytes": n_bytes})
-    return sorted(rows, key=lambda r: (r["layer"], EXPERT_TENSORS.index(r["role"])))
+    return sorted(rows, key=lambda r: (r["layer"], ROLE_ORDER.index(r["role"])))
 
 
 def gguf_size(model: GGUFModel) -> dict[str, Any]:
