@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import re
 import shutil
@@ -221,7 +222,7 @@ SNAPSHOTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "sizes": ("report_sizes", ("set", "variant", "kind", "budget_bpw", "routed_bpw", "total_bpw", "kld")),
     "budget_rank": ("report_budget_rank_check", (
         "sensitivity", "set", "variant", "covered", "pred_err", "kld", "rank_pred", "rank_kld", "spearman",
-        "n_variants")),
+        "n_variants", "n_roles")),
 }
 # Report plots kept beside a config's snapshot, for the README to show.
 PLOTS = ("kld_size.png",)
@@ -430,14 +431,18 @@ def render_sizes(snap: dict[str, list[Row]]) -> str:
         lines.append(f"| {r['variant']} | {r['kind']} | {budget} | {r['routed_bpw']:.3f} | {r['total_bpw']:.3f} "
                      f"| {kld.get(('eval', r['variant']), float('nan')):.4f} "
                      f"| {kld.get(('canary', r['variant']), float('nan')):.4f} |")
-    covered = [r for r in snap["budget_rank"] if r["covered"]]
-    for set_name in ("eval", "canary"):
-        rows = [r for r in covered if r["set"] == set_name]
+    scope = {3: "routed experts", 10: "routed experts, shared expert and attention"}
+    for measured, set_name in itertools.product(sorted({r["sensitivity"] for r in snap["budget_rank"]}),
+                                                ("eval", "canary")):
+        here = [r for r in snap["budget_rank"] if r["sensitivity"] == measured and r["set"] == set_name]
+        rows = [r for r in here if r["covered"]]
         if rows:
-            left_out = sorted({r["variant"] for r in snap["budget_rank"] if not r["covered"]})
-            lines += ["", f"Budget rank check, {set_name} set: the summed per-tensor sensitivity ranks "
-                          f"{rows[0]['n_variants']} recipes with Spearman {_signed(rows[0]['spearman'], 3)} against "
-                          f"pooled KLD (left out, a format not measured: {', '.join(left_out) or 'none'})."]
+            left_out = sorted({r["variant"] for r in here if not r["covered"]})
+            n_roles = rows[0].get("n_roles", 3)  # snapshots from before whole-file budgets measured the routed 3
+            roles = scope.get(n_roles, f"{n_roles} roles per layer")
+            lines += ["", f"Budget rank check ({roles} measured), {set_name} set: the summed per-tensor sensitivity "
+                          f"ranks {rows[0]['n_variants']} recipes with Spearman {_signed(rows[0]['spearman'], 3)} "
+                          f"against pooled KLD (left out, a format not measured: {', '.join(left_out) or 'none'})."]
     return "\n".join(lines)
 
 

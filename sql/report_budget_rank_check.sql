@@ -16,7 +16,9 @@
 -- measured role of the variant is in a format the measurement lacks; such a row has NULL
 -- pred_err, ranks and spearman, and is listed so the report can name it),
 -- pred_err, kld, rank_pred, rank_kld, spearman and n_variants (the same on
--- every covered row of a sensitivity and set).
+-- every covered row of a sensitivity and set), and n_roles, the tensor roles
+-- per layer the measurement covers (3: the routed experts'; more: a budget
+-- over the whole file).
 WITH measured AS (
     SELECT DISTINCT sensitivity, role FROM sensitivity
 ), predicted AS (
@@ -64,7 +66,8 @@ SELECT
     CASE WHEN covered THEN rank_kld END AS rank_kld,
     CASE WHEN covered THEN corr(avg_rank_pred, avg_rank_kld) OVER (PARTITION BY sensitivity, set, covered) END
         AS spearman,
-    CASE WHEN covered THEN n_variants END AS n_variants
+    CASE WHEN covered THEN n_variants END AS n_variants,
+    (SELECT count(DISTINCT role) FROM measured AS m WHERE m.sensitivity = ranked.sensitivity) AS n_roles
 FROM ranked
 ORDER BY sensitivity, CASE set WHEN 'eval' THEN 0 WHEN 'canary' THEN 1 ELSE 2 END, set, NOT covered, rank_kld,
     variant

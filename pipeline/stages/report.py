@@ -542,8 +542,9 @@ def section_budget(data: ReportData, order: dict[str, int], plot: str | None) ->
     if data.missing("report_budget_rank_check") or data.empty("report_budget_rank_check"):
         return lines + data.not_computed("report_budget_rank_check")
     rows = data.rows("report_budget_rank_check")
-    lines += ["Predicted error = the sum over a recipe's routed tensors of the relative routed-output error "
-              "each tensor causes alone in its format (table `sensitivity`, held-out unseen trace), measured "
+    lines += ["Predicted error = the sum over a recipe's tensors in the measured roles (the routed experts', "
+              "and for a budget over the whole file also the shared expert's and attention's) of the relative "
+              "output error each tensor causes alone in its format (table `sensitivity`, held-out unseen trace), measured "
               "with the quantizer knobs of the budget variants that share the measurement; every variant whose "
               "formats it covers takes part, ours (whatever their knobs) and outside GGUFs alike.", ""]
     for measured in sorted({r["sensitivity"] for r in rows}):
@@ -554,7 +555,8 @@ def section_budget(data: ReportData, order: dict[str, int], plot: str | None) ->
             if not mine:
                 lines += [f"sensitivity `{measured}`, {set_label(name)}: no variant's formats are all measured.", ""]
                 continue
-            lines += [f"sensitivity `{measured}`, {set_label(name)}: Spearman rank correlation "
+            lines += [f"sensitivity `{measured}` ({mine[0]['n_roles']} roles per layer), {set_label(name)}: "
+                      f"Spearman rank correlation "
                       f"{fmt_signed(mine[0]['spearman'], 3)} over {mine[0]['n_variants']} variants."
                       + (f" Left out (a format not measured): {', '.join(left_out)}." if left_out else ""), ""]
             lines += markdown_table(["variant", "predicted error (sum)", f"pooled KLD ({name}, bonus 0)",
