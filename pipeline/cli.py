@@ -61,8 +61,9 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     run = _pipeline(args)
-    for variant in run.all_quantized_variants():
-        print(f"{variant.name}: {run.quantize(variant).path}")
+    for variant in run.all_quantized_variants():  # one unit per layer: `quantize:<variant>:<layer>`
+        for layer in range(run.source.hp.n_layer):
+            print(f"{variant.name}:{layer}: {run.quantize(variant, layer).path}")
     return 0
 
 

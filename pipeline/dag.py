@@ -42,7 +42,7 @@ class Stage:
 class PlannedStage:
     """One stage invocation as `moeheal plan` shows it."""
 
-    stage: str  # "quantize:v2", "dump:calibration"
+    stage: str  # "dump:calibration", "assemble:v2", "quantize:v2:3" (a per-layer unit)
     fingerprint: str
     status: str  # "cached" or "compute"
     upstream: tuple[str, ...] = ()  # the `stage` labels this invocation reads
@@ -74,11 +74,18 @@ def stage_fingerprint(stage: Stage, params: Any, inputs: dict[str, Path],
 
 def run_stage(lake: Lake, stage: Stage, params: Any, inputs: dict[str, Path],
               upstream: dict[str, StageResult], build: Callable[[Path], None],
-              log: Callable[[str], None] = print) -> StageResult:
-    """Run `build(work_path)` unless an output with the same fingerprint is complete."""
+              log: Callable[[str], None] = print, label: str | None = None) -> StageResult:
+    """Run `build(work_path)` unless an output with the same fingerprint is complete; `label` names
+    the invocation in the log (`quantize:v1:3`, one unit of a stage run per layer)."""
     fp, provenance = stage_fingerprint(stage, params, inputs, upstream)
     return lake.materialize(stage.name, stage.kind, fp, stage.suffix, build, provenance, log,
-                            resume=stage.resumable)
+                            resume=stage.resumable, label=label)
+
+
+def layer_params(params: Any, layer: int) -> dict[str, Any]:
+    """The parameters of one layer's unit of a stage run per layer: the stage's knobs and the layer,
+    so each unit has its own fingerprint and a knob change reaches exactly the units it reads."""
+    return {**param_record(params), "layer": layer}
 
 
 def plan_stage(lake: Lake, stage: Stage, params: Any, inputs: dict[str, Path],

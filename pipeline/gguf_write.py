@@ -9,8 +9,9 @@ system).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +57,19 @@ def _add_kv(writer: GGUFWriter, key: str, value: Any, vtype: GGUFValueType | Non
     writer.add_key_value(key, value, vtype if vtype is not None else _scalar_type(value))
 
 
-def _add_tensor(writer: GGUFWriter, name: str, data: np.ndarray, ggml_type: GGMLQuantizationType) -> None:
-    """Float arrays for F32/F16 tensors; uint8 block bytes `[..., row_bytes]` for any type."""
+def _stored(data: np.ndarray, ggml_type: GGMLQuantizationType, name: str) -> np.ndarray:
+    """The array as the file stores it: uint8 block bytes as given, F32/F16 data in its float type."""
     if data.dtype == np.uint8:
-        writer.add_tensor(name, data, raw_dtype=ggml_type)
-        return
+        return data
     float_dtype = _FLOAT_TYPES.get(ggml_type)
     if float_dtype is None:
         raise ValueError(f"tensor {name}: {ggml_type.name} data must be given as uint8 block bytes")
-    writer.add_tensor(name, np.ascontiguousarray(data, dtype=float_dtype))
+    return np.ascontiguousarray(data, dtype=float_dtype)
+
+
+def _add_tensor(writer: GGUFWriter, name: str, data: np.ndarray, ggml_type: GGMLQuantizationType) -> None:
+    """Float arrays for F32/F16 tensors; uint8 block bytes `[..., row_bytes]` for any type."""
+    writer.add_tensor(name, _stored(data, ggml_type, name), raw_dtype=ggml_type)
 
 
 @contextmanager
@@ -108,22 +113,59 @@ def write_gguf(path: str | os.PathLike[str], arch: str, kv: Sequence[KV], tensor
     _write(Path(path), arch, fill)
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A replacement tensor known by its byte shape and type, its uint8 block bytes read only when
+    the writer reaches it: a copy then holds one replaced tensor in memory, not all of them."""
+
+    byte_shape: tuple[int, ...]  # (..., row bytes)
+    ggml_type: GGMLQuantizationType
+    read: Callable[[], np.ndarray]  # -> uint8 block bytes of `byte_shape`
+
+
+Replacement = tuple[np.ndarray, GGMLQuantizationType] | Deferred
+
+
+def _add_info(writer: GGUFWriter, name: str, tensor: np.ndarray | Deferred, ggml_type: GGMLQuantizationType) -> None:
+    """The tensor table entry add_tensor would write for the same data, without holding the data."""
+    if isinstance(tensor, Deferred):
+        writer.add_tensor_info(name, tensor.byte_shape, np.dtype(np.uint8), int(np.prod(tensor.byte_shape)),
+                               raw_dtype=ggml_type)
+    else:
+        writer.add_tensor_info(name, tensor.shape, tensor.dtype, tensor.nbytes, raw_dtype=ggml_type)
+
+
 def copy_gguf(src: GGUFModel, path: str | os.PathLike[str],
-              replace: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
+              replace: Mapping[str, Replacement] | None = None,
               extra_kv: Sequence[KV] = ()) -> None:
     """Copy every KV and tensor of `src` to `path`, replacing the tensors named in `replace`.
 
-    Unreplaced tensors are passed as views on the source's memory map, so the
-    copy streams from disk to disk. `extra_kv` entries are added, or overwrite
-    same-named keys of the source.
+    Streams from disk to disk: the tensor table is written from shapes alone,
+    then each tensor's data in file order, unreplaced ones as views on the
+    source's memory map and `Deferred` ones read just before they are written.
+    The bytes are those `GGUFWriter.add_tensor` + `write_tensors_to_file` give.
+    `extra_kv` entries are added, or overwrite same-named keys of the source.
     """
     replace = replace or {}
     unknown = sorted(set(replace) - set(src.tensor_names))
     if unknown:
         raise KeyError(f"{src.name}: no tensor named {unknown[0]}")
     extra_keys = {key for key, _, _ in extra_kv}
+    given = {name: _stored(value[0], value[1], name) for name, value in replace.items()
+             if not isinstance(value, Deferred)}
 
-    def fill(writer: GGUFWriter) -> None:
+    def tensor_of(name: str) -> tuple[np.ndarray | Deferred, GGMLQuantizationType]:
+        """What is written under `name`: the given array, a Deferred, or the source's own bytes."""
+        value = replace.get(name)
+        if isinstance(value, Deferred):
+            return value, value.ggml_type
+        if value is not None:
+            return given[name], value[1]
+        raw = src.raw(name)
+        return raw.data, raw.ggml_type
+
+    with _atomic_path(Path(path)) as tmp:
+        writer = GGUFWriter(tmp, src.arch)
         for key, field in src.metadata_fields().items():
             if key in _WRITER_OWNED_KEYS or key in extra_keys:
                 continue
@@ -132,11 +174,11 @@ def copy_gguf(src: GGUFModel, path: str | os.PathLike[str],
         for key, value, vtype in extra_kv:
             _add_kv(writer, key, value, vtype)
         for name in src.tensor_names:
-            if name in replace:
-                data, ggml_type = replace[name]
-                _add_tensor(writer, name, data, ggml_type)
-            else:
-                raw = src.raw(name)
-                writer.add_tensor(name, raw.data, raw_dtype=raw.ggml_type)
-
-    _write(Path(path), src.arch, fill)
+            _add_info(writer, name, *tensor_of(name))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for name in src.tensor_names:
+            tensor, _ = tensor_of(name)
+            writer.write_tensor_data(tensor.read() if isinstance(tensor, Deferred) else tensor)
+        writer.close()

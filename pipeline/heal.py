@@ -7,6 +7,13 @@ to `run_stage` (or, for `moeheal plan`, to `plan_stage`). Builds are one call
 into the stage's module, so everything a stage's output depends on is in that
 module's import closure, which is the stage's code identity.
 
+Quantize and calibrate run per (variant, layer): each layer is a unit with its
+own fingerprint (`quantize:<variant>:<layer>`, `calibrate:<variant>:<layer>`,
+the layer index among its params), reading only that layer of the source and
+the dumps. A killed run resumes at the first layer not yet in the lake, a knob
+recomputes only the units that read it, and `assemble:<variant>` writes the
+GGUF from every layer's calibrate unit.
+
 Nothing a user reads changes until a run has succeeded: the tables, the
 DuckDB file and the report are staged in a `Publication` and published as one
 set at the end (`Lake.publish`). A rejected config or a crash leaves the
@@ -27,11 +34,12 @@ from moeheal.pipeline import audit as audit_mod
 from moeheal.pipeline import roles
 from moeheal.pipeline import stats as stats_mod
 from moeheal.pipeline.config import UNHEALED, Config, Variant
-from moeheal.pipeline.dag import PlannedStage, Stage, plan_stage, run_stage
+from moeheal.pipeline.dag import PlannedStage, Stage, layer_params, plan_stage, run_stage
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import read_part
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.lake import Lake, Publication, StageResult
+from moeheal.pipeline.progress import progress
 from moeheal.pipeline.stages import calibrate, corpus, dump, evaluate, quantize, sensitivity
 from moeheal.pipeline.tokenizer import build_tokenizer
 
@@ -123,7 +131,7 @@ class HealRun:
                 self.planned.append(PlannedStage(label, result.fingerprint, "cached" if result.cached else "compute",
                                                  tuple(sorted({self._labels[r] for r in upstream.values()}))))
             else:
-                result = run_stage(self.lake, stage, params, inputs, upstream, build, self.log)
+                result = run_stage(self.lake, stage, params, inputs, upstream, build, self.log, label)
             self._memo[label] = result
             self._labels.setdefault(result, label)
         return self._memo[label]
@@ -260,31 +268,46 @@ class HealRun:
             chosen = {(layer, t): f for layer in range(self.source.hp.n_layer) for t, f in variant.formats().items()}
         return {f"blk.{layer}.{t}.weight": f for (layer, t), f in sorted(chosen.items())}
 
-    def quantize(self, variant: Variant) -> StageResult:
+    def quantize(self, variant: Variant, layer: int) -> StageResult:
+        """The (variant, layer) unit of quantization: that layer's tensors, from that layer's dump rows."""
         params = quantize.QuantizeParams.of(variant)
         up = {"dump": self.dump("calibration")} if params.importance else {}  # no statistics: no dump
         if variant.budgeted:
             up["recipe"] = self.allocation(variant)
-        return self._stage(f"quantize:{variant.name}", QUANTIZE, params, {"source": self.cfg.source}, up,
+        return self._stage(f"quantize:{variant.name}:{layer}", QUANTIZE, layer_params(params, layer),
+                           {"source": self.cfg.source}, up,
                            lambda out: quantize.build_quantize(
-                               out, self.cfg.source, up["dump"].path if "dump" in up else None, params, self.log,
+                               out, self.cfg.source, up["dump"].path if "dump" in up else None, params, layer,
                                up["recipe"].path if "recipe" in up else None))
 
-    def calibrate(self, variant: Variant) -> StageResult:
+    def calibrate(self, variant: Variant, layer: int) -> StageResult:
+        """The (variant, layer) unit of healing: alpha and ridge on the quantize unit of the same layer."""
         params = calibrate.CalibrateParams.of(variant, shared_expert=self.source.hp.d_shexp > 0)
-        up = {"quantized": self.quantize(variant), "dump": self.dump("calibration")}
+        up = {"quantized": self.quantize(variant, layer), "dump": self.dump("calibration")}
         if self.cfg.unseen_tokens:
             up["unseen"] = self.dump("unseen")
-        return self._stage(f"calibrate:{variant.name}", CALIBRATE, params,
+        return self._stage(f"calibrate:{variant.name}:{layer}", CALIBRATE, layer_params(params, layer),
                            {"source": self.cfg.source}, up, lambda out: calibrate.build_calibrate(
                                out, self.cfg.source, up["quantized"].path, up["dump"].path,
-                               up["unseen"].path if "unseen" in up else None, params, self.log))
+                               up["unseen"].path if "unseen" in up else None, params, layer))
+
+    def calibrated_layers(self, variant: Variant) -> list[StageResult]:
+        """Every layer's calibrate unit of `variant` (each with its quantize unit), in layer order."""
+        layers = range(self.source.hp.n_layer)
+        if not self.planning:
+            layers = progress(layers, desc=f"heal {variant.name}", unit="layer")
+        return [self.calibrate(variant, layer) for layer in layers]
+
+    def calibrated_table(self, variants: list[Variant], name: str) -> pa.Table:
+        """`layer_metrics` or `ridge_cv`: the rows every (variant, layer) unit wrote, in that order."""
+        return pa.concat_tables([_read_parts(unit, name) for v in variants for unit in self.calibrated_layers(v)])
 
     def assemble(self, variant: Variant) -> StageResult:
-        up = {"calibrated": self.calibrate(variant)}
+        units = self.calibrated_layers(variant)
+        up = {f"calibrated.{layer}": unit for layer, unit in enumerate(units)}
         params = {"variant": variant.name, "knobs": variant.knobs()}
         return self._stage(f"assemble:{variant.name}", ASSEMBLE, params, {"source": self.cfg.source}, up,
-                           lambda out: calibrate.build_assembly(out, self.cfg.source, up["calibrated"].path,
+                           lambda out: calibrate.build_assembly(out, self.cfg.source, [u.path for u in units],
                                                                 variant.name, params))
 
     # ---- evaluation ----------------------------------------------------------------
@@ -400,9 +423,9 @@ class HealRun:
         publication.write_table("overlap", overlap)
         publication.write_table("routing", pa.concat_tables(
             [dump.read_routing(self.dump(t).path) for t in self.traces_present()]))
-        calibrated = [self.calibrate(v) for v in self.all_quantized_variants()]
-        publication.write_table("layer_metrics", pa.concat_tables([_read_parts(r, "layer_metrics") for r in calibrated]))
-        publication.write_table("ridge_cv", pa.concat_tables([_read_parts(r, "ridge_cv") for r in calibrated]))
+        quantized = self.all_quantized_variants()
+        publication.write_table("layer_metrics", self.calibrated_table(quantized, "layer_metrics"))
+        publication.write_table("ridge_cv", self.calibrated_table(quantized, "ridge_cv"))
         evaluations = [self.evaluate_variant(v) for v in self.evaluated_variants()]
         publication.write_table("variants", self.variants_table())
         if self.budget_variants():

@@ -196,22 +196,25 @@ class Lake(TableSet):
 
     def materialize(self, stage: str, kind: str, fingerprint: str, suffix: str,
                     build: Callable[[Path], None], provenance: dict[str, Any],
-                    log: Callable[[str], None] = print, resume: bool = False) -> StageResult:
+                    log: Callable[[str], None] = print, resume: bool = False,
+                    label: str | None = None) -> StageResult:
         """Return the output for `fingerprint`, building it under tmp/ and publishing it if absent.
 
         A build that was killed leaves its work under tmp/; it is discarded, or
-        handed to `build` again when the stage can `resume` from it.
+        handed to `build` again when the stage can `resume` from it. The log
+        lines name the invocation by `label` (`quantize:v1:3`), else the stage.
         """
+        shown = label or stage
         final = self.output_path(kind, fingerprint, suffix)
         with self.lock(fingerprint):
             if self.is_complete(kind, fingerprint, suffix):
-                log(f"[{stage}] cache hit {fingerprint[:12]}")
+                log(f"[{shown}] cache hit {fingerprint[:12]}")
                 return StageResult(stage, fingerprint, final, cached=True)
             work = self.work_path(kind, fingerprint, suffix)
             if work.exists() and not resume:
                 _remove(work)
             started = time.time()
-            log(f"[{stage}] computing {fingerprint[:12]}")
+            log(f"[{shown}] computing {fingerprint[:12]}")
             try:
                 build(work)
             except OSError as exc:  # a full disk, say: no partial output stays behind (a resumable one is kept)

@@ -121,7 +121,11 @@ def test_budget_variant_knobs_and_fingerprints(budget_world):
     lo, hi = variant(run, "b_lo"), variant(run, "b_hi")
     assert lo.knobs()["budget_bpw"] == 2.4 and lo.knobs()["formats"] == FORMATS and "quant" not in lo.knobs()
     planner = HealRun(load_config(config), plan=True)
-    fp = {v.name: {s: getattr(planner, s)(v).fingerprint for s in ("sensitivity", "allocation", "quantize")}
+
+    def stage_of(s: str, v):  # quantize: its layer-0 unit
+        return planner.quantize(v, 0) if s == "quantize" else getattr(planner, s)(v)
+
+    fp = {v.name: {s: stage_of(s, v).fingerprint for s in ("sensitivity", "allocation", "quantize")}
           for v in (lo, hi, dataclasses.replace(lo, name="b_lo2", candidates=("tq2_0", "q2_k")))}
     assert fp["b_lo"]["sensitivity"] == fp["b_hi"]["sensitivity"]  # same knobs: one measurement
     assert fp["b_lo"]["allocation"] != fp["b_hi"]["allocation"]  # the budget changes the recipe
@@ -129,7 +133,7 @@ def test_budget_variant_knobs_and_fingerprints(budget_world):
     assert all(fp["b_lo2"][s] != fp["b_lo"][s] for s in ("sensitivity", "allocation", "quantize"))  # formats
     gptq = dataclasses.replace(lo, name="b_gptq", round="gptq")
     cheap = dataclasses.replace(gptq, name="b_cheap", sensitivity_round="ls")
-    fp_gptq, fp_cheap = ({s: getattr(planner, s)(v).fingerprint for s in ("sensitivity", "quantize")}
+    fp_gptq, fp_cheap = ({s: stage_of(s, v).fingerprint for s in ("sensitivity", "quantize")}
                          for v in (gptq, cheap))
     assert fp_cheap["sensitivity"] == fp["b_lo"]["sensitivity"] != fp_gptq["sensitivity"]  # measured with ls
     assert fp_cheap["quantize"] != fp["b_lo"]["quantize"]  # the recipe itself is quantized with GPTQ

@@ -81,7 +81,7 @@ def test_healed_gguf_holds_our_formats_and_loads(healed):
 def test_alpha_is_fitted_from_the_unscaled_quantization_and_applied_to_the_scales(healed):
     _, run = healed
     variant = run.cfg.variants[0]
-    quantized = np.load(run.quantize(variant).path / "layer_0.npz")
+    quantized = np.load(run.quantize(variant, 0).path / "layer_0.npz")
     group = open_dump(run.dump("calibration").path)["0"]
     experts = {f"{name}.weight": kernels.dequantize(quantized[name], "tq2_0", tuple(quantized[f"{name}.shape"]))
                for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
@@ -149,7 +149,8 @@ def test_one_knob_recomputes_its_variant_and_nothing_else(healed, tmp_path):
     text = config.read_text().replace('name = "v1"\nbeta_gate_up = 0.5', 'name = "v1"\nbeta_gate_up = 0.7')
     config.write_text(text)
     _, log = rerun(config)
-    assert sorted(log.computed()) == ["assemble", "calibrate", "comparisons", "evaluate", "quantize"]
+    units = [f"{stage}:v1:{layer}" for stage in ("quantize", "calibrate") for layer in (0, 1)]
+    assert sorted(log.computed()) == sorted(["assemble:v1", *units, "comparisons", "evaluate:v1"])
 
 
 def test_reference_swap_recomputes_dumps(healed, tmp_path):
@@ -159,7 +160,7 @@ def test_reference_swap_recomputes_dumps(healed, tmp_path):
     (config.parent / "ref.gguf").write_bytes(bytes(data))
     run = HealRun(load_config(config), log=Log())
     run.dump("calibration")
-    assert "dump" in run.log.computed()
+    assert "dump:calibration" in run.log.computed()
 
 
 def test_audit_exit_3_names_the_window_reading_a_cal_doc(healed, tmp_path, capsys):
@@ -220,9 +221,9 @@ def test_imported_dump_feeds_quantization_like_our_own(healed, tmp_path):
     imported = imported_run.dump("calibration")
     assert imported.stage == "import-dump"
     variant = run.cfg.variants[0]
-    ours = np.load(run.quantize(variant).path / "layer_1.npz")
-    theirs = np.load(imported_run.quantize(variant).path / "layer_1.npz")
-    assert imported_run.quantize(variant).fingerprint != run.quantize(variant).fingerprint
+    ours = np.load(run.quantize(variant, 1).path / "layer_1.npz")
+    theirs = np.load(imported_run.quantize(variant, 1).path / "layer_1.npz")
+    assert imported_run.quantize(variant, 1).fingerprint != run.quantize(variant, 1).fingerprint
     for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
         np.testing.assert_array_equal(ours[name], theirs[name])
 
@@ -251,14 +252,14 @@ def test_cal_tokens_uses_a_prefix_of_the_calibration_dump(healed):
     _, run = healed
     full = run.cfg.variants[0]
     short = replace(full, name="v1_512", cal_tokens=512)
-    assert run.quantize(short).fingerprint != run.quantize(full).fingerprint
+    assert run.quantize(short, 0).fingerprint != run.quantize(full, 0).fingerprint
     mixed = open_dump(run.dump("calibration").path)["0"]["mixed"][:]
-    stored = np.load(run.quantize(short).path / "layer_0.npz")["ffn_gate_exps.importance"][0]
+    stored = np.load(run.quantize(short, 0).path / "layer_0.npz")["ffn_gate_exps.importance"][0]
     for rows, expected_equal in ((512, True), (len(mixed), False)):
         expected = gate_up_importance(np.mean(np.square(mixed[:rows], dtype=np.float64), axis=0), 0.5)
         assert np.allclose(stored, expected, rtol=1e-6) == expected_equal
-    calibrated = np.load(run.calibrate(short).path / "layer_0.npz")
-    quantized = np.load(run.quantize(short).path / "layer_0.npz")
+    calibrated = np.load(run.calibrate(short, 0).path / "layer_0.npz")
+    quantized = np.load(run.quantize(short, 0).path / "layer_0.npz")
     group = open_dump(run.dump("calibration").path)["0"]
     experts = {f"{n}.weight": kernels.dequantize(quantized[n], "tq2_0", tuple(quantized[f"{n}.shape"]))
                for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
@@ -286,15 +287,15 @@ round = "gptq"
     model = GGUFModel(run.assemble(healed).path)
     assert model.raw("blk.0.ffn_gate_exps.weight").ggml_type == GGMLQuantizationType.Q2_K
     assert model.raw("blk.0.ffn_down_exps.weight").ggml_type == GGMLQuantizationType.Q3_K
-    calibrated = np.load(run.calibrate(healed).path / "layer_0.npz")
-    quantized = np.load(run.quantize(healed).path / "layer_0.npz")
+    calibrated = np.load(run.calibrate(healed, 0).path / "layer_0.npz")
+    quantized = np.load(run.quantize(healed, 0).path / "layer_0.npz")
     alpha = float(calibrated["alpha"])
     expected = kernels.format_of("q3_k").scale_scales(quantized["ffn_down_exps"], alpha)
     np.testing.assert_array_equal(calibrated["ffn_down_exps"], expected)
-    metrics = {r["variant"]: r for r in pq.read_table(run.calibrate(healed).path / "layer_metrics.parquet").to_pylist()
+    metrics = {r["variant"]: r for r in run.calibrated_table([healed], "layer_metrics").to_pylist()
                if r["split"] == "unseen" and r["layer"] == 0}
     plain_metrics = {r["variant"]: r for r in
-                     pq.read_table(run.calibrate(plain).path / "layer_metrics.parquet").to_pylist()
+                     run.calibrated_table([plain], "layer_metrics").to_pylist()
                      if r["split"] == "unseen" and r["layer"] == 0}
     assert metrics["k_healed"]["resid_ridge"] < plain_metrics["k_plain"]["resid_alpha1"]
 
@@ -304,7 +305,7 @@ def test_alpha_out_of_fp16_range_is_an_input_error(healed):
     from moeheal.pipeline.stages.calibrate import scale_expert_scales
 
     config, run = healed
-    arrays = dict(np.load(run.quantize(run.cfg.variants[0]).path / "layer_0.npz"))
+    arrays = dict(np.load(run.quantize(run.cfg.variants[0], 0).path / "layer_0.npz"))
     with pytest.raises(InputError, match="v1: layer 0: alpha 1e\\+09 on ffn_down_exps"):
         scale_expert_scales(arrays, "ffn_down_exps", 1e9, "v1: layer 0")
     assert np.array_equal(scale_expert_scales(arrays, "ffn_down_exps", 1.0, "v1: layer 0"), arrays["ffn_down_exps"])

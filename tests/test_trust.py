@@ -127,7 +127,7 @@ def test_plan_lists_every_stage_and_runs_nothing(world, capsys):
     planned = json.loads(capsys.readouterr().out)
     names = [p["stage"] for p in planned]
     assert names[:4] == ["corpus", "traces", "windows", "audit"]
-    for stage in ("dump:calibration", "dump:unseen", "quantize:unhealed", "quantize:v1", "calibrate:v2",
+    for stage in ("dump:calibration", "dump:unseen", "quantize:unhealed:0", "quantize:v1:1", "calibrate:v2:0",
                   "assemble:v2", "reference-logits", "evaluate:v1", "comparisons"):
         assert stage in names
     assert all(set(p) >= {"stage", "fingerprint", "status"} for p in planned)
@@ -183,9 +183,9 @@ def test_router_weighted_hessians_change_the_quantized_bytes(tmp_path):
     path.write_text(path.read_text().replace("tokens = 1024", "tokens = 256"))  # one sequence: a fast dump
     config = load_config(path)
     run = HealRun(config, log=lambda m: None)
-    paths = {v.name: run.quantize(v).path for v in config.variants}
-    assert paths["plain"] != paths["routed"]
     for layer in (0, 1):
+        paths = {v.name: run.quantize(v, layer).path for v in config.variants}
+        assert paths["plain"] != paths["routed"]
         plain, routed = (np.load(paths[name] / f"layer_{layer}.npz") for name in ("plain", "routed"))
         for tensor in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
             assert plain[tensor].shape == routed[tensor].shape

@@ -21,6 +21,12 @@ Per layer, on the calibration dump (in_sample) and on the unseen dump:
 - Every residual is ||y_ref - y||^2 / ||y_ref||^2 with y the layer's total
   change in MoE output (routed + shared), so the ridge's "realized" gain
   includes what requantizing the shared expert costs.
+
+Each layer is its own unit (`build_calibrate`): it reads the quantize unit of
+the same layer and that layer's dump rows, and writes that layer's tensors and
+metric rows, so a calibrate-only knob (ridge_rho, say) recomputes these units
+and the assembly, never quantization. The assembly (`assemble_gguf`) reads
+every unit and streams the GGUF a tensor at a time.
 """
 
 from __future__ import annotations
@@ -32,7 +38,6 @@ from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
-from gguf import GGMLQuantizationType
 
 from moeheal import kernels
 from moeheal.kernels.alpha import fit_alpha, oracle_alpha, relative_residual
@@ -40,13 +45,12 @@ from moeheal.kernels.ridge import alpha_ridge_cv_sweep, effective_dof, matrix_ra
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import write_parquet
 from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.gguf_write import copy_gguf
+from moeheal.pipeline.gguf_write import Deferred, copy_gguf
 from moeheal.pipeline.model import moe_forward, swiglu
-from moeheal.pipeline.progress import progress
 from moeheal.pipeline.stages.dump import open_dump, read_layer
 from moeheal.pipeline.stages.quantize import EXPERT_TENSORS, load_quantized
 
-OUTPUTS = ("layer_<i>.npz", "layer_metrics.parquet", "ridge_cv.parquet")
+OUTPUTS = ("layer_<i>.npz", "layer_metrics.parquet", "ridge_cv.parquet")  # a unit's: its layer and its rows
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,15 @@ class CalibrateParams:
             return base
         return cls(variant=variant.name, alpha=variant.alpha, cal_tokens=variant.cal_tokens,
                    ridge_rho=variant.ridge_rho, ridge_eta=variant.ridge_eta, shexp_down=variant.shexp_down)
+# Each layer's unit writes its own rows; declared, so every unit's part concatenates with the others.
+METRICS_SCHEMA = pa.schema([("variant", pa.string()), ("layer", pa.int64()), ("split", pa.string()),
+                            ("resid_alpha1", pa.float64()), ("alpha", pa.float64()), ("resid_alpha", pa.float64()),
+                            ("alpha_oracle", pa.float64()), ("resid_oracle", pa.float64()),
+                            ("resid_ridge", pa.float64())])
+RIDGE_CV_SCHEMA = pa.schema([("variant", pa.string()), ("layer", pa.int32()), ("rho", pa.float64()),
+                             ("split", pa.string()), ("rel_gain", pa.float64()), ("rank_z", pa.int32()),
+                             ("dof", pa.float64()), ("chosen", pa.bool_()), ("configured", pa.bool_()),
+                             ("applied", pa.bool_())])
 RHO_GRID = (0.25, 1.0, 6.0, 24.0)
 CV_SPLITS = ("in_sample", "lobo4", "even_odd")
 
@@ -120,71 +133,68 @@ def dequantized_matrix(arrays: dict[str, np.ndarray], name: str) -> np.ndarray:
     return kernels.dequantize(arrays[name], tensor_format(arrays, name), tuple(arrays[f"{name}.shape"]))
 
 
-def calibrate_model(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, params: CalibrateParams,
-                    log: Callable[[str], None] = print) -> None:
-    """Write healed tensors (`layer_<i>.npz`), `layer_metrics.parquet` and `ridge_cv.parquet`."""
+def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, params: CalibrateParams,
+                    layer: int) -> None:
+    """Write one layer's healed tensors (`layer_<layer>.npz`) and its rows of `layer_metrics.parquet`
+    and `ridge_cv.parquet`, from the quantize unit of the same layer (`quant_dir`) and that layer's
+    rows of the dumps."""
     out.mkdir(parents=True, exist_ok=True)
     splits = {"in_sample": cal, **({"unseen": unseen} if unseen is not None else {})}
     shared = source.hp.d_shexp > 0
     variant = params.variant
     metrics, cv_rows = [], []
-    for layer in progress(range(source.hp.n_layer), desc="calibrate", unit="layer"):
-        arrays = load_quantized(quant_dir, layer)
-        in_sample_rows = slice(0, params.cal_tokens or None)  # the rows quantization saw
-        groups = {s: read_layer(d[str(layer)], in_sample_rows if s == "in_sample" else slice(None))
-                  for s, d in splits.items()}
-        y_ref = {s: g["yr"] for s, g in groups.items()}  # (T, d) each
-        y_q = {s: _routed(dequantized_experts(arrays), g) for s, g in groups.items()}
-        alpha = fit_alpha(y_ref["in_sample"], y_q["in_sample"]) if params.alpha else 1.0
-        arrays["ffn_down_exps"] = scale_expert_scales(arrays, "ffn_down_exps", alpha, f"{variant}: layer {layer}")
-        y_healed = {s: _routed(dequantized_experts(arrays), g) for s, g in groups.items()}
+    arrays = load_quantized(quant_dir, layer)
+    in_sample_rows = slice(0, params.cal_tokens or None)  # the rows quantization saw
+    groups = {s: read_layer(d[str(layer)], in_sample_rows if s == "in_sample" else slice(None))
+              for s, d in splits.items()}
+    y_ref = {s: g["yr"] for s, g in groups.items()}  # (T, d) each
+    y_q = {s: _routed(dequantized_experts(arrays), g) for s, g in groups.items()}
+    alpha = fit_alpha(y_ref["in_sample"], y_q["in_sample"]) if params.alpha else 1.0
+    arrays["ffn_down_exps"] = scale_expert_scales(arrays, "ffn_down_exps", alpha, f"{variant}: layer {layer}")
+    y_healed = {s: _routed(dequantized_experts(arrays), g) for s, g in groups.items()}
 
-        shexp_delta = {s: np.zeros_like(y) for s, y in y_ref.items()}
-        if shared:
-            w_down = source.tensor(f"blk.{layer}.ffn_down_shexp.weight")  # (d, f)
-            z = {s: _gated_hidden(source, layer, g) for s, g in groups.items()}  # (T, f) the source's
-            z_q = {s: _gated_hidden(source, layer, g, arrays) for s, g in groups.items()}  # (T, f) as written
-            moved = {s: (z_q[s] - z[s]) @ w_down.T for s in groups}  # (T, d) what quantized gate/up change
-            target = y_ref["in_sample"] - moved["in_sample"]  # (T, d) what routed + ridge should give
-            residual = target - y_healed["in_sample"]  # (T, d)
-            rho, eta = params.ridge_rho, params.ridge_eta
-            gram, cross, _, _ = ridge_stats(z_q["in_sample"], residual)
-            rank = matrix_rank(gram)
-            grid_rows, best_rho, applied = ridge_cv_rows(z_q["in_sample"], target, y_q["in_sample"],
-                                                         gram, rank, rho, eta, refit_alpha=params.alpha)
-            cv_rows += [{"variant": variant, "layer": layer, **r} for r in grid_rows]
-            corrected = w_down + eta * solve_ridge(gram, cross, rho) if applied else w_down  # (d, f)
-            chosen = "ffn_down_shexp.format" in arrays  # a recipe chose its format (and quantized it)
-            if applied or not chosen:  # requantized by least squares (with its importance, if any)
-                fmt = tensor_format(arrays, "ffn_down_shexp") if chosen else params.shexp_down
-                arrays["ffn_down_shexp"] = kernels.quantize(corrected, fmt, arrays.get("ffn_down_shexp.importance"))
-                arrays["ffn_down_shexp.format"], arrays["ffn_down_shexp.shape"] = np.asarray(fmt), np.asarray(w_down.shape)
-            w_requant = dequantized_matrix(arrays, "ffn_down_shexp")  # (d, f)
-            shexp_delta = {s: z_q[s] @ w_requant.T - z[s] @ w_down.T for s in groups}  # (T, d)
-            if rho > 0:  # realized gain of the configured rho after requantization, per split
-                cv_rows += [{"variant": variant, "layer": layer, "rho": rho, "split": f"{s}_realized",
-                             "rel_gain": float(relative_residual(y_ref[s] - y_healed[s], shexp_delta[s]) - 1.0),
-                             "rank_z": int(rank), "dof": float(effective_dof(gram, rho)),
-                             "chosen": rho == best_rho, "configured": True, "applied": bool(applied)}
-                            for s in groups]
-        for s in groups:
-            oracle, resid_oracle = oracle_alpha(y_ref[s], y_q[s])
-            metrics.append({
-                "variant": variant, "layer": layer, "split": s,
-                "resid_alpha1": relative_residual(y_ref[s], y_q[s]),
-                "alpha": float(alpha),
-                "resid_alpha": relative_residual(y_ref[s], y_healed[s]),
-                "alpha_oracle": float(oracle),
-                "resid_oracle": resid_oracle,
-                "resid_ridge": relative_residual(y_ref[s], y_healed[s] + shexp_delta[s]),
-            })
-        np.savez(out / f"layer_{layer}.npz", **arrays, alpha=np.float32(alpha))
-    write_parquet(out / "layer_metrics.parquet", pa.Table.from_pylist(metrics))
-    cv_schema = pa.schema([("variant", pa.string()), ("layer", pa.int32()), ("rho", pa.float64()),
-                           ("split", pa.string()), ("rel_gain", pa.float64()), ("rank_z", pa.int32()),
-                           ("dof", pa.float64()), ("chosen", pa.bool_()), ("configured", pa.bool_()),
-                           ("applied", pa.bool_())])
-    write_parquet(out / "ridge_cv.parquet", pa.Table.from_pylist(cv_rows, schema=cv_schema))
+    shexp_delta = {s: np.zeros_like(y) for s, y in y_ref.items()}
+    if shared:
+        w_down = source.tensor(f"blk.{layer}.ffn_down_shexp.weight")  # (d, f)
+        z = {s: _gated_hidden(source, layer, g) for s, g in groups.items()}  # (T, f) the source's
+        z_q = {s: _gated_hidden(source, layer, g, arrays) for s, g in groups.items()}  # (T, f) as written
+        moved = {s: (z_q[s] - z[s]) @ w_down.T for s in groups}  # (T, d) what quantized gate/up change
+        target = y_ref["in_sample"] - moved["in_sample"]  # (T, d) what routed + ridge should give
+        residual = target - y_healed["in_sample"]  # (T, d)
+        rho, eta = params.ridge_rho, params.ridge_eta
+        gram, cross, _, _ = ridge_stats(z_q["in_sample"], residual)
+        rank = matrix_rank(gram)
+        grid_rows, best_rho, applied = ridge_cv_rows(z_q["in_sample"], target, y_q["in_sample"],
+                                                     gram, rank, rho, eta, refit_alpha=params.alpha)
+        cv_rows += [{"variant": variant, "layer": layer, **r} for r in grid_rows]
+        corrected = w_down + eta * solve_ridge(gram, cross, rho) if applied else w_down  # (d, f)
+        chosen = "ffn_down_shexp.format" in arrays  # a recipe chose its format (and quantized it)
+        if applied or not chosen:  # requantized by least squares (with its importance, if any)
+            fmt = tensor_format(arrays, "ffn_down_shexp") if chosen else params.shexp_down
+            arrays["ffn_down_shexp"] = kernels.quantize(corrected, fmt, arrays.get("ffn_down_shexp.importance"))
+            arrays["ffn_down_shexp.format"], arrays["ffn_down_shexp.shape"] = np.asarray(fmt), np.asarray(w_down.shape)
+        w_requant = dequantized_matrix(arrays, "ffn_down_shexp")  # (d, f)
+        shexp_delta = {s: z_q[s] @ w_requant.T - z[s] @ w_down.T for s in groups}  # (T, d)
+        if rho > 0:  # realized gain of the configured rho after requantization, per split
+            cv_rows += [{"variant": variant, "layer": layer, "rho": rho, "split": f"{s}_realized",
+                         "rel_gain": float(relative_residual(y_ref[s] - y_healed[s], shexp_delta[s]) - 1.0),
+                         "rank_z": int(rank), "dof": float(effective_dof(gram, rho)),
+                         "chosen": rho == best_rho, "configured": True, "applied": bool(applied)}
+                        for s in groups]
+    for s in groups:
+        oracle, resid_oracle = oracle_alpha(y_ref[s], y_q[s])
+        metrics.append({
+            "variant": variant, "layer": layer, "split": s,
+            "resid_alpha1": relative_residual(y_ref[s], y_q[s]),
+            "alpha": float(alpha),
+            "resid_alpha": relative_residual(y_ref[s], y_healed[s]),
+            "alpha_oracle": float(oracle),
+            "resid_oracle": resid_oracle,
+            "resid_ridge": relative_residual(y_ref[s], y_healed[s] + shexp_delta[s]),
+        })
+    np.savez(out / f"layer_{layer}.npz", **arrays, alpha=np.float32(alpha))
+    write_parquet(out / "layer_metrics.parquet", pa.Table.from_pylist(metrics, schema=METRICS_SCHEMA))
+    write_parquet(out / "ridge_cv.parquet", pa.Table.from_pylist(cv_rows, schema=RIDGE_CV_SCHEMA))
 
 
 def ridge_cv_rows(z: np.ndarray, y_ref: np.ndarray, y_q: np.ndarray, gram: np.ndarray, rank: int, rho: float,
@@ -213,15 +223,40 @@ def ridge_cv_rows(z: np.ndarray, y_ref: np.ndarray, y_q: np.ndarray, gram: np.nd
     return rows, best, applied
 
 
-def assemble_gguf(out: Path, source: GGUFModel, calibrated: Path, variant: str, params: dict[str, Any]) -> None:
+def layer_replacements(calibrated: Path, layer: int) -> dict[str, Deferred]:
+    """The tensors one calibrate unit replaces, keyed by GGUF name, each read only when written.
+
+    Only the small `.shape` and `.format` members are read here (an npz reads members one at a
+    time): the byte shape follows from the format's block geometry.
+    """
+    file = calibrated / f"layer_{layer}.npz"
+    with np.load(file) as data:
+        names = [key.removesuffix(".format") for key in data.files if key.endswith(".format")]
+        shapes = {name: tuple(int(n) for n in data[f"{name}.shape"]) for name in names}  # numpy order, weights
+        formats = {name: kernels.format_of(str(data[f"{name}.format"])) for name in names}
+    replace = {}
+    for name in names:
+        fmt, shape = formats[name], shapes[name]
+        byte_shape = (*shape[:-1], shape[-1] // fmt.block_size * fmt.type_size)  # (..., row bytes)
+        replace[f"blk.{layer}.{name}.weight"] = Deferred(byte_shape, fmt.ggml_type, _npz_member(file, name))
+    return replace
+
+
+def _npz_member(file: Path, name: str) -> Callable[[], np.ndarray]:
+    def read() -> np.ndarray:
+        with np.load(file) as data:
+            return data[name]
+    return read
+
+
+def assemble_gguf(out: Path, source: GGUFModel, calibrated: list[Path], variant: str, params: dict[str, Any]) -> None:
     """The healed model: the source GGUF with every tensor the variant quantized replaced, each in
     the format recorded beside it (routed experts, the shared down projection, any other role a
-    recipe chose); `moeheal.*` keys record the variant and its knobs."""
-    replace: dict[str, tuple[np.ndarray, GGMLQuantizationType]] = {}
-    for layer in range(source.hp.n_layer):
-        arrays = load_quantized(calibrated, layer)
-        for name in (key.removesuffix(".format") for key in arrays if key.endswith(".format")):
-            replace[f"blk.{layer}.{name}.weight"] = (arrays[name], kernels.format_of(tensor_format(arrays, name)).ggml_type)
+    recipe chose); `moeheal.*` keys record the variant and its knobs. `calibrated[i]` is layer i's
+    calibrate unit. Tensors are streamed: one replaced tensor is in memory at a time."""
+    replace: dict[str, Deferred] = {}
+    for layer, unit in enumerate(calibrated):
+        replace |= layer_replacements(unit, layer)
     copy_gguf(source, out, replace, extra_kv=[
         ("moeheal.variant", variant, None),
         ("moeheal.params", json.dumps(params, sort_keys=True), None),
@@ -230,13 +265,14 @@ def assemble_gguf(out: Path, source: GGUFModel, calibrated: Path, variant: str, 
 
 
 def build_calibrate(out: Path, source: Path, quant_dir: Path, cal_dump: Path, unseen_dump: Path | None,
-                    params: CalibrateParams, log: Callable[[str], None] = print) -> None:
-    """The calibrate stage: alpha and ridge for one variant's quantized experts, on the dumps."""
+                    params: CalibrateParams, layer: int) -> None:
+    """One unit of the calibrate stage: alpha and ridge for layer `layer` of one variant's quantized
+    experts (`quant_dir`, the quantize unit of that layer), on the dumps."""
     model = GGUFModel(source)
-    calibrate_model(out, model, quant_dir, open_dump(cal_dump, model.hp),
-                    open_dump(unseen_dump, model.hp) if unseen_dump is not None else None, params, log)
+    calibrate_layer(out, model, quant_dir, open_dump(cal_dump, model.hp),
+                    open_dump(unseen_dump, model.hp) if unseen_dump is not None else None, params, layer)
 
 
-def build_assembly(out: Path, source: Path, calibrated: Path, variant: str, params: dict[str, Any]) -> None:
-    """The assemble stage: the healed GGUF from the source and the calibrated tensors."""
+def build_assembly(out: Path, source: Path, calibrated: list[Path], variant: str, params: dict[str, Any]) -> None:
+    """The assemble stage: the healed GGUF from the source and every layer's calibrate unit."""
     assemble_gguf(out, GGUFModel(source), calibrated, variant, params)

@@ -27,13 +27,24 @@ Without importance (the `unhealed` baseline) every weight counts the same and
 the dump is not read at all. `cal_tokens` > 0 uses only the first rows of the
 dump (the trace interleaves strata document by document), so calibration
 length is a knob that variants of one config can differ in.
+
+The stage's unit is one (variant, layer): `build_quantize` quantizes one layer
+into `layer_<i>.npz`, reading only that layer's tensors from the source GGUF
+(a memory map) and that layer's rows of the dump. A killed run resumes at the
+first layer without an output, and a knob read by one layer's formats alone
+(a budget's recipe) recomputes only the layers whose formats it changed.
+Host memory per unit is bounded by one layer, whatever the model's depth:
+its three expert tensors dequantized to float32 (3 E f d x 4 bytes, 9.7 GB
+for E=128, f=1536, d=4096) and their block bytes, the layer's dumped rows it
+reads (T (2d + f + 2k) x 4 bytes at most: 0.6 GB for T=16384), and with GPTQ
+the per-expert Hessians (E (d^2 + f^2) x 4 bytes: 9.8 GB at those shapes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -43,11 +54,10 @@ from moeheal.kernels.gptq import damp_hessian
 from moeheal.pipeline import roles
 from moeheal.pipeline.files import read_part
 from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.progress import progress
 from moeheal.pipeline.stages.dump import open_dump, read_layer
 
 EXPERT_TENSORS = roles.ROUTED
-OUTPUTS = ("layer_<i>.npz",)  # per layer: each quantized tensor's block bytes, its shape and the importance used
+OUTPUTS = ("layer_<i>.npz",)  # the unit's layer: each quantized tensor's block bytes, its shape and the importance used
 
 
 @dataclass(frozen=True)
@@ -202,40 +212,38 @@ def quantize_matrices(source: GGUFModel, layer: int, formats: dict[str, str], du
     return arrays
 
 
-def layer_formats(params: QuantizeParams, n_layer: int, recipe: dict[tuple[int, str], str] | None
-                  ) -> list[dict[str, str]]:
-    """The format of every tensor quantized here, per layer: the routed ones in the variant's own
-    formats, or every role of its recipe (the routed ones and any others it chose)."""
+def layer_formats(params: QuantizeParams, layer: int, recipe: dict[tuple[int, str], str] | None
+                  ) -> dict[str, str]:
+    """The format of every tensor of `layer` quantized here: the routed ones in the variant's own
+    formats, or every role of its recipe in that layer (the routed ones and any others it chose)."""
     if recipe is None:
-        return [dict(params.quant) for _ in range(n_layer)]
-    return [{role: f for (lay, role), f in recipe.items() if lay == layer} for layer in range(n_layer)]
+        return dict(params.quant)
+    return {role: f for (lay, role), f in recipe.items() if lay == layer}
 
 
-def quantize_model(out: Path, source: GGUFModel, dump_root, params: QuantizeParams,
-                   log: Callable[[str], None] = print, recipe: dict[tuple[int, str], str] | None = None) -> None:
-    """Write `layer_<i>.npz` under `out`: each expert tensor's block bytes, format and the importance used.
+def quantize_layer(out: Path, source: GGUFModel, dump_root, params: QuantizeParams, layer: int,
+                   formats: dict[str, str]) -> None:
+    """Write `out/layer_<layer>.npz`: each quantized tensor's block bytes, format and the importance used.
 
-    `recipe` maps (layer, tensor) to a format (a budget variant's allocation); without it every
-    layer takes `params.quant`.
+    `formats` maps each tensor role of the layer to quantize (the routed experts, and whichever
+    other roles a recipe chose) to its format.
     """
     out.mkdir(parents=True, exist_ok=True)
-    formats = layer_formats(params, source.hp.n_layer, recipe)
-    for layer in progress(range(source.hp.n_layer), desc="quantize", unit="layer"):
-        weights = expert_weights(source, layer)
-        plan = importance_plan(weights, dump_root, layer, params)
-        arrays: dict[str, np.ndarray] = {}
-        for name, w in weights.items():
-            importance, hessians = plan[name]
-            fmt = formats[layer][name]
-            arrays[name] = kernels.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
-            arrays[f"{name}.shape"] = np.asarray(w.shape)
-            arrays[f"{name}.format"] = np.asarray(fmt)
-            if importance is not None:
-                arrays[f"{name}.importance"] = np.asarray(importance, np.float32)
-        others = {role: fmt for role, fmt in formats[layer].items() if role not in EXPERT_TENSORS}
-        if others:
-            arrays |= quantize_matrices(source, layer, others, dump_root, params)
-        np.savez(out / f"layer_{layer}.npz", **arrays)
+    weights = expert_weights(source, layer)
+    plan = importance_plan(weights, dump_root, layer, params)
+    arrays: dict[str, np.ndarray] = {}
+    for name, w in weights.items():
+        importance, hessians = plan[name]
+        fmt = formats[name]
+        arrays[name] = kernels.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
+        arrays[f"{name}.shape"] = np.asarray(w.shape)
+        arrays[f"{name}.format"] = np.asarray(fmt)
+        if importance is not None:
+            arrays[f"{name}.importance"] = np.asarray(importance, np.float32)
+    others = {role: fmt for role, fmt in formats.items() if role not in EXPERT_TENSORS}
+    if others:
+        arrays |= quantize_matrices(source, layer, others, dump_root, params)
+    np.savez(out / f"layer_{layer}.npz", **arrays)
 
 
 def read_recipe(allocation: Path) -> dict[tuple[int, str], str]:
@@ -286,10 +294,11 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
                   chunk_size=chunk_size)
 
 
-def build_quantize(out: Path, source: Path, dump: Path | None, params: QuantizeParams,
-                   log: Callable[[str], None] = print, recipe: Path | None = None) -> None:
-    """The quantize stage: the source's routed experts, with the calibration dump's statistics if any,
-    in the formats of the allocation stage's output `recipe` when given."""
+def build_quantize(out: Path, source: Path, dump: Path | None, params: QuantizeParams, layer: int,
+                   recipe: Path | None = None) -> None:
+    """One unit of the quantize stage: layer `layer` of the source's routed experts, with the
+    calibration dump's statistics if any, in the formats of the allocation stage's output `recipe`
+    when given."""
     model = GGUFModel(source)
-    quantize_model(out, model, open_dump(dump, model.hp) if dump is not None else None, params, log,
-                   read_recipe(recipe) if recipe is not None else None)
+    formats = layer_formats(params, layer, read_recipe(recipe) if recipe is not None else None)
+    quantize_layer(out, model, open_dump(dump, model.hp) if dump is not None else None, params, layer, formats)

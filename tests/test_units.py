@@ -1,0 +1,160 @@
+"""Quantize and calibrate per (variant, layer): resume at the layer reached, recompute only what a
+knob touches, and assemble the same GGUF the all-layers stages wrote."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFValueType, GGUFWriter
+
+from moeheal import kernels
+from moeheal.pipeline.config import load_config
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf_write import _WRITER_OWNED_KEYS, _add_kv
+from moeheal.pipeline.heal import HealRun
+from moeheal.pipeline.stages import quantize
+from tests.ggufs import make_tiny_gguf
+from tests.healworld import write_world
+
+N_LAYER = 3
+VARIANT = """
+[[variant]]
+name = "v1"
+ridge_rho = 6.0
+"""
+
+
+class Log(list):
+    def __call__(self, message: str) -> None:
+        self.append(message)
+
+    def computed(self) -> list[str]:
+        return sorted(m.split("]")[0][1:] for m in self if "computing" in m)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    """A three-layer world whose dumps are in its lake already (copies of it reuse them)."""
+    root = tmp_path_factory.mktemp("units")
+    model = make_tiny_gguf(root / "ref.gguf", arch="qwen2moe", seed=5, n_layer=N_LAYER, d_model=256, n_expert=8,
+                           k=2, matrix_type="q8_0", d_expert=256, d_shexp=256)
+    config = write_world(root, model=model, variants=VARIANT)
+    config.write_text(config.read_text().replace("tokens = 1024", "tokens = 512"))
+    run = HealRun(load_config(config), log=Log())
+    for trace in run.traces_present():
+        run.dump(trace)
+    return config
+
+
+def copy_world(config: Path, dest: Path) -> Path:
+    shutil.copytree(config.parent, dest, symlinks=True)  # the lake's links, dangling before a publish
+    return dest / config.name
+
+
+def statuses(config: Path) -> dict[str, str]:
+    return {p.stage: p.status for p in HealRun(load_config(config), plan=True).plan()}
+
+
+def units(stage: str, variant: str, layers=range(N_LAYER)) -> list[str]:
+    return [f"{stage}:{variant}:{layer}" for layer in layers]
+
+
+def test_plan_lists_every_layer_unit(world):
+    planned = statuses(world)
+    for variant in ("unhealed", "v1"):
+        for label in units("quantize", variant) + units("calibrate", variant) + [f"assemble:{variant}"]:
+            assert label in planned
+    assert "quantize:v1" not in planned and "calibrate:v1" not in planned
+
+
+def test_a_killed_quantize_resumes_at_the_layer_it_reached(world, tmp_path, monkeypatch):
+    """Killed in the build of layer 2: layers 0 and 1 stay in the lake, and the next run builds only
+    the units of layer 2 (and the assembly)."""
+    config = copy_world(world, tmp_path / "w")
+    real = quantize.quantize_layer
+    built: list[int] = []
+
+    def killed_at_layer_2(out, source, dump_root, params, layer, formats):
+        if layer == 2:
+            raise RuntimeError("killed")
+        built.append(layer)
+        real(out, source, dump_root, params, layer, formats)
+
+    monkeypatch.setattr(quantize, "quantize_layer", killed_at_layer_2)
+    run = HealRun(load_config(config), log=Log())
+    with pytest.raises(RuntimeError, match="killed"):
+        run.assemble(run.cfg.variants[0])
+    assert built == [0, 1]
+    planned = statuses(config)
+    assert [planned[u] for u in units("quantize", "v1")] == ["cached", "cached", "compute"]
+    assert [planned[u] for u in units("calibrate", "v1")] == ["cached", "cached", "compute"]
+    assert planned["assemble:v1"] == "compute"
+
+    def recorded(out, source, dump_root, params, layer, formats):
+        built.append(layer)
+        real(out, source, dump_root, params, layer, formats)
+
+    monkeypatch.setattr(quantize, "quantize_layer", recorded)
+    built.clear()
+    log = Log()
+    resumed = HealRun(load_config(config), log=log)
+    resumed.assemble(resumed.cfg.variants[0])
+    assert built == [2]
+    assert log.computed() == ["assemble:v1", "calibrate:v1:2", "quantize:v1:2"]
+
+
+def test_a_calibrate_knob_recomputes_calibrate_units_and_assembly_only(world, tmp_path):
+    config = copy_world(world, tmp_path / "w")
+    HealRun(load_config(config), log=Log()).assemble(load_config(config).variants[0])
+    config.write_text(config.read_text().replace("ridge_rho = 6.0", "ridge_rho = 1.0"))
+    planned = statuses(config)
+    assert all(planned[u] == "cached" for u in units("quantize", "v1"))
+    assert all(planned[u] == "compute" for u in units("calibrate", "v1"))
+    log = Log()
+    run = HealRun(load_config(config), log=log)
+    run.assemble(run.cfg.variants[0])
+    assert log.computed() == ["assemble:v1", *units("calibrate", "v1")]
+
+
+def reference_assembly(path: Path, source: GGUFModel, calibrated: list[Path], variant: str, knobs: dict) -> None:
+    """The assembly as the all-layers stage wrote it, independently of the streaming copy: every
+    replaced tensor loaded from the per-layer outputs at once and handed to gguf-py's in-memory
+    writer (add_tensor, then write_tensors_to_file)."""
+    extra = [("moeheal.variant", variant, None),
+             ("moeheal.params", json.dumps({"variant": variant, "knobs": knobs}, sort_keys=True), None),
+             ("moeheal.source_sha256", source.digest(), None)]
+    replaced = {}
+    for layer, unit in enumerate(calibrated):
+        with np.load(unit / f"layer_{layer}.npz") as data:
+            for name in (k.removesuffix(".format") for k in data.files if k.endswith(".format")):
+                fmt = kernels.format_of(str(data[f"{name}.format"]))
+                replaced[f"blk.{layer}.{name}.weight"] = (data[name], fmt.ggml_type)
+    writer = GGUFWriter(path, source.arch)
+    for key, field in source.metadata_fields().items():
+        if key not in _WRITER_OWNED_KEYS and key not in {k for k, _, _ in extra}:
+            sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+            _add_kv(writer, key, source.metadata(key), field.types[0], sub_type)
+    for key, value, vtype in extra:
+        _add_kv(writer, key, value, vtype)
+    for name in source.tensor_names:
+        data, ggml_type = replaced.get(name) or (source.raw(name).data, source.raw(name).ggml_type)
+        writer.add_tensor(name, data, raw_dtype=ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_assembly_is_byte_identical_to_an_all_at_once_assembly(world, tmp_path):
+    config = copy_world(world, tmp_path / "w")
+    run = HealRun(load_config(config), log=Log())
+    for variant in run.all_quantized_variants():
+        ours = run.assemble(variant).path
+        theirs = tmp_path / f"{variant.name}.gguf"
+        reference_assembly(theirs, run.source, [u.path for u in run.calibrated_layers(variant)], variant.name,
+                           variant.knobs())
+        assert ours.read_bytes() == theirs.read_bytes(), variant.name
