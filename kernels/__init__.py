@@ -5,27 +5,41 @@
 vmapped over experts and streamed in batches so memory stays bounded for large
 MoE layers. Work is cut into fixed-size chunks (the last one zero-padded), so
 each (format, chunk shape) compiles exactly once.
+
+Devices: ``quantize_experts`` runs on the accelerator, and with several local
+devices shards the expert axis over them: a 1-D mesh named ``expert`` over
+``jax.local_devices()`` (or the ``devices`` given), each device quantizing its
+share of every batch with the same program a single device runs on a batch of
+that size. Experts are independent, so no device talks to another and the
+bytes are those of a one-device run.
+
+Several hosts: start the same program on every host after
+``jax.distributed.initialize()``. The mesh holds only a host's local devices,
+so each host calls ``quantize_experts`` on its own share of the experts (or of
+the tensors) and writes its own bytes; there is no cross-host traffic to wait for.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moeheal.kernels import kquants  # noqa: F401  (registers q2_k .. q6_k in FORMATS)
 from moeheal.kernels import iquants  # noqa: F401  (registers iq2_xxs, iq2_xs, iq2_s, iq3_xxs)
 from moeheal.kernels.formats import FORMATS, BlockFormat, dequantize_blocks_jit, format_of
-from moeheal.kernels.gptq import damp_hessian, gptq_quantize
+from moeheal.kernels.gptq import damp_hessian, factorable, gptq_quantize
 
 __all__ = [
     "FORMATS",
     "bits_per_weight",
     "damp_hessian",
     "dequantize",
+    "expert_mesh",
     "format_of",
     "quantize",
     "quantize_experts",
@@ -34,6 +48,10 @@ __all__ = [
 # Weights per compiled call. The scale search keeps a handful of arrays the
 # size of the chunk alive, so this bounds peak memory to a few hundred MB.
 CHUNK_WEIGHTS = 1 << 22
+
+# The mesh axis that experts are sharded along.
+EXPERT_AXIS = "expert"
+NOT_POSITIVE_DEFINITE = "hessian: not positive definite (damp it with damp_hessian)"
 
 
 def bits_per_weight(fmt: str) -> float:
@@ -71,14 +89,55 @@ def _quantize_experts_jit(fmt: str, w: jax.Array, importance: jax.Array | None, 
     return jax.vmap(partial(_quantize_matrix, fmt))(w, importance, hessians)
 
 
-def _map_chunks(fn: Callable[..., jax.Array], chunk: int, *arrays: np.ndarray | None) -> np.ndarray:
+def _check_factorable(factorable_flags: np.ndarray) -> None:
+    """ValueError unless every Hessian's float32 factorisation succeeded on the device."""
+    if not np.all(factorable_flags):
+        raise ValueError(NOT_POSITIVE_DEFINITE)
+
+
+def _experts_batch(fmt: str, w: jax.Array, importance: jax.Array | None,
+                   hessians: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Bytes (e, rows, bytes) of a batch, and per expert whether its Hessian factors (e,) (True without one).
+
+    The check sits in the same program as the rounding, which factors the
+    same matrices, so XLA can share the factorisation between them, and it
+    costs no host work: the flags come back with the bytes.
+    """
+    raw = _quantize_experts_jit(fmt, w, importance, hessians)  # (e, rows, bytes)
+    if hessians is None:
+        return raw, jnp.ones(w.shape[:1], bool)  # (e,)
+    return raw, jax.vmap(factorable)(hessians)  # (e,)
+
+
+@partial(jax.jit, static_argnames=("fmt", "mesh"))
+def _experts_batch_jit(fmt: str, mesh: Mesh, w: jax.Array, importance: jax.Array | None,
+                       hessians: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """``_experts_batch`` on the mesh: each device runs it on its own experts, none talks to another."""
+    if mesh.size == 1:
+        return _experts_batch(fmt, w, importance, hessians)
+    # check_vma off: the kernels' loops start from constants, which the per-device type check would
+    # have to be told vary by device; nothing here crosses devices for it to guard
+    per_device = jax.shard_map(partial(_experts_batch, fmt), mesh=mesh, in_specs=PartitionSpec(EXPERT_AXIS),
+                               out_specs=PartitionSpec(EXPERT_AXIS), check_vma=False)
+    return per_device(w, importance, hessians)
+
+
+def expert_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """1-D mesh named ``expert`` over ``devices`` (default: this host's devices of the default backend)."""
+    return Mesh(np.array(jax.local_devices() if devices is None else list(devices)), (EXPERT_AXIS,))
+
+
+def _map_chunks(fn: Callable[..., Any], chunk: int, *arrays: np.ndarray | None,
+                sharding: jax.sharding.Sharding | None = None) -> Any:
     """Apply ``fn`` to equal leading-axis chunks of ``arrays`` and concatenate.
 
     The last chunk is zero-padded to the common length so every call has one
     shape (one compilation); padded results are dropped. None passes through.
+    ``fn`` may return a tuple of arrays, each concatenated on its own. With a
+    ``sharding``, each chunk is placed with it before the call (the caller
+    makes ``chunk`` a multiple of its device count).
     """
     n = next(a.shape[0] for a in arrays if a is not None)
-    chunk = max(1, min(chunk, n))
     outs = []
     for start in range(0, n, chunk):
         parts = []
@@ -90,9 +149,10 @@ def _map_chunks(fn: Callable[..., jax.Array], chunk: int, *arrays: np.ndarray | 
             if part.shape[0] < chunk:
                 pad = np.zeros((chunk - part.shape[0], *part.shape[1:]), part.dtype)
                 part = np.concatenate([part, pad])
-            parts.append(part)
-        outs.append(np.asarray(fn(*parts))[: min(chunk, n - start)])
-    return np.concatenate(outs)
+            parts.append(part if sharding is None else jax.device_put(part, sharding))
+        valid = min(chunk, n - start)
+        outs.append(jax.tree.map(lambda out: np.asarray(out)[:valid], fn(*parts)))  # noqa: B023
+    return jax.tree.map(lambda *chunks: np.concatenate(chunks), *outs)
 
 
 def _check_matrix(x: np.ndarray, cls: type[BlockFormat], what: str) -> None:
@@ -108,10 +168,6 @@ def _check_hessian(cls: type[BlockFormat], hessian: np.ndarray | None, cols: int
         raise ValueError(f"hessian: gptq rounding is defined for {', '.join(gptq)}, not {cls.name}")
     if hessian.shape != (*lead, cols, cols):
         raise ValueError(f"hessian: shape {hessian.shape}, expected {(*lead, cols, cols)}")
-    try:
-        np.linalg.cholesky(hessian.astype(np.float64))
-    except np.linalg.LinAlgError:
-        raise ValueError("hessian: not positive definite (damp it with damp_hessian)") from None
 
 
 def quantize(
@@ -143,7 +199,9 @@ def quantize(
     if hessian is not None:
         hessian = np.asarray(hessian, np.float32)
     _check_hessian(cls, hessian, cols, ())
-    chunk_rows = max(1, CHUNK_WEIGHTS // cols)
+    if hessian is not None:
+        _check_factorable(np.asarray(factorable(jnp.asarray(hessian))))
+    chunk_rows = max(1, min(CHUNK_WEIGHTS // cols, rows))
     return _map_chunks(lambda w: _quantize_rows_jit(fmt, w, importance, hessian), chunk_rows, x)  # (rows, bytes)
 
 
@@ -156,7 +214,7 @@ def dequantize(raw: np.ndarray, fmt: str, shape: tuple[int, ...]) -> np.ndarray:
     if shape[-1] % cls.block_size != 0 or raw.size != n_weights // cls.block_size * cls.type_size:
         raise ValueError(f"raw: {raw.size} bytes do not hold {cls.name} weights of shape {shape}")
     blocks = raw.reshape(-1, cls.type_size)  # (n, type_size)
-    chunk_blocks = max(1, CHUNK_WEIGHTS // cls.block_size)
+    chunk_blocks = max(1, min(CHUNK_WEIGHTS // cls.block_size, blocks.shape[0]))
     values = _map_chunks(lambda b: dequantize_blocks_jit(fmt, b), chunk_blocks, blocks)  # (n, B)
     return values.reshape(shape)
 
@@ -167,6 +225,7 @@ def quantize_experts(
     importance: np.ndarray | None = None,
     hessians: np.ndarray | None = None,
     batch_weights: int = CHUNK_WEIGHTS,
+    devices: Sequence[jax.Device] | None = None,
 ) -> np.ndarray:
     """Quantize a stack of experts: w [E, rows, cols] -> uint8 [E, rows, bytes].
 
@@ -174,7 +233,9 @@ def quantize_experts(
     hessians [E, cols, cols] (damped) select GPTQ rounding, with the
     importance (if given) weighting the scale searches. Experts are vmapped
     in batches of about ``batch_weights`` weights (raise it on a GPU), each
-    batch the same compiled program.
+    batch the same compiled program; with several ``devices`` (default: this
+    host's devices of the default backend) each takes one batch per step.
+    ValueError if a Hessian's float32 factorisation fails on the device.
     """
     cls = format_of(fmt)
     w = np.asarray(w, np.float32)
@@ -189,5 +250,13 @@ def quantize_experts(
     if hessians is not None:
         hessians = np.asarray(hessians, np.float32)
     _check_hessian(cls, hessians, cols, (n_expert,))
-    batch = max(1, batch_weights // (rows * cols))
-    return _map_chunks(partial(_quantize_experts_jit, fmt), batch, w, importance, hessians)  # (E, rows, bytes)
+    mesh = expert_mesh(devices)
+    # The per-device batch does not depend on the device count: device d of step s runs the batch a
+    # single device runs at step s * devices + d, same experts, same shape, same program, so the bytes
+    # cannot depend on the device count (a batch's shape can move near-ties on some backends).
+    per_device = max(1, min(batch_weights // (rows * cols), n_expert))
+    sharding = NamedSharding(mesh, PartitionSpec(EXPERT_AXIS))
+    raw, factorable_flags = _map_chunks(partial(_experts_batch_jit, fmt, mesh), per_device * mesh.size,
+                                        w, importance, hessians, sharding=sharding)  # (E, rows, bytes), (E,)
+    _check_factorable(factorable_flags)
+    return raw
