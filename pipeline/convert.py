@@ -1,8 +1,10 @@
-"""Export a transformers Qwen2-MoE / Qwen3-MoE model to GGUF, as llama.cpp's converter does.
+"""Export a transformers Qwen2-MoE / Qwen3-MoE / OLMoE model to GGUF, as llama.cpp's converter does.
 
 Tensor names, shapes and metadata keys follow llama.cpp's `convert_hf_to_gguf.py`
-(Qwen2MoeModel / Qwen3MoeModel), so that llama.cpp, transformers'
-`from_pretrained(..., gguf_file=...)` and `GGUFModel` all load the result.
+(Qwen2MoeModel / Qwen3MoeModel / OlmoeModel), so that llama.cpp, transformers'
+`from_pretrained(..., gguf_file=...)` (for the Qwen families) and `GGUFModel` all load the result.
+OLMoE's q/k norms span every head, so `attn_{q,k}_norm` are as wide as q and k; its experts are
+`intermediate_size` wide and, as llama.cpp's converter does, no `expert_feed_forward_length` is written.
 Per-expert matrices are stacked into `*_exps` tensors `[E, rows, cols]`.
 """
 
@@ -25,7 +27,7 @@ MATRIX_TYPES = {
     "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
     "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
 }
-ARCH_BY_MODEL_TYPE = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+ARCH_BY_MODEL_TYPE = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 
 # HF parameter suffix (after `model.layers.{i}.`) -> llama.cpp tensor short name.
 LAYER_NAMES = {
@@ -127,7 +129,7 @@ def _vocab_kv(tokenizer: Tokenizer, bos: int | None, eos: int | None, pad: int |
 
 
 def _hparams_kv(config, arch: str, file_type: LlamaFileType) -> list[KV]:
-    """The `<arch>.*` keys llama.cpp's converter writes for Qwen2-MoE / Qwen3-MoE."""
+    """The `<arch>.*` keys llama.cpp's converter writes for Qwen2-MoE / Qwen3-MoE / OLMoE."""
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
     rope_theta = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
     n_expert = getattr(config, "num_experts", None) or config.num_local_experts
@@ -145,8 +147,9 @@ def _hparams_kv(config, arch: str, file_type: LlamaFileType) -> list[KV]:
         (f"{arch}.attention.layer_norm_rms_epsilon", float(config.rms_norm_eps), f32),
         (f"{arch}.expert_count", n_expert, u32),
         (f"{arch}.expert_used_count", config.num_experts_per_tok, u32),
-        (f"{arch}.expert_feed_forward_length", config.moe_intermediate_size, u32),
     ]
+    if getattr(config, "moe_intermediate_size", None):
+        kv.append((f"{arch}.expert_feed_forward_length", config.moe_intermediate_size, u32))
     if getattr(config, "head_dim", None):
         kv += [(f"{arch}.attention.key_length", config.head_dim, u32),
                (f"{arch}.attention.value_length", config.head_dim, u32)]
@@ -161,7 +164,8 @@ def _special_id(tokenizer: Tokenizer, config_id: int | None, fallback: str) -> i
 
 def hf_to_gguf(hf_model, tokenizer: Tokenizer, out_path: str | os.PathLike[str], matrix_type: str = "q8_0",
                extra_kv: list[KV] | None = None) -> None:
-    """Write `hf_model` (Qwen2MoeForCausalLM / Qwen3MoeForCausalLM) and its tokenizer as one GGUF.
+    """Write `hf_model` (Qwen2MoeForCausalLM / Qwen3MoeForCausalLM / OlmoeForCausalLM) and its
+    tokenizer as one GGUF.
 
     Matrices go to `matrix_type` ("q8_0", "f16" or "f32"); norms, biases, the
     router and the shared-expert gate stay F32. BOS/EOS/PAD ids come from the

@@ -38,39 +38,9 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, Keys
 from gguf.quants import dequantize
 
+from moeheal.pipeline.arch import ARCHITECTURES, Architecture
+from moeheal.pipeline.arch.base import GLOBAL_TENSORS, OPTIONAL_GLOBAL_TENSORS
 from moeheal.pipeline.errors import InputError
-
-SUPPORTED_ARCHS = ("qwen2moe", "qwen3moe")
-
-# Router weights are renormalised over the chosen experts in llama.cpp's
-# qwen3moe graph and not in its qwen2moe graph; a file may say otherwise.
-DEFAULT_NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True}
-
-GLOBAL_TENSORS = ("token_embd.weight", "output_norm.weight")
-LAYER_TENSORS = (
-    "attn_norm.weight",
-    "attn_q.weight",
-    "attn_k.weight",
-    "attn_v.weight",
-    "attn_output.weight",
-    "ffn_norm.weight",
-    "ffn_gate_inp.weight",
-    "ffn_gate_exps.weight",
-    "ffn_up_exps.weight",
-    "ffn_down_exps.weight",
-)
-ARCH_LAYER_TENSORS = {
-    "qwen2moe": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
-    "qwen3moe": ("attn_q_norm.weight", "attn_k_norm.weight"),
-}
-SHEXP_TENSORS = (
-    "ffn_gate_inp_shexp.weight",
-    "ffn_gate_shexp.weight",
-    "ffn_up_shexp.weight",
-    "ffn_down_shexp.weight",
-)
-OPTIONAL_TENSORS = ("output.weight",)  # absent when the output projection is tied to token_embd
-
 
 @dataclass(frozen=True)
 class HParams:
@@ -376,7 +346,7 @@ class GGUFModel:
         if n_split > 1:
             self._add_shards(n_split)
         self.arch = self._read_arch()
-        _check_key_names(keys, self.arch, self.name)
+        _check_key_names(keys, self.arch.name, self.name)
         self._check_arch_keys(keys)
         self._check_tensor_types()
         self._check_tensor_names()
@@ -428,19 +398,20 @@ class GGUFModel:
                              f"{expected[split.LLM_KV_SPLIT_TENSORS_COUNT]}, but the {n_split} shards hold "
                              f"{len(self._tensors)} tensors")
 
-    def _read_arch(self) -> str:
+    def _read_arch(self) -> Architecture:
+        """The family `general.architecture` names; any other name is the input's error."""
         arch = self.metadata("general.architecture")
-        if arch not in SUPPORTED_ARCHS:
+        if arch not in ARCHITECTURES:
             raise InputError(
                 f"{self.name}: general.architecture: unsupported architecture {arch!r} "
-                f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+                f"(supported: {', '.join(sorted(ARCHITECTURES))})"
             )
-        return arch
+        return ARCHITECTURES[arch]
 
     def _check_arch_keys(self, keys: dict[str, GGUFValueType]) -> None:
         """Types as llama.cpp reads them (it refuses a wrong type), presence, finite values in range."""
         for suffix, (vtype, required, lo, hi) in ARCH_KEYS.items():
-            key = f"{self.arch}.{suffix}"
+            key = f"{self.arch.name}.{suffix}"
             if key not in keys:
                 if required:
                     raise InputError(f"{self.name}: key {key}: missing")
@@ -461,20 +432,19 @@ class GGUFModel:
     def _check_tensor_names(self) -> None:
         """Every tensor the architecture needs is present and no other is: llama.cpp refuses
         unused tensors too, and a corrupted name shows up as one missing plus one unknown."""
-        n_layer = int(self.metadata(f"{self.arch}.block_count"))
-        has_shexp = "blk.0.ffn_up_shexp.weight" in self._tensors
-        per_layer = LAYER_TENSORS + ARCH_LAYER_TENSORS[self.arch] + (SHEXP_TENSORS if has_shexp else ())
-        required = list(GLOBAL_TENSORS) + [f"blk.{i}.{short}" for i in range(n_layer) for short in per_layer]
+        n_layer = int(self.metadata(f"{self.arch.name}.block_count"))
+        required = list(GLOBAL_TENSORS) + [f"blk.{i}.{short}" for i in range(n_layer)
+                                           for short in self.arch.layer_tensors(i)]
         for name in required:
             if name not in self._tensors:
                 raise InputError(f"{self.name}: tensor {name}: missing")
-        allowed = set(required) | set(OPTIONAL_TENSORS)
+        allowed = set(required) | set(OPTIONAL_GLOBAL_TENSORS)
         for name in self._tensors:
             if name not in allowed:
                 raise InputError(f"{self.name}: tensor {name}: not a tensor of a {n_layer}-layer {self.arch} model")
 
     def _read_hparams(self) -> HParams:
-        a = self.arch
+        a = self.arch.name
         embd_shape = self._shape("token_embd.weight")  # (V, d)
         gate_exps = self._shape("blk.0.ffn_gate_exps.weight")  # (E, f, d)
         n_head = int(self._required_key(f"{a}.attention.head_count"))
@@ -506,20 +476,19 @@ class GGUFModel:
             rope_theta=float(self.metadata(f"{a}.rope.freq_base", 10000.0)),
             rms_eps=float(self._required_key(f"{a}.attention.layer_norm_rms_epsilon")),
             vocab_size=int(embd_shape[0]),
-            norm_topk_prob=bool(self.metadata(norm_key, DEFAULT_NORM_TOPK_PROB[a])),
+            norm_topk_prob=bool(self.metadata(norm_key, self.arch.routing.norm_topk_default)),
             context_length=int(self._required_key(f"{a}.context_length")),
         )
 
     def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Each tensor's shape as the hyperparameters imply it (NumPy order)."""
-        hp, a = self.hp, self.arch
+        hp, a = self.hp, self.arch.name
         d, V, E, f, fs = hp.d_model, hp.vocab_size, hp.n_expert, hp.d_expert, hp.d_shexp
         q, k = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
         v = hp.n_head_kv * int(self.metadata(f"{a}.attention.value_length", hp.head_dim))
         layer = {
             "attn_norm.weight": (d,), "attn_q.weight": (q, d), "attn_k.weight": (k, d), "attn_v.weight": (v, d),
-            "attn_output.weight": (d, hp.n_head * v // hp.n_head_kv), "attn_q.bias": (q,), "attn_k.bias": (k,),
-            "attn_v.bias": (v,), "attn_q_norm.weight": (hp.head_dim,), "attn_k_norm.weight": (hp.head_dim,),
+            "attn_output.weight": (d, hp.n_head * v // hp.n_head_kv), **self.arch.attention_extra_shapes(hp),
             "ffn_norm.weight": (d,), "ffn_gate_inp.weight": (E, d), "ffn_gate_exps.weight": (E, f, d),
             "ffn_up_exps.weight": (E, f, d), "ffn_down_exps.weight": (E, d, f),
             "ffn_gate_inp_shexp.weight": (d,), "ffn_gate_shexp.weight": (fs, d), "ffn_up_shexp.weight": (fs, d),
@@ -532,7 +501,7 @@ class GGUFModel:
 
     def _check_shapes(self) -> None:
         """Every tensor agrees with the keys: a corrupted dimension or key cannot reach the runner."""
-        a = self.arch
+        a = self.arch.name
         for key, value in ((f"{a}.expert_feed_forward_length", self.hp.d_expert),
                            (f"{a}.expert_shared_feed_forward_length", self.hp.d_shexp)):
             if self.metadata(key, value) != value:
@@ -552,7 +521,8 @@ class GGUFModel:
 
     @property
     def has_shared_expert(self) -> bool:
-        return "blk.0.ffn_up_shexp.weight" in self._tensors
+        """Whether the family runs a shared expert beside the routed ones (its tensors are then required)."""
+        return self.arch.has_shared_expert
 
     @property
     def tensor_names(self) -> list[str]:

@@ -165,7 +165,7 @@ def copy_gguf(src: GGUFModel, path: str | os.PathLike[str],
         return raw.data, raw.ggml_type
 
     with _atomic_path(Path(path)) as tmp:
-        writer = GGUFWriter(tmp, src.arch)
+        writer = GGUFWriter(tmp, src.arch.name)
         for key, field in src.metadata_fields().items():
             if key in _WRITER_OWNED_KEYS or key in extra_keys:
                 continue

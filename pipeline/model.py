@@ -1,4 +1,4 @@
-"""Qwen2-MoE / Qwen3-MoE decoder layers in JAX, float32, as llama.cpp computes them.
+"""The building blocks of our MoE decoder layers in JAX, float32, as llama.cpp computes them.
 
 Pure functions of arrays: `params` is one layer's tensors keyed by their GGUF
 short names (`attn_q.weight`, `ffn_gate_exps.weight`, ...), as
@@ -6,11 +6,8 @@ short names (`attn_q.weight`, `ffn_gate_exps.weight`, ...), as
 `x @ W.T` everywhere. Every matmul asks for full float32 precision, so a GPU
 does not silently drop to TF32.
 
-A layer is
-    h_attn = h + Attention(RMSNorm(h))
-    mixed  = RMSNorm(h_attn)                                  (the MoE input)
-    h_out  = h_attn + sum_k w_k * Expert_{e_k}(mixed) + sigmoid(g . mixed) * Shared(mixed)
-with softmax-then-top-k routing and SwiGLU experts.
+How a family puts them together (its q/k projections and norms, routing,
+shared expert) is in its own file under `pipeline.arch`.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from moeheal.pipeline.gguf_model import HParams
 
 HIGHEST = jax.lax.Precision.HIGHEST
 einsum = partial(jnp.einsum, precision=HIGHEST)
@@ -40,7 +36,7 @@ def rope_tables(n_pos: int, head_dim: int, theta: float) -> tuple[jax.Array, jax
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """NEOX-style rotary embedding (llama.cpp's rope type for qwen2/qwen3): rotate the two halves.
+    """NEOX-style rotary embedding (llama.cpp's rope type for qwen2moe, qwen3moe, olmoe): rotate the two halves.
 
     x (B, T, H, hd); dimension i pairs with i + hd/2.
     """
@@ -50,52 +46,26 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)  # (B, T, H, hd)
 
 
-def _project(params: dict, name: str, x: jax.Array) -> jax.Array:
+def linear(params: dict, name: str, x: jax.Array) -> jax.Array:
     """x (..., d_in) @ W.T (+ bias when the layer has one) -> (..., d_out)."""
     y = einsum("...i,oi->...o", x, params[f"{name}.weight"])  # (..., d_out)
     bias = params.get(f"{name}.bias")
     return y if bias is None else y + bias
 
 
-def attention_heads(params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, hp: HParams) -> jax.Array:
-    """Causal grouped-query self-attention up to the heads' concatenated outputs, the input of
-    `attn_output`. x (B, T, d) normed input -> (B, T, H*hd)."""
-    B, T, _ = x.shape
-    H, Hkv, hd = hp.n_head, hp.n_head_kv, hp.head_dim
-    G = H // Hkv  # query heads per KV head
-    q = _project(params, "attn_q", x).reshape(B, T, H, hd)  # (B, T, H, hd)
-    k = _project(params, "attn_k", x).reshape(B, T, Hkv, hd)  # (B, T, Hkv, hd)
-    v = _project(params, "attn_v", x).reshape(B, T, Hkv, hd)  # (B, T, Hkv, hd)
-    if "attn_q_norm.weight" in params:  # qwen3moe: RMSNorm per head before RoPE
-        q = rms_norm(q, params["attn_q_norm.weight"], hp.rms_eps)  # (B, T, H, hd)
-        k = rms_norm(k, params["attn_k_norm.weight"], hp.rms_eps)  # (B, T, Hkv, hd)
-    q = apply_rope(q, cos, sin).reshape(B, T, Hkv, G, hd)  # (B, T, Hkv, G, hd); head h = kv * G + g
-    k = apply_rope(k, cos, sin)  # (B, T, Hkv, hd)
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal grouped-query softmax attention of rotated heads, concatenated.
+
+    q (B, T, H, hd), k and v (B, T, Hkv, hd) -> (B, T, H*hd); query head h reads KV head h // (H/Hkv).
+    """
+    B, T, H, hd = q.shape
+    Hkv = k.shape[2]
+    q = q.reshape(B, T, Hkv, H // Hkv, hd)  # (B, T, Hkv, G, hd); head h = kv * G + g
     scores = einsum("btkgh,bskh->bkgts", q, k) / jnp.sqrt(jnp.float32(hd))  # (B, Hkv, G, T, T)
     causal = jnp.tril(jnp.ones((T, T), dtype=bool))  # (T, T): query t sees keys s <= t
     scores = jnp.where(causal, scores, -jnp.inf)  # (B, Hkv, G, T, T)
     probs = jax.nn.softmax(scores, axis=-1)  # (B, Hkv, G, T, T)
     return einsum("bkgts,bskh->btkgh", probs, v).reshape(B, T, H * hd)  # (B, T, H*hd)
-
-
-def attention(params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, hp: HParams) -> jax.Array:
-    """Causal grouped-query self-attention. x (B, T, d) normed input -> (B, T, d)."""
-    return _project(params, "attn_output", attention_heads(params, x, cos, sin, hp))  # (B, T, d)
-
-
-@partial(jax.jit, static_argnames="hp")
-def attention_block(params: dict, h: jax.Array, cos: jax.Array, sin: jax.Array,
-                    hp: HParams) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Residual attention, then the MoE input and router logits.
-
-    h (B, T, d) -> h_attn (B, T, d), attn_in (B, T, d) the attention's normed input,
-    mixed (B, T, d), router_logits (B, T, E).
-    """
-    attn_in = rms_norm(h, params["attn_norm.weight"], hp.rms_eps)  # (B, T, d)
-    h_attn = h + attention(params, attn_in, cos, sin, hp)  # (B, T, d)
-    mixed = rms_norm(h_attn, params["ffn_norm.weight"], hp.rms_eps)  # (B, T, d)
-    router_logits = einsum("btd,ed->bte", mixed, params["ffn_gate_inp.weight"])  # (B, T, E)
-    return h_attn, attn_in, mixed, router_logits
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
@@ -182,35 +152,13 @@ def moe_forward(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weig
     return yr[:N]  # (N, d)
 
 
-@jax.jit
-def shared_expert_forward(params: dict, mixed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Shared expert: (out (N, d), hh (N, f_s) = silu(gate)*up, gate (N,) = sigmoid(g . mixed)).
-
-    Without a shared expert: out zeros, hh (N, 0), gate ones.
-    """
-    N, d = mixed.shape
-    if "ffn_up_shexp.weight" not in params:
-        return jnp.zeros((N, d), jnp.float32), jnp.zeros((N, 0), jnp.float32), jnp.ones((N,), jnp.float32)
+def sigmoid_gated_shared_expert(params: dict, mixed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Shared expert behind a sigmoid gate (Qwen2-MoE's): mixed (N, d) -> out (N, d),
+    hh (N, f_s) = silu(gate)*up, gate (N,) = sigmoid(g . mixed)."""
     hh = swiglu(mixed, params["ffn_gate_shexp.weight"], params["ffn_up_shexp.weight"])  # (N, f_s)
     gate = jax.nn.sigmoid(einsum("nd,d->n", mixed, params["ffn_gate_inp_shexp.weight"]))  # (N,)
     out = einsum("nf,df->nd", hh, params["ffn_down_shexp.weight"]) * gate[:, None]  # (N, d)
     return out, hh, gate
-
-
-@jax.jit
-def moe_block(params: dict, h_attn: jax.Array, mixed: jax.Array, experts: jax.Array,
-              weights: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The layer's MoE half from given routing.
-
-    h_attn, mixed (B, T, d); experts, weights (B, T, k) ->
-    h_out (B, T, d), yr (B, T, d), hh (B, T, f_s), shexp_gate (B, T).
-    """
-    B, T, d = mixed.shape
-    flat = mixed.reshape(B * T, d)  # (N, d)
-    yr = moe_forward(params, flat, experts.reshape(B * T, -1), weights.reshape(B * T, -1))  # (N, d)
-    shared, hh, gate = shared_expert_forward(params, flat)  # (N, d), (N, f_s), (N,)
-    h_out = h_attn + (yr + shared).reshape(B, T, d)  # (B, T, d)
-    return h_out, yr.reshape(B, T, d), hh.reshape(B, T, -1), gate.reshape(B, T)
 
 
 @partial(jax.jit, static_argnames="eps")

@@ -19,13 +19,12 @@ sequence at a time from position 0, as the dump ran it.
 from __future__ import annotations
 
 import re
-from functools import partial
 
-import jax
 import numpy as np
 
 from moeheal.kernels.importance import gate_up_importance
 from moeheal.pipeline import model as M
+from moeheal.pipeline.arch import Architecture
 from moeheal.pipeline.gguf_model import HParams
 
 ROUTED = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -64,16 +63,6 @@ def clip_sequences(sequences: Sequences, rows: slice) -> Sequences:
     return [(s, min(e, stop)) for s, e in sequences if s < stop]
 
 
-@partial(jax.jit, static_argnames="hp")
-def _attention(params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, hp: HParams) -> jax.Array:
-    return M.attention(params, x, cos, sin, hp)  # (B, T, d)
-
-
-@partial(jax.jit, static_argnames="hp")
-def _heads(params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, hp: HParams) -> jax.Array:
-    return M.attention_heads(params, x, cos, sin, hp)  # (B, T, H*hd)
-
-
 def _per_sequence(fn, params: dict, attn_in: np.ndarray, sequences: Sequences, hp: HParams) -> np.ndarray:
     """fn (B, T, d) -> (B, T, n) over every sequence of attn_in (N, d), sequences of one length batched."""
     out = None
@@ -99,14 +88,14 @@ def shared_params(params: dict) -> dict:
 
 
 def matrix_input(role: str, params: dict, data: dict[str, np.ndarray], sequences: Sequences,
-                 hp: HParams) -> np.ndarray:
+                 hp: HParams, arch: Architecture) -> np.ndarray:
     """The activations (N, cols) a non-routed role's matrix multiplies, over the dumped rows."""
     if role in ("ffn_gate_shexp", "ffn_up_shexp"):
         return data["mixed"]
     if role == "ffn_down_shexp":
         return data["hh"]
     if role == "attn_output":
-        return _per_sequence(_heads, attention_params(params), data["attn_in"], sequences, hp)  # (N, H*hd)
+        return _per_sequence(arch.attention_heads, attention_params(params), data["attn_in"], sequences, hp)  # (N, H*hd)
     return data["attn_in"]
 
 
@@ -117,14 +106,14 @@ def matrix_importance(role: str, x: np.ndarray, beta_gate_up: float, beta_down: 
 
 
 def output_change(role: str, w_q: np.ndarray, params: dict, data: dict[str, np.ndarray], sequences: Sequences,
-                  hp: HParams) -> np.ndarray:
+                  hp: HParams, arch: Architecture) -> np.ndarray:
     """(N, d): the block output with `role`'s matrix replaced by w_q, minus the source's."""
     replaced = {**params, f"{role}.weight": w_q}
     if role in SHARED:
-        ref, _, _ = M.shared_expert_forward(shared_params(params), data["mixed"])  # (N, d)
-        new, _, _ = M.shared_expert_forward(shared_params(replaced), data["mixed"])  # (N, d)
+        ref, _, _ = arch.shared_expert_forward(shared_params(params), data["mixed"])  # (N, d)
+        new, _, _ = arch.shared_expert_forward(shared_params(replaced), data["mixed"])  # (N, d)
         return np.asarray(new) - np.asarray(ref)
     attn = attention_params(params)
-    ref = _per_sequence(_attention, attn, data["attn_in"], sequences, hp)  # (N, d)
-    new = _per_sequence(_attention, attention_params(replaced), data["attn_in"], sequences, hp)  # (N, d)
+    ref = _per_sequence(arch.attention, attn, data["attn_in"], sequences, hp)  # (N, d)
+    new = _per_sequence(arch.attention, attention_params(replaced), data["attn_in"], sequences, hp)  # (N, d)
     return new - ref

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
-from moeheal.kernels.moce import topk_route
 from moeheal.pipeline import model as M
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import GGUFModel
@@ -60,6 +59,7 @@ class Runner:
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self.hp = model.hp
+        self.arch = model.arch  # the family's attention, routing and shared expert
         self.overrides = {name: np.asarray(w, np.float32) for name, w in (overrides or {}).items()}
         for name, w in self.overrides.items():
             if name not in model.tensor_names:
@@ -118,9 +118,9 @@ class Runner:
 
     def _routing(self, layer: int, router_logits: jnp.ndarray,
                  routing_hook: RoutingHook | None) -> tuple[jnp.ndarray, jnp.ndarray]:
-        """Default softmax/top-k routing, or the hook's choice (checked)."""
+        """The family's top-k routing, or the hook's choice (checked)."""
         if routing_hook is None:
-            return topk_route(router_logits, self.hp.n_expert_used, self.hp.norm_topk_prob)
+            return self.arch.route(router_logits, self.hp.n_expert_used, self.hp.norm_topk_prob)
         experts, weights = routing_hook(layer, np.asarray(router_logits))
         experts, weights = np.asarray(experts), np.asarray(weights, np.float32)
         want = router_logits.shape[:2]
@@ -137,7 +137,7 @@ class Runner:
 
         With `capture`, `on_layer(layer, LayerCapture)` is called after every layer.
         `routing_hook(layer, router_logits)` returns `(experts, weights)` (B, T, k) that
-        replace softmax/top-k routing.
+        replace the family's top-k routing.
         """
         tokens = self._check_tokens(tokens)
         hp = self.hp
@@ -145,9 +145,9 @@ class Runner:
         h = self.embed(tokens)  # (B, T, d)
         for i in range(hp.n_layer):
             params = self.layer_params(i)  # the only layer resident
-            h_attn, attn_in, mixed, router_logits = M.attention_block(params, h, cos, sin, hp)  # (B,T,d) x3, (B,T,E)
+            h_attn, attn_in, mixed, router_logits = self.arch.attention_block(params, h, cos, sin, hp)  # (B,T,d) x3, (B,T,E)
             experts, weights = self._routing(i, router_logits, routing_hook)  # (B, T, k) each
-            h, yr, hh, gate = M.moe_block(params, h_attn, mixed, experts, weights)  # (B,T,d) x2, (B,T,f_s), (B,T)
+            h, yr, hh, gate = self.arch.moe_block(params, h_attn, mixed, experts, weights)  # (B,T,d) x2, (B,T,f_s), (B,T)
             if capture and on_layer is not None:
                 on_layer(i, LayerCapture(
                     attn_in=np.asarray(attn_in), mixed=np.asarray(mixed), router_logits=np.asarray(router_logits),

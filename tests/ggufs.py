@@ -61,7 +61,8 @@ def train_tiny_bpe(vocab_size: int = 400, seed: int = 0) -> Tokenizer:
 def tiny_hf_model(arch: str, vocab_size: int, seed: int, n_layer: int = 2, d_model: int = 64,
                   n_expert: int = 8, k: int = 2, rope_theta: float = 1e6, d_expert: int = 32, d_shexp: int = 64):
     """A seeded random transformers MoE model, float32, eval mode."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=96, moe_intermediate_size=d_expert,
@@ -74,6 +75,11 @@ def tiny_hf_model(arch: str, vocab_size: int, seed: int, n_layer: int = 2, d_mod
     elif arch == "qwen3moe":
         config = Qwen3MoeConfig(head_dim=16, norm_topk_prob=True, **common)
         model = Qwen3MoeForCausalLM(config)
+    elif arch == "olmoe":  # experts are `intermediate_size` wide; llama.cpp wants as many KV heads as heads
+        olmoe = {**common, "intermediate_size": d_expert, "num_key_value_heads": 4}
+        del olmoe["moe_intermediate_size"]
+        config = OlmoeConfig(norm_topk_prob=False, **olmoe)
+        model = OlmoeForCausalLM(config)
     else:
         raise ValueError(arch)
     # Norm weights initialise to ones; randomise them so a swapped norm would show.

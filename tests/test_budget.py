@@ -190,7 +190,7 @@ def test_attention_sensitivity_is_the_attention_output_change(budget_world):
     quantize with the importance of the role's calibration inputs, the change of the attention
     output over the unseen dump's sequences, over the layer's ||yr||^2."""
     from moeheal.kernels.importance import gate_up_importance
-    from moeheal.pipeline.model import attention, rope_tables
+    from moeheal.pipeline.model import rope_tables
     from moeheal.pipeline.stages.dump import open_dump
 
     _, run = budget_world
@@ -205,8 +205,9 @@ def test_attention_sensitivity_is_the_attention_output_change(budget_world):
     starts = list(unseen.attrs["seq_starts"]) + [x.shape[0]]
     for s, e in zip(starts, starts[1:]):
         cos, sin = rope_tables(e - s, hp.head_dim, hp.rope_theta)
-        ref = np.asarray(attention(params, x[None, s:e], cos, sin, hp), np.float64)
-        new = np.asarray(attention({**params, "attn_v.weight": w_q}, x[None, s:e], cos, sin, hp), np.float64)
+        ref = np.asarray(run.source.arch.attention(params, x[None, s:e], cos, sin, hp), np.float64)
+        new = np.asarray(run.source.arch.attention({**params, "attn_v.weight": w_q}, x[None, s:e], cos, sin, hp),
+                         np.float64)
         change += float(np.sum((new - ref) ** 2))
     expected = change / float(np.sum(np.square(unseen["1"]["yr"][:], dtype=np.float64)))
     row = next(r for r in measured(run, "b_all") if (r["layer"], r["role"], r["format"]) == (1, "attn_v", "q2_k"))

@@ -56,7 +56,7 @@ def test_unsupported_arch(tmp_path):
 def test_missing_required_tensor(tiny_qwen3moe, tmp_path):
     src = GGUFModel(tiny_qwen3moe)
     path = tmp_path / "no-router.gguf"
-    write_gguf(path, src.arch, _all_kv(src), _all_tensors_except(src, "blk.1.ffn_gate_inp.weight"))
+    write_gguf(path, src.arch.name, _all_kv(src), _all_tensors_except(src, "blk.1.ffn_gate_inp.weight"))
     with pytest.raises(InputError, match=r"no-router\.gguf: tensor blk\.1\.ffn_gate_inp\.weight: missing"):
         GGUFModel(path)
 
@@ -72,7 +72,7 @@ def test_tensor_type_gguf_py_cannot_dequantize(tiny_qwen3moe, tmp_path):
 
 def test_hparams_match_the_exported_config(tiny_qwen2moe, tiny_qwen3moe):
     q2, q3 = GGUFModel(tiny_qwen2moe), GGUFModel(tiny_qwen3moe)
-    assert (q2.arch, q3.arch) == ("qwen2moe", "qwen3moe")
+    assert (q2.arch.name, q3.arch.name) == ("qwen2moe", "qwen3moe")
     for hp in (q2.hp, q3.hp):
         assert (hp.n_layer, hp.d_model, hp.n_head, hp.n_head_kv, hp.head_dim) == (2, 64, 4, 2, 16)
         assert (hp.n_expert, hp.n_expert_used, hp.d_expert, hp.rope_theta) == (8, 2, 32, 1e6)

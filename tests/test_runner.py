@@ -211,7 +211,7 @@ def test_tied_embeddings_without_output_tensor(tiny_qwen3moe, tmp_path):
     path = tmp_path / "tied.gguf"
     kv = [(key, src.metadata(key), field.types[-1]) for key, field in src.metadata_fields().items()
           if not key.startswith("GGUF.") and key != "general.architecture"]  # every key keeps its type
-    write_gguf(path, src.arch, kv, ((n, src.raw(n).data, src.raw(n).ggml_type)
+    write_gguf(path, src.arch.name, kv, ((n, src.raw(n).data, src.raw(n).ggml_type)
                                     for n in src.tensor_names if n != "output.weight"))
     model = GGUFModel(path)
     tokens = tokens_for(model, length=16)

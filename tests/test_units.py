@@ -133,7 +133,7 @@ def reference_assembly(path: Path, source: GGUFModel, calibrated: list[Path], va
             for name in (k.removesuffix(".format") for k in data.files if k.endswith(".format")):
                 fmt = kernels.format_of(str(data[f"{name}.format"]))
                 replaced[f"blk.{layer}.{name}.weight"] = (data[name], fmt.ggml_type)
-    writer = GGUFWriter(path, source.arch)
+    writer = GGUFWriter(path, source.arch.name)
     for key, field in source.metadata_fields().items():
         if key not in _WRITER_OWNED_KEYS and key not in {k for k, _, _ in extra}:
             sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None

@@ -140,7 +140,7 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
     rows of the dumps."""
     out.mkdir(parents=True, exist_ok=True)
     splits = {"in_sample": cal, **({"unseen": unseen} if unseen is not None else {})}
-    shared = source.hp.d_shexp > 0
+    shared = source.arch.has_shared_expert  # the ridge runs through the shared down projection
     variant = params.variant
     metrics, cv_rows = [], []
     arrays = load_quantized(quant_dir, layer)

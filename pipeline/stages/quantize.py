@@ -165,12 +165,12 @@ def layer_matrices(model: GGUFModel, layer: int) -> dict[str, np.ndarray]:
 
 
 def matrix_plan(role: str, matrices: dict[str, np.ndarray], data: dict[str, np.ndarray] | None,
-                sequences: roles.Sequences, hp, params: QuantizeParams) -> tuple[np.ndarray | None, np.ndarray | None]:
+                sequences: roles.Sequences, hp, arch, params: QuantizeParams) -> tuple[np.ndarray | None, np.ndarray | None]:
     """(importance (cols,), damped hessian (cols, cols) or None) of a non-routed role's matrix from
     the calibration rows `data`, or (None, None) without importance."""
     if data is None:
         return None, None
-    x = roles.matrix_input(role, matrices, data, sequences, hp)  # (N, cols)
+    x = roles.matrix_input(role, matrices, data, sequences, hp, arch)  # (N, cols)
     importance = roles.matrix_importance(role, x, params.beta_gate_up, params.beta_down)  # (cols,)
     if params.round != "gptq":
         return importance, None
@@ -200,7 +200,7 @@ def quantize_matrices(source: GGUFModel, layer: int, formats: dict[str, str], du
     for role, fmt in formats.items():
         w = matrices[f"{role}.weight"]  # (rows, cols)
         stored = source.raw(f"blk.{layer}.{role}.weight")
-        importance, hessian = matrix_plan(role, matrices, data, seqs, source.hp, params)
+        importance, hessian = matrix_plan(role, matrices, data, seqs, source.hp, source.arch, params)
         if stored.ggml_type.name.lower() == fmt:  # kept as the source stores it: its bytes, exactly
             arrays[role] = np.array(stored.data)  # (rows, bytes)
         else:
@@ -270,14 +270,14 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
     from moeheal.pipeline.imatrix import write_imatrix
 
     stats: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    others = (roles.SHARED if source.hp.d_shexp > 0 else ()) + (roles.ATTENTION if "attn_in" in dump_root.arrays else ())
+    others = (roles.SHARED if source.arch.has_shared_expert else ()) + (roles.ATTENTION if "attn_in" in dump_root.arrays else ())
     for layer in range(source.hp.n_layer):
         if others:
             matrices = layer_matrices(source, layer)
             data = read_layer(dump_root[str(layer)], slice(None), roles.dump_arrays(others))
             seqs = dump_root.sequences("imatrix") if "attn_in" in data else []
             for role in others:
-                x = roles.matrix_input(role, matrices, data, seqs, source.hp)  # (T, cols)
+                x = roles.matrix_input(role, matrices, data, seqs, source.hp, source.arch)  # (T, cols)
                 stats[f"blk.{layer}.{role}.weight"] = (np.sum(np.square(x, dtype=np.float64), axis=0).astype(np.float32),
                                                        np.asarray([x.shape[0]], np.float32))
         group = dump_root[str(layer)]

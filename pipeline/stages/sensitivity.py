@@ -138,14 +138,14 @@ def _matrix_rows(source: GGUFModel, layer: int, role: str, matrices: dict[str, n
     qp, hp = params.quantize, source.hp
     w = matrices[f"{role}.weight"]  # (rows, cols)
     importance, hessian = matrix_plan(role, matrices, data["in_sample"] if qp.importance else None,
-                                      seqs["in_sample"], hp, qp)
+                                      seqs["in_sample"], hp, source.arch, qp)
     scale = {s: float(np.sum(np.square(d["yr"], dtype=np.float64))) for s, d in data.items()}
     stored, _, stored_bytes = source.tensor_sizes()[f"blk.{layer}.{role}.weight"]
     rows = []
     for fmt in params.formats:
         raw = kernels.quantize(w, fmt, importance, hessian)  # (rows, bytes)
         w_q = kernels.dequantize(raw, fmt, w.shape)  # (rows, cols)
-        errors = {s: float(np.sum(np.square(roles.output_change(role, w_q, matrices, d, seqs[s], hp),
+        errors = {s: float(np.sum(np.square(roles.output_change(role, w_q, matrices, d, seqs[s], hp, source.arch),
                                             dtype=np.float64)) / scale[s]) for s, d in data.items()}
         rows.append(_row(layer, role, fmt, int(w.size), raw.nbytes, errors, None))
     kept = stored.name.lower()

@@ -1,0 +1,172 @@
+"""What a model family is to the pipeline, and the registry of the families we run.
+
+Every family we support is a pre-norm decoder whose feed-forward half is a
+Mixture of Experts:
+
+    h_attn = h + Attention(RMSNorm(h))
+    mixed  = RMSNorm(h_attn)                                   (the MoE input)
+    h_out  = h_attn + sum_k w_k * Expert_{e_k}(mixed) + Shared(mixed)
+
+with SwiGLU experts stored stacked (`ffn_{gate,up,down}_exps`). Families
+differ in how attention projects and normalises q/k (biases, per-head or
+whole-vector RMSNorm), in routing (softmax or sigmoid scores, renormalised
+top-k or not) and in whether a shared expert runs beside the routed ones.
+An `Architecture` says exactly those things, by its llama.cpp name
+(`general.architecture`), so the file reader, the runner and the stages ask
+it instead of guessing from tensor names. A family is one file next to this
+one; `ARCHITECTURES` finds it by name.
+
+Methods that run on arrays are jitted with the architecture (a singleton,
+hashed by identity) and `hp` static, so each family traces its own graph.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moeheal.kernels.moce import topk_route
+from moeheal.pipeline import model as M
+
+if TYPE_CHECKING:
+    from moeheal.pipeline.gguf_model import HParams
+
+GLOBAL_TENSORS = ("token_embd.weight", "output_norm.weight")
+OPTIONAL_GLOBAL_TENSORS = ("output.weight",)  # absent when the output projection is tied to token_embd
+ATTENTION_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
+MOE_TENSORS = ("ffn_norm.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
+               "ffn_down_exps.weight")
+SHARED_EXPERT_TENSORS = ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
+                         "ffn_down_shexp.weight")
+
+SharedExpert = Literal["none", "sigmoid_gated"]
+
+
+class Routing(NamedTuple):
+    """How router logits become (experts, weights): scores by `score`, the k best kept, their
+    weights renormalised to sum 1 when the file's `expert_weights_norm` says so, else by default."""
+
+    score: Literal["softmax", "sigmoid"]
+    norm_topk_default: bool
+
+
+class Architecture:
+    """One MoE family. Subclasses set the class attributes and `project_qkv`; the rest is shared."""
+
+    name: ClassVar[str]  # llama.cpp's `general.architecture`, also the prefix of its keys
+    routing: ClassVar[Routing]
+    shared_expert: ClassVar[SharedExpert]
+    attention_extra_tensors: ClassVar[tuple[str, ...]] = ()  # per-layer tensors beyond ATTENTION_TENSORS
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"<architecture {self.name}>"
+
+    # ---- what the file holds ----------------------------------------------
+
+    @property
+    def has_shared_expert(self) -> bool:
+        """Whether a shared expert runs beside the routed ones; healing fits a ridge through it."""
+        return self.shared_expert != "none"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s feed-forward half is a Mixture of Experts (every layer in our families)."""
+        return True
+
+    def layer_tensors(self, layer: int) -> tuple[str, ...]:
+        """Short names of the tensors `blk.{layer}` must hold, and no others."""
+        ffn = MOE_TENSORS + (SHARED_EXPERT_TENSORS if self.has_shared_expert else ())
+        return ATTENTION_TENSORS + self.attention_extra_tensors + (ffn if self.is_moe_layer(layer) else ())
+
+    def attention_extra_shapes(self, hp: HParams) -> dict[str, tuple[int, ...]]:
+        """NumPy shapes of `attention_extra_tensors`, as the hyperparameters imply them."""
+        return {}
+
+    # ---- attention --------------------------------------------------------
+
+    def project_qkv(self, params: dict, x: jax.Array,
+                    hp: HParams) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x (B, T, d) normed input -> q (B, T, H, hd), k (B, T, Hkv, hd), v (B, T, Hkv, hd), before RoPE."""
+        raise NotImplementedError
+
+    @partial(jax.jit, static_argnames=("self", "hp"))
+    def attention_heads(self, params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, hp: HParams) -> jax.Array:
+        """Causal grouped-query self-attention up to the heads' concatenated outputs, the input of
+        `attn_output`. x (B, T, d) normed input -> (B, T, H*hd)."""
+        q, k, v = self.project_qkv(params, x, hp)  # (B, T, H, hd), (B, T, Hkv, hd) x2
+        q, k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)  # NEOX rotation, shapes kept
+        return M.causal_attention(q, k, v)  # (B, T, H*hd)
+
+    @partial(jax.jit, static_argnames=("self", "hp"))
+    def attention(self, params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, hp: HParams) -> jax.Array:
+        """Causal self-attention with its output projection. x (B, T, d) normed input -> (B, T, d)."""
+        return M.linear(params, "attn_output", self.attention_heads(params, x, cos, sin, hp))  # (B, T, d)
+
+    @partial(jax.jit, static_argnames=("self", "hp"))
+    def attention_block(self, params: dict, h: jax.Array, cos: jax.Array, sin: jax.Array,
+                        hp: HParams) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """Residual attention, then the MoE input and router logits.
+
+        h (B, T, d) -> h_attn (B, T, d), attn_in (B, T, d) the attention's normed input,
+        mixed (B, T, d), router_logits (B, T, E).
+        """
+        attn_in = M.rms_norm(h, params["attn_norm.weight"], hp.rms_eps)  # (B, T, d)
+        h_attn = h + self.attention(params, attn_in, cos, sin, hp)  # (B, T, d)
+        mixed = M.rms_norm(h_attn, params["ffn_norm.weight"], hp.rms_eps)  # (B, T, d)
+        router_logits = M.einsum("btd,ed->bte", mixed, params["ffn_gate_inp.weight"])  # (B, T, E)
+        return h_attn, attn_in, mixed, router_logits
+
+    # ---- routing and experts ----------------------------------------------
+
+    def route(self, router_logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+        """router_logits (..., E) -> experts (..., k) int32, weights (..., k)."""
+        if self.routing.score == "softmax":
+            return topk_route(router_logits, k, norm_topk_prob)
+        return sigmoid_topk_route(router_logits, k, norm_topk_prob)
+
+    @partial(jax.jit, static_argnames="self")
+    def shared_expert_forward(self, params: dict, mixed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The shared expert on mixed (N, d): out (N, d), hh (N, f_s) its hidden silu(gate)*up,
+        gate (N,) its sigmoid gate. Without one: out zeros, hh (N, 0), gate ones."""
+        if self.shared_expert == "sigmoid_gated":
+            return M.sigmoid_gated_shared_expert(params, mixed)
+        N, d = mixed.shape
+        return jnp.zeros((N, d), jnp.float32), jnp.zeros((N, 0), jnp.float32), jnp.ones((N,), jnp.float32)
+
+    @partial(jax.jit, static_argnames="self")
+    def moe_block(self, params: dict, h_attn: jax.Array, mixed: jax.Array, experts: jax.Array,
+                  weights: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """The layer's MoE half from given routing.
+
+        h_attn, mixed (B, T, d); experts, weights (B, T, k) ->
+        h_out (B, T, d), yr (B, T, d) routed output, hh (B, T, f_s), shexp_gate (B, T).
+        """
+        B, T, d = mixed.shape
+        flat = mixed.reshape(B * T, d)  # (N, d)
+        yr = M.moe_forward(params, flat, experts.reshape(B * T, -1), weights.reshape(B * T, -1))  # (N, d)
+        shared, hh, gate = self.shared_expert_forward(params, flat)  # (N, d), (N, f_s), (N,)
+        h_out = h_attn + (yr + shared).reshape(B, T, d)  # (B, T, d)
+        return h_out, yr.reshape(B, T, d), hh.reshape(B, T, -1), gate.reshape(B, T)
+
+
+def sigmoid_topk_route(router_logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """Sigmoid scores, the k highest, optionally renormalised: (..., E) -> experts (..., k), weights (..., k)."""
+    scores = jax.nn.sigmoid(router_logits)  # (..., E)
+    weights, experts = jax.lax.top_k(scores, k)  # (..., k) each
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)  # (..., k)
+    return experts.astype(jnp.int32), weights
+
+
+ARCHITECTURES: dict[str, Architecture] = {}
+
+
+def register(family: type[Architecture]) -> type[Architecture]:
+    """Add one instance of `family` to `ARCHITECTURES` under its llama.cpp name."""
+    ARCHITECTURES[family.name] = family()
+    return family
