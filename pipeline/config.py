@@ -15,6 +15,7 @@ from typing import Any
 
 from moeheal.kernels import FORMATS
 from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.stages.dump import DUMP_DTYPES
 
 ROUNDINGS = ("ls", "gptq")
 # `budget_roles`: which tensors a `budget_bpw` covers and the allocation chooses formats for: "routed"
@@ -131,6 +132,7 @@ class Config:
     moce_reps: int = 2
     compare: tuple[tuple[str, str], ...] = ()  # `[eval] compare`: pairs beyond the ladder's
     imported_dumps: dict[str, Path] = field(default_factory=dict)  # trace -> spec of an outside dump
+    dump_dtype: str = "float32"  # `[calibration] dump_dtype`: how the dumps store mixed, yr, hh, attn_in
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -142,8 +144,8 @@ _SCHEMA: dict[str, set[str]] = {
     "lake": {"root"},
     "model": {"reference", "source"},
     "corpus": {"docs", "split"},
-    "calibration": {"tokens", "seq_tokens", "mix", "unseen_tokens", "seed", "dump_chunk_tokens", "import_dump",
-                    "import_unseen_dump"},
+    "calibration": {"tokens", "seq_tokens", "mix", "unseen_tokens", "seed", "dump_chunk_tokens", "dump_dtype",
+                    "import_dump", "import_unseen_dump"},
     "eval": {"windows", "generate", "ngram", "bootstrap", "seed", "compare"},
     "eval.generate": {"eval_per_stratum", "canary_per_stratum", "ctx_tokens", "scored_tokens"},
     "moce": {"bonus", "cache_experts", "reps"},
@@ -390,6 +392,7 @@ def load_config(path: str | Path) -> Config:
         unseen_tokens=cal.number("unseen_tokens", int, 8192, 0, 1 << 26),
         cal_seed=cal.number("seed", int, 0, 0),
         dump_chunk_tokens=cal.number("dump_chunk_tokens", int, 4 * seq_tokens, 1, 1 << 26),
+        dump_dtype=cal.choice("dump_dtype", DUMP_DTYPES, "float32"),
         windows=windows,
         window_generation=generation,
         ngram=ev.number("ngram", int, 16, 2, 1024),

@@ -203,9 +203,12 @@ class HealRun:
         attention = self.attention_inputs()
         if attention:  # only then: other configs' dumps keep their fingerprints
             params["attention_inputs"] = True
+        if cfg.dump_dtype != "float32":  # likewise
+            params["dump_dtype"] = cfg.dump_dtype
         return self._stage(f"dump:{trace}", DUMP, params, {"reference": cfg.reference}, up,
                            lambda out: dump.build_dump(out, cfg.reference, up["traces"].path, trace,
-                                                       cfg.dump_chunk_tokens, cfg.seq_tokens, self.log, attention))
+                                                       cfg.dump_chunk_tokens, cfg.seq_tokens, self.log, attention,
+                                                       cfg.dump_dtype))
 
     def attention_inputs(self) -> bool:
         """Whether some variant's recipe chooses attention formats, so the dumps need attn_in."""

@@ -115,3 +115,11 @@ def test_windows_file_or_generation_not_both(tmp_path):
     typo = generated.replace("ctx_tokens = 32", "ctx = 32")
     with pytest.raises(InputError, match=r"\[eval.generate\] ctx: unknown key"):
         load_config(write_config(tmp_path, text=typo))
+
+
+def test_dump_dtype_defaults_to_float32_and_names_a_bad_value(tmp_path):
+    assert load_config(write_config(tmp_path)).dump_dtype == "float32"
+    with_bf16 = BASE.format(extra="").replace("[calibration]\n", '[calibration]\ndump_dtype = "bfloat16"\n')
+    assert load_config(write_config(tmp_path, text=with_bf16)).dump_dtype == "bfloat16"
+    with pytest.raises(InputError, match="dump_dtype.*'float16' is not one of float32, bfloat16"):
+        load_config(write_config(tmp_path, text=with_bf16.replace("bfloat16", "float16")))

@@ -1,12 +1,15 @@
-"""Quantize and calibrate per (variant, layer): resume at the layer reached, recompute only what a
-knob touches, and assemble the same GGUF the all-layers stages wrote."""
+"""Real sizes. Quantize and calibrate per (variant, layer): resume at the layer reached, recompute
+only what a knob touches, and assemble the same GGUF the all-layers stages wrote. Dumps in
+bfloat16: read back exactly as the float32 dump rounded, and healing from them moves little."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from gguf import GGUFValueType, GGUFWriter
@@ -17,6 +20,7 @@ from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.gguf_write import _WRITER_OWNED_KEYS, _add_kv
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.stages import quantize
+from moeheal.pipeline.stages.dump import ARRAYS, open_dump
 from tests.ggufs import make_tiny_gguf
 from tests.healworld import write_world
 
@@ -158,3 +162,55 @@ def test_assembly_is_byte_identical_to_an_all_at_once_assembly(world, tmp_path):
         reference_assembly(theirs, run.source, [u.path for u in run.calibrated_layers(variant)], variant.name,
                            variant.knobs())
         assert ours.read_bytes() == theirs.read_bytes(), variant.name
+
+
+# ---- bfloat16 dumps -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bf16_world(world, tmp_path_factory) -> Path:
+    """The world with `dump_dtype = "bfloat16"`, its lake holding the float32 dumps beside."""
+    config = copy_world(world, tmp_path_factory.mktemp("bf16") / "w")
+    config.write_text(config.read_text().replace("seed = 0\n[eval]", 'seed = 0\ndump_dtype = "bfloat16"\n[eval]', 1))
+    return config
+
+
+def test_a_bfloat16_dump_reads_back_as_the_float32_dump_rounded(bf16_world):
+    bf_config = load_config(bf16_world)
+    assert bf_config.dump_dtype == "bfloat16"
+    plain = dataclasses.replace(bf_config, dump_dtype="float32")
+    for trace in ("calibration", "unseen"):
+        bf_dump = HealRun(bf_config, log=Log()).dump(trace)
+        f32_dump = HealRun(plain, log=Log()).dump(trace)
+        assert bf_dump.fingerprint != f32_dump.fingerprint and f32_dump.cached
+        bf, f32 = open_dump(bf_dump.path), open_dump(f32_dump.path)
+        for layer in map(str, range(N_LAYER)):
+            for name in ARRAYS:
+                theirs = f32[layer][name][:]
+                expected = theirs.astype(ml_dtypes.bfloat16).astype(np.float32) if name in ("mixed", "yr", "hh") \
+                    else theirs  # routing is stored exactly
+                ours = bf[layer][name][:]
+                assert ours.dtype == theirs.dtype
+                np.testing.assert_array_equal(ours, expected, err_msg=f"{trace} {layer} {name}")
+
+
+def test_healing_from_a_bfloat16_dump_moves_the_residuals_little(bf16_world):
+    """Every residual of layer_metrics within a relative 2^-9 of the float32 dump's.
+
+    bfloat16 keeps 8 significant bits: each dumped activation moves by at most
+    2^-9 of itself (round to nearest even). A residual is a ratio of squared
+    norms over T x d terms, and unbiased rounding errors average out across
+    them, so it moves far less than one element does (measured here: at most
+    8e-5 relative, over both variants, three layers and both splits); one unit
+    roundoff, 2^-9 = 0.2%, is then a bound with a 25x margin that no healing
+    change of substance stays inside. That the values are not all equal shows
+    the second run really read the bfloat16 dump.
+    """
+    config = load_config(bf16_world)
+    tables = {}
+    for cfg in (config, dataclasses.replace(config, dump_dtype="float32")):
+        run = HealRun(cfg, log=Log())
+        tables[cfg.dump_dtype] = run.calibrated_table(list(run.all_quantized_variants()), "layer_metrics").to_pylist()
+    keys = ("resid_alpha1", "resid_alpha", "resid_oracle", "resid_ridge")
+    pairs = [(bf[key], f32[key]) for bf, f32 in zip(tables["bfloat16"], tables["float32"], strict=True) for key in keys]
+    assert all(bf == pytest.approx(f32, rel=2.0**-9) for bf, f32 in pairs)
+    assert any(bf != f32 for bf, f32 in pairs)
