@@ -132,8 +132,10 @@ class Runner:
         return jnp.asarray(experts, jnp.int32), jnp.asarray(weights)
 
     def forward(self, tokens: np.ndarray, capture: bool = False, routing_hook: RoutingHook | None = None,
-                on_layer: LayerCallback | None = None) -> np.ndarray:
-        """Logits (B, T, V) float32 for sequences that each start at position 0.
+                on_layer: LayerCallback | None = None, logits: bool = True) -> np.ndarray | None:
+        """Logits (B, T, V) float32 for sequences that each start at position 0 (None with
+        `logits=False`: a dump wants the layers' activations only, and a real vocabulary's output
+        projection costs as much as several layers).
 
         With `capture`, `on_layer(layer, LayerCapture)` is called after every layer.
         `routing_hook(layer, router_logits)` returns `(experts, weights)` (B, T, k) that
@@ -154,7 +156,7 @@ class Runner:
                     experts=np.asarray(experts, np.int32), weights=np.asarray(weights, np.float32),
                     yr=np.asarray(yr), hh=np.asarray(hh), shexp_gate=np.asarray(gate)))
             del params
-        return self.logits(h)
+        return self.logits(h) if logits else None
 
     def logits(self, h: jnp.ndarray) -> np.ndarray:
         """Final norm and output projection, h (B, T, d) -> (B, T, V), a chunk of vocabulary rows at a time."""

@@ -182,7 +182,7 @@ def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: st
                     if values.dtype.kind == "f":
                         _check_finite(name, layer, values, s)
                     buffers[(layer, name)].append(to_stored(values, widths[name][1]))
-            runner.forward(tokens[None, s:e], capture=True, on_layer=on_layer)
+            runner.forward(tokens[None, s:e], capture=True, on_layer=on_layer, logits=False)
         routing_rows = []
         for (layer, name), arr in arrays.items():
             block = np.concatenate(buffers[(layer, name)], axis=0)  # (hi - lo, width)
