@@ -100,7 +100,7 @@ class HealRun:
         for variant in self.cfg.healed_variants:
             chosen = self.chosen_roles(variant)
             pairs = [(t, f) for f in variant.candidate_formats() for t in chosen]
-            if src_hp.d_shexp > 0 and "ffn_down_shexp" not in chosen:
+            if self.source.arch.has_shared_expert and "ffn_down_shexp" not in chosen:
                 pairs.append(("ffn_down_shexp", variant.shexp_down))
             for tensor, fmt in pairs:
                 block, columns = kernels.format_of(fmt).block_size, roles.input_columns(tensor, src_hp)
@@ -236,7 +236,7 @@ class HealRun:
 
     def sensitivity(self, variant: Variant) -> StageResult:
         """Per (layer, role, candidate format): bytes and the routed-output error on the unseen dump."""
-        params = sensitivity.SensitivityParams.of(variant, self.source.hp)
+        params = sensitivity.SensitivityParams.of(variant, self.source.arch)
         up = {"dump": self.dump("calibration"), "unseen": self.dump("unseen")}
         return self._stage(f"sensitivity:{variant.name}", SENSITIVITY, params, {"source": self.cfg.source}, up,
                            lambda out: sensitivity.build_sensitivity(out, self.cfg.source, up["dump"].path,
@@ -244,7 +244,7 @@ class HealRun:
 
     def chosen_roles(self, variant: Variant) -> tuple[str, ...]:
         """The roles whose formats the variant sets: a budget's chosen roles, else the routed ones."""
-        return roles.chosen_roles(variant.budget_roles, self.source.hp) if variant.budgeted else roles.ROUTED
+        return roles.chosen_roles(variant.budget_roles, self.source.arch) if variant.budgeted else roles.ROUTED
 
     def budget_fixed(self, variant: Variant) -> tuple[int, int]:
         """(weights, bytes) the budget counts beyond the tensors it chooses: none for "routed"; for
@@ -252,7 +252,7 @@ class HealRun:
         if variant.budget_roles == "routed":
             return 0, 0
         return sensitivity.fixed_size(self.source, self.chosen_roles(variant),
-                                      variant.shexp_down if self.source.hp.d_shexp > 0 else None)
+                                      variant.shexp_down if self.source.arch.has_shared_expert else None)
 
     def allocation(self, variant: Variant) -> StageResult:
         """The recipe of a budget variant: one format per (layer, role) under its budget."""
@@ -285,7 +285,7 @@ class HealRun:
 
     def calibrate(self, variant: Variant, layer: int) -> StageResult:
         """The (variant, layer) unit of healing: alpha and ridge on the quantize unit of the same layer."""
-        params = calibrate.CalibrateParams.of(variant, shared_expert=self.source.hp.d_shexp > 0)
+        params = calibrate.CalibrateParams.of(variant, shared_expert=self.source.arch.has_shared_expert)
         up = {"quantized": self.quantize(variant, layer), "dump": self.dump("calibration")}
         if self.cfg.unseen_tokens:
             up["unseen"] = self.dump("unseen")
@@ -499,7 +499,7 @@ class HealRun:
             names = ", ".join(v.name for v in self.cfg.healed_variants) or "none"
             raise InputError(f"{self.cfg.path}: --variant {name!r}: not a quantized variant of this config "
                              f"(those: {names})")
-        shexp = variant.shexp_down if self.source.hp.d_shexp > 0 else None
+        shexp = variant.shexp_down if self.source.arch.has_shared_expert else None
         return llama_quantize_command(self.recipe_formats(variant), self.source,
                                       out or Path(f"{variant.name}-llama.gguf"), shexp,
                                       imatrix if variant.importance else None, binary)

@@ -38,12 +38,12 @@ ROUTED_TENSOR = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
 Sequences = list[tuple[int, int]]  # (first row, end row) of each sequence in a run of dumped rows
 
 
-def chosen_roles(budget_roles: str, hp: HParams) -> tuple[str, ...]:
+def chosen_roles(budget_roles: str, arch: Architecture) -> tuple[str, ...]:
     """The roles a budget chooses formats for: "routed" the routed experts; "all" also the shared
-    expert (where the model has one) and attention. Embeddings, output, norms and routers stay."""
+    expert (where the family has one) and attention. Embeddings, output, norms and routers stay."""
     if budget_roles == "routed":
         return ROUTED
-    return ROUTED + (SHARED if hp.d_shexp > 0 else ()) + ATTENTION
+    return ROUTED + (SHARED if arch.has_shared_expert else ()) + ATTENTION
 
 
 def dump_arrays(roles: tuple[str, ...]) -> tuple[str, ...]:

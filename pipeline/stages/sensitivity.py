@@ -78,9 +78,9 @@ class SensitivityParams:
     quantize: QuantizeParams
 
     @classmethod
-    def of(cls, variant, hp) -> "SensitivityParams":
+    def of(cls, variant, arch) -> "SensitivityParams":
         measured = replace(variant, round=variant.measured_round)
-        return cls(formats=tuple(variant.candidates), roles=roles.chosen_roles(variant.budget_roles, hp),
+        return cls(formats=tuple(variant.candidates), roles=roles.chosen_roles(variant.budget_roles, arch),
                    alpha=variant.alpha, quantize=QuantizeParams.knobs_of(measured, None))
 
 
