@@ -1,0 +1,185 @@
+"""The whole pipeline on a real-shape synthetic model: `moeheal heal`, stage by stage, timed.
+
+    python bench/bench_real_size.py --like qwen3-30b-a3b --layers 2 [--tokens 4096] [--work DIR]
+
+Writes `moeheal synth --like ... --layers N` (random heavy-tailed weights with the
+real tensor shapes: figures for time and memory, never for quality), a config
+over the demo's corpus, split and a few of its windows (the synthetic vocabulary starts
+with the demo's, so the demo text tokenizes the same), and runs every stage:
+corpus, traces, dumps of the calibration and unseen traces, quantize and
+calibrate per (variant, layer), assembly, reference logits, evaluation,
+comparisons. Two variants: `ls_q2_k` (Q2_K, importance, least squares,
+alpha and ridge) and `gptq_iq2_xxs` (IQ2_XXS, importance, GPTQ, alpha and
+ridge; ridge only where the model has a shared expert).
+
+Printed: each stage invocation's wall time (from its start to the next
+stage's start, so a unit's reading of its inputs is in it), the sums per
+stage kind, per layer for the per-layer units, the same scaled to the real
+model's layer count (labelled as extrapolated: the units of different layers
+do the same work on the same shapes), the process's peak host memory
+(ru_maxrss) and the device's peak memory (JAX's `peak_bytes_in_use`, where
+the backend reports it). The baseline in the same run is the synth step
+(writing the model), so the ratios say how heal time compares with the cost
+of merely producing the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import resource
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+
+from moeheal.pipeline.config import load_config
+from moeheal.pipeline.heal import HealRun
+from moeheal.pipeline.synth import LIKE, write_synth
+
+DEMO = Path(__file__).resolve().parent.parent / "demo"
+STAGE_LINE = re.compile(r"^\[(?P<label>[^\]]+)\] (?P<what>computing|cache hit) ")
+
+
+def write_windows(work: Path, per_stratum: int) -> Path:
+    """The demo's first `per_stratum` eval windows and first canary window of every stratum: a real
+    vocabulary's logits make each window costly, and timing needs few."""
+    with open(DEMO / "windows.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    kept, seen = [], defaultdict(int)
+    for row in rows:
+        key = (row["stratum"], row["set"])
+        if seen[key] < (per_stratum if row["set"] == "eval" else 1):
+            seen[key] += 1
+            kept.append(row)
+    path = work / "windows.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(kept)
+    return path
+
+
+def write_config(work: Path, model: Path, tokens: int, windows: Path) -> Path:
+    """A heal.toml over the synthetic model and the demo's corpus and split."""
+    config = work / "heal.toml"
+    config.write_text(f"""
+[lake]
+root = "lake"
+[model]
+reference = "{model}"
+[corpus]
+docs = "{DEMO / 'docs.jsonl'}"
+split = "{DEMO / 'split.csv'}"
+[calibration]
+tokens = {tokens}
+seq_tokens = 512
+mix = {{ ops = 0.3, chat_json = 0.3, ja = 0.2, persona = 0.2 }}
+unseen_tokens = {max(512, tokens // 4)}
+seed = 0
+[eval]
+windows = "{windows}"
+ngram = 16
+bootstrap = 200
+seed = 0
+[[variant]]
+name = "ls_q2_k"
+quant = "q2_k"
+round = "ls"
+[[variant]]
+name = "gptq_iq2_xxs"
+quant = "iq2_xxs"
+round = "gptq"
+[moce]
+bonus = [0.0]
+cache_experts = 8
+""")
+    return config
+
+
+class StageClock:
+    """A log that stamps every line; a stage's time runs from its `computing` line to the next line."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[float, str]] = []
+
+    def __call__(self, message: str) -> None:
+        self.lines.append((time.perf_counter(), message))
+        print(message, flush=True)
+
+    def durations(self, end: float) -> list[tuple[str, float]]:
+        out = []
+        for i, (start, message) in enumerate(self.lines):
+            match = STAGE_LINE.match(message)
+            if match and match.group("what") == "computing":
+                stop = self.lines[i + 1][0] if i + 1 < len(self.lines) else end
+                out.append((match.group("label"), stop - start))
+        return out
+
+
+def device_peak_bytes() -> int | None:
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--like", default="qwen3-30b-a3b", choices=sorted(LIKE))
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=4096, help="calibration tokens")
+    parser.add_argument("--experts", type=int, help="fewer experts than the real model (a quick check on CPU)")
+    parser.add_argument("--windows", type=int, default=2, help="eval windows per stratum (and one canary)")
+    parser.add_argument("--no-eval", action="store_true", help="stop at the healed GGUFs (no logits)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/moeheal-real-size"))
+    parser.add_argument("--json", type=Path, help="write the figures here too")
+    args = parser.parse_args()
+    like = LIKE[args.like]
+    args.work.mkdir(parents=True, exist_ok=True)
+    model = args.work / f"{args.like}-{args.layers}l{f'-{args.experts}e' if args.experts else ''}.gguf"
+    start = time.perf_counter()
+    synth = write_synth(model, args.like, n_layer=args.layers, n_expert=args.experts) if not model.exists() else None
+    synth_s = time.perf_counter() - start
+    clock = StageClock()
+    start = time.perf_counter()
+    config = write_config(args.work, model, args.tokens, write_windows(args.work, args.windows))
+    run = HealRun(load_config(config), log=clock)
+    if args.no_eval:  # up to the healed GGUFs: a real vocabulary makes every evaluated window costly
+        run.audit()
+        for variant in run.all_quantized_variants():
+            run.assemble(variant)
+    else:
+        run.heal()
+    end = time.perf_counter()
+    heal_s = end - start
+
+    per_kind: dict[str, float] = defaultdict(float)
+    per_layer: dict[str, list[float]] = defaultdict(list)
+    for label, seconds in clock.durations(end):
+        parts = label.split(":")
+        kind = parts[0] + (f":{parts[1]}" if len(parts) > 2 else "")  # quantize:<variant> over its layers
+        per_kind[kind] += seconds
+        if len(parts) > 2:
+            per_layer[kind].append(seconds)
+    figures = {
+        "like": args.like, "layers": args.layers, "real_layers": like.n_layer, "calibration_tokens": args.tokens,
+        "device": str(jax.devices()[0]), "synth_s": synth_s if synth is not None else None, "heal_s": heal_s,
+        "per_stage_s": dict(per_kind),
+        "per_layer_s": {k: sum(v) / len(v) for k, v in per_layer.items()},
+        "extrapolated_whole_model_s": {k: sum(v) / len(v) * like.n_layer for k, v in per_layer.items()},
+        "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "device_peak_bytes": device_peak_bytes(),
+    }
+    print(json.dumps(figures, indent=1))
+    if figures["synth_s"]:
+        print(f"heal / synth wall time: {heal_s / synth_s:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
