@@ -165,11 +165,11 @@ def main() -> int:
         if len(parts) > 2:
             per_layer[kind].append(seconds)
     figures = {
-        "like": args.like, "layers": args.layers, "real_layers": like.n_layer, "calibration_tokens": args.tokens,
+        "like": args.like, "layers": args.layers, "real_layers": like.hp.n_layer, "calibration_tokens": args.tokens,
         "device": str(jax.devices()[0]), "synth_s": synth_s if synth is not None else None, "heal_s": heal_s,
         "per_stage_s": dict(per_kind),
         "per_layer_s": {k: sum(v) / len(v) for k, v in per_layer.items()},
-        "extrapolated_whole_model_s": {k: sum(v) / len(v) * like.n_layer for k, v in per_layer.items()},
+        "extrapolated_whole_model_s": {k: sum(v) / len(v) * like.hp.n_layer for k, v in per_layer.items()},
         "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "device_peak_bytes": device_peak_bytes(),
     }

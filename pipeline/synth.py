@@ -74,6 +74,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGML_QUANT_VERSION
 from gguf.quants import quantize
 
 from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.gguf_model import HParams
 from moeheal.pipeline.progress import progress
 
 if TYPE_CHECKING:
@@ -87,44 +88,35 @@ TypedKV = tuple[str, Any, GGUFValueType]  # a key, its value, and the GGUF type 
 
 @dataclass(frozen=True)
 class LikeModel:
-    """The numbers of a real model that its GGUF carries (llama.cpp converter's keys)."""
+    """A real model as its GGUF describes it: the runner's hyper-parameters plus what only the
+    file carries (llama.cpp converter's keys)."""
 
     title: str  # general.name
     arch: str
-    n_layer: int
-    d_model: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_expert: int
-    n_expert_used: int
-    d_expert: int
-    d_shexp: int  # 0: no shared expert
+    hp: HParams
     d_ff: int  # the dense FFN width of the config (feed_forward_length), unused by MoE layers
-    rope_theta: float
-    rms_eps: float
-    vocab_size: int
-    context_length: int
-    norm_topk_prob: bool
     description: str
 
 
 _QWEN3_NOTE = "random heavy-tailed weights and a filler vocabulary; made by moeheal synth, not a trained model"
 LIKE: dict[str, LikeModel] = {
     "qwen3-30b-a3b": LikeModel(
-        title="Qwen3-30B-A3B shapes (synthetic)", arch="qwen3moe", n_layer=48, d_model=2048, n_head=32,
-        n_head_kv=4, head_dim=128, n_expert=128, n_expert_used=8, d_expert=768, d_shexp=0, d_ff=6144,
-        rope_theta=1e6, rms_eps=1e-6, vocab_size=151936, context_length=40960, norm_topk_prob=True,
+        title="Qwen3-30B-A3B shapes (synthetic)", arch="qwen3moe", d_ff=6144,
+        hp=HParams(n_layer=48, d_model=2048, n_head=32, n_head_kv=4, head_dim=128, n_expert=128, n_expert_used=8,
+                   d_expert=768, d_shexp=0, rope_theta=1e6, rms_eps=1e-6, vocab_size=151936,
+                   norm_topk_prob=True, context_length=40960),
         description=f"Qwen3-30B-A3B's tensor shapes and metadata; {_QWEN3_NOTE}"),
     "qwen3-235b": LikeModel(
-        title="Qwen3-235B-A22B shapes (synthetic)", arch="qwen3moe", n_layer=94, d_model=4096, n_head=64,
-        n_head_kv=4, head_dim=128, n_expert=128, n_expert_used=8, d_expert=1536, d_shexp=0, d_ff=12288,
-        rope_theta=1e6, rms_eps=1e-6, vocab_size=151936, context_length=40960, norm_topk_prob=True,
+        title="Qwen3-235B-A22B shapes (synthetic)", arch="qwen3moe", d_ff=12288,
+        hp=HParams(n_layer=94, d_model=4096, n_head=64, n_head_kv=4, head_dim=128, n_expert=128, n_expert_used=8,
+                   d_expert=1536, d_shexp=0, rope_theta=1e6, rms_eps=1e-6, vocab_size=151936,
+                   norm_topk_prob=True, context_length=40960),
         description=f"Qwen3-235B-A22B's tensor shapes and metadata; {_QWEN3_NOTE}"),
     "qwen3-next-80b": LikeModel(
-        title="Qwen3-Next-80B-A3B MoE shapes as qwen2moe (synthetic)", arch="qwen2moe", n_layer=48, d_model=2048,
-        n_head=16, n_head_kv=2, head_dim=128, n_expert=512, n_expert_used=10, d_expert=512, d_shexp=512,
-        d_ff=5120, rope_theta=1e7, rms_eps=1e-6, vocab_size=151936, context_length=262144, norm_topk_prob=True,
+        title="Qwen3-Next-80B-A3B MoE shapes as qwen2moe (synthetic)", arch="qwen2moe", d_ff=5120,
+        hp=HParams(n_layer=48, d_model=2048, n_head=16, n_head_kv=2, head_dim=128, n_expert=512, n_expert_used=10,
+                   d_expert=512, d_shexp=512, rope_theta=1e7, rms_eps=1e-6, vocab_size=151936,
+                   norm_topk_prob=True, context_length=262144),
         description="Qwen3-Next-80B-A3B's MoE shapes (512 experts, top-10, shared expert with a sigmoid gate) "
                     "written as qwen2moe: full attention in every layer with head dim 128 and zero q/k/v biases; "
                     "the gated-DeltaNet layers, attention output gate and q/k norms are not modelled; "
@@ -238,8 +230,8 @@ def plan_tensors(like: LikeModel, n_layer: int, n_expert: int, vocab_size: int,
                  matrix_type: GGMLQuantizationType) -> list[TensorPlan]:
     """Every tensor in llama.cpp's converter order, shapes in NumPy order; 1-D tensors and the
     router stay F32 as the converter keeps them."""
-    d, f, fs = like.d_model, like.d_expert, like.d_shexp
-    q, kv = like.n_head * like.head_dim, like.n_head_kv * like.head_dim
+    d, f, fs = like.hp.d_model, like.hp.d_expert, like.hp.d_shexp
+    q, kv = like.hp.n_head * like.hp.head_dim, like.hp.n_head_kv * like.hp.head_dim
     F32 = GGMLQuantizationType.F32
 
     def t(name: str, *shape: int) -> TensorPlan:
@@ -255,7 +247,7 @@ def plan_tensors(like: LikeModel, n_layer: int, n_expert: int, vocab_size: int,
         if like.arch == "qwen2moe":
             plan += [t(b + "attn_q.bias", q), t(b + "attn_k.bias", kv), t(b + "attn_v.bias", kv)]
         else:
-            plan += [t(b + "attn_q_norm.weight", like.head_dim), t(b + "attn_k_norm.weight", like.head_dim)]
+            plan += [t(b + "attn_q_norm.weight", like.hp.head_dim), t(b + "attn_k_norm.weight", like.hp.head_dim)]
         plan += [t(b + "ffn_norm.weight", d), t(b + "ffn_gate_inp.weight", n_expert, d),
                  t(b + "ffn_gate_exps.weight", n_expert, f, d), t(b + "ffn_up_exps.weight", n_expert, f, d),
                  t(b + "ffn_down_exps.weight", n_expert, d, f)]
@@ -273,23 +265,23 @@ def hparams_kv(like: LikeModel, n_layer: int, n_expert: int, file_type: LlamaFil
         ("general.description", like.description, GGUFValueType.STRING),
         ("general.file_type", int(file_type), u32),
         ("general.quantization_version", GGML_QUANT_VERSION, u32),
-        (f"{a}.context_length", like.context_length, u32),
-        (f"{a}.embedding_length", like.d_model, u32),
+        (f"{a}.context_length", like.hp.context_length, u32),
+        (f"{a}.embedding_length", like.hp.d_model, u32),
         (f"{a}.block_count", n_layer, u32),
         (f"{a}.feed_forward_length", like.d_ff, u32),
-        (f"{a}.attention.head_count", like.n_head, u32),
-        (f"{a}.attention.head_count_kv", like.n_head_kv, u32),
-        (f"{a}.attention.key_length", like.head_dim, u32),
-        (f"{a}.attention.value_length", like.head_dim, u32),
-        (f"{a}.rope.freq_base", like.rope_theta, f32),
-        (f"{a}.attention.layer_norm_rms_epsilon", like.rms_eps, f32),
+        (f"{a}.attention.head_count", like.hp.n_head, u32),
+        (f"{a}.attention.head_count_kv", like.hp.n_head_kv, u32),
+        (f"{a}.attention.key_length", like.hp.head_dim, u32),
+        (f"{a}.attention.value_length", like.hp.head_dim, u32),
+        (f"{a}.rope.freq_base", like.hp.rope_theta, f32),
+        (f"{a}.attention.layer_norm_rms_epsilon", like.hp.rms_eps, f32),
         (f"{a}.expert_count", n_expert, u32),
-        (f"{a}.expert_used_count", min(like.n_expert_used, n_expert), u32),
-        (f"{a}.expert_feed_forward_length", like.d_expert, u32),
-        (f"{a}.expert_weights_norm", like.norm_topk_prob, GGUFValueType.BOOL),
+        (f"{a}.expert_used_count", min(like.hp.n_expert_used, n_expert), u32),
+        (f"{a}.expert_feed_forward_length", like.hp.d_expert, u32),
+        (f"{a}.expert_weights_norm", like.hp.norm_topk_prob, GGUFValueType.BOOL),
     ]
-    if like.d_shexp:
-        kv.append((f"{a}.expert_shared_feed_forward_length", like.d_shexp, u32))
+    if like.hp.d_shexp:
+        kv.append((f"{a}.expert_shared_feed_forward_length", like.hp.d_shexp, u32))
     return kv
 
 
@@ -442,9 +434,9 @@ def write_synth(out: str | os.PathLike[str], like_name: str, n_layer: int | None
     from moeheal.pipeline.gguf_model import GGUFModel
 
     like = _check_args(like_name, n_layer, seed, matrix_type, vocab_size, n_expert, demo_model)
-    n_layer = like.n_layer if n_layer is None else n_layer
-    vocab_size = like.vocab_size if vocab_size is None else vocab_size
-    n_expert = like.n_expert if n_expert is None else n_expert
+    n_layer = like.hp.n_layer if n_layer is None else n_layer
+    vocab_size = like.hp.vocab_size if vocab_size is None else vocab_size
+    n_expert = like.hp.n_expert if n_expert is None else n_expert
     ggml_type, file_type = MATRIX_TYPES[matrix_type]
     started = time.monotonic()
     plan = plan_tensors(like, n_layer, n_expert, vocab_size, ggml_type)
@@ -493,17 +485,17 @@ def _check_args(like_name: str, n_layer: int | None, seed: int, matrix_type: str
     like = LIKE.get(like_name)
     if like is None:
         raise InputError(f"synth: --like {like_name}: unknown model (known: {', '.join(LIKE)})")
-    if n_layer is not None and not 1 <= n_layer <= like.n_layer:
-        raise InputError(f"synth: --layers {n_layer}: {like_name} has 1 to {like.n_layer} layers")
+    if n_layer is not None and not 1 <= n_layer <= like.hp.n_layer:
+        raise InputError(f"synth: --layers {n_layer}: {like_name} has 1 to {like.hp.n_layer} layers")
     if seed < 0:
         raise InputError(f"synth: --seed {seed}: expected a non-negative integer")
     if matrix_type not in MATRIX_TYPES:
         raise InputError(f"synth: --type {matrix_type}: expected one of {', '.join(MATRIX_TYPES)}")
     min_vocab = 256 + len(QWEN_SPECIALS)  # every byte token, and the specials
-    if vocab_size is not None and not min_vocab <= vocab_size <= like.vocab_size:
-        raise InputError(f"synth: --vocab {vocab_size}: expected {min_vocab} to {like.vocab_size}")
-    if n_expert is not None and not 1 <= n_expert <= like.n_expert:
-        raise InputError(f"synth: --experts {n_expert}: expected 1 to {like.n_expert}")
+    if vocab_size is not None and not min_vocab <= vocab_size <= like.hp.vocab_size:
+        raise InputError(f"synth: --vocab {vocab_size}: expected {min_vocab} to {like.hp.vocab_size}")
+    if n_expert is not None and not 1 <= n_expert <= like.hp.n_expert:
+        raise InputError(f"synth: --experts {n_expert}: expected 1 to {like.hp.n_expert}")
     if not demo_model.is_file():
         raise InputError(f"synth: {demo_model}: the demo model, whose vocabulary synth reuses, is missing")
     return like
