@@ -18,11 +18,11 @@ from moeheal import __version__
 from moeheal.pipeline.errors import InputError, MoehealError
 
 
-def _pipeline(args: argparse.Namespace, plan: bool = False):
+def _pipeline(args: argparse.Namespace, plan: bool = False, peers_may_be_missing: bool = False):
     from moeheal.pipeline.config import load_config
     from moeheal.pipeline.heal import HealRun
 
-    return HealRun(load_config(args.config), plan=plan)
+    return HealRun(load_config(args.config, peers_may_be_missing), plan=plan)
 
 
 def cmd_heal(args: argparse.Namespace) -> int:
@@ -94,7 +94,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_imatrix(args: argparse.Namespace) -> int:
-    run = _pipeline(args)
+    run = _pipeline(args, peers_may_be_missing=True)  # the imatrix comes before the peers made with it
     print(run.write_imatrix(Path(args.out)))
     return 0
 
@@ -105,7 +105,9 @@ def cmd_recipe(args: argparse.Namespace) -> int:
     from moeheal.pipeline.config import load_config
     from moeheal.pipeline.heal import HealRun
 
-    run = HealRun(load_config(args.config), log=lambda message: print(message, file=sys.stderr))
+    # the peer this command helps make may not exist yet
+    run = HealRun(load_config(args.config, peers_may_be_missing=True),
+                  log=lambda message: print(message, file=sys.stderr))
     print(shlex.join(run.llama_quantize_command(args.variant, Path(args.imatrix), Path(args.out) if args.out else None,
                                                 args.llama_quantize)))
     return 0

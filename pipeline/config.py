@@ -200,14 +200,14 @@ class _Reader:
         return value
 
 
-def _variant(file: Path, base: Path, index: int, table: dict[str, Any]) -> Variant:
+def _variant(file: Path, base: Path, index: int, table: dict[str, Any], peers_may_be_missing: bool = False) -> Variant:
     r = _Reader(file, f"variant[{index}]", table)
     name = r.get("name", str, required=True)
     if "gguf" in table:
         extra = sorted(set(table) - {"name", "gguf"})
         if extra:
             r.fail(extra[0], "an external variant (gguf = ...) takes no healing knobs")
-        return Variant(name=name, kind="external", gguf=r.path("gguf", base))
+        return Variant(name=name, kind="external", gguf=r.path("gguf", base, must_exist=not peers_may_be_missing))
     budget = _budget(r)
     variant = Variant(
         name=name, kind="healed",
@@ -325,8 +325,11 @@ def _windows(file: Path, base: Path, ev: _Reader) -> tuple[Path | None, WindowGe
     )
 
 
-def load_config(path: str | Path) -> Config:
-    """Parse and validate `heal.toml`; raise InputError naming the key on any problem."""
+def load_config(path: str | Path, peers_may_be_missing: bool = False) -> Config:
+    """Parse and validate `heal.toml`; raise InputError naming the key on any problem.
+
+    `peers_may_be_missing` lets an outside variant's GGUF be absent: the commands that
+    make a peer (`moeheal recipe`, `moeheal imatrix`) run before its file exists."""
     file = Path(path).resolve()
     if not file.is_file():
         raise InputError(f"{file}: config file not found")
@@ -357,7 +360,7 @@ def load_config(path: str | Path) -> Config:
     variants_raw = raw.get("variant", [])
     if not isinstance(variants_raw, list):
         raise InputError(f"{file}: [[variant]]: must be an array of tables")
-    variants = tuple(_variant(file, base, i, t) for i, t in enumerate(variants_raw))
+    variants = tuple(_variant(file, base, i, t, peers_may_be_missing) for i, t in enumerate(variants_raw))
     names = [v.name for v in variants]
     if cal.table.get("unseen_tokens", 8192) == 0:
         for i, v in enumerate(variants):

@@ -95,8 +95,9 @@ class HealRun:
             raise InputError(f"{self.cfg.source}: [model] source: {src_hp.n_layer} layers x {src_hp.n_expert} "
                              f"experts x d={src_hp.d_model} does not match the reference's {ref_hp.n_layer} x "
                              f"{ref_hp.n_expert} x d={ref_hp.d_model}")
-        for variant in self.external_variants():
-            GGUFModel(variant.gguf)
+        for variant in self.external_variants():  # absent only where the config allowed it
+            if variant.gguf.exists():
+                GGUFModel(variant.gguf)
         for variant in self.cfg.healed_variants:
             chosen = self.chosen_roles(variant)
             pairs = [(t, f) for f in variant.candidate_formats() for t in chosen]

@@ -363,6 +363,18 @@ def test_recipe_command_names_every_routed_tensor(budget_world, capsys, tmp_path
     assert "--variant 'nope'" in capsys.readouterr().err
 
 
+def test_recipe_and_imatrix_run_before_the_peer_they_make_exists(budget_world, capsys, tmp_path):
+    config, run = budget_world
+    with_peer = config.with_name("with_peer.toml")  # same folder: same lake, every stage cached
+    with_peer.write_text(config.read_text() + '\n[[variant]]\nname = "b_lo_llama"\ngguf = "b_lo_llama.gguf"\n')
+    assert main(["heal", "-c", str(with_peer)]) == 2  # a heal still needs every outside GGUF
+    assert "b_lo_llama.gguf" in capsys.readouterr().err
+    argv = recipe_argv(with_peer, "b_lo", capsys, "--out", str(config.parent / "b_lo_llama.gguf"))
+    assert argv[-2] == str(config.parent / "b_lo_llama.gguf")
+    assert main(["imatrix", "-c", str(with_peer), "--out", str(tmp_path / "im.gguf")]) == 0
+    assert (tmp_path / "im.gguf").is_file()
+
+
 @pytest.mark.llamacpp
 @pytest.mark.skipif(not os.environ.get("LLAMA_CPP_DIR"), reason="LLAMA_CPP_DIR not set")
 def test_llama_quantize_makes_the_same_mix(budget_world, capsys, tmp_path):
