@@ -23,7 +23,6 @@ import re
 import numpy as np
 
 from moeheal.kernels.importance import gate_up_importance
-from moeheal.pipeline import model as M
 from moeheal.pipeline.arch import Architecture
 from moeheal.pipeline.gguf_model import HParams
 
@@ -63,13 +62,15 @@ def clip_sequences(sequences: Sequences, rows: slice) -> Sequences:
     return [(s, min(e, stop)) for s, e in sequences if s < stop]
 
 
-def _per_sequence(fn, params: dict, attn_in: np.ndarray, sequences: Sequences, hp: HParams) -> np.ndarray:
-    """fn (B, T, d) -> (B, T, n) over every sequence of attn_in (N, d), sequences of one length batched."""
+def _per_sequence(arch: Architecture, fn, params: dict, attn_in: np.ndarray, sequences: Sequences,
+                  hp: HParams) -> np.ndarray:
+    """fn (B, T, d) -> (B, T, n) over every sequence of attn_in (N, d), sequences of one length batched;
+    fn takes the family's rope tables."""
     out = None
     for length in sorted({e - s for s, e in sequences}):
         group = [(s, e) for s, e in sequences if e - s == length]
         x = np.stack([attn_in[s:e] for s, e in group])  # (B, L, d)
-        cos, sin = M.rope_tables(length, hp.head_dim, hp.rope_theta)  # (L, hd/2) each
+        cos, sin = arch.rope_tables(length, hp)  # (L, rotated dims / 2) each
         y = np.asarray(fn(params, x, cos, sin, hp))  # (B, L, n)
         out = np.zeros((attn_in.shape[0], y.shape[-1]), np.float32) if out is None else out  # (N, n)
         for (s, e), rows in zip(group, y):
@@ -95,7 +96,7 @@ def matrix_input(role: str, params: dict, data: dict[str, np.ndarray], sequences
     if role == "ffn_down_shexp":
         return data["hh"]
     if role == "attn_output":
-        return _per_sequence(arch.attention_heads, attention_params(params), data["attn_in"], sequences, hp)  # (N, H*hd)
+        return _per_sequence(arch, arch.attention_heads, attention_params(params), data["attn_in"], sequences, hp)  # (N, H*hd)
     return data["attn_in"]
 
 
@@ -114,6 +115,6 @@ def output_change(role: str, w_q: np.ndarray, params: dict, data: dict[str, np.n
         new, _, _ = arch.shared_expert_forward(shared_params(replaced), data["mixed"])  # (N, d)
         return np.asarray(new) - np.asarray(ref)
     attn = attention_params(params)
-    ref = _per_sequence(arch.attention, attn, data["attn_in"], sequences, hp)  # (N, d)
-    new = _per_sequence(arch.attention, attention_params(replaced), data["attn_in"], sequences, hp)  # (N, d)
+    ref = _per_sequence(arch, arch.attention, attn, data["attn_in"], sequences, hp)  # (N, d)
+    new = _per_sequence(arch, arch.attention, attention_params(replaced), data["attn_in"], sequences, hp)  # (N, d)
     return new - ref

@@ -143,11 +143,11 @@ class Runner:
         """
         tokens = self._check_tokens(tokens)
         hp = self.hp
-        cos, sin = M.rope_tables(tokens.shape[1], hp.head_dim, hp.rope_theta)  # (T, hd/2) each
+        cos, sin = self.arch.rope_tables(tokens.shape[1], hp)  # (T, rotated dims / 2) each
         h = self.embed(tokens)  # (B, T, d)
         for i in range(hp.n_layer):
             params = self.layer_params(i)  # the only layer resident
-            h_attn, attn_in, mixed, router_logits = self.arch.attention_block(params, h, cos, sin, hp)  # (B,T,d) x3, (B,T,E)
+            h_attn, attn_in, mixed, router_logits = self.arch.layer_attention_block(i, params, h, cos, sin, hp)  # (B,T,d) x3, (B,T,E)
             experts, weights = self._routing(i, router_logits, routing_hook)  # (B, T, k) each
             h, yr, hh, gate = self.arch.moe_block(params, h_attn, mixed, experts, weights)  # (B,T,d) x2, (B,T,f_s), (B,T)
             if capture and on_layer is not None:

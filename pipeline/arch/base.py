@@ -89,6 +89,16 @@ class Architecture:
 
     # ---- attention --------------------------------------------------------
 
+    def rope_tables(self, n_pos: int, hp: HParams) -> tuple[jax.Array, jax.Array]:
+        """cos/sin tables for positions 0..n_pos-1, (T, rotated dims / 2) each, as `attention_block` uses them."""
+        return M.rope_tables(n_pos, hp.head_dim, hp.rope_theta)
+
+    def layer_attention_block(self, layer: int, params: dict, h: jax.Array, cos: jax.Array, sin: jax.Array,
+                              hp: HParams) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """`attention_block` of layer `layer`; a family whose layers differ (linear-attention
+        layers, say) chooses here, by layer index, which jitted block runs."""
+        return self.attention_block(params, h, cos, sin, hp)
+
     def project_qkv(self, params: dict, x: jax.Array,
                     hp: HParams) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x (B, T, d) normed input -> q (B, T, H, hd), k (B, T, Hkv, hd), v (B, T, Hkv, hd), before RoPE."""
