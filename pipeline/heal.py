@@ -37,7 +37,7 @@ from moeheal.pipeline.config import UNHEALED, Config, Variant
 from moeheal.pipeline.dag import PlannedStage, Stage, layer_params, plan_stage, run_stage
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import read_part
-from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf_model import GGUFModel, open_model
 from moeheal.pipeline.lake import Lake, Publication, StageResult
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.stages import calibrate, corpus, dump, evaluate, quantize, sensitivity
@@ -97,7 +97,7 @@ class HealRun:
                              f"{ref_hp.n_expert} x d={ref_hp.d_model}")
         for variant in self.external_variants():  # absent only where the config allowed it
             if variant.gguf.exists():
-                GGUFModel(variant.gguf)
+                open_model(variant.gguf)
         for variant in self.cfg.healed_variants:
             chosen = self.chosen_roles(variant)
             pairs = [(t, f) for f in variant.candidate_formats() for t in chosen]
@@ -117,11 +117,11 @@ class HealRun:
 
     @cached_property
     def reference(self) -> GGUFModel:
-        return GGUFModel(self.cfg.reference)
+        return open_model(self.cfg.reference)
 
     @cached_property
     def source(self) -> GGUFModel:
-        return GGUFModel(self.cfg.source)
+        return open_model(self.cfg.source)
 
     def _stage(self, label: str, stage: Stage, params: Any, inputs: dict[str, Path],
                upstream: dict[str, StageResult], build: Callable[[Path], None]) -> StageResult:
@@ -361,7 +361,7 @@ class HealRun:
         for variant in self.evaluated_variants():  # config order: the ladder every table follows
             if variant.kind == "external":
                 rows.append({"variant": variant.name, "kind": "external",
-                             "fingerprint": GGUFModel(variant.gguf).digest()[:32],
+                             "fingerprint": open_model(variant.gguf).digest()[:32],
                              "params": json.dumps(variant.knobs()), "gguf": str(variant.gguf)})
             else:
                 result = self.assemble(variant)
@@ -392,7 +392,7 @@ class HealRun:
         `shexp_down`), "gguf" (an outside GGUF's)."""
         rows = []
         for variant in self.evaluated_variants():
-            written = sensitivity.gguf_recipe(GGUFModel(self.variant_gguf(variant)))
+            written = sensitivity.gguf_recipe(open_model(self.variant_gguf(variant)))
             measured, predicted = None, {}
             if variant.budgeted:
                 measured = self.sensitivity(variant).fingerprint[:16]
@@ -415,7 +415,7 @@ class HealRun:
         for variant in self.evaluated_variants():
             rows.append({"variant": variant.name, "kind": variant.kind, "budget_bpw": variant.budget_bpw,
                          "budget_roles": variant.budget_roles if variant.budgeted else None,
-                         **sensitivity.gguf_size(GGUFModel(self.variant_gguf(variant)))})
+                         **sensitivity.gguf_size(open_model(self.variant_gguf(variant)))})
         return pa.Table.from_pylist(rows, schema=sensitivity.SIZES_SCHEMA)
 
     def stage_tables(self, publication: Publication) -> None:

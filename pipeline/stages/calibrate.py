@@ -44,7 +44,7 @@ from moeheal.kernels.alpha import fit_alpha, oracle_alpha, relative_residual
 from moeheal.kernels.ridge import alpha_ridge_cv_sweep, effective_dof, matrix_rank, ridge_stats, solve_ridge
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import write_parquet
-from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf_model import GGUFModel, open_model
 from moeheal.pipeline.gguf_write import Deferred, copy_gguf
 from moeheal.pipeline.model import moe_forward, swiglu
 from moeheal.pipeline.stages.dump import open_dump, read_layer
@@ -103,8 +103,7 @@ def scale_expert_scales(arrays: dict[str, np.ndarray], name: str, factor: float,
 
 
 def dequantized_experts(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {name: kernels.dequantize(arrays[name], tensor_format(arrays, name), tuple(arrays[f"{name}.shape"]))
-            for name in EXPERT_TENSORS}
+    return {name: dequantized_matrix(arrays, name) for name in EXPERT_TENSORS}
 
 
 def _routed(experts_f32: dict[str, np.ndarray], data: dict[str, np.ndarray]) -> np.ndarray:
@@ -148,10 +147,13 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
     groups = {s: read_layer(d[str(layer)], in_sample_rows if s == "in_sample" else slice(None))
               for s, d in splits.items()}
     y_ref = {s: g["yr"] for s, g in groups.items()}  # (T, d) each
-    y_q = {s: _routed(dequantized_experts(arrays), g) for s, g in groups.items()}
+    experts_f32 = dequantized_experts(arrays)  # once: a real layer is hundreds of millions of weights
+    y_q = {s: _routed(experts_f32, g) for s, g in groups.items()}
     alpha = fit_alpha(y_ref["in_sample"], y_q["in_sample"]) if params.alpha else 1.0
     arrays["ffn_down_exps"] = scale_expert_scales(arrays, "ffn_down_exps", alpha, f"{variant}: layer {layer}")
-    y_healed = {s: _routed(dequantized_experts(arrays), g) for s, g in groups.items()}
+    experts_f32["ffn_down_exps"] = dequantized_matrix(arrays, "ffn_down_exps")  # alpha in its fp16 scales
+    y_healed = {s: _routed(experts_f32, g) for s, g in groups.items()}
+    del experts_f32
 
     shexp_delta = {s: np.zeros_like(y) for s, y in y_ref.items()}
     if shared:
@@ -268,11 +270,11 @@ def build_calibrate(out: Path, source: Path, quant_dir: Path, cal_dump: Path, un
                     params: CalibrateParams, layer: int) -> None:
     """One unit of the calibrate stage: alpha and ridge for layer `layer` of one variant's quantized
     experts (`quant_dir`, the quantize unit of that layer), on the dumps."""
-    model = GGUFModel(source)
+    model = open_model(source)
     calibrate_layer(out, model, quant_dir, open_dump(cal_dump, model.hp),
                     open_dump(unseen_dump, model.hp) if unseen_dump is not None else None, params, layer)
 
 
 def build_assembly(out: Path, source: Path, calibrated: list[Path], variant: str, params: dict[str, Any]) -> None:
     """The assemble stage: the healed GGUF from the source and every layer's calibrate unit."""
-    assemble_gguf(out, GGUFModel(source), calibrated, variant, params)
+    assemble_gguf(out, open_model(source), calibrated, variant, params)

@@ -44,7 +44,7 @@ from zarr.codecs import ZstdCodec
 
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import read_part, write_parquet
-from moeheal.pipeline.gguf_model import GGUFModel, HParams
+from moeheal.pipeline.gguf_model import HParams, open_model
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.runner import Runner
 from moeheal.pipeline.stages.corpus import trace_tokens
@@ -475,7 +475,7 @@ def build_dump(out: Path, reference: Path, traces_dir: Path, trace: str, chunk_t
                dump_dtype: str = "float32") -> None:
     """The dump stage: the reference model run over one trace of the traces stage's output."""
     tokens, seq = trace_tokens(traces_dir, trace)
-    dump_trace(out, Runner(GGUFModel(reference)), tokens, seq, trace, chunk_tokens, seq_tokens, log,
+    dump_trace(out, Runner(open_model(reference)), tokens, seq, trace, chunk_tokens, seq_tokens, log,
                attention_inputs, dump_dtype)
 
 

@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from moeheal.kernels.kld import token_kld
 from moeheal.kernels.moce import belady_hits, lru_hits, make_routing_hook
-from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf_model import GGUFModel, open_model
 from moeheal.pipeline.files import read_part, write_parquet
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.runner import Runner
@@ -163,7 +163,7 @@ def hitrate_rows(runs: list, row: int, n: int, n_layer: int, lru: int, belady: i
 def build_reference_logits(out: Path, reference: Path, windows_dir: Path, corpus_dir: Path,
                            log: Callable[[str], None] = print) -> None:
     """The reference-logits stage: `reference_logits` over the windows stage's output."""
-    reference_logits(out, GGUFModel(reference), read_part(windows_dir / "windows.parquet", ()),
+    reference_logits(out, open_model(reference), read_part(windows_dir / "windows.parquet", ()),
                      window_tokens(windows_dir, corpus_dir), log)
 
 
@@ -171,5 +171,5 @@ def build_evaluation(out: Path, model: Path, variant: str, ref_dir: Path, window
                      bonuses: tuple[float, ...], cache_experts: int, reps: int,
                      log: Callable[[str], None] = print) -> None:
     """The evaluate stage: `evaluate_model` for one variant's GGUF over the windows stage's output."""
-    evaluate_model(out, GGUFModel(model), variant, ref_dir, read_part(windows_dir / "windows.parquet", ()),
+    evaluate_model(out, open_model(model), variant, ref_dir, read_part(windows_dir / "windows.parquet", ()),
                    window_tokens(windows_dir, corpus_dir), bonuses, cache_experts, reps, log)

@@ -53,7 +53,7 @@ from moeheal.kernels import importance as imp
 from moeheal.kernels.gptq import damp_hessian
 from moeheal.pipeline import roles
 from moeheal.pipeline.files import read_part
-from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf_model import GGUFModel, open_model
 from moeheal.pipeline.stages.dump import open_dump, read_layer
 
 EXPERT_TENSORS = roles.ROUTED
@@ -113,10 +113,6 @@ def expert_weights(model: GGUFModel, layer: int) -> dict[str, np.ndarray]:
     return {name: model.tensor(f"blk.{layer}.{name}.weight") for name in EXPERT_TENSORS}
 
 
-def _damped(hessians: np.ndarray, damp: float) -> np.ndarray:
-    return np.stack([np.asarray(damp_hessian(h, damp)) for h in hessians])  # (E, n, n)
-
-
 def layer_importance(weights: dict[str, np.ndarray], mixed: np.ndarray, experts: np.ndarray,
                      routing_weights: np.ndarray, params: QuantizeParams
                      ) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
@@ -141,8 +137,8 @@ def layer_importance(weights: dict[str, np.ndarray], mixed: np.ndarray, experts:
         mass, shrink = imp.hessian_mass(stats, params.gptq_shrink)  # (E,) counts or weight sums, pseudo-count
         layer_x = imp.pooled_second_moment(stats.sum_xx_t, mass)  # (d, d) the layer's E[x x^T]
         layer_h = imp.pooled_second_moment(stats.sum_hh_t, mass)  # (f, f) over routed pairs
-        h_x = _damped(imp.shrink_hessian(stats.sum_xx_t, mass, layer_x, shrink), params.gptq_damp)
-        h_h = _damped(imp.shrink_hessian(stats.sum_hh_t, mass, layer_h, shrink), params.gptq_damp)
+        h_x = imp.expert_hessians(stats.sum_xx_t, mass, layer_x, shrink, params.gptq_damp)  # (E, d, d)
+        h_h = imp.expert_hessians(stats.sum_hh_t, mass, layer_h, shrink, params.gptq_damp)  # (E, f, f)
     return {"ffn_gate_exps": (gate_up, h_x), "ffn_up_exps": (gate_up, h_x), "ffn_down_exps": (down, h_h)}
 
 
@@ -299,6 +295,6 @@ def build_quantize(out: Path, source: Path, dump: Path | None, params: QuantizeP
     """One unit of the quantize stage: layer `layer` of the source's routed experts, with the
     calibration dump's statistics if any, in the formats of the allocation stage's output `recipe`
     when given."""
-    model = GGUFModel(source)
+    model = open_model(source)
     formats = layer_formats(params, layer, read_recipe(recipe) if recipe is not None else None)
     quantize_layer(out, model, open_dump(dump, model.hp) if dump is not None else None, params, layer, formats)

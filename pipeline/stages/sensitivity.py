@@ -47,7 +47,7 @@ from moeheal.kernels.alpha import fit_alpha, relative_residual
 from moeheal.pipeline import roles
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import read_part, write_parquet
-from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf_model import GGUFModel, open_model
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.roles import ROLE_TENSOR, ROUTED_TENSOR
 from moeheal.pipeline.stages.calibrate import _routed
@@ -245,7 +245,7 @@ def choose_recipe(sensitivity: pa.Table, params: AllocateParams, where: str) -> 
 def build_sensitivity(out: Path, source: Path, cal_dump: Path, unseen_dump: Path, params: SensitivityParams,
                       log: Callable[[str], None] = print) -> None:
     """The sensitivity stage: `sensitivity.parquet`."""
-    model = GGUFModel(source)
+    model = open_model(source)
     table = measure_sensitivity(model, open_dump(cal_dump, model.hp), open_dump(unseen_dump, model.hp), params)
     write_parquet(out / "sensitivity.parquet", table)
 
