@@ -81,7 +81,6 @@ def main() -> None:
     from moeheal import kernels
 
     device = jax.devices("gpu")[0] if args.gpu else jax.devices("cpu")[0]
-    batch = 1 << 26 if args.gpu else kernels.CHUNK_WEIGHTS  # a GPU takes many experts per compiled batch
     print(f"device: {device.device_kind}; best of {args.repeats} after a compiling call; roofs: H200 SXM FP32 "
           f"{H200_FP32_TFLOPS:g} TFLOPS, TF32 tensor {H200_TF32_DENSE_TFLOPS:g} TFLOPS dense\n")
     print("| format | experts x rows x cols | least squares s | GPTQ s | GPTQ / least squares | GPTQ M weights/s "
@@ -92,10 +91,10 @@ def main() -> None:
             w, importance, h = problem(shape)
             for fmt in args.formats:
                 def ls() -> None:
-                    kernels.quantize_experts(w, fmt, importance, batch_weights=batch, devices=[device])
+                    kernels.quantize_experts(w, fmt, importance, devices=[device])
 
                 def gptq() -> None:
-                    kernels.quantize_experts(w, fmt, importance, hessians=h, batch_weights=batch, devices=[device])
+                    kernels.quantize_experts(w, fmt, importance, hessians=h, devices=[device])
 
                 ls(), gptq()  # compile
                 t_ls, t_gptq = best_of(ls, args.repeats), best_of(gptq, args.repeats)

@@ -48,6 +48,10 @@ __all__ = [
 # Weights per compiled call. The scale search keeps a handful of arrays the
 # size of the chunk alive, so this bounds peak memory to a few hundred MB.
 CHUNK_WEIGHTS = 1 << 22
+# Experts per compiled batch on an accelerator, in weights: GPTQ's column loop is sequential, so
+# a batch of 2 experts (CHUNK_WEIGHTS at the Qwen3-30B-A3B shape) leaves a GPU idle; 1 << 26 is
+# 42 such experts, a few GB of weights, Hessians and scratch, far inside one card.
+ACCELERATOR_CHUNK_WEIGHTS = 1 << 26
 
 # The mesh axis that experts are sharded along.
 EXPERT_AXIS = "expert"
@@ -224,7 +228,7 @@ def quantize_experts(
     fmt: str,
     importance: np.ndarray | None = None,
     hessians: np.ndarray | None = None,
-    batch_weights: int = CHUNK_WEIGHTS,
+    batch_weights: int | None = None,
     devices: Sequence[jax.Device] | None = None,
 ) -> np.ndarray:
     """Quantize a stack of experts: w [E, rows, cols] -> uint8 [E, rows, bytes].
@@ -232,7 +236,8 @@ def quantize_experts(
     importance [E, cols] (each expert has its own input statistics) or None;
     hessians [E, cols, cols] (damped) select GPTQ rounding, with the
     importance (if given) weighting the scale searches. Experts are vmapped
-    in batches of about ``batch_weights`` weights (raise it on a GPU), each
+    in batches of about ``batch_weights`` weights (default: ``CHUNK_WEIGHTS`` on the
+    CPU, ``ACCELERATOR_CHUNK_WEIGHTS`` on an accelerator), each
     batch the same compiled program; with several ``devices`` (default: this
     host's devices of the default backend) each takes one batch per step.
     ValueError if a Hessian's float32 factorisation fails on the device.
@@ -254,6 +259,8 @@ def quantize_experts(
     # The per-device batch does not depend on the device count: device d of step s runs the batch a
     # single device runs at step s * devices + d, same experts, same shape, same program, so the bytes
     # cannot depend on the device count (a batch's shape can move near-ties on some backends).
+    if batch_weights is None:
+        batch_weights = CHUNK_WEIGHTS if mesh.devices.flat[0].platform == "cpu" else ACCELERATOR_CHUNK_WEIGHTS
     per_device = max(1, min(batch_weights // (rows * cols), n_expert))
     sharding = NamedSharding(mesh, PartitionSpec(EXPERT_AXIS))
     raw, factorable_flags = _map_chunks(partial(_experts_batch_jit, fmt, mesh), per_device * mesh.size,
