@@ -502,7 +502,7 @@ class GGUFModel:
     def _check_shapes(self) -> None:
         """Every tensor agrees with the keys: a corrupted dimension or key cannot reach the runner."""
         a = self.arch.name
-        for key, value in ((f"{a}.expert_feed_forward_length", self.hp.d_expert),
+        for key, value in ((f"{a}.{self.arch.expert_width_key}", self.hp.d_expert),
                            (f"{a}.expert_shared_feed_forward_length", self.hp.d_shexp)):
             if self.metadata(key, value) != value:
                 raise InputError(f"{self.name}: key {key}: {self.metadata(key)}, but the tensors say {value}")

@@ -60,6 +60,8 @@ class Architecture:
     routing: ClassVar[Routing]
     shared_expert: ClassVar[SharedExpert]
     attention_extra_tensors: ClassVar[tuple[str, ...]] = ()  # per-layer tensors beyond ATTENTION_TENSORS
+    # The `<arch>.` key that holds a routed expert's FFN width: llama.cpp sizes the expert tensors by it.
+    expert_width_key: ClassVar[str] = "expert_feed_forward_length"
 
     def __str__(self) -> str:
         return self.name
@@ -99,6 +101,12 @@ class Architecture:
         layers, say) chooses here, by layer index, which jitted block runs."""
         return self.attention_block(params, h, cos, sin, hp)
 
+    def apply_rope(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """Rotary embedding of projected heads, x (B, T, H, hd) -> (B, T, H, hd): NEOX's halves here,
+        as llama.cpp runs qwen2moe, qwen3moe and olmoe; a family whose file pairs dimensions otherwise
+        overrides it."""
+        return M.apply_rope(x, cos, sin)
+
     def project_qkv(self, params: dict, x: jax.Array,
                     hp: HParams) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x (B, T, d) normed input -> q (B, T, H, hd), k (B, T, Hkv, hd), v (B, T, Hkv, hd), before RoPE."""
@@ -109,7 +117,7 @@ class Architecture:
         """Causal grouped-query self-attention up to the heads' concatenated outputs, the input of
         `attn_output`. x (B, T, d) normed input -> (B, T, H*hd)."""
         q, k, v = self.project_qkv(params, x, hp)  # (B, T, H, hd), (B, T, Hkv, hd) x2
-        q, k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)  # NEOX rotation, shapes kept
+        q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)  # the family's rotation, shapes kept
         return M.causal_attention(q, k, v)  # (B, T, H*hd)
 
     @partial(jax.jit, static_argnames=("self", "hp"))

@@ -1,0 +1,240 @@
+"""Mixtral (llama.cpp `llama` with experts): conversion as llama.cpp's LlamaModel writes it, the
+runner against transformers' MixtralForCausalLM, healing, synth, and llama.cpp running the files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGUFValueType
+from tokenizers import Tokenizer
+
+from moeheal.pipeline.arch import ARCHITECTURES
+from moeheal.pipeline.arch.mixtral import apply_rope_pairs
+from moeheal.pipeline import model as M
+from moeheal.pipeline.config import load_config
+from moeheal.pipeline.convert import hf_to_gguf, permute_rope_rows
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf_write import write_gguf
+from moeheal.pipeline.heal import HealRun
+from moeheal.pipeline.runner import LayerCapture, Runner
+from moeheal.pipeline.tokenizer import decode, encode
+from tests.ggufs import sample_texts
+from tests.healworld import write_world
+from tests.test_llamacpp import eval_text, llama_perplexity, our_perplexity
+from tests.test_runner import rel_err, tokens_for, transformers_run
+
+SPM_SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2 as in Mixtral's tokenizer; <0x00>..<0xFF> follow
+MIXTRAL_VARIANT = """
+[[variant]]
+name = "v1"
+round = "gptq"
+gptq_damp = 1.0
+"""
+
+
+def train_tiny_spm(seed: int, vocab_size: int = 600) -> Tokenizer:
+    """Mixtral's tokenizer.json shape, small: BPE with byte fallback, spaces as "▁" with one prepended,
+    trained on words cut at "▁" and then used without a pre-tokenizer (as SentencePiece runs)."""
+    import json
+
+    from tokenizers import trainers
+
+    normalizer = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+                                                      {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
+    decoder = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"},
+        {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+    model = {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+             "vocab": {}, "merges": []}
+    tok = Tokenizer.from_str(json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": normalizer,
+        "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "never", "split": True},
+        "post_processor": None, "decoder": decoder, "model": model}))
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPM_SPECIALS + [f"<0x{b:02X}>" for b in range(256)],
+                                  limit_alphabet=120, show_progress=False)
+    tok.train_from_iterator(sample_texts(400, seed), trainer=trainer)
+    tok.pre_tokenizer = None
+    return tok
+
+
+def tiny_mixtral(vocab_size: int, seed: int, n_layer: int = 2, d_model: int = 64, n_expert: int = 8, k: int = 2,
+                 d_expert: int = 32, **config):
+    """A seeded random transformers MixtralForCausalLM, float32, eval mode, norms randomised."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    settings = dict(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=d_expert, num_hidden_layers=n_layer,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=n_expert, num_experts_per_tok=k,
+                    max_position_embeddings=1024, rms_norm_eps=1e-5, initializer_range=0.2,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
+                    bos_token_id=1, eos_token_id=2)
+    model = MixtralForCausalLM(MixtralConfig(**{**settings, **config}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory) -> tuple[Path, object, Tokenizer]:
+    """A random 2-layer Mixtral (hidden 64, 4 heads of 16, 2 KV heads, 8 experts top-2), F32 GGUF."""
+    tokenizer = train_tiny_spm(seed=6)
+    hf = tiny_mixtral(tokenizer.get_vocab_size(), seed=6)
+    path = tmp_path_factory.mktemp("mixtral") / "tiny-mixtral-f32.gguf"
+    hf_to_gguf(hf, tokenizer, path, matrix_type="f32")
+    return path, hf, tokenizer
+
+
+# ---- the file -----------------------------------------------------------------
+
+
+def test_mixtral_is_written_as_llama_with_experts(mixtral):
+    path, hf, _ = mixtral
+    model = GGUFModel(path)
+    assert model.arch is ARCHITECTURES["llama"] and not model.has_shared_expert
+    hp = model.hp
+    assert (hp.n_layer, hp.d_model, hp.n_head, hp.n_head_kv, hp.head_dim) == (2, 64, 4, 2, 16)
+    assert (hp.n_expert, hp.n_expert_used, hp.d_expert, hp.d_shexp, hp.norm_topk_prob) == (8, 2, 32, 0, True)
+    assert (hp.rope_theta, hp.rms_eps) == (1e6, pytest.approx(1e-5))
+    # LlamaModel's keys: experts sized by feed_forward_length, no expert_feed_forward_length, no key_length
+    assert model.metadata("llama.feed_forward_length") == 32 and model.metadata("llama.expert_feed_forward_length") is None
+    assert model.metadata("llama.vocab_size") == hp.vocab_size and model.metadata("llama.rope.dimension_count") == 16
+    assert model.metadata("llama.attention.key_length") is None
+    assert sorted(n for n in model.tensor_names if n.startswith("blk.0.")) == sorted(
+        f"blk.0.{t}" for t in ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                               "attn_output.weight", "ffn_norm.weight", "ffn_gate_inp.weight",
+                               "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"))
+    # the SentencePiece vocabulary, as llama.cpp writes Mixtral's
+    assert (model.metadata("tokenizer.ggml.model"), model.metadata("tokenizer.ggml.pre")) == ("llama", "default")
+    assert model.metadata("tokenizer.ggml.tokens")[:4] == ["<unk>", "<s>", "</s>", "<0x00>"]
+    assert model.metadata("tokenizer.ggml.token_type")[:4] == [2, 3, 3, 6]
+    assert (model.metadata("tokenizer.ggml.bos_token_id"), model.metadata("tokenizer.ggml.eos_token_id")) == (1, 2)
+
+
+def test_q_and_k_rows_are_permuted_within_each_head_and_nothing_else(mixtral):
+    """Row 2i of a head is transformers' row i, row 2i+1 its row i + hd/2 (llama.cpp's LlamaModel.permute)."""
+    path, hf, _ = mixtral
+    model = GGUFModel(path)
+    hd = model.hp.head_dim
+    layer = hf.model.layers[1].self_attn
+    for name, proj, heads in (("attn_q", layer.q_proj, 4), ("attn_k", layer.k_proj, 2)):
+        ref = proj.weight.detach().numpy()  # (heads * hd, d)
+        got = model.tensor(f"blk.1.{name}.weight")
+        for h in range(heads):
+            np.testing.assert_array_equal(got[h * hd:(h + 1) * hd:2], ref[h * hd:h * hd + hd // 2])
+            np.testing.assert_array_equal(got[h * hd + 1:(h + 1) * hd:2], ref[h * hd + hd // 2:(h + 1) * hd])
+        np.testing.assert_array_equal(permute_rope_rows(ref, heads), got)
+    np.testing.assert_array_equal(model.tensor("blk.1.attn_v.weight"), layer.v_proj.weight.detach().numpy())
+
+
+def test_adjacent_pair_rope_on_permuted_rows_is_rotate_half_on_the_originals():
+    """float64 NumPy rotate_half (transformers') on x, against our adjacent-pair RoPE on permuted x."""
+    rng = np.random.default_rng(0)
+    B, T, H, hd = 2, 7, 3, 8
+    x = rng.standard_normal((B, T, H, hd))  # (B, T, H, hd)
+    inv_freq = 1.0 / (1e4 ** (np.arange(0, hd, 2) / hd))  # (hd/2,)
+    angles = np.arange(T)[:, None] * inv_freq[None, :]  # (T, hd/2)
+    cos, sin = np.concatenate([np.cos(angles)] * 2, -1), np.concatenate([np.sin(angles)] * 2, -1)  # (T, hd)
+    rotated = np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1)  # (B, T, H, hd)
+    ref = x * cos[None, :, None] + rotated * sin[None, :, None]  # (B, T, H, hd)
+    perm = permute_rope_rows(np.arange(H * hd), H).reshape(H, hd) % hd  # each head's dimension order
+    c, s = M.rope_tables(T, hd, 1e4)
+    got = np.asarray(apply_rope_pairs(jnp.asarray(x[..., perm[0]], jnp.float32), c, s))  # (B, T, H, hd)
+    np.testing.assert_allclose(got, ref[..., perm[0]], atol=1e-5)
+    neox = np.asarray(M.apply_rope(jnp.asarray(x[..., perm[0]], jnp.float32), c, s))
+    assert np.abs(neox - ref[..., perm[0]]).max() > 1e-2  # the default rotation would be wrong here
+
+
+def test_logits_routing_and_expert_output_match_transformers(mixtral):
+    path, hf, _ = mixtral
+    model = GGUFModel(path)
+    tokens = tokens_for(model)
+    ref_logits, ref = transformers_run(hf, tokens)
+    caps: dict[int, LayerCapture] = {}
+    got = Runner(model).forward(tokens, capture=True, on_layer=lambda i, c: caps.__setitem__(i, c))
+    assert rel_err(got, ref_logits) <= 1e-4
+    B, T = tokens.shape
+    assert sorted(caps) == [0, 1]
+    for i, cap in caps.items():
+        r = ref[i]
+        np.testing.assert_allclose(cap.mixed.reshape(B * T, -1), r["mixed"].reshape(B * T, -1), atol=1e-4)
+        np.testing.assert_allclose(cap.router_logits.reshape(B * T, -1), r["router_logits"], atol=1e-4)
+        ours = np.sort(cap.experts.reshape(B * T, -1), axis=1)
+        assert np.array_equal(ours, np.sort(r["experts"], axis=1)), f"layer {i}: different experts chosen"
+        order_ours, order_ref = np.argsort(cap.experts.reshape(B * T, -1), 1), np.argsort(r["experts"], 1)
+        weights = np.take_along_axis(cap.weights.reshape(B * T, -1), order_ours, 1)
+        np.testing.assert_allclose(weights, np.take_along_axis(r["weights"], order_ref, 1), atol=1e-5)
+        np.testing.assert_allclose(weights.sum(1), 1.0, atol=1e-6)  # renormalised over the chosen two
+        assert cap.hh.shape == (B, T, 0) and np.all(cap.shexp_gate == 1.0)
+        np.testing.assert_allclose(cap.yr, r["moe_out"], atol=1e-4 * np.abs(r["moe_out"]).max())
+
+
+def test_the_gguf_tokenizer_gives_the_ids_of_the_exported_one(mixtral):
+    path, _, tokenizer = mixtral
+    ours = GGUFModel(path).tokenizer()
+    for text in sample_texts(40, seed=99) + ["  two  spaces\n\nand 東京 🙂 ∑ inside"]:
+        ids = encode(ours, text)
+        assert ids == tokenizer.encode(text, add_special_tokens=False).ids, text
+        assert decode(ours, ids) == text
+    special = "text <s> and </s> more"  # specials match whole; the text after one gets its own "▁"
+    assert encode(ours, special) == tokenizer.encode(special, add_special_tokens=False).ids
+    assert encode(ours, special).count(1) == 1
+
+
+# ---- what is refused ----------------------------------------------------------
+
+
+def test_a_dense_llama_file_is_refused_for_its_missing_expert_count(mixtral, tmp_path):
+    """A `llama` GGUF with dense FFNs (Llama 2/3) is not a MoE: refused at open, naming the key."""
+    src = GGUFModel(mixtral[0])
+    kv = [(key, src.metadata(key), field.types[-1]) for key, field in src.metadata_fields().items()
+          if not key.startswith("GGUF.") and key not in ("general.architecture", "llama.expert_count",
+                                                         "llama.expert_used_count")]
+    rng = np.random.default_rng(0)
+    d, f = src.hp.d_model, src.hp.d_expert
+
+    def tensors():
+        for name in src.tensor_names:
+            if "_exps" in name or "ffn_gate_inp" in name:
+                continue
+            yield name, src.tensor(name), src.raw(name).ggml_type
+        for i in range(src.hp.n_layer):
+            for short, shape in (("ffn_gate", (f, d)), ("ffn_up", (f, d)), ("ffn_down", (d, f))):
+                yield f"blk.{i}.{short}.weight", rng.standard_normal(shape).astype(np.float32), \
+                    src.raw("blk.0.attn_q.weight").ggml_type
+
+    path = tmp_path / "dense-llama.gguf"
+    write_gguf(path, "llama", kv, tensors())
+    with pytest.raises(InputError, match=r"^dense-llama\.gguf: key llama\.expert_count: missing$"):
+        GGUFModel(path)
+
+
+def test_an_expert_width_other_than_feed_forward_length_is_refused(mixtral, tmp_path):
+    from moeheal.pipeline.gguf_write import copy_gguf
+
+    path = tmp_path / "width.gguf"
+    copy_gguf(GGUFModel(mixtral[0]), path, extra_kv=[("llama.feed_forward_length", 96, GGUFValueType.UINT32)])
+    with pytest.raises(InputError, match=r"^width\.gguf: key llama\.feed_forward_length: 96, but the tensors say 32$"):
+        GGUFModel(path)
+
+
+@pytest.mark.parametrize("option, message", [
+    ({"sliding_window": 16}, r"config sliding_window: 16 is not supported"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
+     r"config rope_parameters\.rope_type: 'linear' is not supported"),
+])
+def test_mixtral_options_we_do_not_run_are_refused_at_conversion(option, message, tmp_path):
+    tokenizer = train_tiny_spm(seed=1, vocab_size=400)
+    hf = tiny_mixtral(tokenizer.get_vocab_size(), seed=1, n_layer=1, **option)
+    with pytest.raises(InputError, match=message):
+        hf_to_gguf(hf, tokenizer, tmp_path / "refused.gguf", matrix_type="f32")
+    assert not (tmp_path / "refused.gguf").exists()
