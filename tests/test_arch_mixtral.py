@@ -31,11 +31,18 @@ from tests.test_llamacpp import eval_text, llama_perplexity, our_perplexity
 from tests.test_runner import rel_err, tokens_for, transformers_run
 
 SPM_SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2 as in Mixtral's tokenizer; <0x00>..<0xFF> follow
-MIXTRAL_VARIANT = """
+# A family without a shared expert heals by importance, GPTQ and alpha (no ridge knob); a budget over
+# every tensor measures attention too, through the family's RoPE.
+MIXTRAL_VARIANTS = """
 [[variant]]
 name = "v1"
 round = "gptq"
 gptq_damp = 1.0
+[[variant]]
+name = "b_all"
+budget_bpw = 3.8
+formats = ["tq2_0", "q2_k", "q3_k", "iq4_nl"]
+budget_roles = "all"
 """
 
 
@@ -248,7 +255,7 @@ def healed_mixtral(tmp_path_factory) -> tuple[Path, HealRun]:
     hf = tiny_mixtral(tokenizer.get_vocab_size(), seed=7, d_model=256, n_expert=8, k=2, d_expert=256)
     hf_to_gguf(hf, tokenizer, root / "ref.gguf", matrix_type="q8_0")
     hf_to_gguf(hf, tokenizer, root / "ref-f32.gguf", matrix_type="f32")  # for llama.cpp's exact comparison
-    run = HealRun(load_config(write_world(root, model=root / "ref.gguf", variants=MIXTRAL_VARIANT)),
+    run = HealRun(load_config(write_world(root, model=root / "ref.gguf", variants=MIXTRAL_VARIANTS)),
                   log=lambda m: None)
     run.heal()
     return root / "ref.gguf", run
@@ -293,3 +300,64 @@ def test_llama_cpp_agrees_on_our_mixtral_and_runs_its_quantized_and_healed_files
     assert out.returncode == 0, (out.stdout + out.stderr)[-2000:]
     healed = run.assemble(run.cfg.variants[0]).path
     assert all(np.isfinite(llama_perplexity(gguf, text, chunks=2)) for gguf in (quantized, healed))
+
+
+def numpy_attention(params: dict, x: np.ndarray, hp) -> np.ndarray:
+    """float64 causal attention of one sequence x (T, d) as llama.cpp's llama graph runs it on the
+    file's (permuted) q/k rows: dimensions 2i and 2i+1 of a head rotate together."""
+    T, H, Hkv, hd = x.shape[0], hp.n_head, hp.n_head_kv, hp.head_dim
+    w = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    q = (x @ w["attn_q.weight"].T).reshape(T, H, hd)  # (T, H, hd)
+    k = (x @ w["attn_k.weight"].T).reshape(T, Hkv, hd)  # (T, Hkv, hd)
+    v = (x @ w["attn_v.weight"].T).reshape(T, Hkv, hd)  # (T, Hkv, hd)
+    angle = np.arange(T)[:, None, None] * hp.rope_theta ** (-np.arange(0, hd, 2) / hd)  # (T, 1, hd/2)
+
+    def rope(z: np.ndarray) -> np.ndarray:
+        out = np.empty_like(z)  # (T, heads, hd)
+        out[..., 0::2] = z[..., 0::2] * np.cos(angle) - z[..., 1::2] * np.sin(angle)
+        out[..., 1::2] = z[..., 1::2] * np.cos(angle) + z[..., 0::2] * np.sin(angle)
+        return out
+
+    q, k = rope(q), rope(k)
+    k, v = np.repeat(k, H // Hkv, axis=1), np.repeat(v, H // Hkv, axis=1)  # (T, H, hd): head h reads h // G
+    scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd)  # (H, T, T)
+    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)  # (H, T, T)
+    heads = np.einsum("hts,shd->thd", probs, v).reshape(T, H * hd)  # (T, H*hd)
+    return heads @ w["attn_output.weight"].T  # (T, d)
+
+
+def test_a_budget_over_every_tensor_measures_attention_through_the_familys_rope(healed_mixtral):
+    """budget_roles = "all" runs for Mixtral: one attention row of the sensitivity table recomputed in
+    float64 NumPy with adjacent-pair RoPE (the quantized attn_q with the importance of its calibration
+    inputs, the change of the attention output over the unseen sequences, over the layer's ||yr||^2),
+    and the assembled file carries the allocation's attention formats and runs."""
+    from moeheal import kernels
+    from moeheal.kernels.importance import gate_up_importance
+    from moeheal.pipeline.stages.dump import open_dump
+
+    _, run = healed_mixtral
+    b_all = next(v for v in run.cfg.variants if v.name == "b_all")
+    hp = run.source.hp
+    cal, unseen = open_dump(run.dump("calibration").path), open_dump(run.dump("unseen").path)
+    params = {k: v for k, v in run.source.layer(1).items() if k.startswith("attn_") and k != "attn_norm.weight"}
+    importance = gate_up_importance(np.mean(np.square(cal["1"]["attn_in"][:], dtype=np.float64), axis=0),
+                                    b_all.beta_gate_up)
+    w = params["attn_q.weight"]
+    w_q = kernels.dequantize(kernels.quantize(w, "q2_k", importance), "q2_k", w.shape)
+    x = unseen["1"]["attn_in"][:].astype(np.float64)  # (N, d)
+    starts = list(unseen.attrs["seq_starts"]) + [x.shape[0]]
+    change = sum(float(np.sum((numpy_attention({**params, "attn_q.weight": w_q}, x[s:e], hp)
+                               - numpy_attention(params, x[s:e], hp)) ** 2)) for s, e in zip(starts, starts[1:]))
+    expected = change / float(np.sum(np.square(unseen["1"]["yr"][:], dtype=np.float64)))
+    key = run.sensitivity(b_all).fingerprint[:16]
+    row = next(r for r in run.lake.read_table("sensitivity").to_pylist()
+               if r["sensitivity"] == key and (r["layer"], r["role"], r["format"]) == (1, "attn_q", "q2_k"))
+    assert row["rel_err"] == pytest.approx(expected, rel=1e-3)
+    healed = GGUFModel(run.assemble(b_all).path)
+    chosen = {r["role"]: r["format"] for r in run.recipe_table().to_pylist()
+              if r["variant"] == "b_all" and r["layer"] == 1 and r["chosen_by"] == "allocation"}
+    assert {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_down_exps"} <= set(chosen)
+    assert healed.raw("blk.1.attn_q.weight").ggml_type.name == chosen["attn_q"].upper()
+    assert np.all(np.isfinite(Runner(healed).forward(tokens_for(healed, batch=1, length=16))))
