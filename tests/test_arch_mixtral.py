@@ -395,19 +395,27 @@ def test_synth_mixtral_has_the_real_shapes_keys_and_a_sentencepiece_vocabulary(t
     assert decode(tok, ids) == text and len(ids) < len(text.encode())  # pieces merge; the rest falls back to bytes
 
 
-def test_a_tiny_mixtral_synth_runs_in_our_runner_and_in_llama_cpp(tmp_path):
-    """1 layer, 2 experts, 512 pieces: the runner's forward pass, and llama-perplexity when llama.cpp is built."""
+@pytest.fixture(scope="module")
+def mixtral_synth(tmp_path_factory) -> Path:
+    """1 layer of mixtral-8x7b with 2 experts and 512 pieces (q8_0, about 400 MB)."""
     from moeheal.pipeline.synth import write_synth
 
-    path = write_synth(tmp_path / "tiny.gguf", "mixtral-8x7b", n_layer=1, vocab_size=512, n_expert=2).paths[0]
-    model = GGUFModel(path)
-    assert (model.hp.n_expert, model.hp.n_expert_used, model.hp.vocab_size) == (2, 2, 512)
+    out = tmp_path_factory.mktemp("synth") / "tiny.gguf"
+    return write_synth(out, "mixtral-8x7b", n_layer=1, vocab_size=512, n_expert=2).paths[0]
+
+
+def test_a_tiny_mixtral_synth_runs_in_our_runner(mixtral_synth):
+    model = GGUFModel(mixtral_synth)
+    assert (model.hp.n_expert, model.hp.n_expert_used, model.hp.vocab_size, model.hp.d_expert) == (2, 2, 512, 14336)
     logits = Runner(model).forward(tokens_for(model, batch=1, length=8))
     assert logits.shape == (1, 8, 512) and np.all(np.isfinite(logits))
-    binary = Path(os.environ.get("LLAMA_CPP_DIR", ""), "bin", "llama-perplexity")
-    if binary.is_file():
-        text = tmp_path / "text.txt"
-        text.write_text(" ".join(["the model routes every token to two experts."] * 40))
-        out = subprocess.run([str(binary), "-m", str(path), "-f", str(text), "-c", "64", "--chunks", "1", "-t", "2"],
-                             capture_output=True, text=True, errors="replace", timeout=600)
-        assert out.returncode == 0, (out.stdout + out.stderr)[-2000:]
+
+
+@pytest.mark.llamacpp
+def test_llama_cpp_runs_a_tiny_mixtral_synth(mixtral_synth, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(["the model routes every token to two experts."] * 40))
+    binary = Path(os.environ["LLAMA_CPP_DIR"]) / "bin" / "llama-perplexity"
+    out = subprocess.run([str(binary), "-m", str(mixtral_synth), "-f", str(text), "-c", "64", "--chunks", "1",
+                          "-t", "2"], capture_output=True, text=True, errors="replace", timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-2000:]

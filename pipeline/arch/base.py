@@ -9,7 +9,7 @@ Mixture of Experts:
 
 with SwiGLU experts stored stacked (`ffn_{gate,up,down}_exps`). Families
 differ in how attention projects and normalises q/k (biases, per-head or
-whole-vector RMSNorm), in routing (softmax or sigmoid scores, renormalised
+whole-vector RMSNorm) and which dimensions RoPE rotates together, in routing (softmax or sigmoid scores, renormalised
 top-k or not) and in whether a shared expert runs beside the routed ones.
 An `Architecture` says exactly those things, by its llama.cpp name
 (`general.architecture`), so the file reader, the runner and the stages ask
