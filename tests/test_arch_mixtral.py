@@ -11,9 +11,13 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 from gguf import GGUFValueType
 from tokenizers import Tokenizer, trainers
+from transformers import MixtralConfig, MixtralForCausalLM
 
+from moeheal import kernels
+from moeheal.kernels.importance import gate_up_importance
 from moeheal.pipeline import model as M
 from moeheal.pipeline.arch import ARCHITECTURES
 from moeheal.pipeline.arch.mixtral import apply_rope_pairs
@@ -24,6 +28,8 @@ from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.gguf_write import copy_gguf, write_gguf
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.runner import LayerCapture, Runner
+from moeheal.pipeline.stages.dump import open_dump
+from moeheal.pipeline.synth import write_synth
 from moeheal.pipeline.tokenizer import decode, encode
 from tests.ggufs import sample_texts
 from tests.healworld import write_world
@@ -72,9 +78,6 @@ def train_tiny_spm(seed: int, vocab_size: int = 600) -> Tokenizer:
 def tiny_mixtral(vocab_size: int, seed: int, n_layer: int = 2, d_model: int = 64, n_expert: int = 8, k: int = 2,
                  d_expert: int = 32, **config):
     """A seeded random transformers MixtralForCausalLM, float32, eval mode, norms randomised."""
-    import torch
-    from transformers import MixtralConfig, MixtralForCausalLM
-
     torch.manual_seed(seed)
     settings = dict(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=d_expert, num_hidden_layers=n_layer,
                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=n_expert, num_experts_per_tok=k,
@@ -333,10 +336,6 @@ def test_a_budget_over_every_tensor_measures_attention_through_the_familys_rope(
     float64 NumPy with adjacent-pair RoPE (the quantized attn_q with the importance of its calibration
     inputs, the change of the attention output over the unseen sequences, over the layer's ||yr||^2),
     and the assembled file carries the allocation's attention formats and runs."""
-    from moeheal import kernels
-    from moeheal.kernels.importance import gate_up_importance
-    from moeheal.pipeline.stages.dump import open_dump
-
     _, run = healed_mixtral
     b_all = next(v for v in run.cfg.variants if v.name == "b_all")
     hp = run.source.hp
@@ -372,8 +371,6 @@ MIXTRAL_8X7B = dict(n_layer=32, d_model=4096, n_head=32, n_head_kv=8, head_dim=1
 
 
 def test_synth_mixtral_has_the_real_shapes_keys_and_a_sentencepiece_vocabulary(tmp_path):
-    from moeheal.pipeline.synth import write_synth
-
     model = GGUFModel(write_synth(tmp_path / "mixtral.gguf", "mixtral-8x7b", n_layer=1, zeros=True).paths[0])
     assert model.arch is ARCHITECTURES["llama"]
     assert {key: getattr(model.hp, key) for key in MIXTRAL_8X7B} == pytest.approx({**MIXTRAL_8X7B, "n_layer": 1})
@@ -398,8 +395,6 @@ def test_synth_mixtral_has_the_real_shapes_keys_and_a_sentencepiece_vocabulary(t
 @pytest.fixture(scope="module")
 def mixtral_synth(tmp_path_factory) -> Path:
     """1 layer of mixtral-8x7b with 2 experts and 512 pieces (q8_0, about 400 MB)."""
-    from moeheal.pipeline.synth import write_synth
-
     out = tmp_path_factory.mktemp("synth") / "tiny.gguf"
     return write_synth(out, "mixtral-8x7b", n_layer=1, vocab_size=512, n_expert=2).paths[0]
 
