@@ -9,8 +9,9 @@ Mixture of Experts:
 
 with SwiGLU experts stored stacked (`ffn_{gate,up,down}_exps`). Families
 differ in how attention projects and normalises q/k (biases, per-head or
-whole-vector RMSNorm) and which dimensions RoPE rotates together, in routing (softmax or sigmoid scores, renormalised
-top-k or not) and in whether a shared expert runs beside the routed ones.
+whole-vector RMSNorm) and which dimensions RoPE rotates together, in
+routing (softmax or sigmoid scores, renormalised top-k or not) and in
+whether a shared expert runs beside the routed ones.
 An `Architecture` says exactly those things, by its llama.cpp name
 (`general.architecture`), so the file reader, the runner and the stages ask
 it instead of guessing from tensor names. A family is one file next to this
