@@ -234,6 +234,17 @@ def test_an_expert_width_other_than_feed_forward_length_is_refused(mixtral, tmp_
         GGUFModel(path)
 
 
+def test_a_file_that_turns_off_renormalisation_is_refused(mixtral, tmp_path):
+    """llama.cpp's llama graph renormalises whatever the key says: our runner must not differ from it."""
+    path = tmp_path / "norm.gguf"
+    copy_gguf(GGUFModel(mixtral[0]), path, extra_kv=[("llama.expert_weights_norm", False, GGUFValueType.BOOL)])
+    with pytest.raises(InputError, match=r"^norm\.gguf: key llama\.expert_weights_norm: False, but llama\.cpp's "
+                                         r"llama graph always renormalises the top-k weights$"):
+        GGUFModel(path)
+    copy_gguf(GGUFModel(mixtral[0]), path, extra_kv=[("llama.expert_weights_norm", True, GGUFValueType.BOOL)])
+    assert GGUFModel(path).hp.norm_topk_prob
+
+
 @pytest.mark.parametrize("option, message", [
     ({"sliding_window": 16}, r"config sliding_window: 16 is not supported"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},

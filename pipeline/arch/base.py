@@ -63,6 +63,9 @@ class Architecture:
     attention_extra_tensors: ClassVar[tuple[str, ...]] = ()  # per-layer tensors beyond ATTENTION_TENSORS
     # The `<arch>.` key that holds a routed expert's FFN width: llama.cpp sizes the expert tensors by it.
     expert_width_key: ClassVar[str] = "expert_feed_forward_length"
+    # True: llama.cpp's graph renormalises the top-k weights whatever `<arch>.expert_weights_norm` says,
+    # so a file that says otherwise is refused. None: the key is read (default `routing.norm_topk_default`).
+    fixed_topk_norm: ClassVar[bool | None] = None
 
     def __str__(self) -> str:
         return self.name

@@ -45,6 +45,7 @@ class Mixtral(Architecture):
     routing = Routing(score="softmax", norm_topk_default=True)
     shared_expert = "none"
     expert_width_key = "feed_forward_length"  # llama.cpp's llama loader sizes the experts by n_ff
+    fixed_topk_norm = True  # llama.cpp's llama graph passes norm_w = true, never reading expert_weights_norm
 
     def apply_rope(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         return apply_rope_pairs(x, cos, sin)  # (B, T, H, hd)
