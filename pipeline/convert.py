@@ -1,10 +1,15 @@
-"""Export a transformers Qwen2-MoE / Qwen3-MoE / OLMoE model to GGUF, as llama.cpp's converter does.
+"""Export a transformers Qwen2-MoE / Qwen3-MoE / OLMoE / Mixtral model to GGUF, as llama.cpp's converter does.
 
 Tensor names, shapes and metadata keys follow llama.cpp's `convert_hf_to_gguf.py`
-(Qwen2MoeModel / Qwen3MoeModel / OlmoeModel), so that llama.cpp, transformers'
+(Qwen2MoeModel / Qwen3MoeModel / OlmoeModel / LlamaModel), so that llama.cpp, transformers'
 `from_pretrained(..., gguf_file=...)` (for the Qwen families) and `GGUFModel` all load the result.
 OLMoE's q/k norms span every head, so `attn_{q,k}_norm` are as wide as q and k; its experts are
 `intermediate_size` wide and, as llama.cpp's converter does, no `expert_feed_forward_length` is written.
+Mixtral is written as `llama` the way LlamaModel writes it: experts `intermediate_size` wide (the
+`feed_forward_length` key), `vocab_size` and `rope.dimension_count` keys, and the rows of the q and k
+projections permuted within each head (`permute_rope_rows`) so that llama.cpp's adjacent-pair RoPE
+reproduces transformers' rotate_half. A SentencePiece-shaped tokenizer (BPE with byte fallback, as
+Mixtral's tokenizer.json) is written as llama.cpp's `llama` vocabulary, others as byte-level BPE.
 Per-expert matrices are stacked into `*_exps` tensors `[E, rows, cols]`.
 """
 
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -20,6 +26,7 @@ from gguf.constants import GGML_QUANT_VERSION
 from gguf.quants import quantize
 from tokenizers import Tokenizer
 
+from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_write import KV, TensorItem, write_gguf
 
 MATRIX_TYPES = {
@@ -27,7 +34,9 @@ MATRIX_TYPES = {
     "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
     "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
 }
-ARCH_BY_MODEL_TYPE = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+ARCH_BY_MODEL_TYPE = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama"}
+# Families whose GGUF rotates adjacent dimension pairs: their q/k rows are permuted (LlamaModel.permute).
+ROPE_PERMUTED = ("llama",)
 
 # HF parameter suffix (after `model.layers.{i}.`) -> llama.cpp tensor short name.
 LAYER_NAMES = {
@@ -73,6 +82,13 @@ def _encode(data: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
     if ggml_type == GGMLQuantizationType.F16:
         return data.astype(np.float16)
     return quantize(data.astype(np.float32), ggml_type)  # (..., row_bytes) uint8
+
+
+def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Rows of a q or k projection (n_head * hd, d) reordered within each head so that row i + hd/2
+    follows row i: transformers' rotate_half pair (i, i + hd/2) becomes llama.cpp's (2i, 2i + 1)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)  # (rows, d)
 
 
 def _gguf_tensors(state: dict[str, np.ndarray], n_layer: int, tied: bool) -> Iterator[tuple[str, np.ndarray]]:
@@ -128,6 +144,53 @@ def _vocab_kv(tokenizer: Tokenizer, bos: int | None, eos: int | None, pad: int |
     return kv
 
 
+def is_sentencepiece(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer is SentencePiece-shaped: BPE with byte fallback (Mixtral's tokenizer.json)."""
+    model = json.loads(tokenizer.to_str())["model"]
+    return model["type"] == "BPE" and bool(model.get("byte_fallback"))
+
+
+def _sentencepiece_vocab_kv(tokenizer: Tokenizer, bos: int | None, eos: int | None, pad: int | None) -> list[KV]:
+    """`tokenizer.ggml.*` for a SentencePiece BPE, as llama.cpp's `_set_vocab_sentencepiece` writes
+    them: model "llama", pre "default", token scores and types, no merges.
+
+    SentencePiece's BPE scores a piece by when its merge was learnt (later, lower), and llama.cpp
+    merges by those scores: a token made by merge number r scores -r here, the others 0 (single
+    characters, bytes and specials are never the result of a merge). Types: UNKNOWN for the unknown
+    token, BYTE for <0xXX>, CONTROL for other special tokens, USER_DEFINED for other added tokens.
+    """
+    spec = json.loads(tokenizer.to_str())["model"]
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    tokens = [""] * len(vocab)
+    for token, index in vocab.items():
+        tokens[index] = token
+    scores = [0.0] * len(tokens)
+    for rank, merge in enumerate(spec["merges"]):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        scores[vocab[left + right]] = -float(rank)
+    added = tokenizer.get_added_tokens_decoder().values()
+    special = {t.content for t in added if t.special}
+    user = {t.content for t in added if not t.special}
+    unknown = spec.get("unk_token")
+    token_types = [2 if t == unknown else 6 if re.fullmatch(r"<0x[0-9A-F]{2}>", t) else 3 if t in special
+                   else 4 if t in user else 1 for t in tokens]  # gguf-py TokenType
+    kv: list[KV] = [
+        ("tokenizer.ggml.model", "llama", GGUFValueType.STRING),
+        ("tokenizer.ggml.pre", "default", GGUFValueType.STRING),
+        ("tokenizer.ggml.tokens", tokens, None),
+        ("tokenizer.ggml.scores", scores, GGUFValueType.FLOAT32),
+        ("tokenizer.ggml.token_type", token_types, GGUFValueType.INT32),
+    ]
+    special_ids = (("bos_token_id", bos), ("eos_token_id", eos), ("padding_token_id", pad),
+                   ("unknown_token_id", vocab.get(unknown) if unknown else None))
+    for key, value in special_ids:
+        if value is not None:
+            kv.append((f"tokenizer.ggml.{key}", int(value), GGUFValueType.UINT32))
+    kv += [("tokenizer.ggml.add_bos_token", False, GGUFValueType.BOOL),
+           ("tokenizer.ggml.add_space_prefix", True, GGUFValueType.BOOL)]
+    return kv
+
+
 def _hparams_kv(config, arch: str, file_type: LlamaFileType) -> list[KV]:
     """The `<arch>.*` keys llama.cpp's converter writes for Qwen2-MoE / Qwen3-MoE / OLMoE."""
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
@@ -155,7 +218,22 @@ def _hparams_kv(config, arch: str, file_type: LlamaFileType) -> list[KV]:
                (f"{arch}.attention.value_length", config.head_dim, u32)]
     if getattr(config, "shared_expert_intermediate_size", None):
         kv.append((f"{arch}.expert_shared_feed_forward_length", config.shared_expert_intermediate_size, u32))
+    if arch == "llama":  # LlamaModel.set_gguf_parameters
+        rope_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv += [(f"{arch}.vocab_size", config.vocab_size, u32), (f"{arch}.rope.dimension_count", rope_dim, u32)]
     return kv
+
+
+def _check_mixtral(config) -> None:
+    """Refuse the Mixtral options llama.cpp's llama graph (and our runner) does not run."""
+    where = getattr(config, "name_or_path", "") or "config"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise InputError(f"{where}: config rope_parameters.rope_type: {rope['rope_type']!r} is not supported "
+                         "(plain RoPE only)")
+    if getattr(config, "sliding_window", None) is not None:
+        raise InputError(f"{where}: config sliding_window: {config.sliding_window} is not supported "
+                         "(llama.cpp's llama graph attends to every earlier position)")
 
 
 def _special_id(tokenizer: Tokenizer, config_id: int | None, fallback: str) -> int | None:
@@ -164,26 +242,37 @@ def _special_id(tokenizer: Tokenizer, config_id: int | None, fallback: str) -> i
 
 def hf_to_gguf(hf_model, tokenizer: Tokenizer, out_path: str | os.PathLike[str], matrix_type: str = "q8_0",
                extra_kv: list[KV] | None = None) -> None:
-    """Write `hf_model` (Qwen2MoeForCausalLM / Qwen3MoeForCausalLM / OlmoeForCausalLM) and its
-    tokenizer as one GGUF.
+    """Write `hf_model` (Qwen2MoeForCausalLM / Qwen3MoeForCausalLM / OlmoeForCausalLM /
+    MixtralForCausalLM) and its tokenizer as one GGUF.
 
     Matrices go to `matrix_type` ("q8_0", "f16" or "f32"); norms, biases, the
     router and the shared-expert gate stay F32. BOS/EOS/PAD ids come from the
-    config, else `<|endoftext|>`; no BOS is added at encode time (Qwen's way).
+    config, else (byte-level BPE) `<|endoftext|>`; no BOS is added at encode time
+    (Qwen's way, and the pipeline's: it encodes without one for every family).
     """
     config = hf_model.config
     arch = ARCH_BY_MODEL_TYPE.get(config.model_type)
     if arch is None:
         raise ValueError(f"unsupported model type {config.model_type!r} (supported: {sorted(ARCH_BY_MODEL_TYPE)})")
+    if arch == "llama":
+        _check_mixtral(config)
     ggml_matrix, file_type = MATRIX_TYPES[matrix_type]
     state = {k: v.detach().to("cpu").float().numpy() for k, v in hf_model.state_dict().items()}
+    if arch in ROPE_PERMUTED:
+        for i in range(config.num_hidden_layers):
+            for proj, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.num_key_value_heads)):
+                name = f"model.layers.{i}.self_attn.{proj}.weight"
+                state[name] = permute_rope_rows(state[name], heads)  # (heads * hd, d)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     eos = _special_id(tokenizer, config.eos_token_id, "<|endoftext|>")
     kv = _hparams_kv(config, arch, file_type)
-    kv += _vocab_kv(tokenizer,
-                    bos=_special_id(tokenizer, config.bos_token_id, "<|endoftext|>"),
-                    eos=eos,
-                    pad=_special_id(tokenizer, config.pad_token_id, "<|endoftext|>"))
+    if is_sentencepiece(tokenizer):  # its specials are <s>, </s>: ids only from the config
+        kv += _sentencepiece_vocab_kv(tokenizer, config.bos_token_id, config.eos_token_id, config.pad_token_id)
+    else:
+        kv += _vocab_kv(tokenizer,
+                        bos=_special_id(tokenizer, config.bos_token_id, "<|endoftext|>"),
+                        eos=eos,
+                        pad=_special_id(tokenizer, config.pad_token_id, "<|endoftext|>"))
     kv += list(extra_kv or [])
 
     def tensors() -> Iterator[TensorItem]:

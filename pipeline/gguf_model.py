@@ -463,6 +463,10 @@ class GGUFModel:
             raise InputError(f"{self.name}: key {a}.expert_used_count: {n_expert_used} is more than "
                              f"expert_count {n_expert}")
         norm_key = f"{a}.expert_weights_norm"
+        fixed = self.arch.fixed_topk_norm
+        if fixed is not None and self.metadata(norm_key, fixed) != fixed:
+            raise InputError(f"{self.name}: key {norm_key}: {self.metadata(norm_key)}, but llama.cpp's {a} graph "
+                             f"always {'renormalises' if fixed else 'keeps'} the top-k weights")
         return HParams(
             n_layer=int(self._required_key(f"{a}.block_count")),
             d_model=d_model,
@@ -502,7 +506,7 @@ class GGUFModel:
     def _check_shapes(self) -> None:
         """Every tensor agrees with the keys: a corrupted dimension or key cannot reach the runner."""
         a = self.arch.name
-        for key, value in ((f"{a}.expert_feed_forward_length", self.hp.d_expert),
+        for key, value in ((f"{a}.{self.arch.expert_width_key}", self.hp.d_expert),
                            (f"{a}.expert_shared_feed_forward_length", self.hp.d_shexp)):
             if self.metadata(key, value) != value:
                 raise InputError(f"{self.name}: key {key}: {self.metadata(key)}, but the tensors say {value}")

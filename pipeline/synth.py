@@ -18,6 +18,10 @@ every size-dependent path can be exercised offline:
   Qwen3-Next's 256. qwen2moe needs q/k/v biases, which Qwen3-Next does not have:
   they are written as zeros. The file's general.name and general.description
   say so too.
+- `mixtral-8x7b`: `llama` with experts exactly as llama.cpp's converter writes
+  Mixtral-8x7B (no shared expert, no q/k norms or biases; experts sized by
+  `feed_forward_length`, `vocab_size` and `rope.dimension_count` keys). Its q/k
+  rows are random, so the converter's RoPE row permutation has nothing to act on.
 
 Weights are random but shaped like trained ones. Each matrix is drawn from a
 Student-t distribution whose degrees of freedom and scale come from the role it
@@ -49,6 +53,13 @@ Qwen's `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` at their real ids
 151643-151645, and `[PAD<id>]` tokens after them as llama.cpp's converter writes
 a padded vocabulary. The demo model is read for this, so `synth` runs from a
 checkout of this repository (`write_synth(demo_model=...)` names another copy).
+Mixtral's real tokenizer is a 32000-piece SentencePiece BPE, not available
+offline either; its file carries a valid SentencePiece vocabulary
+(`tokenizer.ggml.model = "llama"`) laid out as Mixtral's: `<unk>`, `<s>`, `</s>`
+at ids 0-2, the byte pieces `<0x00>`..`<0xFF>` at 3-258, then the demo's
+ordinary tokens spelled as text with "▁" for spaces, and `▁fill<i>` fillers up
+to the size; a piece's score falls with its id (the merge order SentencePiece
+gives), BOS is added as Mixtral's file says, but the pipeline encodes without it.
 
 Options for tests only (hidden from --help): `--vocab N` and `--experts N`
 shrink the vocabulary and the expert count, and `--zeros` writes zero weights
@@ -73,6 +84,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_SIZES, GGML_QUANT_VERSION
 from gguf.quants import quantize
 
+from moeheal.pipeline.arch import ARCHITECTURES
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import HParams
 from moeheal.pipeline.progress import progress
@@ -121,6 +133,13 @@ LIKE: dict[str, LikeModel] = {
                     "written as qwen2moe: full attention in every layer with head dim 128 and zero q/k/v biases; "
                     "the gated-DeltaNet layers, attention output gate and q/k norms are not modelled; "
                     f"{_QWEN3_NOTE}"),
+    "mixtral-8x7b": LikeModel(
+        title="Mixtral-8x7B shapes (synthetic)", arch="llama", d_ff=14336,
+        hp=HParams(n_layer=32, d_model=4096, n_head=32, n_head_kv=8, head_dim=128, n_expert=8, n_expert_used=2,
+                   d_expert=14336, d_shexp=0, rope_theta=1e6, rms_eps=1e-5, vocab_size=32000,
+                   norm_topk_prob=True, context_length=32768),
+        description="Mixtral-8x7B's tensor shapes and metadata; random heavy-tailed weights and a filler "
+                    "SentencePiece vocabulary; made by moeheal synth, not a trained model"),
 }
 
 MATRIX_TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
@@ -244,10 +263,9 @@ def plan_tensors(like: LikeModel, n_layer: int, n_expert: int, vocab_size: int,
         b = f"blk.{i}."
         plan += [t(b + "attn_norm.weight", d), t(b + "attn_q.weight", q, d), t(b + "attn_k.weight", kv, d),
                  t(b + "attn_v.weight", kv, d), t(b + "attn_output.weight", d, q)]
-        if like.arch == "qwen2moe":
-            plan += [t(b + "attn_q.bias", q), t(b + "attn_k.bias", kv), t(b + "attn_v.bias", kv)]
-        else:
-            plan += [t(b + "attn_q_norm.weight", like.hp.head_dim), t(b + "attn_k_norm.weight", like.hp.head_dim)]
+        arch = ARCHITECTURES[like.arch]  # its q/k/v biases or q/k norms, or none
+        extra = arch.attention_extra_shapes(like.hp)
+        plan += [t(b + short, *extra[short]) for short in arch.attention_extra_tensors]
         plan += [t(b + "ffn_norm.weight", d), t(b + "ffn_gate_inp.weight", n_expert, d),
                  t(b + "ffn_gate_exps.weight", n_expert, f, d), t(b + "ffn_up_exps.weight", n_expert, f, d),
                  t(b + "ffn_down_exps.weight", n_expert, d, f)]
@@ -257,8 +275,9 @@ def plan_tensors(like: LikeModel, n_layer: int, n_expert: int, vocab_size: int,
     return plan
 
 
-def hparams_kv(like: LikeModel, n_layer: int, n_expert: int, file_type: LlamaFileType) -> list[TypedKV]:
-    """`general.*` and `<arch>.*` keys, typed as llama.cpp reads them."""
+def hparams_kv(like: LikeModel, n_layer: int, n_expert: int, file_type: LlamaFileType,
+               vocab_size: int | None = None) -> list[TypedKV]:
+    """`general.*` and `<arch>.*` keys, typed as llama.cpp reads them (`vocab_size`: a shrunk one)."""
     a, u32, f32 = like.arch, GGUFValueType.UINT32, GGUFValueType.FLOAT32
     kv = [
         ("general.name", like.title, GGUFValueType.STRING),
@@ -282,6 +301,12 @@ def hparams_kv(like: LikeModel, n_layer: int, n_expert: int, file_type: LlamaFil
     ]
     if like.hp.d_shexp:
         kv.append((f"{a}.expert_shared_feed_forward_length", like.hp.d_shexp, u32))
+    if a == "llama":  # LlamaModel: no head-dim, expert-width or weights-norm keys (Mixtral's config has none)
+        dropped = {f"{a}.attention.key_length", f"{a}.attention.value_length", f"{a}.expert_feed_forward_length",
+                   f"{a}.expert_weights_norm"}
+        kv = [item for item in kv if item[0] not in dropped]
+        kv += [(f"{a}.vocab_size", vocab_size or like.hp.vocab_size, u32),
+               (f"{a}.rope.dimension_count", like.hp.head_dim, u32)]
     return kv
 
 
@@ -338,6 +363,59 @@ def vocab_kv(tokens: list[str], types: list[int], merges: list[str]) -> list[Typ
         ("tokenizer.ggml.eos_token_id", tokens.index("<|im_end|>"), u32),
         ("tokenizer.ggml.padding_token_id", tokens.index("<|endoftext|>"), u32),
         ("tokenizer.ggml.add_bos_token", False, GGUFValueType.BOOL),
+    ]
+
+
+SPM_SPECIALS = ("<unk>", "<s>", "</s>")  # Mixtral's ids 0, 1, 2
+TOKEN_UNKNOWN, TOKEN_BYTE = 2, 6
+
+
+def sentencepiece_vocabulary(vocab_size: int, demo: GGUFModel) -> tuple[list[str], list[int], list[float]]:
+    """Tokens, token types and scores of `vocab_size` entries laid out as Mixtral's SentencePiece
+    vocabulary (see the module docstring); the demo's byte-level tokens are spelled back to text."""
+    from moeheal.pipeline.tokenizer import _byte_spelling
+
+    unspell = {c: b for b, c in _byte_spelling().items()}
+    tokens = list(SPM_SPECIALS) + [f"<0x{b:02X}>" for b in range(256)]
+    types = [TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_CONTROL] + [TOKEN_BYTE] * 256
+    kept = set(tokens)
+    demo_tokens, demo_types = demo.metadata("tokenizer.ggml.tokens"), demo.metadata("tokenizer.ggml.token_type")
+    for token, ty in zip(demo_tokens, demo_types):
+        if len(tokens) == vocab_size:
+            break
+        try:
+            piece = bytes(unspell[c] for c in token).decode("utf-8").replace(" ", "▁")
+        except (KeyError, UnicodeDecodeError):  # a token that is part of a character
+            continue
+        if ty == TOKEN_NORMAL and piece not in kept:
+            tokens.append(piece)
+            kept.add(piece)
+    fill = 0
+    while len(tokens) < vocab_size:
+        candidate = f"▁fill{fill}"
+        fill += 1
+        if candidate not in kept:
+            tokens.append(candidate)
+            kept.add(candidate)
+    types += [TOKEN_NORMAL] * (vocab_size - len(types))
+    scores = [0.0 if ty != TOKEN_NORMAL else -float(i) for i, ty in enumerate(types)]
+    return tokens, types, scores
+
+
+def sentencepiece_vocab_kv(tokens: list[str], types: list[int], scores: list[float]) -> list[TypedKV]:
+    """`tokenizer.ggml.*` as llama.cpp's converter writes Mixtral's (BOS <s>, EOS </s>, UNK <unk>)."""
+    string, u32 = GGUFValueType.STRING, GGUFValueType.UINT32
+    return [
+        ("tokenizer.ggml.model", "llama", string),
+        ("tokenizer.ggml.pre", "default", string),
+        ("tokenizer.ggml.tokens", tokens, string),
+        ("tokenizer.ggml.scores", scores, GGUFValueType.FLOAT32),
+        ("tokenizer.ggml.token_type", types, GGUFValueType.INT32),
+        ("tokenizer.ggml.bos_token_id", tokens.index("<s>"), u32),
+        ("tokenizer.ggml.eos_token_id", tokens.index("</s>"), u32),
+        ("tokenizer.ggml.unknown_token_id", tokens.index("<unk>"), u32),
+        ("tokenizer.ggml.add_bos_token", True, GGUFValueType.BOOL),
+        ("tokenizer.ggml.add_eos_token", False, GGUFValueType.BOOL),
     ]
 
 
@@ -440,8 +518,11 @@ def write_synth(out: str | os.PathLike[str], like_name: str, n_layer: int | None
     ggml_type, file_type = MATRIX_TYPES[matrix_type]
     started = time.monotonic()
     plan = plan_tensors(like, n_layer, n_expert, vocab_size, ggml_type)
-    vocabulary = synth_vocabulary(vocab_size, GGUFModel(demo_model))
-    kv = hparams_kv(like, n_layer, n_expert, file_type) + vocab_kv(*vocabulary)
+    if like.arch == "llama":  # Mixtral: SentencePiece
+        vocabulary = sentencepiece_vocab_kv(*sentencepiece_vocabulary(vocab_size, GGUFModel(demo_model)))
+    else:
+        vocabulary = vocab_kv(*synth_vocabulary(vocab_size, GGUFModel(demo_model)))
+    kv = hparams_kv(like, n_layer, n_expert, file_type, vocab_size) + vocabulary
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")

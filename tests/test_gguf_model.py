@@ -46,10 +46,10 @@ def test_missing_file_is_input_error(tmp_path):
 
 
 def test_unsupported_arch(tmp_path):
-    path = tmp_path / "llama.gguf"
-    write_gguf(path, "llama", [("llama.block_count", 1, None)],
+    path = tmp_path / "falcon.gguf"
+    write_gguf(path, "falcon", [("falcon.block_count", 1, None)],
                [("token_embd.weight", np.zeros((4, 32), np.float32), GGMLQuantizationType.F32)])
-    with pytest.raises(InputError, match=r"llama\.gguf: general\.architecture: unsupported architecture 'llama'"):
+    with pytest.raises(InputError, match=r"falcon\.gguf: general\.architecture: unsupported architecture 'falcon'"):
         GGUFModel(path)
 
 

@@ -31,9 +31,10 @@ N_CTX = 256
 def llama_perplexity(model: Path, text_file: Path, chunks: int) -> float:
     """llama-perplexity's final estimate. Its log is written by a background thread that can
     lose the last lines at exit; then the running estimate after the last chunk (the same number)
-    is read, and a run that printed neither is repeated (up to 3 times)."""
+    is read, and a run that printed neither is repeated (up to 10 times: with some files, a healed
+    Mixtral's for one, about every other run loses both)."""
     binary = Path(os.environ["LLAMA_CPP_DIR"]) / "bin" / "llama-perplexity"
-    for _ in range(3):
+    for _ in range(10):
         out = subprocess.run([str(binary), "-m", str(model), "-f", str(text_file), "-c", str(N_CTX), "-b",
                               str(N_CTX), "--chunks", str(chunks), "-t", "2"], capture_output=True, text=True,
                              timeout=600)

@@ -9,8 +9,9 @@ Mixture of Experts:
 
 with SwiGLU experts stored stacked (`ffn_{gate,up,down}_exps`). Families
 differ in how attention projects and normalises q/k (biases, per-head or
-whole-vector RMSNorm), in routing (softmax or sigmoid scores, renormalised
-top-k or not) and in whether a shared expert runs beside the routed ones.
+whole-vector RMSNorm) and which dimensions RoPE rotates together, in
+routing (softmax or sigmoid scores, renormalised top-k or not) and in
+whether a shared expert runs beside the routed ones.
 An `Architecture` says exactly those things, by its llama.cpp name
 (`general.architecture`), so the file reader, the runner and the stages ask
 it instead of guessing from tensor names. A family is one file next to this
@@ -60,6 +61,11 @@ class Architecture:
     routing: ClassVar[Routing]
     shared_expert: ClassVar[SharedExpert]
     attention_extra_tensors: ClassVar[tuple[str, ...]] = ()  # per-layer tensors beyond ATTENTION_TENSORS
+    # The `<arch>.` key that holds a routed expert's FFN width: llama.cpp sizes the expert tensors by it.
+    expert_width_key: ClassVar[str] = "expert_feed_forward_length"
+    # True: llama.cpp's graph renormalises the top-k weights whatever `<arch>.expert_weights_norm` says,
+    # so a file that says otherwise is refused. None: the key is read (default `routing.norm_topk_default`).
+    fixed_topk_norm: ClassVar[bool | None] = None
 
     def __str__(self) -> str:
         return self.name
@@ -99,6 +105,12 @@ class Architecture:
         layers, say) chooses here, by layer index, which jitted block runs."""
         return self.attention_block(params, h, cos, sin, hp)
 
+    def apply_rope(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """Rotary embedding of projected heads, x (B, T, H, hd) -> (B, T, H, hd): NEOX's halves here,
+        as llama.cpp runs qwen2moe, qwen3moe and olmoe; a family whose file pairs dimensions otherwise
+        overrides it."""
+        return M.apply_rope(x, cos, sin)
+
     def project_qkv(self, params: dict, x: jax.Array,
                     hp: HParams) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x (B, T, d) normed input -> q (B, T, H, hd), k (B, T, Hkv, hd), v (B, T, Hkv, hd), before RoPE."""
@@ -109,7 +121,7 @@ class Architecture:
         """Causal grouped-query self-attention up to the heads' concatenated outputs, the input of
         `attn_output`. x (B, T, d) normed input -> (B, T, H*hd)."""
         q, k, v = self.project_qkv(params, x, hp)  # (B, T, H, hd), (B, T, Hkv, hd) x2
-        q, k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)  # NEOX rotation, shapes kept
+        q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)  # the family's rotation, shapes kept
         return M.causal_attention(q, k, v)  # (B, T, H*hd)
 
     @partial(jax.jit, static_argnames=("self", "hp"))
