@@ -201,3 +201,62 @@ def test_unsupported_qwen3next_variants_are_refused(tmp_path):
     hf = tiny_qwen3next(tokenizer.get_vocab_size(), seed=6, n_layer=2, norm_topk_prob=False)
     with pytest.raises(InputError, match="norm_topk_prob: False is not supported for qwen3next"):
         hf_to_gguf(hf, tokenizer, tmp_path / "x.gguf", matrix_type="f32")
+
+
+@pytest.fixture(scope="module")
+def healed_qwen3next(tmp_path_factory) -> tuple[Path, HealRun]:
+    """A tiny Qwen3-Next healed end to end (256 wide, so every expert row is whole TQ2_0 blocks)."""
+    root = tmp_path_factory.mktemp("qwen3next_world")
+    tokenizer = train_tiny_bpe(seed=7)
+    hf = tiny_qwen3next(tokenizer.get_vocab_size(), seed=7, d_model=256, d_expert=256, d_shexp=256)
+    hf_to_gguf(hf, tokenizer, root / "ref.gguf", matrix_type="q8_0")
+    run = HealRun(load_config(write_world(root, model=root / "ref.gguf", variants=RIDGE_VARIANT)), log=lambda m: None)
+    run.heal()
+    return root / "ref.gguf", run
+
+
+def test_qwen3next_heals_with_the_ridge_and_the_assembled_gguf_loads(healed_qwen3next):
+    source, run = healed_qwen3next
+    healed = GGUFModel(run.assemble(run.cfg.variants[0]).path)
+    assert healed.arch is ARCHITECTURES["qwen3next"] and healed.metadata("moeheal.variant") == "v1"
+    assert healed.raw("blk.0.ffn_down_exps.weight").ggml_type.name == "TQ2_0"
+    cv = [r for r in run.lake.read_table("ridge_cv").to_pylist() if r["variant"] == "v1"]
+    assert {r["layer"] for r in cv} == {0, 1, 2, 3}  # the shared-expert ridge ran in linear and full layers
+    metrics = [r for r in run.lake.read_table("layer_metrics").to_pylist() if r["variant"] == "v1"]
+    assert {r["layer"] for r in metrics} == {0, 1, 2, 3} and all(np.isfinite(r["resid_ridge"]) for r in metrics)
+    ref = GGUFModel(source)
+    for name in ("blk.0.attn_qkv.weight", "blk.0.ssm_a", "blk.1.attn_q.weight", "blk.1.ffn_gate_inp.weight"):
+        assert healed.raw(name).ggml_type == ref.raw(name).ggml_type  # attention and routers are kept
+        np.testing.assert_array_equal(healed.tensor(name), ref.tensor(name))
+    tokens = tokens_for(healed, batch=1, length=16)
+    assert np.all(np.isfinite(Runner(healed).forward(tokens)))
+
+
+def test_qwen3next_refuses_budgeting_its_attention(tmp_path):
+    tokenizer = train_tiny_bpe(seed=7)
+    hf = tiny_qwen3next(tokenizer.get_vocab_size(), seed=7, n_layer=2, d_model=256, d_expert=256, d_shexp=256)
+    hf_to_gguf(hf, tokenizer, tmp_path / "ref.gguf", matrix_type="q8_0")
+    variant = '[[variant]]\nname = "b"\nbudget_bpw = 3.8\nformats = ["tq2_0", "q2_k", "iq4_nl"]\nbudget_roles = "all"\n'
+    config = load_config(write_world(tmp_path, model=tmp_path / "ref.gguf", variants=variant))
+    with pytest.raises(InputError, match=r'\[\[variant\]\] b: budget_roles = "all" is not supported for the '
+                                         r"qwen3next family"):
+        HealRun(config, log=lambda m: None)
+
+
+@pytest.mark.llamacpp
+def test_llama_cpp_quantizes_and_runs_our_qwen3next_ggufs(qwen3next, healed_qwen3next, tmp_path):
+    """llama-perplexity runs our converted F32 and Q8_0 Qwen3-Next (agreeing with our runner), the Q4_K_M
+    llama-quantize makes of the Q8_0 one, and our healed file."""
+    source, run = healed_qwen3next
+    quantized = tmp_path / "q4_k_m.gguf"
+    binary = Path(os.environ["LLAMA_CPP_DIR"]) / "bin" / "llama-quantize"
+    out = subprocess.run([str(binary), "--allow-requantize", str(source), str(quantized), "Q4_K_M"],
+                         capture_output=True, text=True, errors="replace", timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-2000:]
+    text = eval_text(tmp_path, run.cfg.path.parent / "docs.jsonl", chunks=2)
+    for gguf, tol in ((qwen3next[0], 0.005), (source, 0.05)):  # llama.cpp rounds activations to 8 bits for Q8_0
+        theirs = llama_perplexity(gguf, text, chunks=2)
+        ours = our_perplexity(GGUFModel(gguf), text.read_text(encoding="utf-8"), chunks=2)
+        assert np.log(ours) == pytest.approx(np.log(theirs), abs=tol), gguf.name
+    healed = run.assemble(run.cfg.variants[0]).path
+    assert all(np.isfinite(llama_perplexity(gguf, text, chunks=2)) for gguf in (quantized, healed))
