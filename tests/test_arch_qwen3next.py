@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from moeheal.kernels.moce import lru_hits, make_routing_hook
 from moeheal.pipeline.arch import ARCHITECTURES
 from moeheal.pipeline.arch.qwen3next import gated_delta_rule
 from moeheal.pipeline.config import load_config
@@ -260,3 +262,28 @@ def test_llama_cpp_quantizes_and_runs_our_qwen3next_ggufs(qwen3next, healed_qwen
         assert np.log(ours) == pytest.approx(np.log(theirs), abs=tol), gguf.name
     healed = run.assemble(run.cfg.variants[0]).path
     assert all(np.isfinite(llama_perplexity(gguf, text, chunks=2)) for gguf in (quantized, healed))
+
+
+def test_cache_aware_routing_runs_with_512_experts_top_10(tmp_path):
+    """MoCE's routing hook on Qwen3-Next's real routing width (512 experts, top-10): bonus 0 is the
+    plain forward pass bit for bit, a bonus raises the hit rate over LRU on plain routing."""
+    tokenizer = train_tiny_bpe(seed=8)
+    hf = tiny_qwen3next(tokenizer.get_vocab_size(), seed=8, n_expert=512, k=10, d_expert=32)
+    hf_to_gguf(hf, tokenizer, tmp_path / "wide.gguf", matrix_type="f32")
+    model = GGUFModel(tmp_path / "wide.gguf")
+    assert (model.hp.n_expert, model.hp.n_expert_used) == (512, 10)
+    runner, tokens = Runner(model), tokens_for(model, batch=2, length=64)
+    caps: dict[int, LayerCapture] = {}
+    plain = runner.forward(tokens, capture=True, on_layer=lambda i, c: caps.__setitem__(i, c))
+    cache = 64
+    same = make_routing_hook(cache, 0.0, 10, model.hp.norm_topk_prob)
+    np.testing.assert_array_equal(runner.forward(tokens, routing_hook=same), plain)
+    hook = make_routing_hook(cache, 0.5, 10, model.hp.norm_topk_prob)
+    started = time.perf_counter()
+    moce = runner.forward(tokens, routing_hook=hook)
+    seconds = time.perf_counter() - started
+    assert np.all(np.isfinite(moce)) and rel_err(moce, plain) > 0
+    for layer, (hits, misses) in hook.stats.items():
+        plain_hits = sum(lru_hits(caps[layer].experts[b], cache).sum() for b in range(2))
+        assert hits.sum() > plain_hits and np.all(hits + misses == 10), f"layer {layer}"
+    print(f"512 experts top-10, 2 x 64 tokens, 4 layers: cache-aware forward {seconds:.2f} s")
