@@ -272,7 +272,8 @@ def _qwen3next_attention(hp: HParams, layer: int) -> dict[str, tuple[int, ...]]:
 
     kv = hp.n_head_kv * hp.head_dim
     shapes = {"attn_k.weight": (kv, hp.d_model), "attn_v.weight": (kv, hp.d_model),
-              "attn_output.weight": (hp.d_model, hp.n_head * hp.head_dim), **ARCHITECTURES["qwen3next"].attention_extra_shapes(hp)}
+              "attn_output.weight": (hp.d_model, hp.n_head * hp.head_dim),
+              **ARCHITECTURES["qwen3next"].attention_extra_shapes(hp)}
     names = LINEAR_ATTENTION_TENSORS if hp.recurrent_layers[layer] else FULL_ATTENTION_TENSORS
     return {name: shapes[name] for name in names}
 

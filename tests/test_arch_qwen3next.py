@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from gguf import GGUFValueType
 
 from moeheal.kernels.moce import lru_hits, make_routing_hook
 from moeheal.pipeline.arch import ARCHITECTURES
@@ -22,6 +23,7 @@ from moeheal.pipeline.config import load_config
 from moeheal.pipeline.convert import hf_to_gguf
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf_write import write_gguf
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.runner import LayerCapture, Runner
 from tests.ggufs import train_tiny_bpe
@@ -149,7 +151,7 @@ def float64_copy(hf):
 def test_qwen3next_logits_and_routing_match_transformers(qwen3next):
     path, hf = qwen3next
     model = GGUFModel(path)
-    tokens = tokens_for(model)
+    tokens = tokens_for(model, length=80)  # past transformers' 64-token chunk of the delta rule
     logits32, _ = hf_run(hf, tokens)
     ref_logits, ref = hf_run(float64_copy(hf), tokens)
     caps: dict[int, LayerCapture] = {}
@@ -287,3 +289,28 @@ def test_cache_aware_routing_runs_with_512_experts_top_10(tmp_path):
         plain_hits = sum(lru_hits(caps[layer].experts[b], cache).sum() for b in range(2))
         assert hits.sum() > plain_hits and np.all(hits + misses == 10), f"layer {layer}"
     print(f"512 experts top-10, 2 x 64 tokens, 4 layers: cache-aware forward {seconds:.2f} s")
+
+
+def _copy_with_keys(src: GGUFModel, path: Path, drop: str | None = None, replace: tuple | None = None) -> Path:
+    """`src` rewritten with one key dropped or replaced (key, value, item type)."""
+    kv = [(key, src.metadata(key), field.types[-1]) for key, field in src.metadata_fields().items()
+          if not key.startswith("GGUF.") and key not in ("general.architecture", drop)]
+    if replace is not None:
+        kv = [replace if k == replace[0] else (k, v, t) for k, v, t in kv]
+    write_gguf(path, src.arch.name, kv, ((n, src.raw(n).data, src.raw(n).ggml_type) for n in src.tensor_names))
+    return path
+
+
+def test_damaged_qwen3next_keys_are_input_errors(qwen3next, tmp_path):
+    src = GGUFModel(qwen3next[0])
+    with pytest.raises(InputError, match="key qwen3next.ssm.group_count: missing"):
+        GGUFModel(_copy_with_keys(src, tmp_path / "a.gguf", drop="qwen3next.ssm.group_count"))
+    recurrent = ("qwen3next.attention.recurrent_layers", [True] * 4, GGUFValueType.BOOL)
+    with pytest.raises(InputError, match="no full-attention layer"):
+        GGUFModel(_copy_with_keys(src, tmp_path / "b.gguf", replace=recurrent))
+    swapped = ("qwen3next.attention.recurrent_layers", [False, True, True, False], GGUFValueType.BOOL)
+    with pytest.raises(InputError, match="tensor blk.0.attn_q.weight: missing"):  # layer 0 holds DeltaNet tensors
+        GGUFModel(_copy_with_keys(src, tmp_path / "c.gguf", replace=swapped))
+    inner = ("qwen3next.ssm.inner_size", 60, GGUFValueType.UINT32)
+    with pytest.raises(InputError, match="key qwen3next.ssm.inner_size: 60, expected"):
+        GGUFModel(_copy_with_keys(src, tmp_path / "d.gguf", replace=inner))
