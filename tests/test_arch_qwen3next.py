@@ -291,12 +291,14 @@ def test_cache_aware_routing_runs_with_512_experts_top_10(tmp_path):
     print(f"512 experts top-10, 2 x 64 tokens, 4 layers: cache-aware forward {seconds:.2f} s")
 
 
-def _copy_with_keys(src: GGUFModel, path: Path, drop: str | None = None, replace: tuple | None = None) -> Path:
-    """`src` rewritten with one key dropped or replaced (key, value, item type)."""
+def _copy_with_keys(src: GGUFModel, path: Path, drop: str | None = None, replace: tuple | None = None,
+                    add: tuple | None = None) -> Path:
+    """`src` rewritten with one key dropped, replaced or added (key, value, item type)."""
     kv = [(key, src.metadata(key), field.types[-1]) for key, field in src.metadata_fields().items()
           if not key.startswith("GGUF.") and key not in ("general.architecture", drop)]
     if replace is not None:
         kv = [replace if k == replace[0] else (k, v, t) for k, v, t in kv]
+    kv += [add] if add is not None else []
     write_gguf(path, src.arch.name, kv, ((n, src.raw(n).data, src.raw(n).ggml_type) for n in src.tensor_names))
     return path
 
@@ -311,6 +313,9 @@ def test_damaged_qwen3next_keys_are_input_errors(qwen3next, tmp_path):
     swapped = ("qwen3next.attention.recurrent_layers", [False, True, True, False], GGUFValueType.BOOL)
     with pytest.raises(InputError, match="tensor blk.0.attn_q.weight: missing"):  # layer 0 holds DeltaNet tensors
         GGUFModel(_copy_with_keys(src, tmp_path / "c.gguf", replace=swapped))
+    mtp = ("qwen3next.nextn_predict_layers", 1, GGUFValueType.UINT32)  # llama.cpp's default conversion has one
+    with pytest.raises(InputError, match="key qwen3next.nextn_predict_layers: 1 multi-token-prediction"):
+        GGUFModel(_copy_with_keys(src, tmp_path / "e.gguf", add=mtp))
     inner = ("qwen3next.ssm.inner_size", 60, GGUFValueType.UINT32)
     with pytest.raises(InputError, match="key qwen3next.ssm.inner_size: 60, expected"):
         GGUFModel(_copy_with_keys(src, tmp_path / "d.gguf", replace=inner))

@@ -47,8 +47,14 @@ SSM_KEYS = {"ssm_conv_kernel": "ssm.conv_kernel", "ssm_state_size": "ssm.state_s
 
 def recurrent_layers(model: GGUFModel) -> tuple[bool, ...]:
     """Per layer, whether it is linear attention: `attention.recurrent_layers` when the file has it,
-    else every layer but each `full_attention_interval`-th (default 4), as llama.cpp's loader reads it."""
+    else every layer but each `full_attention_interval`-th (default 4), as llama.cpp's loader reads it.
+    A file with the multi-token-prediction block llama.cpp's converter appends by default is refused:
+    its extra layer is no decoder layer of the forward pass."""
     n_layer = int(model.metadata("qwen3next.block_count"))
+    nextn = model.metadata("qwen3next.nextn_predict_layers", 0)
+    if nextn:
+        raise InputError(f"{model.name}: key qwen3next.nextn_predict_layers: {nextn} multi-token-prediction "
+                         "layer(s) are not supported (llama.cpp's converter leaves them out with --no-mtp)")
     key = "qwen3next.attention.recurrent_layers"
     flags = model.metadata(key)
     if flags is not None:
