@@ -310,6 +310,9 @@ def test_damaged_qwen3next_keys_are_input_errors(qwen3next, tmp_path):
     recurrent = ("qwen3next.attention.recurrent_layers", [True] * 4, GGUFValueType.BOOL)
     with pytest.raises(InputError, match="no full-attention layer"):
         GGUFModel(_copy_with_keys(src, tmp_path / "b.gguf", replace=recurrent))
+    short = ("qwen3next.attention.recurrent_layers", [True, False], GGUFValueType.BOOL)
+    with pytest.raises(InputError, match="key qwen3next.attention.recurrent_layers: need 4 booleans"):
+        GGUFModel(_copy_with_keys(src, tmp_path / "s.gguf", replace=short))
     swapped = ("qwen3next.attention.recurrent_layers", [False, True, True, False], GGUFValueType.BOOL)
     with pytest.raises(InputError, match="tensor blk.0.attn_q.weight: missing"):  # layer 0 holds DeltaNet tensors
         GGUFModel(_copy_with_keys(src, tmp_path / "c.gguf", replace=swapped))

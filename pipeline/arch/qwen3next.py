@@ -58,11 +58,12 @@ def recurrent_layers(model: GGUFModel) -> tuple[bool, ...]:
     key = "qwen3next.attention.recurrent_layers"
     flags = model.metadata(key)
     if flags is not None:
-        if not isinstance(flags, list) or len(flags) < n_layer or not all(isinstance(f, bool) for f in flags):
+        if not isinstance(flags, list) or len(flags) != n_layer or not all(isinstance(f, bool) for f in flags):
             raise InputError(f"{model.name}: key {key}: need {n_layer} booleans, got {flags!r:.80}")
-        layers = tuple(flags[:n_layer])
+        layers = tuple(flags)
     else:
-        interval = int(model.metadata("qwen3next.full_attention_interval", 4))
+        key = "qwen3next.full_attention_interval"  # in [1, 4096]: GGUFModel checked its range
+        interval = int(model.metadata(key, 4))
         layers = tuple((i + 1) % interval != 0 for i in range(n_layer))
     if all(layers):
         raise InputError(f"{model.name}: key {key}: no full-attention layer (qwen3next needs at least one)")
