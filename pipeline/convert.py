@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterator
 
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType
 from gguf.constants import GGML_QUANT_VERSION
 from gguf.quants import quantize
@@ -102,7 +103,7 @@ def _qwen3next_state(state: dict[str, np.ndarray], config) -> dict[str, np.ndarr
         if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             w = w + 1.0
         elif name.endswith(".A_log"):
-            w = -np.exp(w)
+            w = -torch.exp(torch.from_numpy(w)).numpy()  # torch's float32 exp, as the converter's, to the bit
         elif name.endswith("linear_attn.conv1d.weight"):
             w = w.squeeze(1)  # (C, K)
         elif name.endswith("linear_attn.in_proj_qkvz.weight"):
