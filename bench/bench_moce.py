@@ -1,8 +1,8 @@
 """Throughput of routing-trace simulation: cache-aware routing scan, LRU and Belady replays.
 
 Synthetic router logits (T = 4096 tokens, slowly drifting expert preferences so
-a cache has locality to exploit) for E in {16, 64, 128} and k in {2, 8}, cache
-of E/2 experts, bonus 0.5. Reports token-layer steps per second (one step =
+a cache has locality to exploit) for E in {16, 64, 128} and k in {2, 8}, and
+Qwen3-Next's E = 512, k = 10; cache of E/2 experts, bonus 0.5. Reports token-layer steps per second (one step =
 one token through one layer's router) for:
 
 - cache_aware_route: the jitted lax.scan, one sequence;
@@ -119,10 +119,10 @@ def main() -> None:
     print(f"T = {N_TOKENS}, cache = E/2, bonus = {BONUS}, jax {jax.__version__} on {jax.devices()[0].platform}\n")
     print("| E | k | cache | method | token-layer steps/s | hit rate |")
     print("|---|---|---|---|---:|---:|")
-    for n_expert in (16, 64, 128):
-        for k in (2, 8):
-            for method, rate, hit_rate in bench_case(rng, n_expert, k):
-                print(f"| {n_expert} | {k} | {n_expert // 2} | {method} | {rate:,.0f} | {hit_rate:.3f} |")
+    cases = [(n_expert, k) for n_expert in (16, 64, 128) for k in (2, 8)] + [(512, 10)]  # 512/10: Qwen3-Next
+    for n_expert, k in cases:
+        for method, rate, hit_rate in bench_case(rng, n_expert, k):
+            print(f"| {n_expert} | {k} | {n_expert // 2} | {method} | {rate:,.0f} | {hit_rate:.3f} |")
     print(f"\nhit rates: scan, hook and python rows route cache-aware (bonus {BONUS}); the lru and belady rows")
     print("replay plain top-k routing (bonus 0). Belady bounds any eviction policy on unchanged routing;")
     print("cache-aware routing can exceed it because it changes the routing.")

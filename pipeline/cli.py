@@ -158,7 +158,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "sql": (cmd_sql, "query the lake's views"),
     "export": (cmd_export, "reviewer bundle: tables as Parquet + report + plots"),
     "synth": (cmd_synth, "write a GGUF with a real model's shapes, types and metadata and random heavy-tailed "
-                         "weights (qwen3-next-80b: its MoE shapes as qwen2moe, full attention, no gated DeltaNet)"),
+                         "weights"),
 }
 
 
@@ -198,9 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _synth_arguments(p: argparse.ArgumentParser) -> None:
     """Names are checked by `write_synth` (one InputError line), so building the parser imports nothing."""
     p.add_argument("--like", required=True, metavar="NAME",
-                   help="the model whose shapes to copy: qwen3-30b-a3b, qwen3-235b, mixtral-8x7b, or "
-                        "qwen3-next-80b, written as qwen2moe with Qwen3-Next's MoE shapes and full attention in every "
-                        "layer (its gated-DeltaNet layers are not modelled)")
+                   help="the model whose shapes to copy: qwen3-30b-a3b, qwen3-235b, mixtral-8x7b, or qwen3-next-80b "
+                        "(qwen3next: keep at least 4 layers, so one is full attention)")
     p.add_argument("--layers", type=int, help="write the first N layers (default: all of the model's)")
     p.add_argument("--out", required=True, help="the GGUF to write (shards <stem>-0000i-of-0000n.gguf when split)")
     p.add_argument("--seed", type=int, default=0, help="weights are a function of the seed and the tensor name")

@@ -1,7 +1,8 @@
-"""Export a transformers Qwen2-MoE / Qwen3-MoE / OLMoE / Mixtral model to GGUF, as llama.cpp's converter does.
+"""Export a transformers Qwen2-MoE / Qwen3-MoE / OLMoE / Mixtral / Qwen3-Next model to GGUF, as llama.cpp's
+converter does.
 
 Tensor names, shapes and metadata keys follow llama.cpp's `convert_hf_to_gguf.py`
-(Qwen2MoeModel / Qwen3MoeModel / OlmoeModel / LlamaModel), so that llama.cpp, transformers'
+(Qwen2MoeModel / Qwen3MoeModel / OlmoeModel / LlamaModel / Qwen3NextModel), so that llama.cpp, transformers'
 `from_pretrained(..., gguf_file=...)` (for the Qwen families) and `GGUFModel` all load the result.
 OLMoE's q/k norms span every head, so `attn_{q,k}_norm` are as wide as q and k; its experts are
 `intermediate_size` wide and, as llama.cpp's converter does, no `expert_feed_forward_length` is written.
@@ -10,7 +11,8 @@ Mixtral is written as `llama` the way LlamaModel writes it: experts `intermediat
 projections permuted within each head (`permute_rope_rows`) so that llama.cpp's adjacent-pair RoPE
 reproduces transformers' rotate_half. A SentencePiece-shaped tokenizer (BPE with byte fallback, as
 Mixtral's tokenizer.json) is written as llama.cpp's `llama` vocabulary, others as byte-level BPE.
-Per-expert matrices are stacked into `*_exps` tensors `[E, rows, cols]`.
+Per-expert matrices are stacked into `*_exps` tensors `[E, rows, cols]`. Qwen3-Next's state is first
+rewritten as its converter does (`_qwen3next_state`: norm +1, A_log -> -exp, qkvz split into qkv and z).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import re
 from collections.abc import Iterator
 
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType
 from gguf.constants import GGML_QUANT_VERSION
 from gguf.quants import quantize
@@ -34,9 +37,8 @@ MATRIX_TYPES = {
     "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
     "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
 }
-ARCH_BY_MODEL_TYPE = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama"}
-# Families whose GGUF rotates adjacent dimension pairs: their q/k rows are permuted (LlamaModel.permute).
-ROPE_PERMUTED = ("llama",)
+ARCH_BY_MODEL_TYPE = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama",
+                      "qwen3_next": "qwen3next"}
 
 # HF parameter suffix (after `model.layers.{i}.`) -> llama.cpp tensor short name.
 LAYER_NAMES = {
@@ -63,9 +65,23 @@ GLOBAL_NAMES = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
+# Per family, names that differ from LAYER_NAMES or only it has (after `ARCH_STATE` reshaped its state).
+ARCH_LAYER_NAMES = {
+    "qwen3next": {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+        "linear_attn.in_proj_z.weight": "attn_gate.weight",
+        "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+        "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+        "linear_attn.dt_bias": "ssm_dt.bias",
+        "linear_attn.A_log": "ssm_a",
+        "linear_attn.norm.weight": "ssm_norm.weight",
+        "linear_attn.out_proj.weight": "ssm_out.weight",
+    },
+}
 # Tensors llama.cpp keeps in F32 whatever the file type: routing decisions are
-# sensitive to them and they are tiny.
-KEEP_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+# sensitive to them and they are tiny (and ggml's convolution reads F32 kernels).
+KEEP_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 
 
 def _tensor_type(short_name: str, data: np.ndarray, matrix_type: GGMLQuantizationType) -> GGMLQuantizationType:
@@ -91,7 +107,78 @@ def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)  # (rows, d)
 
 
-def _gguf_tensors(state: dict[str, np.ndarray], n_layer: int, tied: bool) -> Iterator[tuple[str, np.ndarray]]:
+def _qwen3next_state(state: dict[str, np.ndarray], config) -> dict[str, np.ndarray]:
+    """Qwen3-Next's parameters as llama.cpp's converter transforms them before naming: zero-centred
+    norm weights + 1 (not the gated norm's), A_log -> -exp(A_log), the conv kernel (C, 1, K) -> (C, K),
+    and in_proj_qkvz, stored per key head as [q, k, v, z], split into [all q, all k, all v] and z."""
+    nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    out = {}
+    for name, w in state.items():
+        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            w = w + 1.0
+        elif name.endswith(".A_log"):
+            w = -torch.exp(torch.from_numpy(w)).numpy()  # torch's float32 exp, as the converter's, to the bit
+        elif name.endswith("linear_attn.conv1d.weight"):
+            w = w.squeeze(1)  # (C, K)
+        elif name.endswith("linear_attn.in_proj_qkvz.weight"):
+            per_head = w.reshape(nk, 2 * dk + 2 * nv // nk * dv, -1)  # (nk, dk + dk + r*dv + r*dv, d)
+            q, k, v, z = np.split(per_head, np.cumsum([dk, dk, nv // nk * dv]), axis=1)
+            d = w.shape[1]
+            stem = name.removesuffix("in_proj_qkvz.weight")
+            out[stem + "in_proj_qkv.weight"] = np.concatenate([q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)])
+            out[stem + "in_proj_z.weight"] = z.reshape(-1, d)  # (nv*dv, d)
+            continue
+        out[name] = w
+    return out
+
+
+def _qwen3next_check(config) -> None:
+    """Refuse Qwen3-Next variants llama.cpp's qwen3next graph cannot run (it always renormalises the
+    top-k weights, runs an MoE in every layer, has no attention biases and one RoPE type)."""
+    refuse = {
+        "norm_topk_prob": not config.norm_topk_prob,
+        "mlp_only_layers": bool(config.mlp_only_layers),
+        "decoder_sparse_step": config.decoder_sparse_step != 1,
+        "attention_bias": bool(config.attention_bias),
+        "rope_parameters": (config.rope_parameters or {}).get("rope_type", "default") != "default",
+        "linear_num_value_heads": config.linear_num_value_heads % config.linear_num_key_heads != 0,
+        "linear_value_head_dim": config.linear_value_head_dim != config.linear_key_head_dim,
+    }
+    for key, bad in refuse.items():
+        if bad:
+            raise InputError(f"{getattr(config, 'name_or_path', '') or 'config'}: {key}: "
+                             f"{getattr(config, key)!r} is not supported for qwen3next")
+
+
+def _check_mixtral(config) -> None:
+    """Refuse the Mixtral options llama.cpp's llama graph (and our runner) does not run."""
+    where = getattr(config, "name_or_path", "") or "config"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise InputError(f"{where}: config rope_parameters.rope_type: {rope['rope_type']!r} is not supported "
+                         "(plain RoPE only)")
+    if getattr(config, "sliding_window", None) is not None:
+        raise InputError(f"{where}: config sliding_window: {config.sliding_window} is not supported "
+                         "(llama.cpp's llama graph attends to every earlier position)")
+
+
+def _llama_state(state: dict[str, np.ndarray], config) -> dict[str, np.ndarray]:
+    """Mixtral's parameters with the q and k projection rows permuted as LlamaModel.permute does."""
+    out = dict(state)
+    for i in range(config.num_hidden_layers):
+        for proj, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.num_key_value_heads)):
+            name = f"model.layers.{i}.self_attn.{proj}.weight"
+            out[name] = permute_rope_rows(state[name], heads)  # (heads * hd, d)
+    return out
+
+
+# Per family: a check of the config, and the state dict rewritten as llama.cpp's converter rewrites it.
+ARCH_STATE = {"qwen3next": (_qwen3next_check, _qwen3next_state), "llama": (_check_mixtral, _llama_state)}
+
+
+def _gguf_tensors(state: dict[str, np.ndarray], n_layer: int, tied: bool,
+                  layer_names: dict[str, str] = LAYER_NAMES) -> Iterator[tuple[str, np.ndarray]]:
     """(llama.cpp name, float32 array) for every parameter, experts stacked; errors on leftovers."""
     used: set[str] = set()
     for hf_name, gguf_name in GLOBAL_NAMES.items():
@@ -101,7 +188,7 @@ def _gguf_tensors(state: dict[str, np.ndarray], n_layer: int, tied: bool) -> Ite
                 yield gguf_name, state[hf_name]
     for i in range(n_layer):
         prefix = f"model.layers.{i}."
-        for suffix, short in LAYER_NAMES.items():
+        for suffix, short in layer_names.items():
             if prefix + suffix in state:
                 used.add(prefix + suffix)
                 w = state[prefix + suffix]
@@ -221,19 +308,18 @@ def _hparams_kv(config, arch: str, file_type: LlamaFileType) -> list[KV]:
     if arch == "llama":  # LlamaModel.set_gguf_parameters
         rope_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv += [(f"{arch}.vocab_size", config.vocab_size, u32), (f"{arch}.rope.dimension_count", rope_dim, u32)]
+    if arch == "qwen3next":  # Qwen3NextModel's keys: the gated DeltaNet's shapes and the layer pattern
+        kv += [(f"{arch}.ssm.conv_kernel", config.linear_conv_kernel_dim, u32),
+               (f"{arch}.ssm.state_size", config.linear_key_head_dim, u32),
+               (f"{arch}.ssm.group_count", config.linear_num_key_heads, u32),
+               (f"{arch}.ssm.time_step_rank", config.linear_num_value_heads, u32),
+               (f"{arch}.ssm.inner_size", config.linear_value_head_dim * config.linear_num_value_heads, u32),
+               (f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in config.layer_types],
+                GGUFValueType.BOOL),
+               (f"{arch}.full_attention_interval", getattr(config, "full_attention_interval", 4), u32),
+               (f"{arch}.rope.dimension_count",
+                int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 0.25)), u32)]
     return kv
-
-
-def _check_mixtral(config) -> None:
-    """Refuse the Mixtral options llama.cpp's llama graph (and our runner) does not run."""
-    where = getattr(config, "name_or_path", "") or "config"
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise InputError(f"{where}: config rope_parameters.rope_type: {rope['rope_type']!r} is not supported "
-                         "(plain RoPE only)")
-    if getattr(config, "sliding_window", None) is not None:
-        raise InputError(f"{where}: config sliding_window: {config.sliding_window} is not supported "
-                         "(llama.cpp's llama graph attends to every earlier position)")
 
 
 def _special_id(tokenizer: Tokenizer, config_id: int | None, fallback: str) -> int | None:
@@ -243,7 +329,7 @@ def _special_id(tokenizer: Tokenizer, config_id: int | None, fallback: str) -> i
 def hf_to_gguf(hf_model, tokenizer: Tokenizer, out_path: str | os.PathLike[str], matrix_type: str = "q8_0",
                extra_kv: list[KV] | None = None) -> None:
     """Write `hf_model` (Qwen2MoeForCausalLM / Qwen3MoeForCausalLM / OlmoeForCausalLM /
-    MixtralForCausalLM) and its tokenizer as one GGUF.
+    MixtralForCausalLM / Qwen3NextForCausalLM) and its tokenizer as one GGUF.
 
     Matrices go to `matrix_type` ("q8_0", "f16" or "f32"); norms, biases, the
     router and the shared-expert gate stay F32. BOS/EOS/PAD ids come from the
@@ -254,15 +340,12 @@ def hf_to_gguf(hf_model, tokenizer: Tokenizer, out_path: str | os.PathLike[str],
     arch = ARCH_BY_MODEL_TYPE.get(config.model_type)
     if arch is None:
         raise ValueError(f"unsupported model type {config.model_type!r} (supported: {sorted(ARCH_BY_MODEL_TYPE)})")
-    if arch == "llama":
-        _check_mixtral(config)
     ggml_matrix, file_type = MATRIX_TYPES[matrix_type]
     state = {k: v.detach().to("cpu").float().numpy() for k, v in hf_model.state_dict().items()}
-    if arch in ROPE_PERMUTED:
-        for i in range(config.num_hidden_layers):
-            for proj, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.num_key_value_heads)):
-                name = f"model.layers.{i}.self_attn.{proj}.weight"
-                state[name] = permute_rope_rows(state[name], heads)  # (heads * hd, d)
+    if arch in ARCH_STATE:
+        check, rewrite = ARCH_STATE[arch]
+        check(config)
+        state = rewrite(state, config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     eos = _special_id(tokenizer, config.eos_token_id, "<|endoftext|>")
     kv = _hparams_kv(config, arch, file_type)
@@ -276,7 +359,8 @@ def hf_to_gguf(hf_model, tokenizer: Tokenizer, out_path: str | os.PathLike[str],
     kv += list(extra_kv or [])
 
     def tensors() -> Iterator[TensorItem]:
-        for name, data in _gguf_tensors(state, config.num_hidden_layers, tied):
+        for name, data in _gguf_tensors(state, config.num_hidden_layers, tied,
+                                        {**LAYER_NAMES, **ARCH_LAYER_NAMES.get(arch, {})}):
             ggml_type = _tensor_type(name, data, ggml_matrix)
             yield name, _encode(data, ggml_type), ggml_type
 

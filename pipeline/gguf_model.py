@@ -60,6 +60,14 @@ class HParams:
     vocab_size: int
     norm_topk_prob: bool
     context_length: int
+    # Hybrid families with linear-attention layers (qwen3next); defaults fit the others.
+    rope_dim: int = 0  # dimensions of each head RoPE rotates; 0: all of head_dim
+    recurrent_layers: tuple[bool, ...] = ()  # per layer, whether it is linear attention (gated DeltaNet)
+    ssm_conv_kernel: int = 0  # taps of the causal depthwise convolution before the delta rule
+    ssm_state_size: int = 0  # head dimension of the linear attention's keys (and values)
+    ssm_group_count: int = 0  # key heads of the linear attention
+    ssm_time_step_rank: int = 0  # value heads of the linear attention
+    ssm_inner_size: int = 0  # value heads x value head dimension
 
 
 class RawTensor(NamedTuple):
@@ -322,6 +330,13 @@ ARCH_KEYS: dict[str, tuple[GGUFValueType, bool, float, float]] = {
     "expert_feed_forward_length": (U32, False, 1, 2**20),
     "expert_shared_feed_forward_length": (U32, False, 1, 2**20),
     "expert_weights_norm": (BOOL, False, 0, 1),
+    "rope.dimension_count": (U32, False, 1, 2**12),
+    "full_attention_interval": (U32, False, 1, 4096),
+    "ssm.conv_kernel": (U32, False, 1, 2**10),
+    "ssm.state_size": (U32, False, 1, 2**12),
+    "ssm.group_count": (U32, False, 1, 2**12),
+    "ssm.time_step_rank": (U32, False, 1, 2**12),
+    "ssm.inner_size": (U32, False, 1, 2**20),
 }
 
 
@@ -434,7 +449,7 @@ class GGUFModel:
         unused tensors too, and a corrupted name shows up as one missing plus one unknown."""
         n_layer = int(self.metadata(f"{self.arch.name}.block_count"))
         required = list(GLOBAL_TENSORS) + [f"blk.{i}.{short}" for i in range(n_layer)
-                                           for short in self.arch.layer_tensors(i)]
+                                           for short in self.arch.file_layer_tensors(self, i)]
         for name in required:
             if name not in self._tensors:
                 raise InputError(f"{self.name}: tensor {name}: missing")
@@ -449,10 +464,11 @@ class GGUFModel:
         gate_exps = self._shape("blk.0.ffn_gate_exps.weight")  # (E, f, d)
         n_head = int(self._required_key(f"{a}.attention.head_count"))
         d_model = int(self._required_key(f"{a}.embedding_length"))
-        q_rows = self._shape("blk.0.attn_q.weight")[0]  # n_head * head_dim
+        q_name, q_per_dim = self.arch.query_projection(self)
+        q_rows = self._shape(q_name)[0] // q_per_dim  # n_head * head_dim
         if q_rows % n_head:
             raise InputError(f"{self.name}: key {a}.attention.head_count: {n_head} does not divide the "
-                             f"{q_rows} rows of blk.0.attn_q.weight")
+                             f"{q_rows} rows of {q_name}")
         n_head_kv = int(self.metadata(f"{a}.attention.head_count_kv", n_head))
         if n_head % n_head_kv:
             raise InputError(f"{self.name}: key {a}.attention.head_count_kv: {n_head_kv} does not divide "
@@ -482,6 +498,7 @@ class GGUFModel:
             vocab_size=int(embd_shape[0]),
             norm_topk_prob=bool(self.metadata(norm_key, self.arch.routing.norm_topk_default)),
             context_length=int(self._required_key(f"{a}.context_length")),
+            **self.arch.file_hparams(self),
         )
 
     def _expected_shapes(self) -> dict[str, tuple[int, ...]]:

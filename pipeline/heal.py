@@ -99,6 +99,10 @@ class HealRun:
             if variant.gguf.exists():
                 open_model(variant.gguf)
         for variant in self.cfg.healed_variants:
+            if variant.budgeted and variant.budget_roles == "all" and not self.source.arch.budgets_attention:
+                raise InputError(f"{self.cfg.path}: [[variant]] {variant.name}: budget_roles = \"all\" is not "
+                                 f"supported for the {self.source.arch} family (its attention is not the "
+                                 "standard attention the attention roles measure); use \"routed\"")
             chosen = self.chosen_roles(variant)
             pairs = [(t, f) for f in variant.candidate_formats() for t in chosen]
             if self.source.arch.has_shared_expert and "ffn_down_shexp" not in chosen:

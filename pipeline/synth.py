@@ -8,16 +8,15 @@ every size-dependent path can be exercised offline:
 
 - `qwen3-30b-a3b`, `qwen3-235b`: `qwen3moe` exactly as llama.cpp's converter
   writes Qwen3-30B-A3B / Qwen3-235B-A22B (q/k norms, no shared expert).
-- `qwen3-next-80b`: NOT the real architecture. moeheal's runner knows only
-  `qwen2moe` and `qwen3moe`, so Qwen3-Next-80B-A3B's MoE (512 experts, top-10,
-  expert width 512, one shared expert of width 512 behind a sigmoid gate) is
-  written as `qwen2moe`, with full attention in every layer: its gated-DeltaNet
-  layers, attention output gate and q/k norms are not modelled. llama.cpp's
-  qwen2moe loader wants the query projection square (heads x head dim = hidden
-  size), so the 16 query / 2 key-value heads have head dim 128, not
-  Qwen3-Next's 256. qwen2moe needs q/k/v biases, which Qwen3-Next does not have:
-  they are written as zeros. The file's general.name and general.description
-  say so too.
+- `qwen3-next-80b`: `qwen3next` as llama.cpp's converter writes Qwen3-Next-80B-A3B:
+  48 layers, every fourth gated full attention (16 query / 2 key-value heads of
+  dim 256, RoPE on 64 of them), the others gated DeltaNet (16 key / 32 value
+  heads of dim 128, a 4-tap convolution), 512 experts top-10 of width 512 and a
+  shared expert of width 512 behind a sigmoid gate. Its linear-attention
+  matrices borrow the fit of the attention matrix they stand in for
+  (`BORROWED_ROLES`), `ssm_a` is -A with A uniform in [0.01, 16] (transformers'
+  initialisation) and `ssm_dt.bias` is zero. `--layers` must keep a
+  full-attention layer (at least 4).
 - `mixtral-8x7b`: `llama` with experts exactly as llama.cpp's converter writes
   Mixtral-8x7B (no shared expert, no q/k norms or biases; experts sized by
   `feed_forward_length`, `vocab_size` and `rope.dimension_count` keys). Its q/k
@@ -125,14 +124,13 @@ LIKE: dict[str, LikeModel] = {
                    norm_topk_prob=True, context_length=40960),
         description=f"Qwen3-235B-A22B's tensor shapes and metadata; {_QWEN3_NOTE}"),
     "qwen3-next-80b": LikeModel(
-        title="Qwen3-Next-80B-A3B MoE shapes as qwen2moe (synthetic)", arch="qwen2moe", d_ff=5120,
-        hp=HParams(n_layer=48, d_model=2048, n_head=16, n_head_kv=2, head_dim=128, n_expert=512, n_expert_used=10,
+        title="Qwen3-Next-80B-A3B shapes (synthetic)", arch="qwen3next", d_ff=5120,
+        hp=HParams(n_layer=48, d_model=2048, n_head=16, n_head_kv=2, head_dim=256, n_expert=512, n_expert_used=10,
                    d_expert=512, d_shexp=512, rope_theta=1e7, rms_eps=1e-6, vocab_size=151936,
-                   norm_topk_prob=True, context_length=262144),
-        description="Qwen3-Next-80B-A3B's MoE shapes (512 experts, top-10, shared expert with a sigmoid gate) "
-                    "written as qwen2moe: full attention in every layer with head dim 128 and zero q/k/v biases; "
-                    "the gated-DeltaNet layers, attention output gate and q/k norms are not modelled; "
-                    f"{_QWEN3_NOTE}"),
+                   norm_topk_prob=True, context_length=262144, rope_dim=64,
+                   recurrent_layers=tuple((i + 1) % 4 != 0 for i in range(48)), ssm_conv_kernel=4,
+                   ssm_state_size=128, ssm_group_count=16, ssm_time_step_rank=32, ssm_inner_size=4096),
+        description=f"Qwen3-Next-80B-A3B's tensor shapes and metadata; {_QWEN3_NOTE}"),
     "mixtral-8x7b": LikeModel(
         title="Mixtral-8x7B shapes (synthetic)", arch="llama", d_ff=14336,
         hp=HParams(n_layer=32, d_model=4096, n_head=32, n_head_kv=8, head_dim=128, n_expert=8, n_expert_used=2,
@@ -180,7 +178,12 @@ ROLE_FITS: dict[str, TailFit] = {
     "ffn_up_shexp": TailFit(df=55.62, std=0.07655, fan_in=256),
     "ffn_down_shexp": TailFit(df=4.928, std=0.07746, fan_in=256),
 }
-NORM_ROLE, ZERO_ROLE = "norm", "zero"
+NORM_ROLE, ZERO_ROLE, DECAY_ROLE = "norm", "zero", "ssm_a"
+# Roles the demo model (full attention only) has no fit for, drawn with the fit of the matrix they
+# stand in for: the linear attention's fused q/k/v, its output gate, its beta/alpha, its output, and
+# the convolution kernel (its std rescaled to the 4-tap fan-in, as any role's).
+BORROWED_ROLES = {"attn_qkv": "attn_q", "attn_gate": "attn_v", "ssm_ba": "attn_k", "ssm_out": "attn_output",
+                  "ssm_conv1d": "attn_v"}
 
 
 @dataclass(frozen=True)
@@ -255,24 +258,41 @@ def plan_tensors(like: LikeModel, n_layer: int, n_expert: int, vocab_size: int,
 
     def t(name: str, *shape: int) -> TensorPlan:
         role = role_of(name)
-        ggml_type = F32 if len(shape) == 1 or role == "ffn_gate_inp" else matrix_type
+        ggml_type = F32 if len(shape) == 1 or role in ("ffn_gate_inp", "ssm_conv1d") else matrix_type
         return TensorPlan(name, tuple(shape), ggml_type, role)
 
     plan = [t("token_embd.weight", vocab_size, d), t("output_norm.weight", d), t("output.weight", vocab_size, d)]
     for i in range(n_layer):
         b = f"blk.{i}."
-        plan += [t(b + "attn_norm.weight", d), t(b + "attn_q.weight", q, d), t(b + "attn_k.weight", kv, d),
-                 t(b + "attn_v.weight", kv, d), t(b + "attn_output.weight", d, q)]
-        arch = ARCHITECTURES[like.arch]  # its q/k/v biases or q/k norms, or none
-        extra = arch.attention_extra_shapes(like.hp)
-        plan += [t(b + short, *extra[short]) for short in arch.attention_extra_tensors]
-        plan += [t(b + "ffn_norm.weight", d), t(b + "ffn_gate_inp.weight", n_expert, d),
-                 t(b + "ffn_gate_exps.weight", n_expert, f, d), t(b + "ffn_up_exps.weight", n_expert, f, d),
-                 t(b + "ffn_down_exps.weight", n_expert, d, f)]
+        plan += [t(b + "attn_norm.weight", d)]
+        if like.arch == "qwen3next":
+            plan += [t(b + "post_attention_norm.weight", d)]
+            plan += [t(b + short, *shape) for short, shape in _qwen3next_attention(like.hp, i).items()]
+        else:
+            plan += [t(b + "attn_q.weight", q, d), t(b + "attn_k.weight", kv, d), t(b + "attn_v.weight", kv, d),
+                     t(b + "attn_output.weight", d, q)]
+            arch = ARCHITECTURES[like.arch]  # its q/k/v biases or q/k norms, or none
+            extra = arch.attention_extra_shapes(like.hp)
+            plan += [t(b + short, *extra[short]) for short in arch.attention_extra_tensors]
+            plan += [t(b + "ffn_norm.weight", d)]
+        plan += [t(b + "ffn_gate_inp.weight", n_expert, d), t(b + "ffn_gate_exps.weight", n_expert, f, d),
+                 t(b + "ffn_up_exps.weight", n_expert, f, d), t(b + "ffn_down_exps.weight", n_expert, d, f)]
         if fs:
             plan += [t(b + "ffn_gate_inp_shexp.weight", d), t(b + "ffn_gate_shexp.weight", fs, d),
                      t(b + "ffn_up_shexp.weight", fs, d), t(b + "ffn_down_shexp.weight", d, fs)]
     return plan
+
+
+def _qwen3next_attention(hp: HParams, layer: int) -> dict[str, tuple[int, ...]]:
+    """Layer `layer`'s attention tensors and shapes: gated full attention or gated DeltaNet."""
+    from moeheal.pipeline.arch.qwen3next import FULL_ATTENTION_TENSORS, LINEAR_ATTENTION_TENSORS
+
+    kv = hp.n_head_kv * hp.head_dim
+    shapes = {"attn_k.weight": (kv, hp.d_model), "attn_v.weight": (kv, hp.d_model),
+              "attn_output.weight": (hp.d_model, hp.n_head * hp.head_dim),
+              **ARCHITECTURES["qwen3next"].attention_extra_shapes(hp)}
+    names = LINEAR_ATTENTION_TENSORS if hp.recurrent_layers[layer] else FULL_ATTENTION_TENSORS
+    return {name: shapes[name] for name in names}
 
 
 def hparams_kv(like: LikeModel, n_layer: int, n_expert: int, file_type: LlamaFileType,
@@ -297,8 +317,9 @@ def hparams_kv(like: LikeModel, n_layer: int, n_expert: int, file_type: LlamaFil
         (f"{a}.expert_count", n_expert, u32),
         (f"{a}.expert_used_count", min(like.hp.n_expert_used, n_expert), u32),
         (f"{a}.expert_feed_forward_length", like.hp.d_expert, u32),
-        (f"{a}.expert_weights_norm", like.hp.norm_topk_prob, GGUFValueType.BOOL),
     ]
+    if a != "qwen3next":  # its converter writes no expert_weights_norm: llama.cpp always renormalises
+        kv.append((f"{a}.expert_weights_norm", like.hp.norm_topk_prob, GGUFValueType.BOOL))
     if like.hp.d_shexp:
         kv.append((f"{a}.expert_shared_feed_forward_length", like.hp.d_shexp, u32))
     if a == "llama":  # LlamaModel: no head-dim, expert-width or weights-norm keys (Mixtral's config has none)
@@ -307,6 +328,15 @@ def hparams_kv(like: LikeModel, n_layer: int, n_expert: int, file_type: LlamaFil
         kv = [item for item in kv if item[0] not in dropped]
         kv += [(f"{a}.vocab_size", vocab_size or like.hp.vocab_size, u32),
                (f"{a}.rope.dimension_count", like.hp.head_dim, u32)]
+    if like.hp.recurrent_layers:
+        hp = like.hp
+        kv += [(f"{a}.ssm.conv_kernel", hp.ssm_conv_kernel, u32), (f"{a}.ssm.state_size", hp.ssm_state_size, u32),
+               (f"{a}.ssm.group_count", hp.ssm_group_count, u32),
+               (f"{a}.ssm.time_step_rank", hp.ssm_time_step_rank, u32),
+               (f"{a}.ssm.inner_size", hp.ssm_inner_size, u32),
+               (f"{a}.attention.recurrent_layers", list(hp.recurrent_layers[:n_layer]), GGUFValueType.BOOL),
+               (f"{a}.full_attention_interval", hp.recurrent_layers.index(False) + 1, u32),
+               (f"{a}.rope.dimension_count", hp.rope_dim, u32)]
     return kv
 
 
@@ -453,7 +483,10 @@ def value_chunks(t: TensorPlan, seed: int) -> Iterator[np.ndarray]:
         if t.role == NORM_ROLE:
             yield 1.0 + NORM_STD * rng.standard_normal(size, dtype=np.float32)
             continue
-        fit = ROLE_FITS[t.role]
+        if t.role == DECAY_ROLE:  # -A, A ~ U[0.01, 16] as transformers initialises A_log = log(A)
+            yield -rng.uniform(0.01, 16.0, size).astype(np.float32)
+            continue
+        fit = ROLE_FITS[BORROWED_ROLES.get(t.role, t.role)]
         std = fit.std if t.role == "token_embd" else fit.std * math.sqrt(fit.fan_in / cols)
         scale = std * math.sqrt((fit.df - 2) / fit.df) if math.isfinite(fit.df) else std  # t's variance is df/(df-2)
         chunk = _student_t(rng, fit.df, size)  # (rows, cols)
@@ -568,6 +601,10 @@ def _check_args(like_name: str, n_layer: int | None, seed: int, matrix_type: str
         raise InputError(f"synth: --like {like_name}: unknown model (known: {', '.join(LIKE)})")
     if n_layer is not None and not 1 <= n_layer <= like.hp.n_layer:
         raise InputError(f"synth: --layers {n_layer}: {like_name} has 1 to {like.hp.n_layer} layers")
+    kept = like.hp.recurrent_layers[:n_layer]
+    if kept and all(kept):
+        raise InputError(f"synth: --layers {n_layer}: the first {n_layer} layers of {like_name} are all linear "
+                         f"attention; keep at least {like.hp.recurrent_layers.index(False) + 1} (one full attention)")
     if seed < 0:
         raise InputError(f"synth: --seed {seed}: expected a non-negative integer")
     if matrix_type not in MATRIX_TYPES:

@@ -23,14 +23,14 @@ from scipy import stats
 from moeheal.pipeline.cli import main
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.runner import Runner
 from moeheal.pipeline.synth import (
-    DEMO_MODEL, LIKE, NORM_STD, ROLE_FITS, fit_roles, plan_tensors, role_of, tensor_values, write_synth,
+    BORROWED_ROLES, DEMO_MODEL, LIKE, NORM_STD, ROLE_FITS, fit_roles, plan_tensors, role_of, tensor_values, write_synth,
 )
 
 Q8_0, F32 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32
 
-# The published configs' numbers, written out independently of synth.LIKE. Qwen3-Next's head dim is
-# 128 here, not its real 256: written as qwen2moe, llama.cpp wants heads x head dim = hidden size.
+# The published configs' numbers, written out independently of synth.LIKE.
 REAL = {
     "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, d_model=2048, n_head=32, n_head_kv=4, head_dim=128,
                           n_expert=128, n_expert_used=8, d_expert=768, d_shexp=0, rope_theta=1e6,
@@ -38,16 +38,20 @@ REAL = {
     "qwen3-235b": dict(arch="qwen3moe", n_layer=94, d_model=4096, n_head=64, n_head_kv=4, head_dim=128,
                        n_expert=128, n_expert_used=8, d_expert=1536, d_shexp=0, rope_theta=1e6,
                        vocab_size=151936, norm_topk_prob=True, context_length=40960),
-    "qwen3-next-80b": dict(arch="qwen2moe", n_layer=48, d_model=2048, n_head=16, n_head_kv=2, head_dim=128,
+    "qwen3-next-80b": dict(arch="qwen3next", n_layer=48, d_model=2048, n_head=16, n_head_kv=2, head_dim=256,
                            n_expert=512, n_expert_used=10, d_expert=512, d_shexp=512, rope_theta=1e7,
-                           vocab_size=151936, norm_topk_prob=True, context_length=262144),
+                           vocab_size=151936, norm_topk_prob=True, context_length=262144, rope_dim=64,
+                           ssm_conv_kernel=4, ssm_state_size=128, ssm_group_count=16, ssm_time_step_rank=32,
+                           ssm_inner_size=4096),
 }
-SMALL = dict(n_layer=1, vocab_size=1024, n_expert=8)  # shrunk for the weight checks
+FIRST_LAYERS = {"qwen3-next-80b": 4}  # the fewest layers that keep a full-attention one; 1 for the others
+SMALL = dict(n_layer=4, vocab_size=1024, n_expert=8)  # shrunk for the weight checks
 
 
 @pytest.fixture(scope="module")
 def next_small(tmp_path_factory) -> Path:
-    """1-layer qwen3-next-80b (every weight role but q/k norms), 8 experts, 1024 tokens, q8_0."""
+    """4-layer qwen3-next-80b (3 gated DeltaNet layers, 1 gated full attention, a shared expert: every
+    weight role of the demo fit but ffn_norm), 8 experts, 1024 tokens, q8_0."""
     return write_synth(tmp_path_factory.mktemp("synth") / "next.gguf", "qwen3-next-80b", **SMALL).paths[0]
 
 
@@ -60,23 +64,28 @@ def qwen3_small(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("like", list(REAL))
 def test_real_shapes_and_metadata(like: str, tmp_path: Path) -> None:
-    result = write_synth(tmp_path / f"{like}.gguf", like, n_layer=1, zeros=True)
+    n_layer = FIRST_LAYERS.get(like, 1)
+    result = write_synth(tmp_path / f"{like}.gguf", like, n_layer=n_layer, zeros=True)
     model = GGUFModel(result.paths[0])
-    real = {**REAL[like], "n_layer": 1}
+    real = {**REAL[like], "n_layer": n_layer}
     assert model.arch.name == real.pop("arch")
     assert {key: getattr(model.hp, key) for key in real} == pytest.approx(real)
     hp = model.hp
     assert model.shape("blk.0.ffn_gate_exps.weight") == (hp.n_expert, hp.d_expert, hp.d_model)
     assert model.shape("blk.0.ffn_down_exps.weight") == (hp.n_expert, hp.d_model, hp.d_expert)
-    assert model.shape("blk.0.attn_q.weight") == (hp.n_head * hp.head_dim, hp.d_model)
     sizes = model.tensor_sizes()
     assert sizes["blk.0.ffn_up_exps.weight"][0] == Q8_0 and sizes["token_embd.weight"][0] == Q8_0
-    assert sizes["blk.0.ffn_gate_inp.weight"][0] == F32 and sizes["blk.0.ffn_norm.weight"][0] == F32
+    assert sizes["blk.0.ffn_gate_inp.weight"][0] == F32
     assert "synthetic" in model.metadata("general.name")
-    if like == "qwen3-next-80b":
-        assert "qwen2moe" in model.metadata("general.name")
-        assert "not modelled" in model.metadata("general.description")
-        assert not model.tensor("blk.0.attn_k.bias").any()  # Qwen3-Next has no q/k/v biases
+    if like == "qwen3-next-80b":  # layers 0-2 gated DeltaNet, layer 3 gated full attention
+        assert hp.recurrent_layers == (True, True, True, False) and sizes["blk.0.post_attention_norm.weight"][0] == F32
+        assert model.shape("blk.3.attn_q.weight") == (2 * 16 * 256, 2048)  # query and output gate per head
+        assert model.shape("blk.0.attn_qkv.weight") == (2 * 16 * 128 + 32 * 128, 2048)
+        assert model.shape("blk.0.ssm_conv1d.weight") == (8192, 4) and sizes["blk.0.ssm_conv1d.weight"][0] == F32
+        assert model.shape("blk.0.ssm_out.weight") == (2048, 4096) and model.shape("blk.0.ssm_ba.weight") == (64, 2048)
+    else:
+        assert model.shape("blk.0.attn_q.weight") == (hp.n_head * hp.head_dim, hp.d_model)
+        assert sizes["blk.0.ffn_norm.weight"][0] == F32
     text = "The experts route every token. 東京 🙂"
     tok = model.tokenizer()
     assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text
@@ -93,9 +102,9 @@ def test_weights_follow_the_demo_fit(next_small: Path) -> None:
         if role == "norm":
             assert abs(x.mean() - 1) < 0.02 and abs(x.std() - NORM_STD) < 0.02, name
             continue
-        if role not in ROLE_FITS or x.size < 1_000_000:
+        if BORROWED_ROLES.get(role, role) not in ROLE_FITS or x.size < 1_000_000:
             continue
-        fit = ROLE_FITS[role]
+        fit = ROLE_FITS[BORROWED_ROLES.get(role, role)]
         std = fit.std if role == "token_embd" else fit.std * math.sqrt(fit.fan_in / model.shape(name)[-1])
         assert x.std() == pytest.approx(std, rel=0.03), name
         df = fit.df if math.isfinite(fit.df) else 1e9
@@ -103,6 +112,17 @@ def test_weights_follow_the_demo_fit(next_small: Path) -> None:
         assert np.quantile(np.abs(x), 0.999) == pytest.approx(tail, rel=0.1), name
         if fit.df >= 10:
             assert stats.kurtosis(x) == pytest.approx(fit.excess_kurtosis, abs=0.05 + 0.2 * fit.excess_kurtosis), name
+
+
+def test_qwen3next_synth_runs_forward_and_keeps_a_full_attention_layer(next_small: Path, tmp_path: Path) -> None:
+    model = GGUFModel(next_small)
+    assert model.arch.name == "qwen3next" and model.hp.n_expert_used == 8  # top-10 capped by --experts 8
+    a = model.tensor("blk.0.ssm_a")
+    assert np.all((a <= -0.01) & (a >= -16)) and not model.tensor("blk.0.ssm_dt.bias").any()
+    logits = Runner(model).forward(np.arange(16, dtype=np.int32).reshape(2, 8))
+    assert logits.shape == (2, 8, 1024) and np.all(np.isfinite(logits)) and logits.std() > 0
+    with pytest.raises(InputError, match="first 3 layers of qwen3-next-80b are all linear attention; keep at least 4"):
+        write_synth(tmp_path / "x.gguf", "qwen3-next-80b", n_layer=3, zeros=True)
 
 
 def test_role_fits_are_the_demo_models() -> None:
@@ -188,7 +208,8 @@ def test_llama_quantize_accepts_a_synth(next_small: Path, tmp_path: Path) -> Non
 
 @pytest.mark.llamacpp
 def test_llama_cpp_runs_a_split_synth(next_small: Path, tmp_path: Path) -> None:
-    """llama.cpp loads and runs both architectures, the qwen3moe one from split shards."""
+    """llama.cpp loads and runs both architectures (qwen3next's gated DeltaNet included), the qwen3moe
+    one from split shards."""
     split = write_synth(tmp_path / "split.gguf", "qwen3-30b-a3b", n_layer=1, vocab_size=512, n_expert=2,
                         split_max_size=8_000_000)
     text = tmp_path / "text.txt"

@@ -24,7 +24,7 @@ hashed by identity) and `hp` static, so each family traces its own graph.
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ from moeheal.kernels.moce import topk_route
 from moeheal.pipeline import model as M
 
 if TYPE_CHECKING:
-    from moeheal.pipeline.gguf_model import HParams
+    from moeheal.pipeline.gguf_model import GGUFModel, HParams
 
 GLOBAL_TENSORS = ("token_embd.weight", "output_norm.weight")
 OPTIONAL_GLOBAL_TENSORS = ("output.weight",)  # absent when the output projection is tied to token_embd
@@ -66,6 +66,9 @@ class Architecture:
     # True: llama.cpp's graph renormalises the top-k weights whatever `<arch>.expert_weights_norm` says,
     # so a file that says otherwise is refused. None: the key is read (default `routing.norm_topk_default`).
     fixed_topk_norm: ClassVar[bool | None] = None
+    # Whether `attention` / `attention_heads` compute every layer's attention, so that a budget with
+    # budget_roles = "all" can measure and choose the formats of attn_{q,k,v,output}.
+    budgets_attention: ClassVar[bool] = True
 
     def __str__(self) -> str:
         return self.name
@@ -90,8 +93,26 @@ class Architecture:
         return ATTENTION_TENSORS + self.attention_extra_tensors + (ffn if self.is_moe_layer(layer) else ())
 
     def attention_extra_shapes(self, hp: HParams) -> dict[str, tuple[int, ...]]:
-        """NumPy shapes of `attention_extra_tensors`, as the hyperparameters imply them."""
+        """NumPy shapes of `attention_extra_tensors`, as the hyperparameters imply them (an entry
+        here also replaces the common expectation of a tensor of the same name)."""
         return {}
+
+    # ---- what the file's keys say (read before the tensor table is checked) --
+
+    def file_hparams(self, model: GGUFModel) -> dict[str, Any]:
+        """`HParams` fields beyond the common ones, from the family's own keys of `model` (validated
+        here: an InputError naming the file and key); none by default."""
+        return {}
+
+    def file_layer_tensors(self, model: GGUFModel, layer: int) -> tuple[str, ...]:
+        """`layer_tensors` for this file: a family whose layers differ by the file's keys (which
+        layers are linear attention, say) reads them here."""
+        return self.layer_tensors(layer)
+
+    def query_projection(self, model: GGUFModel) -> tuple[str, int]:
+        """(tensor, rows per query head dimension): the projection whose rows are
+        n_head * head_dim times the second value; blk.0's attn_q by default."""
+        return "blk.0.attn_q.weight", 1
 
     # ---- attention --------------------------------------------------------
 
