@@ -41,6 +41,7 @@ SHAPES = {
     "small": [(4, 64, 256)],
     "demo": [(32, 256, 256)],
     "30b": [(128, 768, 2048), (128, 2048, 768)],  # Qwen3-30B-A3B: ffn_gate_exps / ffn_up_exps, ffn_down_exps
+    "next": [(512, 512, 2048), (512, 2048, 512)],  # Qwen3-Next-80B-A3B: ffn_gate_exps / ffn_up_exps, ffn_down_exps
 }
 H200_FP32_TFLOPS = 67.0
 H200_TF32_DENSE_TFLOPS = 494.7

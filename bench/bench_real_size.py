@@ -8,7 +8,7 @@ over the demo's corpus, split and a few of its windows (the synthetic vocabulary
 with the demo's, so the demo text tokenizes the same), and runs every stage:
 corpus, traces, dumps of the calibration and unseen traces, quantize and
 calibrate per (variant, layer), assembly, reference logits, evaluation,
-comparisons. Two variants: `ls_q2_k` (Q2_K, importance, least squares,
+comparisons. Two variants (`--variants` picks): `ls_q2_k` (Q2_K, importance, least squares,
 alpha and ridge) and `gptq_iq2_xxs` (IQ2_XXS, importance, GPTQ, alpha and
 ridge; ridge only where the model has a shared expert).
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import re
 import resource
 import sys
@@ -64,8 +65,15 @@ def write_windows(work: Path, per_stratum: int) -> Path:
     return path
 
 
-def write_config(work: Path, model: Path, tokens: int, windows: Path) -> Path:
-    """A heal.toml over the synthetic model and the demo's corpus and split."""
+# The healed variants this bench can run, as config tables.
+VARIANTS = {
+    "ls_q2_k": '[[variant]]\nname = "ls_q2_k"\nquant = "q2_k"\nround = "ls"\n',
+    "gptq_iq2_xxs": '[[variant]]\nname = "gptq_iq2_xxs"\nquant = "iq2_xxs"\nround = "gptq"\n',
+}
+
+
+def write_config(work: Path, model: Path, tokens: int, windows: Path, variants: list[str]) -> Path:
+    """A heal.toml over the synthetic model and the demo's corpus and split, healing `variants`."""
     config = work / "heal.toml"
     config.write_text(f"""
 [lake]
@@ -86,15 +94,7 @@ windows = "{windows}"
 ngram = 16
 bootstrap = 200
 seed = 0
-[[variant]]
-name = "ls_q2_k"
-quant = "q2_k"
-round = "ls"
-[[variant]]
-name = "gptq_iq2_xxs"
-quant = "iq2_xxs"
-round = "gptq"
-[moce]
+{"".join(VARIANTS[name] for name in variants)}[moce]
 bonus = [0.0]
 cache_experts = 8
 """)
@@ -134,6 +134,9 @@ def main() -> int:
     parser.add_argument("--experts", type=int, help="fewer experts than the real model (a quick check on CPU)")
     parser.add_argument("--windows", type=int, default=2, help="eval windows per stratum (and one canary)")
     parser.add_argument("--no-eval", action="store_true", help="stop at the healed GGUFs (no logits)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="which of the two variants to heal (the unhealed baseline always runs)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="synth's worker processes")
     parser.add_argument("--work", type=Path, default=Path("/tmp/moeheal-real-size"))
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args()
@@ -141,11 +144,12 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     model = args.work / f"{args.like}-{args.layers}l{f'-{args.experts}e' if args.experts else ''}.gguf"
     start = time.perf_counter()
-    synth = write_synth(model, args.like, n_layer=args.layers, n_expert=args.experts) if not model.exists() else None
+    synth = write_synth(model, args.like, n_layer=args.layers, n_expert=args.experts,
+                        jobs=args.jobs) if not model.exists() else None
     synth_s = time.perf_counter() - start
     clock = StageClock()
     start = time.perf_counter()
-    config = write_config(args.work, model, args.tokens, write_windows(args.work, args.windows))
+    config = write_config(args.work, model, args.tokens, write_windows(args.work, args.windows), args.variants)
     run = HealRun(load_config(config), log=clock)
     if args.no_eval:  # up to the healed GGUFs: a real vocabulary makes every evaluated window costly
         run.audit()

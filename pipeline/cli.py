@@ -136,7 +136,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
     split_max_size = parse_size(args.split_max_size) if args.split_max_size else 0
     result = write_synth(Path(args.out), args.like, args.layers, args.seed, args.type, split_max_size,
-                         args.vocab, args.experts, args.zeros)
+                         args.vocab, args.experts, args.zeros, jobs=args.jobs)
     shards = f" in {len(result.paths)} shards" if len(result.paths) > 1 else ""
     print(f"{result.paths[0]}: {result.n_tensors} tensors, {result.n_bytes / 1e9:.2f} GB{shards}, "
           f"{result.seconds:.1f} s")
@@ -207,6 +207,8 @@ def _synth_arguments(p: argparse.ArgumentParser) -> None:
                                                   "(norms, biases and routers stay f32)")
     p.add_argument("--split-max-size", metavar="SIZE",
                    help="split into llama.cpp gguf-split shards of at most SIZE of tensor data (500M, 50G)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="worker processes drawing the weights (default 1; the file does not depend on it)")
     p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)  # tests: a smaller vocabulary
     p.add_argument("--experts", type=int, help=argparse.SUPPRESS)  # tests: fewer routed experts
     p.add_argument("--zeros", action="store_true", help=argparse.SUPPRESS)  # tests: sparse zero weights

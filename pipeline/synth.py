@@ -43,7 +43,9 @@ Streaming: tensor infos are written first, then each tensor chunk by chunk
 tensor. Measured with `/usr/bin/time -v` on `--like qwen3-30b-a3b --layers 2`
 (q8_0, 27 tensors, 1.99 GB of tensor data): peak RSS 134 MB (43 MB of it is the
 interpreter and the imports), 61 s on a shared 2-core machine, i.e. about
-30 s per GB written.
+30 s per GB written. `--jobs N` has N worker processes draw and encode the
+chunks (spawned, in order; the bytes are the same), for real sizes on a
+many-core host.
 
 Vocabulary: the real Qwen tokenizer is not available offline, so the file
 carries a valid byte-level BPE of the real size: the demo model's tokens and
@@ -74,7 +76,11 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
+from multiprocessing import get_context
+from multiprocessing.pool import Pool
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -471,27 +477,39 @@ def chunk_rows(shape: tuple[int, ...]) -> int:
 
 def value_chunks(t: TensorPlan, seed: int) -> Iterator[np.ndarray]:
     """The tensor's values as float32 chunks (rows, cols) of `chunk_rows` rows, in storage order."""
+    for k in range(n_chunks(t)):
+        yield chunk_values(t, seed, k)
+
+
+def n_chunks(t: TensorPlan) -> int:
+    """How many row chunks `value_chunks` cuts the tensor into."""
+    return -(-math.prod(t.shape[:-1]) // chunk_rows(t.shape))
+
+
+def chunk_values(t: TensorPlan, seed: int, k: int) -> np.ndarray:
+    """Chunk k of the tensor's values, float32 (rows, cols): a function of (seed, name, k) alone."""
     cols = t.shape[-1]
     rows = math.prod(t.shape[:-1])
     step = chunk_rows(t.shape)
-    for k, start in enumerate(range(0, rows, step)):
-        size = (min(step, rows - start), cols)
-        if t.role == ZERO_ROLE:
-            yield np.zeros(size, dtype=np.float32)
-            continue
-        rng = np.random.default_rng([seed, _name_key(t.name), k])
-        if t.role == NORM_ROLE:
-            yield 1.0 + NORM_STD * rng.standard_normal(size, dtype=np.float32)
-            continue
-        if t.role == DECAY_ROLE:  # -A, A ~ U[0.01, 16] as transformers initialises A_log = log(A)
-            yield -rng.uniform(0.01, 16.0, size).astype(np.float32)
-            continue
-        fit = ROLE_FITS[BORROWED_ROLES.get(t.role, t.role)]
-        std = fit.std if t.role == "token_embd" else fit.std * math.sqrt(fit.fan_in / cols)
-        scale = std * math.sqrt((fit.df - 2) / fit.df) if math.isfinite(fit.df) else std  # t's variance is df/(df-2)
-        chunk = _student_t(rng, fit.df, size)  # (rows, cols)
-        chunk *= np.float32(scale)
-        yield chunk
+    size = (min(step, rows - k * step), cols)
+    if t.role == ZERO_ROLE:
+        return np.zeros(size, dtype=np.float32)
+    rng = np.random.default_rng([seed, _name_key(t.name), k])
+    if t.role == NORM_ROLE:
+        return 1.0 + NORM_STD * rng.standard_normal(size, dtype=np.float32)
+    if t.role == DECAY_ROLE:  # -A, A ~ U[0.01, 16] as transformers initialises A_log = log(A)
+        return -rng.uniform(0.01, 16.0, size).astype(np.float32)
+    fit = ROLE_FITS[BORROWED_ROLES.get(t.role, t.role)]
+    std = fit.std if t.role == "token_embd" else fit.std * math.sqrt(fit.fan_in / cols)
+    scale = std * math.sqrt((fit.df - 2) / fit.df) if math.isfinite(fit.df) else std  # t's variance is df/(df-2)
+    chunk = _student_t(rng, fit.df, size)  # (rows, cols)
+    chunk *= np.float32(scale)
+    return chunk
+
+
+def encoded_chunk(t: TensorPlan, seed: int, k: int) -> np.ndarray:
+    """Chunk k of the tensor as stored (`_encode`): what a worker process returns."""
+    return _encode(chunk_values(t, seed, k), t.ggml_type)
 
 
 def tensor_values(t: TensorPlan, seed: int) -> np.ndarray:
@@ -537,14 +555,20 @@ def _writer(tmp: Path, like: LikeModel, plan: list[TensorPlan], kv: list[TypedKV
 
 def write_synth(out: str | os.PathLike[str], like_name: str, n_layer: int | None = None, seed: int = 0,
                 matrix_type: str = "q8_0", split_max_size: int = 0, vocab_size: int | None = None,
-                n_expert: int | None = None, zeros: bool = False, demo_model: Path = DEMO_MODEL) -> SynthResult:
+                n_expert: int | None = None, zeros: bool = False, demo_model: Path = DEMO_MODEL,
+                jobs: int = 1) -> SynthResult:
     """Write the synthetic model to `out` (or its shards `<stem>-0000i-of-0000n.gguf`), atomically.
 
-    Shards are written under temporary names and renamed once all are complete.
+    Shards are written under temporary names and renamed once all are complete. With `jobs` > 1,
+    that many worker processes draw and encode chunks (the file is the same: a chunk is a function
+    of the seed, the tensor name and its index); host memory then holds about one chunk per worker
+    plus the chunks drawn ahead of the writer.
     """
     from moeheal.pipeline.gguf_model import GGUFModel
 
     like = _check_args(like_name, n_layer, seed, matrix_type, vocab_size, n_expert, demo_model)
+    if jobs < 1:
+        raise InputError(f"synth: --jobs {jobs}: need at least 1 worker")
     n_layer = like.hp.n_layer if n_layer is None else n_layer
     vocab_size = like.hp.vocab_size if vocab_size is None else vocab_size
     n_expert = like.hp.n_expert if n_expert is None else n_expert
@@ -569,9 +593,10 @@ def write_synth(out: str | os.PathLike[str], like_name: str, n_layer: int | None
         for fout in writer.fout:  # tensor data starts aligned after the tensor table
             writer.write_padding(fout, fout.tell())
         shard_of = [(fout, name) for fout, infos in zip(writer.fout, writer.tensors) for name in infos]
-        for fout, name in progress(shard_of, desc="synth", unit="tensors"):
-            _write_tensor(fout, by_name[name], seed, zeros)
-            writer.write_padding(fout, by_name[name].n_bytes)
+        with (get_context("spawn").Pool(jobs) if jobs > 1 and not zeros else nullcontext()) as pool:
+            for fout, name in progress(shard_of, desc="synth", unit="tensors"):
+                _write_tensor(fout, by_name[name], seed, zeros, pool)
+                writer.write_padding(fout, by_name[name].n_bytes)
         for fout in writer.fout:
             fout.truncate()  # a sparse --zeros file ends where its last tensor does
         writer.close()
@@ -584,13 +609,17 @@ def write_synth(out: str | os.PathLike[str], like_name: str, n_layer: int | None
     return SynthResult(final_paths, len(plan), sum(t.n_bytes for t in plan), time.monotonic() - started)
 
 
-def _write_tensor(fout: BinaryIO, t: TensorPlan, seed: int, zeros: bool) -> None:
-    """One tensor's data at the file's position: drawn and encoded chunk by chunk, or a hole of zeros."""
+def _write_tensor(fout: BinaryIO, t: TensorPlan, seed: int, zeros: bool, pool: Pool | None) -> None:
+    """One tensor's data at the file's position: drawn and encoded chunk by chunk (by `pool`'s
+    workers, in order, when given), or a hole of zeros."""
     if zeros:
         fout.seek(t.n_bytes, os.SEEK_CUR)
         return
-    for chunk in value_chunks(t, seed):
-        _encode(chunk, t.ggml_type).tofile(fout)
+    chunks = range(n_chunks(t))
+    encoded = (encoded_chunk(t, seed, k) for k in chunks) if pool is None else \
+        pool.imap(partial(encoded_chunk, t, seed), chunks)
+    for raw in encoded:
+        raw.tofile(fout)
 
 
 def _check_args(like_name: str, n_layer: int | None, seed: int, matrix_type: str, vocab_size: int | None,

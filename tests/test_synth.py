@@ -137,6 +137,9 @@ def test_role_fits_are_the_demo_models() -> None:
 def test_same_seed_same_bytes_and_tensors_regenerate_alone(qwen3_small: Path, tmp_path: Path) -> None:
     again = write_synth(tmp_path / "again.gguf", "qwen3-30b-a3b", n_layer=1, vocab_size=512, n_expert=2).paths[0]
     assert filecmp.cmp(qwen3_small, again, shallow=False)
+    workers = write_synth(tmp_path / "workers.gguf", "qwen3-30b-a3b", n_layer=1, vocab_size=512, n_expert=2,
+                          jobs=2).paths[0]  # chunks drawn by two processes, written in order
+    assert filecmp.cmp(qwen3_small, workers, shallow=False)
     other = write_synth(tmp_path / "other.gguf", "qwen3-30b-a3b", n_layer=1, vocab_size=512, n_expert=2, seed=1)
     assert not filecmp.cmp(qwen3_small, other.paths[0], shallow=False)
     model = GGUFModel(qwen3_small)
