@@ -1,11 +1,14 @@
-"""Export a transformers Qwen2-MoE / Qwen3-MoE / OLMoE model to GGUF, as llama.cpp's converter does.
+"""Export a transformers Qwen2-MoE / Qwen3-MoE / OLMoE / DeepSeek-V3 model to GGUF, as llama.cpp's converter does.
 
 Tensor names, shapes and metadata keys follow llama.cpp's `convert_hf_to_gguf.py`
-(Qwen2MoeModel / Qwen3MoeModel / OlmoeModel), so that llama.cpp, transformers'
+(Qwen2MoeModel / Qwen3MoeModel / OlmoeModel / DeepseekV2Model), so that llama.cpp, transformers'
 `from_pretrained(..., gguf_file=...)` (for the Qwen families) and `GGUFModel` all load the result.
 OLMoE's q/k norms span every head, so `attn_{q,k}_norm` are as wide as q and k; its experts are
 `intermediate_size` wide and, as llama.cpp's converter does, no `expert_feed_forward_length` is written.
 Per-expert matrices are stacked into `*_exps` tensors `[E, rows, cols]`.
+DeepSeek-V3 (`deepseek2`) is written as llama.cpp writes it for its absorbed-MLA graph: `kv_b_proj`
+split into `attn_k_b` / `attn_v_b` (no combined `attn_kv_b`), one KV head, the MLA head sizes under
+`key_length_mla` / `value_length_mla`, and the router's correction bias as `exp_probs_b.bias`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ MATRIX_TYPES = {
     "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
     "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
 }
-ARCH_BY_MODEL_TYPE = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+ARCH_BY_MODEL_TYPE = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "deepseek_v3": "deepseek2"}
 
 # HF parameter suffix (after `model.layers.{i}.`) -> llama.cpp tensor short name.
 LAYER_NAMES = {
@@ -48,6 +51,19 @@ LAYER_NAMES = {
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    # DeepSeek-V3 (deepseek2): MLA, dense leading layers, the selection bias, ungated shared experts
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
 }
 GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -75,7 +91,16 @@ def _encode(data: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
     return quantize(data.astype(np.float32), ggml_type)  # (..., row_bytes) uint8
 
 
-def _gguf_tensors(state: dict[str, np.ndarray], n_layer: int, tied: bool) -> Iterator[tuple[str, np.ndarray]]:
+def _split_kv_b(kv_b: np.ndarray, config) -> tuple[np.ndarray, np.ndarray]:
+    """MLA's kv_b_proj (H*(nope+v), kv_lora) as llama.cpp's converter splits it for the absorbed
+    graph: attn_k_b (H, kv_lora, nope), each head's key rows transposed, and attn_v_b (H, v, kv_lora)."""
+    nope, v = config.qk_nope_head_dim, config.v_head_dim
+    per_head = kv_b.reshape(-1, nope + v, kv_b.shape[-1])  # (H, nope+v, kv_lora)
+    return per_head[:, :nope].transpose(0, 2, 1), per_head[:, nope:]  # (H, kv_lora, nope), (H, v, kv_lora)
+
+
+def _gguf_tensors(state: dict[str, np.ndarray], n_layer: int, tied: bool,
+                  config=None) -> Iterator[tuple[str, np.ndarray]]:
     """(llama.cpp name, float32 array) for every parameter, experts stacked; errors on leftovers."""
     used: set[str] = set()
     for hf_name, gguf_name in GLOBAL_NAMES.items():
@@ -98,6 +123,12 @@ def _gguf_tensors(state: dict[str, np.ndarray], n_layer: int, tied: bool) -> Ite
             f = state[fused].shape[1] // 2
             yield f"blk.{i}.ffn_gate_exps.weight", state[fused][:, :f]  # (E, f, d)
             yield f"blk.{i}.ffn_up_exps.weight", state[fused][:, f:]  # (E, f, d)
+        kv_b = prefix + "self_attn.kv_b_proj.weight"
+        if kv_b in state:
+            used.add(kv_b)
+            k_b, v_b = _split_kv_b(state[kv_b], config)
+            yield f"blk.{i}.attn_k_b.weight", k_b
+            yield f"blk.{i}.attn_v_b.weight", v_b
     leftover = sorted(set(state) - used)
     if leftover:
         raise ValueError(f"no GGUF name for parameter {leftover[0]} (and {len(leftover) - 1} more)")
@@ -158,6 +189,46 @@ def _hparams_kv(config, arch: str, file_type: LlamaFileType) -> list[KV]:
     return kv
 
 
+def _deepseek2_kv(config) -> list[KV]:
+    """The keys llama.cpp's DeepseekV2Model converter writes beyond the common ones: MLA as MQA with one
+    KV head (key = latent + rope key, value = latent) and the decompressed head sizes, leading dense
+    layers, the routing's groups, gating, scale and norm. Refuses what our runner does not model."""
+    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    a = "deepseek2"
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope scaling {rope['rope_type']!r} is not supported for {a} (YaRN is not implemented)")
+    if not config.rope_interleave:
+        raise ValueError(f"rope_interleave=False is not supported for {a}: llama.cpp rotates interleaved pairs "
+                         "and its converter permutes no weights")
+    if config.attention_bias:
+        raise ValueError(f"attention_bias=True is not supported for {a}: llama.cpp loads no attention biases")
+    kv_lora, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
+    kv: list[KV] = [
+        (f"{a}.attention.head_count_kv", 1, u32),
+        (f"{a}.expert_group_count", config.n_group, u32),
+        (f"{a}.expert_group_used_count", config.topk_group, u32),
+        (f"{a}.expert_gating_func", 2, u32),  # sigmoid: DeepSeek-V3's scoring_func
+        (f"{a}.leading_dense_block_count", config.first_k_dense_replace, u32),
+        (f"{a}.vocab_size", config.vocab_size, u32),
+    ]
+    if config.q_lora_rank is not None:
+        kv.append((f"{a}.attention.q_lora_rank", config.q_lora_rank, u32))
+    kv += [
+        (f"{a}.attention.kv_lora_rank", kv_lora, u32),
+        (f"{a}.attention.key_length", kv_lora + rope_dim, u32),
+        (f"{a}.attention.value_length", kv_lora, u32),
+        (f"{a}.attention.key_length_mla", config.qk_nope_head_dim + rope_dim, u32),
+        (f"{a}.attention.value_length_mla", config.v_head_dim, u32),
+        (f"{a}.expert_feed_forward_length", config.moe_intermediate_size, u32),
+        (f"{a}.expert_shared_count", config.n_shared_experts, u32),
+        (f"{a}.expert_weights_scale", float(config.routed_scaling_factor), f32),
+    ]
+    if config.norm_topk_prob:
+        kv.append((f"{a}.expert_weights_norm", True, GGUFValueType.BOOL))
+    return kv + [(f"{a}.rope.dimension_count", rope_dim, u32)]
+
+
 def _special_id(tokenizer: Tokenizer, config_id: int | None, fallback: str) -> int | None:
     return config_id if config_id is not None else tokenizer.token_to_id(fallback)
 
@@ -180,6 +251,9 @@ def hf_to_gguf(hf_model, tokenizer: Tokenizer, out_path: str | os.PathLike[str],
     tied = bool(getattr(config, "tie_word_embeddings", False))
     eos = _special_id(tokenizer, config.eos_token_id, "<|endoftext|>")
     kv = _hparams_kv(config, arch, file_type)
+    if arch == "deepseek2":  # its keys overwrite the common ones in place, as gguf-py's writer does
+        family = {item[0]: item for item in _deepseek2_kv(config)}
+        kv = [family.pop(item[0], item) for item in kv] + list(family.values())
     kv += _vocab_kv(tokenizer,
                     bos=_special_id(tokenizer, config.bos_token_id, "<|endoftext|>"),
                     eos=eos,
@@ -187,7 +261,7 @@ def hf_to_gguf(hf_model, tokenizer: Tokenizer, out_path: str | os.PathLike[str],
     kv += list(extra_kv or [])
 
     def tensors() -> Iterator[TensorItem]:
-        for name, data in _gguf_tensors(state, config.num_hidden_layers, tied):
+        for name, data in _gguf_tensors(state, config.num_hidden_layers, tied, config):
             ggml_type = _tensor_type(name, data, ggml_matrix)
             yield name, _encode(data, ggml_type), ggml_type
 

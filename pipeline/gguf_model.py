@@ -60,6 +60,15 @@ class HParams:
     vocab_size: int
     norm_topk_prob: bool
     context_length: int
+    n_dense_lead: int = 0  # leading layers with a dense FFN instead of experts (leading_dense_block_count)
+    d_ff: int = 0  # width of those dense FFNs (feed_forward_length), 0 when every layer is MoE
+    q_lora_rank: int = 0  # MLA: rank of the query's low-rank path; 0 when q is one projection
+    kv_lora_rank: int = 0  # MLA: width of the compressed key/value latent
+    rope_dim: int = 0  # MLA: rotated dims per head (the shared rope key's width); 0: all head_dim
+    v_head_dim: int = 0  # MLA: value width per head; 0: head_dim
+    n_group: int = 1  # expert groups for group-limited routing (expert_group_count)
+    n_group_used: int = 1  # groups a token's experts come from (expert_group_used_count)
+    expert_weights_scale: float = 1.0  # multiplier of the routed weights (routed_scaling_factor)
 
 
 class RawTensor(NamedTuple):
@@ -322,6 +331,18 @@ ARCH_KEYS: dict[str, tuple[GGUFValueType, bool, float, float]] = {
     "expert_feed_forward_length": (U32, False, 1, 2**20),
     "expert_shared_feed_forward_length": (U32, False, 1, 2**20),
     "expert_weights_norm": (BOOL, False, 0, 1),
+    "feed_forward_length": (U32, False, 1, 2**20),
+    "leading_dense_block_count": (U32, False, 0, 4096),
+    "expert_shared_count": (U32, False, 0, 2**12),
+    "expert_group_count": (U32, False, 1, 2**12),
+    "expert_group_used_count": (U32, False, 1, 2**12),
+    "expert_weights_scale": (F32, False, 1e-3, 1e3),
+    "expert_gating_func": (U32, False, 0, 16),
+    "attention.q_lora_rank": (U32, False, 1, 2**16),
+    "attention.kv_lora_rank": (U32, False, 1, 2**16),
+    "attention.key_length_mla": (U32, False, 1, 2**12),
+    "attention.value_length_mla": (U32, False, 1, 2**12),
+    "rope.dimension_count": (U32, False, 1, 2**12),
 }
 
 
@@ -349,8 +370,8 @@ class GGUFModel:
         _check_key_names(keys, self.arch.name, self.name)
         self._check_arch_keys(keys)
         self._check_tensor_types()
-        self._check_tensor_names()
         self.hp = self._read_hparams()
+        self._check_tensor_names()
         self._check_shapes()
         from moeheal.pipeline.tokenizer import check_vocabulary
 
@@ -432,9 +453,9 @@ class GGUFModel:
     def _check_tensor_names(self) -> None:
         """Every tensor the architecture needs is present and no other is: llama.cpp refuses
         unused tensors too, and a corrupted name shows up as one missing plus one unknown."""
-        n_layer = int(self.metadata(f"{self.arch.name}.block_count"))
+        n_layer = self.hp.n_layer
         required = list(GLOBAL_TENSORS) + [f"blk.{i}.{short}" for i in range(n_layer)
-                                           for short in self.arch.layer_tensors(i)]
+                                           for short in self.arch.layer_tensors(i, self.hp)]
         for name in required:
             if name not in self._tensors:
                 raise InputError(f"{self.name}: tensor {name}: missing")
@@ -444,40 +465,38 @@ class GGUFModel:
                 raise InputError(f"{self.name}: tensor {name}: not a tensor of a {n_layer}-layer {self.arch} model")
 
     def _read_hparams(self) -> HParams:
+        """The hyperparameters from the keys and the first MoE layer's tensors; the family reads its
+        attention's own (`Architecture.read_hparams`)."""
         a = self.arch.name
-        embd_shape = self._shape("token_embd.weight")  # (V, d)
-        gate_exps = self._shape("blk.0.ffn_gate_exps.weight")  # (E, f, d)
-        n_head = int(self._required_key(f"{a}.attention.head_count"))
-        d_model = int(self._required_key(f"{a}.embedding_length"))
-        q_rows = self._shape("blk.0.attn_q.weight")[0]  # n_head * head_dim
-        if q_rows % n_head:
-            raise InputError(f"{self.name}: key {a}.attention.head_count: {n_head} does not divide the "
-                             f"{q_rows} rows of blk.0.attn_q.weight")
-        n_head_kv = int(self.metadata(f"{a}.attention.head_count_kv", n_head))
-        if n_head % n_head_kv:
-            raise InputError(f"{self.name}: key {a}.attention.head_count_kv: {n_head_kv} does not divide "
-                             f"head_count {n_head}")
+        n_layer = int(self._required_key(f"{a}.block_count"))
+        n_dense_lead = int(self.metadata(f"{a}.leading_dense_block_count", 0))
+        if n_dense_lead >= n_layer:
+            raise InputError(f"{self.name}: key {a}.leading_dense_block_count: {n_dense_lead} leaves none of the "
+                             f"{n_layer} layers a Mixture of Experts")
+        embd_shape = self.shape("token_embd.weight")  # (V, d)
+        gate_exps = self.shape(f"blk.{n_dense_lead}.ffn_gate_exps.weight")  # (E, f, d)
         n_expert = int(self._required_key(f"{a}.expert_count"))
         n_expert_used = int(self._required_key(f"{a}.expert_used_count"))
         if n_expert_used > n_expert:
             raise InputError(f"{self.name}: key {a}.expert_used_count: {n_expert_used} is more than "
                              f"expert_count {n_expert}")
         norm_key = f"{a}.expert_weights_norm"
+        shexp = f"blk.{n_dense_lead}.ffn_up_shexp.weight"
         return HParams(
-            n_layer=int(self._required_key(f"{a}.block_count")),
-            d_model=d_model,
-            n_head=n_head,
-            n_head_kv=n_head_kv,
-            head_dim=int(self.metadata(f"{a}.attention.key_length", q_rows // n_head)),
+            n_layer=n_layer,
+            d_model=int(self._required_key(f"{a}.embedding_length")),
             n_expert=n_expert,
             n_expert_used=n_expert_used,
             d_expert=int(gate_exps[1]),
-            d_shexp=int(self._shape("blk.0.ffn_up_shexp.weight")[0]) if self.has_shared_expert else 0,
+            d_shexp=int(self.shape(shexp)[0]) if self.has_shared_expert else 0,
             rope_theta=float(self.metadata(f"{a}.rope.freq_base", 10000.0)),
             rms_eps=float(self._required_key(f"{a}.attention.layer_norm_rms_epsilon")),
             vocab_size=int(embd_shape[0]),
             norm_topk_prob=bool(self.metadata(norm_key, self.arch.routing.norm_topk_default)),
             context_length=int(self._required_key(f"{a}.context_length")),
+            n_dense_lead=n_dense_lead,
+            d_ff=int(self.metadata(f"{a}.feed_forward_length", 0)) if n_dense_lead else 0,
+            **self.arch.read_hparams(self),
         )
 
     def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -492,7 +511,8 @@ class GGUFModel:
             "ffn_norm.weight": (d,), "ffn_gate_inp.weight": (E, d), "ffn_gate_exps.weight": (E, f, d),
             "ffn_up_exps.weight": (E, f, d), "ffn_down_exps.weight": (E, d, f),
             "ffn_gate_inp_shexp.weight": (d,), "ffn_gate_shexp.weight": (fs, d), "ffn_up_shexp.weight": (fs, d),
-            "ffn_down_shexp.weight": (d, fs),
+            "ffn_down_shexp.weight": (d, fs), "exp_probs_b.bias": (E,),
+            "ffn_gate.weight": (hp.d_ff, d), "ffn_up.weight": (hp.d_ff, d), "ffn_down.weight": (d, hp.d_ff),
         }
         shapes = {"token_embd.weight": (V, d), "output.weight": (V, d), "output_norm.weight": (d,)}
         for i in range(hp.n_layer):
@@ -523,6 +543,12 @@ class GGUFModel:
     def has_shared_expert(self) -> bool:
         """Whether the family runs a shared expert beside the routed ones (its tensors are then required)."""
         return self.arch.has_shared_expert
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers whose feed-forward half is a Mixture of Experts (`Architecture.moe_layers`): the
+        layers every routed-expert stage walks; the others' dense FFNs are kept as in the source."""
+        return self.arch.moe_layers(self.hp)
 
     @property
     def tensor_names(self) -> list[str]:

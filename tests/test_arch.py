@@ -33,11 +33,11 @@ gptq_damp = 1.0
 
 
 def test_registry_names_every_family_by_its_llama_cpp_name():
-    assert sorted(ARCHITECTURES) == ["olmoe", "qwen2moe", "qwen3moe"]
+    assert sorted(ARCHITECTURES) == ["deepseek2", "olmoe", "qwen2moe", "qwen3moe"]
     assert all(arch.name == name and str(arch) == name for name, arch in ARCHITECTURES.items())
-    assert [n for n, a in ARCHITECTURES.items() if a.has_shared_expert] == ["qwen2moe"]
+    assert sorted(n for n, a in ARCHITECTURES.items() if a.has_shared_expert) == ["deepseek2", "qwen2moe"]
     assert {n: a.routing.norm_topk_default for n, a in ARCHITECTURES.items()} == \
-        {"olmoe": False, "qwen2moe": False, "qwen3moe": True}
+        {"deepseek2": False, "olmoe": False, "qwen2moe": False, "qwen3moe": True}
 
 
 def test_sigmoid_routing_keeps_the_highest_scores_and_renormalises():

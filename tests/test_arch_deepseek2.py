@@ -1,0 +1,174 @@
+"""DeepSeek-V2/V3 (llama.cpp `deepseek2`): conversion, the runner against transformers'
+DeepseekV3ForCausalLM (MLA with and without the q LoRA, dense leading layers, biased group-limited
+sigmoid routing, the ungated shared expert), healing end to end, and llama.cpp on our files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moeheal.pipeline.arch import ARCHITECTURES
+from moeheal.pipeline.convert import hf_to_gguf
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.runner import LayerCapture, Runner
+from tests.ggufs import train_tiny_bpe
+from tests.test_runner import rel_err, tokens_for
+
+
+def tiny_deepseek_v3(vocab_size: int, seed: int, n_layer: int = 3, d_model: int = 64, q_lora_rank: int | None = 32,
+                     kv_lora_rank: int = 32, nope: int = 16, rope: int = 8, v_dim: int = 16, n_expert: int = 8,
+                     k: int = 2, n_group: int = 4, topk_group: int = 2, d_expert: int = 32, n_dense: int = 1):
+    """A seeded random DeepseekV3ForCausalLM, float32, eval mode, with random norms and a random
+    correction bias (a zero bias would hide a selection that ignores it)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(
+        vocab_size=vocab_size, hidden_size=d_model, intermediate_size=96, moe_intermediate_size=d_expert,
+        num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=n_expert, num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
+        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=n_dense, q_lora_rank=q_lora_rank,
+        kv_lora_rank=kv_lora_rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v_dim,
+        max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6, initializer_range=0.2,
+        tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    model = DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    return model.float().eval()
+
+
+def deepseek_run(hf, tokens: np.ndarray) -> tuple[np.ndarray, dict[int, dict]]:
+    """transformers' logits and, per MoE layer, its router's choices and the routed experts' output."""
+    per_layer: dict[int, dict] = {}
+    hooks = []
+    for i, layer in enumerate(hf.model.layers):
+        if not hasattr(layer.mlp, "gate"):
+            continue  # a dense layer
+
+        def on_router(mod, args, out, i=i):
+            _, weights, experts = out
+            per_layer.setdefault(i, {}).update(weights=weights.numpy(), experts=experts.numpy())
+
+        def on_experts(mod, args, out, i=i):
+            per_layer.setdefault(i, {})["yr"] = out.numpy()
+
+        hooks += [layer.mlp.gate.register_forward_hook(on_router),
+                  layer.mlp.experts.register_forward_hook(on_experts)]
+    try:
+        with torch.no_grad():
+            logits = hf(torch.from_numpy(tokens).long()).logits.numpy()
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, per_layer
+
+
+def convert(tmp: Path, seed: int, matrix_type: str = "f32", **dims) -> tuple[Path, object]:
+    tokenizer = train_tiny_bpe(seed=seed)
+    hf = tiny_deepseek_v3(tokenizer.get_vocab_size(), seed, **dims)
+    path = tmp / f"tiny-deepseek2-{matrix_type}.gguf"
+    hf_to_gguf(hf, tokenizer, path, matrix_type=matrix_type)
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory) -> tuple[Path, object]:
+    """3 layers (the first dense), q LoRA, 8 experts in 4 groups (2 kept), top-2, F32."""
+    return convert(tmp_path_factory.mktemp("deepseek2"), seed=11)
+
+
+def test_the_file_holds_what_llama_cpp_writes(v3):
+    model = GGUFModel(v3[0])
+    hp = model.hp
+    assert model.arch is ARCHITECTURES["deepseek2"] and model.moe_layers == (1, 2)
+    assert (hp.n_dense_lead, hp.d_ff, hp.q_lora_rank, hp.kv_lora_rank, hp.head_dim, hp.rope_dim, hp.v_head_dim) == \
+        (1, 96, 32, 32, 24, 8, 16)
+    assert (hp.n_group, hp.n_group_used, hp.expert_weights_scale, hp.norm_topk_prob, hp.d_shexp) == \
+        (4, 2, 2.5, True, 32)
+    a = "deepseek2"
+    assert [model.metadata(f"{a}.{k}") for k in ("attention.head_count_kv", "attention.key_length",
+                                                  "attention.value_length", "expert_gating_func",
+                                                  "expert_shared_count")] == [1, 32 + 8, 32, 2, 1]
+    names = set(model.tensor_names)
+    assert {"blk.0.ffn_gate.weight", "blk.1.exp_probs_b.bias", "blk.1.attn_k_b.weight"} <= names
+    assert not any(".attn_kv_b." in n or n.startswith("blk.0.ffn_gate_inp") for n in names)
+    assert model.shape("blk.1.attn_k_b.weight") == (4, 32, 16)  # (H, kv_lora, nope): ggml ne [nope, kv_lora, H]
+    assert model.shape("blk.1.attn_v_b.weight") == (4, 16, 32)  # (H, v, kv_lora)
+
+
+def test_split_kv_b_is_the_transposed_key_rows_and_the_value_rows(v3):
+    path, hf = v3
+    model = GGUFModel(path)
+    kv_b = hf.model.layers[1].self_attn.kv_b_proj.weight.detach().numpy().reshape(4, 16 + 16, 32)  # (H, nope+v, r)
+    np.testing.assert_array_equal(model.tensor("blk.1.attn_k_b.weight"), kv_b[:, :16].transpose(0, 2, 1))
+    np.testing.assert_array_equal(model.tensor("blk.1.attn_v_b.weight"), kv_b[:, 16:])
+
+
+def check_against_transformers(path: Path, hf) -> None:
+    model = GGUFModel(path)
+    tokens = tokens_for(model)
+    ref_logits, ref = deepseek_run(hf, tokens)
+    caps: dict[int, LayerCapture] = {}
+    got = Runner(model).forward(tokens, capture=True, on_layer=lambda i, c: caps.__setitem__(i, c))
+    assert rel_err(got, ref_logits) <= 1e-4
+    assert sorted(caps) == sorted(ref) == list(model.moe_layers)  # dense layers capture nothing
+    B, T = tokens.shape
+    for i, cap in caps.items():
+        ours = np.sort(cap.experts.reshape(B * T, -1), axis=1)
+        assert np.array_equal(ours, np.sort(ref[i]["experts"], axis=1)), f"layer {i}: different experts chosen"
+        order, ref_order = np.argsort(cap.experts.reshape(B * T, -1), 1), np.argsort(ref[i]["experts"], 1)
+        np.testing.assert_allclose(np.take_along_axis(cap.weights.reshape(B * T, -1), order, 1),
+                                   np.take_along_axis(ref[i]["weights"], ref_order, 1), atol=1e-5)
+        np.testing.assert_allclose(cap.yr.reshape(B * T, -1), ref[i]["yr"], atol=1e-4 * np.abs(ref[i]["yr"]).max())
+        assert cap.hh.shape == (B, T, model.hp.d_shexp) and np.all(cap.shexp_gate == 1.0)  # ungated
+
+
+def test_v3_logits_routing_and_routed_output_match_transformers(v3):
+    check_against_transformers(*v3)
+
+
+def test_v2_lite_form_without_q_lora_matches_transformers(tmp_path):
+    path, hf = convert(tmp_path, seed=12, q_lora_rank=None, n_layer=2, n_group=1, topk_group=1)
+    model = GGUFModel(path)
+    assert model.hp.q_lora_rank == 0 and "blk.0.attn_q.weight" in model.tensor_names
+    check_against_transformers(path, hf)
+
+
+def test_the_bias_and_the_groups_decide_the_selection(v3):
+    """Against a float64 NumPy reference of DeepSeek-V3's selection: the group limit and the bias
+    each change the chosen experts of some tokens, and the weights stay the unbiased scores."""
+    model = GGUFModel(v3[0])
+    arch, hp = model.arch, model.hp
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 64, 8)).astype(np.float32)
+    bias = (0.3 * rng.normal(size=8)).astype(np.float32)
+
+    def reference(bias: np.ndarray, n_group_used: int) -> tuple[np.ndarray, np.ndarray]:
+        s = 1 / (1 + np.exp(-logits.astype(np.float64)))  # (B, T, E)
+        b = (s + bias).reshape(2, 64, 4, 2)  # (B, T, G, 2)
+        kept = np.argsort(-np.sort(b, -1)[..., -2:].sum(-1), -1, kind="stable")[..., :n_group_used]  # (B, T, Gu)
+        mask = np.zeros((2, 64, 4), bool)
+        np.put_along_axis(mask, kept, True, -1)
+        experts = np.argsort(-np.where(mask[..., None], b, -np.inf).reshape(2, 64, 8), -1, kind="stable")[..., :2]
+        experts = np.sort(experts, -1)  # (B, T, 2) by expert id
+        w = np.take_along_axis(s, experts, -1)
+        return experts, w / w.sum(-1, keepdims=True) * 2.5
+
+    experts, weights = arch.route_layer({"exp_probs_b.bias": bias}, logits, hp)
+    order = np.argsort(np.asarray(experts), -1)
+    want_e, want_w = reference(bias, 2)
+    assert np.array_equal(np.sort(np.asarray(experts), -1), want_e)
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, -1), want_w, rtol=1e-5)
+    assert not np.array_equal(want_e, reference(np.zeros(8, np.float32), 2)[0])  # the bias matters here
+    assert not np.array_equal(want_e, reference(bias, 4)[0])  # and so does the group limit
