@@ -13,11 +13,14 @@ import pytest
 import torch
 
 from moeheal.pipeline.arch import ARCHITECTURES
+from moeheal.pipeline.config import load_config
 from moeheal.pipeline.convert import hf_to_gguf
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.runner import LayerCapture, Runner
 from tests.ggufs import train_tiny_bpe
+from tests.healworld import write_world
 from tests.test_runner import rel_err, tokens_for
 
 
@@ -172,3 +175,49 @@ def test_the_bias_and_the_groups_decide_the_selection(v3):
     np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, -1), want_w, rtol=1e-5)
     assert not np.array_equal(want_e, reference(np.zeros(8, np.float32), 2)[0])  # the bias matters here
     assert not np.array_equal(want_e, reference(bias, 4)[0])  # and so does the group limit
+
+
+# A variant with the shared-expert ridge: the ungated shared expert's down projection is refitted.
+DEEPSEEK_VARIANTS = """
+[[variant]]
+name = "v1"
+beta_gate_up = 0.5
+beta_down = 0.5
+ridge_rho = 6.0
+round = "ls"
+[[variant]]
+name = "v2"
+round = "gptq"
+gptq_damp = 1.0
+"""
+
+
+@pytest.fixture(scope="module")
+def healed_deepseek2(tmp_path_factory) -> tuple[Path, HealRun]:
+    """A tiny DeepSeek-V3 (first layer dense) healed end to end: 256 wide, so every routed row is
+    whole TQ2_0 blocks; Q8_0 source; MoCE bonus 0 only (this family's routing is not MoCE's)."""
+    root = tmp_path_factory.mktemp("deepseek2_world")
+    source, _ = convert(root, seed=13, matrix_type="q8_0", d_model=256, d_expert=256, kv_lora_rank=64, nope=32,
+                        rope=16, v_dim=32, q_lora_rank=64)
+    run = HealRun(load_config(write_world(root, model=source, variants=DEEPSEEK_VARIANTS, moce_bonus=(0.0,))),
+                  log=lambda m: None)
+    run.heal()
+    return source, run
+
+
+def test_healing_skips_the_dense_layer_and_the_assembled_gguf_runs(healed_deepseek2):
+    source, run = healed_deepseek2
+    src = GGUFModel(source)
+    for variant in run.cfg.variants:
+        healed = GGUFModel(run.assemble(variant).path)
+        assert healed.arch is ARCHITECTURES["deepseek2"] and healed.metadata("moeheal.variant") == variant.name
+        assert [healed.raw(f"blk.{i}.ffn_down_exps.weight").ggml_type.name for i in (1, 2)] == ["TQ2_0"] * 2
+        for name in ("blk.0.ffn_gate.weight", "blk.0.ffn_down.weight", "blk.1.attn_k_b.weight"):
+            assert healed.raw(name).ggml_type == src.raw(name).ggml_type  # dense FFN and attention kept
+            np.testing.assert_array_equal(healed.tensor(name), src.tensor(name))
+        tokens = tokens_for(healed, batch=1, length=16)
+        assert np.all(np.isfinite(Runner(healed).forward(tokens)))
+    metrics = run.calibrated_table(run.cfg.healed_variants, "layer_metrics").to_pylist()
+    assert sorted({r["layer"] for r in metrics}) == [1, 2]
+    ridge = [r for r in metrics if r["variant"] == "v1" and r["split"] == "in_sample"]
+    assert all(r["resid_ridge"] < r["resid_alpha"] for r in ridge)  # the ungated shared ridge helps in sample
