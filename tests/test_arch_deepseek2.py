@@ -21,6 +21,7 @@ from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.runner import LayerCapture, Runner
 from tests.ggufs import train_tiny_bpe
 from tests.healworld import write_world
+from tests.test_llamacpp import eval_text, llama_perplexity, our_perplexity
 from tests.test_runner import rel_err, tokens_for
 
 
@@ -221,3 +222,22 @@ def test_healing_skips_the_dense_layer_and_the_assembled_gguf_runs(healed_deepse
     assert sorted({r["layer"] for r in metrics}) == [1, 2]
     ridge = [r for r in metrics if r["variant"] == "v1" and r["split"] == "in_sample"]
     assert all(r["resid_ridge"] < r["resid_alpha"] for r in ridge)  # the ungated shared ridge helps in sample
+
+
+@pytest.mark.llamacpp
+def test_llama_cpp_runs_our_deepseek2_ggufs(healed_deepseek2, v3, tmp_path):
+    """llama-perplexity runs our converted F32 V3 form and agrees with our runner; llama-quantize
+    reads the Q8_0 source, and llama-perplexity runs its Q4_K_M and both healed files."""
+    source, run = healed_deepseek2
+    text = eval_text(tmp_path, run.cfg.path.parent / "docs.jsonl", chunks=2)
+    for gguf in (v3[0], source):
+        theirs = llama_perplexity(gguf, text, chunks=2)
+        ours = our_perplexity(GGUFModel(gguf), text.read_text(encoding="utf-8"), chunks=2)
+        assert np.log(ours) == pytest.approx(np.log(theirs), abs=0.05)  # llama.cpp rounds activations to 8 bits
+    quantized = tmp_path / "q4_k_m.gguf"
+    binary = Path(os.environ["LLAMA_CPP_DIR"]) / "bin" / "llama-quantize"
+    out = subprocess.run([str(binary), "--allow-requantize", str(source), str(quantized), "Q4_K_M"],
+                         capture_output=True, text=True, errors="replace", timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-2000:]
+    healed = [run.assemble(v).path for v in run.cfg.variants]
+    assert all(np.isfinite(llama_perplexity(gguf, text, chunks=2)) for gguf in (quantized, *healed))
