@@ -241,3 +241,46 @@ def test_llama_cpp_runs_our_deepseek2_ggufs(healed_deepseek2, v3, tmp_path):
     assert out.returncode == 0, (out.stdout + out.stderr)[-2000:]
     healed = [run.assemble(v).path for v in run.cfg.variants]
     assert all(np.isfinite(llama_perplexity(gguf, text, chunks=2)) for gguf in (quantized, *healed))
+
+
+# ---- what the family refuses ------------------------------------------------------------------
+
+def test_a_file_with_yarn_rope_scaling_is_refused(tmp_path):
+    from gguf import GGUFValueType
+
+    tokenizer = train_tiny_bpe(seed=14)
+    hf = tiny_deepseek_v3(tokenizer.get_vocab_size(), 14, n_layer=2)
+    path = tmp_path / "yarn.gguf"
+    hf_to_gguf(hf, tokenizer, path, matrix_type="f32",
+               extra_kv=[("deepseek2.rope.scaling.type", "yarn", GGUFValueType.STRING)])
+    with pytest.raises(InputError, match=r"yarn.gguf: key deepseek2.rope.scaling.type: 'yarn' rope scaling is not"):
+        GGUFModel(path)
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"rope_interleave": False}, "rope_interleave=False is not supported"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0,
+                          "original_max_position_embeddings": 256}}, "rope scaling 'yarn' is not supported"),
+])
+def test_the_converter_refuses_what_llama_cpp_would_compute_differently(v3, tmp_path, change, why):
+    _, hf = v3
+    saved = {key: getattr(hf.config, key) for key in change}
+    try:
+        for key, value in change.items():
+            setattr(hf.config, key, value)
+        with pytest.raises(ValueError, match=why):
+            hf_to_gguf(hf, train_tiny_bpe(seed=11), tmp_path / "x.gguf", matrix_type="f32")
+    finally:
+        for key, value in saved.items():
+            setattr(hf.config, key, value)
+
+
+@pytest.mark.parametrize("moce, variants, why", [
+    ((0.0, 0.5), DEEPSEEK_VARIANTS, r"\[moce\] bonus: cache-aware routing is not supported for the deepseek2 family"),
+    ((0.0,), '[[variant]]\nname = "b"\nbudget_bpw = 3.0\nformats = ["q2_k", "q3_k"]\nbudget_roles = "all"\n',
+     r'budget_roles = "all": not supported for the deepseek2 family'),
+])
+def test_moce_bonuses_and_whole_file_budgets_are_refused(v3, tmp_path, moce, variants, why):
+    config = write_world(tmp_path, model=v3[0], variants=variants, moce_bonus=moce)
+    with pytest.raises(InputError, match=why):
+        HealRun(load_config(config), log=lambda m: None)
