@@ -284,3 +284,34 @@ def test_moce_bonuses_and_whole_file_budgets_are_refused(v3, tmp_path, moce, var
     config = write_world(tmp_path, model=v3[0], variants=variants, moce_bonus=moce)
     with pytest.raises(InputError, match=why):
         HealRun(load_config(config), log=lambda m: None)
+
+
+# ---- synth ------------------------------------------------------------------------------------
+
+def test_synth_deepseek_v3_has_the_real_shapes(tmp_path):
+    from moeheal.pipeline.synth import write_synth
+
+    model = GGUFModel(write_synth(tmp_path / "v3.gguf", "deepseek-v3", n_layer=4, zeros=True).paths[0])
+    hp = model.hp
+    assert model.arch is ARCHITECTURES["deepseek2"] and model.moe_layers == (3,)
+    assert (hp.d_model, hp.n_head, hp.q_lora_rank, hp.kv_lora_rank, hp.head_dim, hp.rope_dim, hp.v_head_dim) == \
+        (7168, 128, 1536, 512, 128 + 64, 64, 128)
+    assert (hp.n_expert, hp.n_expert_used, hp.n_group, hp.n_group_used, hp.d_expert, hp.d_shexp, hp.d_ff) == \
+        (256, 8, 8, 4, 2048, 2048, 18432)
+    assert (hp.vocab_size, hp.expert_weights_scale, hp.norm_topk_prob, hp.n_dense_lead) == (129280, 2.5, True, 3)
+    assert model.metadata("deepseek2.rope.scaling.type") is None and "WITHOUT its YaRN" in \
+        model.metadata("general.description")
+    assert model.shape("blk.3.attn_k_b.weight") == (128, 512, 128)
+
+
+def test_a_tiny_synth_runs_a_forward_pass(tmp_path):
+    """Two layers (one dense, one MoE with 4 experts in one group), a 512-token vocabulary."""
+    from moeheal.pipeline.synth import write_synth
+
+    model = GGUFModel(write_synth(tmp_path / "v3.gguf", "deepseek-v3", n_layer=2, vocab_size=512, n_expert=4,
+                                  matrix_type="f16", zeros=True).paths[0])
+    assert model.moe_layers == (1,) and (model.hp.n_group, model.hp.n_expert_used) == (1, 4)
+    caps = {}
+    logits = Runner(model).forward(tokens_for(model, batch=1, length=8), capture=True,
+                                   on_layer=lambda i, c: caps.__setitem__(i, c))
+    assert logits.shape == (1, 8, 512) and np.all(np.isfinite(logits)) and sorted(caps) == [1]
