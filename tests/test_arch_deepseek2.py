@@ -190,6 +190,10 @@ round = "ls"
 name = "v2"
 round = "gptq"
 gptq_damp = 1.0
+[[variant]]
+name = "b"
+budget_bpw = 3.0
+formats = ["q2_k", "q3_k"]
 """
 
 
@@ -212,7 +216,8 @@ def test_healing_skips_the_dense_layer_and_the_assembled_gguf_runs(healed_deepse
     for variant in run.cfg.variants:
         healed = GGUFModel(run.assemble(variant).path)
         assert healed.arch is ARCHITECTURES["deepseek2"] and healed.metadata("moeheal.variant") == variant.name
-        assert [healed.raw(f"blk.{i}.ffn_down_exps.weight").ggml_type.name for i in (1, 2)] == ["TQ2_0"] * 2
+        if not variant.budgeted:
+            assert [healed.raw(f"blk.{i}.ffn_down_exps.weight").ggml_type.name for i in (1, 2)] == ["TQ2_0"] * 2
         for name in ("blk.0.ffn_gate.weight", "blk.0.ffn_down.weight", "blk.1.attn_k_b.weight"):
             assert healed.raw(name).ggml_type == src.raw(name).ggml_type  # dense FFN and attention kept
             np.testing.assert_array_equal(healed.tensor(name), src.tensor(name))
@@ -224,10 +229,24 @@ def test_healing_skips_the_dense_layer_and_the_assembled_gguf_runs(healed_deepse
     assert all(r["resid_ridge"] < r["resid_alpha"] for r in ridge)  # the ungated shared ridge helps in sample
 
 
+def test_the_budget_recipe_and_the_expert_cache_cover_the_moe_layers(healed_deepseek2):
+    """The budget's recipe names the MoE layers' routed tensors only; evaluation counts the expert
+    cache at bonus 0 on the family's own routing, where cache-aware routing's hits are LRU's."""
+    from moeheal.pipeline.heal import _read_parts
+
+    _, run = healed_deepseek2
+    budget = next(v for v in run.cfg.variants if v.budgeted)
+    assert sorted({int(name.split(".")[1]) for name in run.recipe_formats(budget)}) == [1, 2]
+    rows = _read_parts(run.evaluate_variant(budget), "hitrate").to_pylist()
+    assert rows and {r["moce_bonus"] for r in rows} == {0.0}
+    assert all(r["hit_rate"] == r["hit_rate_lru"] <= r["hit_rate_belady"] for r in rows)
+
+
 @pytest.mark.llamacpp
 def test_llama_cpp_runs_our_deepseek2_ggufs(healed_deepseek2, v3, tmp_path):
-    """llama-perplexity runs our converted F32 V3 form and agrees with our runner; llama-quantize
-    reads the Q8_0 source, and llama-perplexity runs its Q4_K_M and both healed files."""
+    """llama-perplexity runs our converted F32 and Q8_0 files and agrees with our runner; llama-quantize
+    reads the Q8_0 source and makes the budget variant's mix from our recipe and imatrix; llama-perplexity
+    runs its Q4_K_M and every healed file."""
     source, run = healed_deepseek2
     text = eval_text(tmp_path, run.cfg.path.parent / "docs.jsonl", chunks=2)
     for gguf in (v3[0], source):
@@ -239,6 +258,15 @@ def test_llama_cpp_runs_our_deepseek2_ggufs(healed_deepseek2, v3, tmp_path):
     out = subprocess.run([str(binary), "--allow-requantize", str(source), str(quantized), "Q4_K_M"],
                          capture_output=True, text=True, errors="replace", timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-2000:]
+    budget = next(v for v in run.cfg.variants if v.budgeted)
+    recipe = tmp_path / "b-llama.gguf"
+    argv = run.llama_quantize_command(budget.name, run.write_imatrix(tmp_path / "imatrix.gguf"), recipe,
+                                      binary=str(binary))
+    out = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-2000:]  # llama-quantize takes our recipe and imatrix
+    theirs, ours = GGUFModel(recipe), GGUFModel(run.assemble(budget).path)
+    assert {n: t for n, (t, _, _) in theirs.tensor_sizes().items() if "_exps." in n} == \
+        {n: t for n, (t, _, _) in ours.tensor_sizes().items() if "_exps." in n}  # the same mix
     healed = [run.assemble(v).path for v in run.cfg.variants]
     assert all(np.isfinite(llama_perplexity(gguf, text, chunks=2)) for gguf in (quantized, *healed))
 

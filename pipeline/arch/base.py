@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moeheal.kernels.moce import topk_route
 from moeheal.pipeline import model as M
@@ -204,25 +205,24 @@ class Architecture:
         """Short names of the tensors `shared_expert_gate` reads (none for an ungated shared expert)."""
         return SHARED_GATE_TENSORS[self.shared_expert]
 
-    @partial(jax.jit, static_argnames="self")
-    def shared_expert_gate(self, params: dict, mixed: jax.Array) -> jax.Array:
-        """The shared expert's output multiplier per token, mixed (N, d) -> (N,): its sigmoid gate,
-        or ones (ungated, or no shared expert)."""
+    def shared_expert_gate(self, params: dict, mixed: np.ndarray) -> np.ndarray:
+        """The shared expert's output multiplier per token, in NumPy (healing's ridge reads it on
+        dumped rows): mixed (N, d) -> (N,), its sigmoid gate, or ones (ungated, or none)."""
         if self.shared_expert == "sigmoid_gated":
-            return jax.nn.sigmoid(M.einsum("nd,d->n", mixed, params["ffn_gate_inp_shexp.weight"]))  # (N,)
-        return jnp.ones(mixed.shape[:1], jnp.float32)  # (N,)
+            return 1.0 / (1.0 + np.exp(-(mixed @ params["ffn_gate_inp_shexp.weight"].reshape(-1))))  # (N,)
+        return np.ones(len(mixed), np.float32)  # (N,)
 
     @partial(jax.jit, static_argnames="self")
     def shared_expert_forward(self, params: dict, mixed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The shared expert on mixed (N, d): out (N, d), hh (N, f_s) its hidden silu(gate)*up,
-        gate (N,) `shared_expert_gate`. Without one: out zeros, hh (N, 0), gate ones."""
+        gate (N,) its sigmoid gate, ones when ungated. Without one: out zeros, hh (N, 0), gate ones."""
         if self.shared_expert == "sigmoid_gated":
             return M.sigmoid_gated_shared_expert(params, mixed)
-        gate = self.shared_expert_gate(params, mixed)  # (N,)
+        N, d = mixed.shape
+        gate = jnp.ones((N,), jnp.float32)  # (N,)
         if self.shared_expert == "ungated":
             hh = M.swiglu(mixed, params["ffn_gate_shexp.weight"], params["ffn_up_shexp.weight"])  # (N, f_s)
             return M.einsum("nf,df->nd", hh, params["ffn_down_shexp.weight"]), hh, gate  # (N, d), (N, f_s), (N,)
-        N, d = mixed.shape
         return jnp.zeros((N, d), jnp.float32), jnp.zeros((N, 0), jnp.float32), gate
 
     @partial(jax.jit, static_argnames="self")

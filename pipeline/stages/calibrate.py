@@ -120,7 +120,7 @@ def _gated_hidden(source: GGUFModel, layer: int, data: dict[str, np.ndarray],
     (`Architecture.shared_expert_gate`: a sigmoid gate, or 1 for an ungated shared expert); with
     `arrays` holding quantized ffn_gate_shexp / ffn_up_shexp (a recipe chose them), hh from those."""
     gate_params = {name: source.tensor(f"blk.{layer}.{name}") for name in source.arch.shared_gate_tensors}
-    gate = np.asarray(source.arch.shared_expert_gate(gate_params, data["mixed"]))  # (T,)
+    gate = source.arch.shared_expert_gate(gate_params, data["mixed"])  # (T,)
     hh = data["hh"]  # (T, f) from the source's gate/up
     if arrays is not None and ("ffn_gate_shexp" in arrays or "ffn_up_shexp" in arrays):
         w_gate, w_up = (dequantized_matrix(arrays, name) if name in arrays
