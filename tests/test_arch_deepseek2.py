@@ -285,6 +285,24 @@ def test_a_file_with_yarn_rope_scaling_is_refused(tmp_path):
         GGUFModel(path)
 
 
+@pytest.mark.parametrize("drop, why", [
+    ("deepseek2.expert_gating_func", r"key deepseek2.expert_gating_func: missing; only sigmoid gating"),
+    ("deepseek2.attention.key_length_mla", r"key deepseek2.attention.key_length_mla: missing"),
+])
+def test_a_file_without_sigmoid_gating_or_the_mla_sizes_is_refused(tmp_path, monkeypatch, drop, why):
+    """Without expert_gating_func llama.cpp routes by softmax; without the MLA sizes it cannot
+    decompress the heads: either is an InputError naming the file and the key, not a guess."""
+    from moeheal.pipeline import convert as C
+
+    written = C._deepseek2_kv
+    monkeypatch.setattr(C, "_deepseek2_kv", lambda config: [kv for kv in written(config) if kv[0] != drop])
+    tokenizer = train_tiny_bpe(seed=15)
+    path = tmp_path / "dropped.gguf"
+    hf_to_gguf(tiny_deepseek_v3(tokenizer.get_vocab_size(), 15, n_layer=2), tokenizer, path, matrix_type="f32")
+    with pytest.raises(InputError, match="dropped.gguf: " + why):
+        GGUFModel(path)
+
+
 @pytest.mark.parametrize("change, why", [
     ({"rope_interleave": False}, "rope_interleave=False is not supported"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0,
