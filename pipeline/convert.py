@@ -196,8 +196,15 @@ def _deepseek2_kv(config) -> list[KV]:
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
     a = "deepseek2"
     rope = dict(getattr(config, "rope_parameters", None) or {})
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope scaling {rope['rope_type']!r} is not supported for {a} (YaRN is not implemented)")
+    yarn = rope.get("rope_type", "default") == "yarn"
+    if rope.get("rope_type", "default") not in ("default", "yarn"):
+        raise ValueError(f"rope scaling {rope['rope_type']!r} is not supported for {a} (only yarn)")
+    if yarn and (rope.get("truncate", True) is not True or rope.get("attention_factor") is not None
+                 or (rope.get("beta_fast", 32), rope.get("beta_slow", 1)) != (32, 1)
+                 or not rope.get("mscale_all_dim") or rope.get("mscale", rope["mscale_all_dim"]) != rope["mscale_all_dim"]):
+        raise ValueError(f"yarn {rope}: for {a} only mscale = mscale_all_dim, beta_fast 32, beta_slow 1 and "
+                         "a truncated correction band are supported (llama.cpp computes the others differently "
+                         "from transformers)")
     if not config.rope_interleave:
         raise ValueError(f"rope_interleave=False is not supported for {a}: llama.cpp rotates interleaved pairs "
                          "and its converter permutes no weights")
@@ -226,6 +233,13 @@ def _deepseek2_kv(config) -> list[KV]:
     ]
     if config.norm_topk_prob:
         kv.append((f"{a}.expert_weights_norm", True, GGUFValueType.BOOL))
+    if yarn:  # the common rope-scaling keys, then DeepSeek's log multiplier with the converter's 0.1 factor
+        kv += [(f"{a}.rope.scaling.type", "yarn", GGUFValueType.STRING),
+               (f"{a}.rope.scaling.factor", float(rope["factor"]), f32),
+               (f"{a}.rope.scaling.original_context_length", rope["original_max_position_embeddings"], u32)]
+        kv += [(f"{a}.rope.scaling.yarn_{beta}", float(rope[beta]), f32) for beta in ("beta_fast", "beta_slow")
+               if beta in rope]
+        kv.append((f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * rope["mscale_all_dim"], f32))
     return kv + [(f"{a}.rope.dimension_count", rope_dim, u32)]
 
 

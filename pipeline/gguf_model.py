@@ -69,6 +69,9 @@ class HParams:
     n_group: int = 1  # expert groups for group-limited routing (expert_group_count)
     n_group_used: int = 1  # groups a token's experts come from (expert_group_used_count)
     expert_weights_scale: float = 1.0  # multiplier of the routed weights (routed_scaling_factor)
+    rope_scaling_factor: float = 1.0  # YaRN's context factor s (rope.scaling.factor); 1: no rope scaling
+    rope_orig_ctx: int = 0  # YaRN: the pretraining context (rope.scaling.original_context_length)
+    yarn_log_mul: float = 0.0  # YaRN: mscale_all_dim, as llama.cpp reads rope.scaling.yarn_log_multiplier
 
 
 class RawTensor(NamedTuple):
@@ -343,6 +346,9 @@ ARCH_KEYS: dict[str, tuple[GGUFValueType, bool, float, float]] = {
     "attention.key_length_mla": (U32, False, 1, 2**12),
     "attention.value_length_mla": (U32, False, 1, 2**12),
     "rope.dimension_count": (U32, False, 1, 2**12),
+    "rope.scaling.factor": (F32, False, 1.0, 1e4),
+    "rope.scaling.original_context_length": (U32, False, 1, 2**26),
+    "rope.scaling.yarn_log_multiplier": (F32, False, 0.0, 100.0),
 }
 
 

@@ -9,10 +9,9 @@ every size-dependent path can be exercised offline:
 - `qwen3-30b-a3b`, `qwen3-235b`: `qwen3moe` exactly as llama.cpp's converter
   writes Qwen3-30B-A3B / Qwen3-235B-A22B (q/k norms, no shared expert).
 - `deepseek-v3`: `deepseek2` as llama.cpp's converter writes DeepSeek-V3 (MLA with
-  the q LoRA, split k_b / v_b, 3 dense leading layers, 256 experts in 8 groups,
-  top-8 from 4 groups, an ungated shared expert), but without its YaRN rope
-  scaling (factor 40): moeheal refuses YaRN files, so synth writes none and the
-  file's description says so. A synth of fewer layers keeps at least one MoE
+  the q LoRA, split k_b / v_b, YaRN rope scaling of factor 40 over 4096 tokens,
+  3 dense leading layers, 256 experts in 8 groups, top-8 from 4 groups, an
+  ungated shared expert). A synth of fewer layers keeps at least one MoE
   layer (dense leading layers = min(3, layers - 1)); with `--experts` too few
   for groups of two, one group. The MLA, dense FFN and bias roles draw from the
   demo fit of the role they stand in for (`ROLE_STANDINS`); the bias is zero.
@@ -135,11 +134,10 @@ LIKE: dict[str, LikeModel] = {
                    d_expert=2048, d_shexp=2048, rope_theta=10000.0, rms_eps=1e-6, vocab_size=129280,
                    norm_topk_prob=True, context_length=163840, n_dense_lead=3, d_ff=18432, q_lora_rank=1536,
                    kv_lora_rank=512, rope_dim=64, v_head_dim=128, n_group=8, n_group_used=4,
-                   expert_weights_scale=2.5),
-        description="DeepSeek-V3's tensor shapes and metadata (MLA with the q LoRA, 3 dense leading layers, "
-                    "256 experts in 8 groups, top-8 from 4 groups, one ungated shared expert) WITHOUT its YaRN "
-                    "rope scaling (factor 40), which moeheal does not implement; a Qwen-style filler "
-                    f"vocabulary of DeepSeek-V3's size; {_QWEN3_NOTE}"),
+                   expert_weights_scale=2.5, rope_scaling_factor=40.0, rope_orig_ctx=4096, yarn_log_mul=1.0),
+        description="DeepSeek-V3's tensor shapes and metadata (MLA with the q LoRA, YaRN rope scaling of factor "
+                    "40, 3 dense leading layers, 256 experts in 8 groups, top-8 from 4 groups, one ungated "
+                    f"shared expert); a Qwen-style filler vocabulary of DeepSeek-V3's size; {_QWEN3_NOTE}"),
 }
 # Roles the demo model has no tensor of draw from the fit of the demo role they stand in for.
 ROLE_STANDINS = {"attn_q_a": "attn_q", "attn_q_b": "attn_q", "attn_kv_a_mqa": "attn_k", "attn_k_b": "attn_k",
@@ -319,8 +317,8 @@ def _deepseek2_plan(hp: HParams, n_layer: int, n_expert: int, t) -> list[TensorP
 
 
 def _deepseek2_kv(hp: HParams, n_layer: int, n_expert: int) -> list[TypedKV]:
-    """The keys llama.cpp's DeepseekV2Model converter writes beyond the common ones, but no rope scaling
-    and no `vocab_size` (a shrunk vocabulary's size is its token list's, which llama.cpp counts)."""
+    """The keys llama.cpp's DeepseekV2Model converter writes beyond the common ones (YaRN's among them),
+    but no `vocab_size` (a shrunk vocabulary's size is its token list's, which llama.cpp counts)."""
     a, u32, f32 = "deepseek2", GGUFValueType.UINT32, GGUFValueType.FLOAT32
     n_dense, n_group, n_group_used, k = deepseek2_shape(hp, n_layer, n_expert)
     return [
@@ -334,6 +332,10 @@ def _deepseek2_kv(hp: HParams, n_layer: int, n_expert: int) -> list[TypedKV]:
         (f"{a}.attention.key_length_mla", hp.head_dim, u32), (f"{a}.attention.value_length_mla", hp.v_head_dim, u32),
         (f"{a}.expert_shared_count", hp.d_shexp // hp.d_expert, u32),
         (f"{a}.expert_weights_scale", hp.expert_weights_scale, f32), (f"{a}.rope.dimension_count", hp.rope_dim, u32),
+        (f"{a}.rope.scaling.type", "yarn", GGUFValueType.STRING), (f"{a}.rope.scaling.factor", hp.rope_scaling_factor, f32),
+        (f"{a}.rope.scaling.original_context_length", hp.rope_orig_ctx, u32),
+        (f"{a}.rope.scaling.yarn_beta_fast", 32.0, f32), (f"{a}.rope.scaling.yarn_beta_slow", 1.0, f32),
+        (f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * hp.yarn_log_mul, f32),
     ]
 
 

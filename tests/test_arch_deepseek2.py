@@ -27,7 +27,8 @@ from tests.test_runner import rel_err, tokens_for
 
 def tiny_deepseek_v3(vocab_size: int, seed: int, n_layer: int = 3, d_model: int = 64, q_lora_rank: int | None = 32,
                      kv_lora_rank: int = 32, nope: int = 16, rope: int = 8, v_dim: int = 16, n_expert: int = 8,
-                     k: int = 2, n_group: int = 4, topk_group: int = 2, d_expert: int = 32, n_dense: int = 1):
+                     k: int = 2, n_group: int = 4, topk_group: int = 2, d_expert: int = 32, n_dense: int = 1,
+                     yarn: dict | None = None):
     """A seeded random DeepseekV3ForCausalLM, float32, eval mode, with random norms and a random
     correction bias (a zero bias would hide a selection that ignores it)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -39,7 +40,9 @@ def tiny_deepseek_v3(vocab_size: int, seed: int, n_layer: int = 3, d_model: int 
         n_routed_experts=n_expert, num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
         routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=n_dense, q_lora_rank=q_lora_rank,
         kv_lora_rank=kv_lora_rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v_dim,
-        max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6, initializer_range=0.2,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0} if yarn is None else
+        {"rope_type": "yarn", "rope_theta": 10000.0, **yarn},
         tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, pad_token_id=0)
     model = DeepseekV3ForCausalLM(config)
     with torch.no_grad():
@@ -140,6 +143,25 @@ def check_against_transformers(path: Path, hf) -> None:
 
 def test_v3_logits_routing_and_routed_output_match_transformers(v3):
     check_against_transformers(*v3)
+
+
+# DeepSeek-V3's own YaRN settings (factor 40 over a 4096-token pretraining context).
+V3_YARN = {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+           "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+@pytest.fixture(scope="module")
+def v3_yarn(tmp_path_factory) -> tuple[Path, object]:
+    """The V3 form with DeepSeek-V3's YaRN rope scaling, F32."""
+    return convert(tmp_path_factory.mktemp("deepseek2_yarn"), seed=16, yarn=V3_YARN)
+
+
+def test_yarn_rope_scaling_matches_transformers(v3_yarn):
+    model = GGUFModel(v3_yarn[0])
+    hp = model.hp
+    assert (hp.rope_scaling_factor, hp.rope_orig_ctx, hp.yarn_log_mul) == pytest.approx((40.0, 4096, 1.0))
+    assert model.metadata("deepseek2.rope.scaling.type") == "yarn"
+    check_against_transformers(*v3_yarn)
 
 
 def test_v2_lite_form_without_q_lora_matches_transformers(tmp_path):
@@ -243,13 +265,14 @@ def test_the_budget_recipe_and_the_expert_cache_cover_the_moe_layers(healed_deep
 
 
 @pytest.mark.llamacpp
-def test_llama_cpp_runs_our_deepseek2_ggufs(healed_deepseek2, v3, tmp_path):
-    """llama-perplexity runs our converted F32 and Q8_0 files and agrees with our runner; llama-quantize
+def test_llama_cpp_runs_our_deepseek2_ggufs(healed_deepseek2, v3, v3_yarn, tmp_path):
+    """llama-perplexity runs our converted F32 (with and without YaRN) and Q8_0 files and agrees with
+    our runner; llama-quantize
     reads the Q8_0 source and makes the budget variant's mix from our recipe and imatrix; llama-perplexity
     runs its Q4_K_M and every healed file."""
     source, run = healed_deepseek2
     text = eval_text(tmp_path, run.cfg.path.parent / "docs.jsonl", chunks=2)
-    for gguf in (v3[0], source):
+    for gguf in (v3[0], v3_yarn[0], source):
         theirs = llama_perplexity(gguf, text, chunks=2)
         ours = our_perplexity(GGUFModel(gguf), text.read_text(encoding="utf-8"), chunks=2)
         assert np.log(ours) == pytest.approx(np.log(theirs), abs=0.05)  # llama.cpp rounds activations to 8 bits
@@ -273,15 +296,15 @@ def test_llama_cpp_runs_our_deepseek2_ggufs(healed_deepseek2, v3, tmp_path):
 
 # ---- what the family refuses ------------------------------------------------------------------
 
-def test_a_file_with_yarn_rope_scaling_is_refused(tmp_path):
+def test_a_file_with_linear_rope_scaling_is_refused(tmp_path):
     from gguf import GGUFValueType
 
     tokenizer = train_tiny_bpe(seed=14)
     hf = tiny_deepseek_v3(tokenizer.get_vocab_size(), 14, n_layer=2)
-    path = tmp_path / "yarn.gguf"
+    path = tmp_path / "linear.gguf"
     hf_to_gguf(hf, tokenizer, path, matrix_type="f32",
-               extra_kv=[("deepseek2.rope.scaling.type", "yarn", GGUFValueType.STRING)])
-    with pytest.raises(InputError, match=r"yarn.gguf: key deepseek2.rope.scaling.type: 'yarn' rope scaling is not"):
+               extra_kv=[("deepseek2.rope.scaling.type", "linear", GGUFValueType.STRING)])
+    with pytest.raises(InputError, match=r"linear.gguf: key deepseek2.rope.scaling.type: 'linear' rope scaling is not"):
         GGUFModel(path)
 
 
@@ -305,8 +328,11 @@ def test_a_file_without_sigmoid_gating_or_the_mla_sizes_is_refused(tmp_path, mon
 
 @pytest.mark.parametrize("change, why", [
     ({"rope_interleave": False}, "rope_interleave=False is not supported"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0,
-                          "original_max_position_embeddings": 256}}, "rope scaling 'yarn' is not supported"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}},
+     "rope scaling 'linear' is not supported"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "mscale": 0.707,
+                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}},
+     "only mscale = mscale_all_dim"),
 ])
 def test_the_converter_refuses_what_llama_cpp_would_compute_differently(v3, tmp_path, change, why):
     _, hf = v3
@@ -345,8 +371,7 @@ def test_synth_deepseek_v3_has_the_real_shapes(tmp_path):
     assert (hp.n_expert, hp.n_expert_used, hp.n_group, hp.n_group_used, hp.d_expert, hp.d_shexp, hp.d_ff) == \
         (256, 8, 8, 4, 2048, 2048, 18432)
     assert (hp.vocab_size, hp.expert_weights_scale, hp.norm_topk_prob, hp.n_dense_lead) == (129280, 2.5, True, 3)
-    assert model.metadata("deepseek2.rope.scaling.type") is None and "WITHOUT its YaRN" in \
-        model.metadata("general.description")
+    assert (hp.rope_scaling_factor, hp.rope_orig_ctx, hp.yarn_log_mul) == pytest.approx((40.0, 4096, 1.0))
     assert model.shape("blk.3.attn_k_b.weight") == (128, 512, 128)
 
 

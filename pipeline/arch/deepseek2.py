@@ -12,8 +12,11 @@ We run the decompressed form, which llama.cpp's absorbed form equals algebraical
     score(t, s) = (q_nope_t . (c_s Kb_h) + rope(q_pe_t) . rope(k_pe_s)) / sqrt(nope + rope)
 
 RoPE here is llama.cpp's NORM type for this architecture: interleaved pairs (2i, 2i+1), which is
-transformers' `rope_interleave=True` (the converter permutes nothing). YaRN rope scaling is not
-implemented: a file that sets it is refused.
+transformers' `rope_interleave=True` (the converter permutes nothing). YaRN rope scaling (DeepSeek-V3's
+factor 40) is computed as llama.cpp computes it for deepseek2 (`yarn_rope_tables`): frequencies
+interpolated by 1/s outside the correction band of beta_fast 32 / beta_slow 1 (llama.cpp reads no beta
+keys for this architecture), and the attention scale times mscale^2, mscale = 1 + 0.1 * mscale_all_dim
+* ln s; without a log multiplier the rotated dims' cos/sin carry 1 + 0.1 ln s instead.
 
 Routing: scores s = sigmoid(router logits); selection ranks s + `exp_probs_b` (the correction
 bias) within the `n_group_used` groups whose two best biased scores sum highest; the weights are
@@ -23,6 +26,7 @@ the UNbiased s of the chosen experts, renormalised if `expert_weights_norm`, tim
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +54,44 @@ def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.
     return jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(x.shape)  # (B, T, H, r)
 
 
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # llama.cpp's defaults, the only values it uses for deepseek2
+
+
+def _yarn_cos_sin_scale(hp: HParams) -> float:
+    """What llama.cpp's cos/sin carry under YaRN for deepseek2: 1 with a log multiplier (the file's
+    mscale_all_dim cancels it), else YaRN's own 1 + 0.1 ln s."""
+    return 1.0 if hp.yarn_log_mul else 1.0 + 0.1 * math.log(hp.rope_scaling_factor)
+
+
+def yarn_score_scale(hp: HParams) -> float:
+    """The factor on q that makes llama.cpp's deepseek2 attention scale mscale^2 / sqrt(hd):
+    mscale = cos/sin scale * (1 + 0.1 * mscale_all_dim * ln s); 1 without rope scaling."""
+    if hp.rope_scaling_factor == 1.0:
+        return 1.0
+    mscale = _yarn_cos_sin_scale(hp) * (1.0 + 0.1 * hp.yarn_log_mul * math.log(hp.rope_scaling_factor))
+    return mscale * mscale
+
+
+def yarn_rope_tables(n_pos: int, hp: HParams) -> tuple[jax.Array, jax.Array]:
+    """YaRN cos/sin (T, rope/2) as ggml's rope computes them: pair i's frequency theta_i is
+    extrapolated (kept) below the correction band [low, high] and interpolated (theta_i / s) above
+    it, linearly mixed inside; the band is where a pair turns beta_fast .. beta_slow times over the
+    pretraining context."""
+    r, s = hp.rope_dim, hp.rope_scaling_factor
+
+    def corr_dim(rotations: float) -> float:  # the pair index that turns `rotations` times over the context
+        return r * math.log(hp.rope_orig_ctx / (rotations * 2 * math.pi)) / (2 * math.log(hp.rope_theta))
+
+    low, high = max(0.0, math.floor(corr_dim(YARN_BETA_FAST))), min(r - 1.0, math.ceil(corr_dim(YARN_BETA_SLOW)))
+    pair = jnp.arange(r // 2, dtype=jnp.float32)  # (r/2,)
+    keep = 1.0 - jnp.clip((pair - low) / max(0.001, high - low), 0.0, 1.0)  # (r/2,) 1: extrapolate
+    inv_freq = 1.0 / (hp.rope_theta ** (jnp.arange(0, r, 2, dtype=jnp.float32) / r))  # (r/2,)
+    inv_freq = inv_freq / s * (1.0 - keep) + inv_freq * keep  # (r/2,)
+    angles = jnp.arange(n_pos, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # (T, r/2)
+    scale = _yarn_cos_sin_scale(hp)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
 @register
 class Deepseek2(Architecture):
     name = "deepseek2"
@@ -70,9 +112,14 @@ class Deepseek2(Architecture):
             return value
 
         scaling = model.metadata(f"{a}.rope.scaling.type", "none")
-        if scaling != "none":
+        if scaling not in ("none", "yarn"):
             raise InputError(f"{where}: key {a}.rope.scaling.type: {scaling!r} rope scaling is not supported "
-                             f"for {a} (YaRN's attention-scale correction is not implemented)")
+                             f"for {a} (only yarn)")
+        if model.metadata(f"{a}.rope.scaling.attn_factor", 1.0) != 1.0:
+            raise InputError(f"{where}: key {a}.rope.scaling.attn_factor: only 1 is supported for {a}")
+        yarn = {"rope_scaling_factor": float(key("rope.scaling.factor")),
+                "rope_orig_ctx": int(key("rope.scaling.original_context_length")),
+                "yarn_log_mul": float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1} if scaling == "yarn" else {}
         gating = key("expert_gating_func", 0)
         if gating != SIGMOID_GATING:
             raise InputError(f"{where}: key {a}.expert_gating_func: {gating or 'missing'}; only sigmoid gating "
@@ -93,7 +140,7 @@ class Deepseek2(Architecture):
                 "q_lora_rank": int(key("attention.q_lora_rank", 0)), "kv_lora_rank": int(key("attention.kv_lora_rank")),
                 "rope_dim": rope_dim, "v_head_dim": int(key("attention.value_length_mla")),
                 "n_group": n_group, "n_group_used": n_group_used,
-                "expert_weights_scale": float(key("expert_weights_scale", 1.0))}
+                "expert_weights_scale": float(key("expert_weights_scale", 1.0)), **yarn}
 
     def attention_layer_tensors(self, hp: HParams) -> tuple[str, ...]:
         return MLA + (Q_LORA if hp.q_lora_rank else ("attn_q.weight",))
@@ -109,7 +156,9 @@ class Deepseek2(Architecture):
     # ---- attention --------------------------------------------------------
 
     def rope_tables(self, n_pos: int, hp: HParams) -> tuple[jax.Array, jax.Array]:
-        return M.rope_tables(n_pos, hp.rope_dim, hp.rope_theta)  # (T, rope/2) each
+        if hp.rope_scaling_factor == 1.0:
+            return M.rope_tables(n_pos, hp.rope_dim, hp.rope_theta)  # (T, rope/2) each
+        return yarn_rope_tables(n_pos, hp)
 
     @partial(jax.jit, static_argnames=("self", "hp"))
     def attention_heads(self, params: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, hp: HParams) -> jax.Array:
@@ -128,9 +177,9 @@ class Deepseek2(Architecture):
         k_pe = apply_rope_interleaved(kv_a[..., None, r_kv:], cos, sin)  # (B, T, 1, rope): one key for all heads
         k_nope = M.einsum("btc,hcn->bthn", c, params["attn_k_b.weight"])  # (B, T, H, nope)
         v = M.einsum("btc,hvc->bthv", c, params["attn_v_b.weight"])  # (B, T, H, v)
-        q = jnp.concatenate([q[..., :nope], q_pe], axis=-1)  # (B, T, H, hd)
+        q = jnp.concatenate([q[..., :nope], q_pe], axis=-1) * yarn_score_scale(hp)  # (B, T, H, hd)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe, (B, T, H, hp.rope_dim))], axis=-1)  # (B, T, H, hd)
-        return M.causal_attention(q, k, v)  # (B, T, H*v), scaled by 1/sqrt(hd)
+        return M.causal_attention(q, k, v)  # (B, T, H*v), scaled by 1/sqrt(hd) (and YaRN's mscale^2)
 
     # ---- routing ----------------------------------------------------------
 
