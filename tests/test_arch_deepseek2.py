@@ -311,17 +311,20 @@ def test_a_file_with_linear_rope_scaling_is_refused(tmp_path):
 @pytest.mark.parametrize("drop, why", [
     ("deepseek2.expert_gating_func", r"key deepseek2.expert_gating_func: missing; only sigmoid gating"),
     ("deepseek2.attention.key_length_mla", r"key deepseek2.attention.key_length_mla: missing"),
+    ("deepseek2.rope.scaling.yarn_log_multiplier", r"key deepseek2.rope.scaling.yarn_log_multiplier: missing"),
 ])
-def test_a_file_without_sigmoid_gating_or_the_mla_sizes_is_refused(tmp_path, monkeypatch, drop, why):
+def test_a_file_without_sigmoid_gating_the_mla_sizes_or_yarn_mscale_is_refused(tmp_path, monkeypatch, drop, why):
     """Without expert_gating_func llama.cpp routes by softmax; without the MLA sizes it cannot
-    decompress the heads: either is an InputError naming the file and the key, not a guess."""
+    decompress the heads; without YaRN's log multiplier its attention scale is not transformers':
+    each is an InputError naming the file and the key, not a guess."""
     from moeheal.pipeline import convert as C
 
     written = C._deepseek2_kv
     monkeypatch.setattr(C, "_deepseek2_kv", lambda config: [kv for kv in written(config) if kv[0] != drop])
     tokenizer = train_tiny_bpe(seed=15)
     path = tmp_path / "dropped.gguf"
-    hf_to_gguf(tiny_deepseek_v3(tokenizer.get_vocab_size(), 15, n_layer=2), tokenizer, path, matrix_type="f32")
+    hf = tiny_deepseek_v3(tokenizer.get_vocab_size(), 15, n_layer=2, yarn=V3_YARN)
+    hf_to_gguf(hf, tokenizer, path, matrix_type="f32")
     with pytest.raises(InputError, match="dropped.gguf: " + why):
         GGUFModel(path)
 

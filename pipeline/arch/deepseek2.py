@@ -16,7 +16,8 @@ transformers' `rope_interleave=True` (the converter permutes nothing). YaRN rope
 factor 40) is computed as llama.cpp computes it for deepseek2 (`yarn_rope_tables`): frequencies
 interpolated by 1/s outside the correction band of beta_fast 32 / beta_slow 1 (llama.cpp reads no beta
 keys for this architecture), and the attention scale times mscale^2, mscale = 1 + 0.1 * mscale_all_dim
-* ln s; without a log multiplier the rotated dims' cos/sin carry 1 + 0.1 ln s instead.
+* ln s, mscale_all_dim from `yarn_log_multiplier` (required: without it llama.cpp scales differently
+from transformers).
 
 Routing: scores s = sigmoid(router logits); selection ranks s + `exp_probs_b` (the correction
 bias) within the `n_group_used` groups whose two best biased scores sum highest; the weights are
@@ -57,23 +58,15 @@ def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.
 YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # llama.cpp's defaults, the only values it uses for deepseek2
 
 
-def _yarn_cos_sin_scale(hp: HParams) -> float:
-    """What llama.cpp's cos/sin carry under YaRN for deepseek2: 1 with a log multiplier (the file's
-    mscale_all_dim cancels it), else YaRN's own 1 + 0.1 ln s."""
-    return 1.0 if hp.yarn_log_mul else 1.0 + 0.1 * math.log(hp.rope_scaling_factor)
-
-
 def yarn_score_scale(hp: HParams) -> float:
-    """The factor on q that makes llama.cpp's deepseek2 attention scale mscale^2 / sqrt(hd):
-    mscale = cos/sin scale * (1 + 0.1 * mscale_all_dim * ln s); 1 without rope scaling."""
-    if hp.rope_scaling_factor == 1.0:
-        return 1.0
-    mscale = _yarn_cos_sin_scale(hp) * (1.0 + 0.1 * hp.yarn_log_mul * math.log(hp.rope_scaling_factor))
+    """The factor on q that makes llama.cpp's deepseek2 attention scale mscale^2 / sqrt(hd),
+    mscale = 1 + 0.1 * mscale_all_dim * ln s (transformers' `yarn_get_mscale`); 1 without rope scaling."""
+    mscale = 1.0 + 0.1 * hp.yarn_log_mul * math.log(hp.rope_scaling_factor)
     return mscale * mscale
 
 
 def yarn_rope_tables(n_pos: int, hp: HParams) -> tuple[jax.Array, jax.Array]:
-    """YaRN cos/sin (T, rope/2) as ggml's rope computes them: pair i's frequency theta_i is
+    """YaRN cos/sin (T, rope/2) as ggml's rope computes them for deepseek2: pair i's frequency theta_i is
     extrapolated (kept) below the correction band [low, high] and interpolated (theta_i / s) above
     it, linearly mixed inside; the band is where a pair turns beta_fast .. beta_slow times over the
     pretraining context."""
@@ -88,8 +81,7 @@ def yarn_rope_tables(n_pos: int, hp: HParams) -> tuple[jax.Array, jax.Array]:
     inv_freq = 1.0 / (hp.rope_theta ** (jnp.arange(0, r, 2, dtype=jnp.float32) / r))  # (r/2,)
     inv_freq = inv_freq / s * (1.0 - keep) + inv_freq * keep  # (r/2,)
     angles = jnp.arange(n_pos, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # (T, r/2)
-    scale = _yarn_cos_sin_scale(hp)
-    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+    return jnp.cos(angles), jnp.sin(angles)  # the file's mscale_all_dim cancels YaRN's own cos/sin scale
 
 
 @register
@@ -119,7 +111,7 @@ class Deepseek2(Architecture):
             raise InputError(f"{where}: key {a}.rope.scaling.attn_factor: only 1 is supported for {a}")
         yarn = {"rope_scaling_factor": float(key("rope.scaling.factor")),
                 "rope_orig_ctx": int(key("rope.scaling.original_context_length")),
-                "yarn_log_mul": float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1} if scaling == "yarn" else {}
+                "yarn_log_mul": float(key("rope.scaling.yarn_log_multiplier")) / 0.1} if scaling == "yarn" else {}
         gating = key("expert_gating_func", 0)
         if gating != SIGMOID_GATING:
             raise InputError(f"{where}: key {a}.expert_gating_func: {gating or 'missing'}; only sigmoid gating "
