@@ -1,7 +1,7 @@
 """What a model family is to the pipeline, and the registry of the families we run.
 
 Every family we support is a pre-norm decoder whose feed-forward half is a
-Mixture of Experts:
+Mixture of Experts (after any leading dense SwiGLU layers, `is_moe_layer`):
 
     h_attn = h + Attention(RMSNorm(h))
     mixed  = RMSNorm(h_attn)                                   (the MoE input)
@@ -9,8 +9,9 @@ Mixture of Experts:
 
 with SwiGLU experts stored stacked (`ffn_{gate,up,down}_exps`). Families
 differ in how attention projects and normalises q/k (biases, per-head or
-whole-vector RMSNorm), in routing (softmax or sigmoid scores, renormalised
-top-k or not) and in whether a shared expert runs beside the routed ones.
+whole-vector RMSNorm, DeepSeek's latent attention), in routing (softmax or
+sigmoid scores, renormalised top-k or not, a selection bias and expert groups)
+and in whether a shared expert, gated or not, runs beside the routed ones.
 An `Architecture` says exactly those things, by its llama.cpp name
 (`general.architecture`), so the file reader, the runner and the stages ask
 it instead of guessing from tensor names. A family is one file next to this
