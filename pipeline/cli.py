@@ -62,7 +62,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     run = _pipeline(args)
     for variant in run.all_quantized_variants():  # one unit per layer: `quantize:<variant>:<layer>`
-        for layer in range(run.source.hp.n_layer):
+        for layer in run.source.moe_layers:
             print(f"{variant.name}:{layer}: {run.quantize(variant, layer).path}")
     return 0
 

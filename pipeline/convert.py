@@ -1,8 +1,8 @@
-"""Export a transformers Qwen2-MoE / Qwen3-MoE / OLMoE / Mixtral / Qwen3-Next model to GGUF, as llama.cpp's
-converter does.
+"""Export a transformers Qwen2-MoE / Qwen3-MoE / OLMoE / Mixtral / Qwen3-Next / DeepSeek-V3 model to GGUF,
+as llama.cpp's converter does.
 
 Tensor names, shapes and metadata keys follow llama.cpp's `convert_hf_to_gguf.py`
-(Qwen2MoeModel / Qwen3MoeModel / OlmoeModel / LlamaModel / Qwen3NextModel), so that llama.cpp, transformers'
+(Qwen2MoeModel / Qwen3MoeModel / OlmoeModel / LlamaModel / Qwen3NextModel / DeepseekV2Model), so that llama.cpp, transformers'
 `from_pretrained(..., gguf_file=...)` (for the Qwen families) and `GGUFModel` all load the result.
 OLMoE's q/k norms span every head, so `attn_{q,k}_norm` are as wide as q and k; its experts are
 `intermediate_size` wide and, as llama.cpp's converter does, no `expert_feed_forward_length` is written.
@@ -13,6 +13,9 @@ reproduces transformers' rotate_half. A SentencePiece-shaped tokenizer (BPE with
 Mixtral's tokenizer.json) is written as llama.cpp's `llama` vocabulary, others as byte-level BPE.
 Per-expert matrices are stacked into `*_exps` tensors `[E, rows, cols]`. Qwen3-Next's state is first
 rewritten as its converter does (`_qwen3next_state`: norm +1, A_log -> -exp, qkvz split into qkv and z).
+DeepSeek-V3 (`deepseek2`) is written as llama.cpp writes it for its absorbed-MLA graph: `kv_b_proj`
+split into `attn_k_b` / `attn_v_b` (no combined `attn_kv_b`), one KV head, the MLA head sizes under
+`key_length_mla` / `value_length_mla`, and the router's correction bias as `exp_probs_b.bias`.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ MATRIX_TYPES = {
     "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
 }
 ARCH_BY_MODEL_TYPE = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama",
-                      "qwen3_next": "qwen3next"}
+                      "qwen3_next": "qwen3next", "deepseek_v3": "deepseek2"}
 
 # HF parameter suffix (after `model.layers.{i}.`) -> llama.cpp tensor short name.
 LAYER_NAMES = {
@@ -59,6 +62,19 @@ LAYER_NAMES = {
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    # DeepSeek-V3 (deepseek2): MLA, dense leading layers, the selection bias, ungated shared experts
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
 }
 GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -78,6 +94,7 @@ ARCH_LAYER_NAMES = {
         "linear_attn.norm.weight": "ssm_norm.weight",
         "linear_attn.out_proj.weight": "ssm_out.weight",
     },
+    "deepseek2": {"self_attn.k_b_proj.weight": "attn_k_b.weight", "self_attn.v_b_proj.weight": "attn_v_b.weight"},
 }
 # Tensors llama.cpp keeps in F32 whatever the file type: routing decisions are
 # sensitive to them and they are tiny (and ggml's convolution reads F32 kernels).
@@ -173,8 +190,30 @@ def _llama_state(state: dict[str, np.ndarray], config) -> dict[str, np.ndarray]:
     return out
 
 
-# Per family: a check of the config, and the state dict rewritten as llama.cpp's converter rewrites it.
-ARCH_STATE = {"qwen3next": (_qwen3next_check, _qwen3next_state), "llama": (_check_mixtral, _llama_state)}
+def _split_kv_b(kv_b: np.ndarray, config) -> tuple[np.ndarray, np.ndarray]:
+    """MLA's kv_b_proj (H*(nope+v), kv_lora) as llama.cpp's converter splits it for the absorbed
+    graph: attn_k_b (H, kv_lora, nope), each head's key rows transposed, and attn_v_b (H, v, kv_lora)."""
+    nope, v = config.qk_nope_head_dim, config.v_head_dim
+    per_head = kv_b.reshape(-1, nope + v, kv_b.shape[-1])  # (H, nope+v, kv_lora)
+    return per_head[:, :nope].transpose(0, 2, 1), per_head[:, nope:]  # (H, kv_lora, nope), (H, v, kv_lora)
+
+
+def _deepseek2_state(state: dict[str, np.ndarray], config) -> dict[str, np.ndarray]:
+    """DeepSeek-V3's parameters with every kv_b_proj split into its key and value halves (`_split_kv_b`)."""
+    out = {}
+    for name, w in state.items():
+        if name.endswith("self_attn.kv_b_proj.weight"):
+            stem = name.removesuffix("kv_b_proj.weight")
+            out[stem + "k_b_proj.weight"], out[stem + "v_b_proj.weight"] = _split_kv_b(w, config)
+            continue
+        out[name] = w
+    return out
+
+
+# Per family: a check of the config, and the state dict rewritten as llama.cpp's converter rewrites it
+# (DeepSeek-V3's config is checked where its keys are written, `_deepseek2_kv`).
+ARCH_STATE = {"qwen3next": (_qwen3next_check, _qwen3next_state), "llama": (_check_mixtral, _llama_state),
+              "deepseek2": (lambda config: None, _deepseek2_state)}
 
 
 def _gguf_tensors(state: dict[str, np.ndarray], n_layer: int, tied: bool,
@@ -322,6 +361,60 @@ def _hparams_kv(config, arch: str, file_type: LlamaFileType) -> list[KV]:
     return kv
 
 
+def _deepseek2_kv(config) -> list[KV]:
+    """The keys llama.cpp's DeepseekV2Model converter writes beyond the common ones: MLA as MQA with one
+    KV head (key = latent + rope key, value = latent) and the decompressed head sizes, leading dense
+    layers, the routing's groups, gating, scale and norm. Refuses what our runner does not model."""
+    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    a = "deepseek2"
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    yarn = rope.get("rope_type", "default") == "yarn"
+    if rope.get("rope_type", "default") not in ("default", "yarn"):
+        raise ValueError(f"rope scaling {rope['rope_type']!r} is not supported for {a} (only yarn)")
+    if yarn and (rope.get("truncate", True) is not True or rope.get("attention_factor") is not None
+                 or (rope.get("beta_fast", 32), rope.get("beta_slow", 1)) != (32, 1)
+                 or not rope.get("mscale_all_dim") or rope.get("mscale", rope["mscale_all_dim"]) != rope["mscale_all_dim"]):
+        raise ValueError(f"yarn {rope}: for {a} only mscale = mscale_all_dim, beta_fast 32, beta_slow 1 and "
+                         "a truncated correction band are supported (llama.cpp computes the others differently "
+                         "from transformers)")
+    if not config.rope_interleave:
+        raise ValueError(f"rope_interleave=False is not supported for {a}: llama.cpp rotates interleaved pairs "
+                         "and its converter permutes no weights")
+    if config.attention_bias:
+        raise ValueError(f"attention_bias=True is not supported for {a}: llama.cpp loads no attention biases")
+    kv_lora, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
+    kv: list[KV] = [
+        (f"{a}.attention.head_count_kv", 1, u32),
+        (f"{a}.expert_group_count", config.n_group, u32),
+        (f"{a}.expert_group_used_count", config.topk_group, u32),
+        (f"{a}.expert_gating_func", 2, u32),  # sigmoid: DeepSeek-V3's scoring_func
+        (f"{a}.leading_dense_block_count", config.first_k_dense_replace, u32),
+        (f"{a}.vocab_size", config.vocab_size, u32),
+    ]
+    if config.q_lora_rank is not None:
+        kv.append((f"{a}.attention.q_lora_rank", config.q_lora_rank, u32))
+    kv += [
+        (f"{a}.attention.kv_lora_rank", kv_lora, u32),
+        (f"{a}.attention.key_length", kv_lora + rope_dim, u32),
+        (f"{a}.attention.value_length", kv_lora, u32),
+        (f"{a}.attention.key_length_mla", config.qk_nope_head_dim + rope_dim, u32),
+        (f"{a}.attention.value_length_mla", config.v_head_dim, u32),
+        (f"{a}.expert_feed_forward_length", config.moe_intermediate_size, u32),
+        (f"{a}.expert_shared_count", config.n_shared_experts, u32),
+        (f"{a}.expert_weights_scale", float(config.routed_scaling_factor), f32),
+    ]
+    if config.norm_topk_prob:
+        kv.append((f"{a}.expert_weights_norm", True, GGUFValueType.BOOL))
+    if yarn:  # the common rope-scaling keys, then DeepSeek's log multiplier with the converter's 0.1 factor
+        kv += [(f"{a}.rope.scaling.type", "yarn", GGUFValueType.STRING),
+               (f"{a}.rope.scaling.factor", float(rope["factor"]), f32),
+               (f"{a}.rope.scaling.original_context_length", rope["original_max_position_embeddings"], u32)]
+        kv += [(f"{a}.rope.scaling.yarn_{beta}", float(rope[beta]), f32) for beta in ("beta_fast", "beta_slow")
+               if beta in rope]
+        kv.append((f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * rope["mscale_all_dim"], f32))
+    return kv + [(f"{a}.rope.dimension_count", rope_dim, u32)]
+
+
 def _special_id(tokenizer: Tokenizer, config_id: int | None, fallback: str) -> int | None:
     return config_id if config_id is not None else tokenizer.token_to_id(fallback)
 
@@ -349,6 +442,9 @@ def hf_to_gguf(hf_model, tokenizer: Tokenizer, out_path: str | os.PathLike[str],
     tied = bool(getattr(config, "tie_word_embeddings", False))
     eos = _special_id(tokenizer, config.eos_token_id, "<|endoftext|>")
     kv = _hparams_kv(config, arch, file_type)
+    if arch == "deepseek2":  # its keys overwrite the common ones in place, as gguf-py's writer does
+        family = {item[0]: item for item in _deepseek2_kv(config)}
+        kv = [family.pop(item[0], item) for item in kv] + list(family.values())
     if is_sentencepiece(tokenizer):  # its specials are <s>, </s>: ids only from the config
         kv += _sentencepiece_vocab_kv(tokenizer, config.bos_token_id, config.eos_token_id, config.pad_token_id)
     else:

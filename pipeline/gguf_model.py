@@ -60,8 +60,19 @@ class HParams:
     vocab_size: int
     norm_topk_prob: bool
     context_length: int
+    n_dense_lead: int = 0  # leading layers with a dense FFN instead of experts (leading_dense_block_count)
+    d_ff: int = 0  # width of those dense FFNs (feed_forward_length), 0 when every layer is MoE
+    q_lora_rank: int = 0  # MLA: rank of the query's low-rank path; 0 when q is one projection
+    kv_lora_rank: int = 0  # MLA: width of the compressed key/value latent
+    rope_dim: int = 0  # dimensions of each head RoPE rotates (MLA: the shared rope key's width); 0: all of head_dim
+    v_head_dim: int = 0  # MLA: value width per head; 0: head_dim
+    n_group: int = 1  # expert groups for group-limited routing (expert_group_count)
+    n_group_used: int = 1  # groups a token's experts come from (expert_group_used_count)
+    expert_weights_scale: float = 1.0  # multiplier of the routed weights (routed_scaling_factor)
+    rope_scaling_factor: float = 1.0  # YaRN's context factor s (rope.scaling.factor); 1: no rope scaling
+    rope_orig_ctx: int = 0  # YaRN: the pretraining context (rope.scaling.original_context_length)
+    yarn_log_mul: float = 0.0  # YaRN: mscale_all_dim, as llama.cpp reads rope.scaling.yarn_log_multiplier
     # Hybrid families with linear-attention layers (qwen3next); defaults fit the others.
-    rope_dim: int = 0  # dimensions of each head RoPE rotates; 0: all of head_dim
     recurrent_layers: tuple[bool, ...] = ()  # per layer, whether it is linear attention (gated DeltaNet)
     ssm_conv_kernel: int = 0  # taps of the causal depthwise convolution before the delta rule
     ssm_state_size: int = 0  # head dimension of the linear attention's keys (and values)
@@ -330,7 +341,21 @@ ARCH_KEYS: dict[str, tuple[GGUFValueType, bool, float, float]] = {
     "expert_feed_forward_length": (U32, False, 1, 2**20),
     "expert_shared_feed_forward_length": (U32, False, 1, 2**20),
     "expert_weights_norm": (BOOL, False, 0, 1),
+    "feed_forward_length": (U32, False, 1, 2**20),
+    "leading_dense_block_count": (U32, False, 0, 4096),
+    "expert_shared_count": (U32, False, 0, 2**12),
+    "expert_group_count": (U32, False, 1, 2**12),
+    "expert_group_used_count": (U32, False, 1, 2**12),
+    "expert_weights_scale": (F32, False, 1e-3, 1e3),
+    "expert_gating_func": (U32, False, 0, 16),
+    "attention.q_lora_rank": (U32, False, 1, 2**16),
+    "attention.kv_lora_rank": (U32, False, 1, 2**16),
+    "attention.key_length_mla": (U32, False, 1, 2**12),
+    "attention.value_length_mla": (U32, False, 1, 2**12),
     "rope.dimension_count": (U32, False, 1, 2**12),
+    "rope.scaling.factor": (F32, False, 1.0, 1e4),
+    "rope.scaling.original_context_length": (U32, False, 1, 2**26),
+    "rope.scaling.yarn_log_multiplier": (F32, False, 0.0, 100.0),
     "full_attention_interval": (U32, False, 1, 4096),
     "ssm.conv_kernel": (U32, False, 1, 2**10),
     "ssm.state_size": (U32, False, 1, 2**12),
@@ -364,8 +389,8 @@ class GGUFModel:
         _check_key_names(keys, self.arch.name, self.name)
         self._check_arch_keys(keys)
         self._check_tensor_types()
-        self._check_tensor_names()
         self.hp = self._read_hparams()
+        self._check_tensor_names()
         self._check_shapes()
         from moeheal.pipeline.tokenizer import check_vocabulary
 
@@ -447,9 +472,9 @@ class GGUFModel:
     def _check_tensor_names(self) -> None:
         """Every tensor the architecture needs is present and no other is: llama.cpp refuses
         unused tensors too, and a corrupted name shows up as one missing plus one unknown."""
-        n_layer = int(self.metadata(f"{self.arch.name}.block_count"))
+        n_layer = self.hp.n_layer
         required = list(GLOBAL_TENSORS) + [f"blk.{i}.{short}" for i in range(n_layer)
-                                           for short in self.arch.file_layer_tensors(self, i)]
+                                           for short in self.arch.layer_tensors(i, self.hp)]
         for name in required:
             if name not in self._tensors:
                 raise InputError(f"{self.name}: tensor {name}: missing")
@@ -459,20 +484,16 @@ class GGUFModel:
                 raise InputError(f"{self.name}: tensor {name}: not a tensor of a {n_layer}-layer {self.arch} model")
 
     def _read_hparams(self) -> HParams:
+        """The hyperparameters from the keys and the first MoE layer's tensors; the family reads its
+        attention's own (`Architecture.read_hparams`)."""
         a = self.arch.name
-        embd_shape = self._shape("token_embd.weight")  # (V, d)
-        gate_exps = self._shape("blk.0.ffn_gate_exps.weight")  # (E, f, d)
-        n_head = int(self._required_key(f"{a}.attention.head_count"))
-        d_model = int(self._required_key(f"{a}.embedding_length"))
-        q_name, q_per_dim = self.arch.query_projection(self)
-        q_rows = self._shape(q_name)[0] // q_per_dim  # n_head * head_dim
-        if q_rows % n_head:
-            raise InputError(f"{self.name}: key {a}.attention.head_count: {n_head} does not divide the "
-                             f"{q_rows} rows of {q_name}")
-        n_head_kv = int(self.metadata(f"{a}.attention.head_count_kv", n_head))
-        if n_head % n_head_kv:
-            raise InputError(f"{self.name}: key {a}.attention.head_count_kv: {n_head_kv} does not divide "
-                             f"head_count {n_head}")
+        n_layer = int(self._required_key(f"{a}.block_count"))
+        n_dense_lead = int(self.metadata(f"{a}.leading_dense_block_count", 0))
+        if n_dense_lead >= n_layer:
+            raise InputError(f"{self.name}: key {a}.leading_dense_block_count: {n_dense_lead} leaves none of the "
+                             f"{n_layer} layers a Mixture of Experts")
+        embd_shape = self.shape("token_embd.weight")  # (V, d)
+        gate_exps = self.shape(f"blk.{n_dense_lead}.ffn_gate_exps.weight")  # (E, f, d)
         n_expert = int(self._required_key(f"{a}.expert_count"))
         n_expert_used = int(self._required_key(f"{a}.expert_used_count"))
         if n_expert_used > n_expert:
@@ -483,22 +504,22 @@ class GGUFModel:
         if fixed is not None and self.metadata(norm_key, fixed) != fixed:
             raise InputError(f"{self.name}: key {norm_key}: {self.metadata(norm_key)}, but llama.cpp's {a} graph "
                              f"always {'renormalises' if fixed else 'keeps'} the top-k weights")
+        shexp = f"blk.{n_dense_lead}.ffn_up_shexp.weight"
         return HParams(
-            n_layer=int(self._required_key(f"{a}.block_count")),
-            d_model=d_model,
-            n_head=n_head,
-            n_head_kv=n_head_kv,
-            head_dim=int(self.metadata(f"{a}.attention.key_length", q_rows // n_head)),
+            n_layer=n_layer,
+            d_model=int(self._required_key(f"{a}.embedding_length")),
             n_expert=n_expert,
             n_expert_used=n_expert_used,
             d_expert=int(gate_exps[1]),
-            d_shexp=int(self._shape("blk.0.ffn_up_shexp.weight")[0]) if self.has_shared_expert else 0,
+            d_shexp=int(self.shape(shexp)[0]) if self.has_shared_expert else 0,
             rope_theta=float(self.metadata(f"{a}.rope.freq_base", 10000.0)),
             rms_eps=float(self._required_key(f"{a}.attention.layer_norm_rms_epsilon")),
             vocab_size=int(embd_shape[0]),
             norm_topk_prob=bool(self.metadata(norm_key, self.arch.routing.norm_topk_default)),
             context_length=int(self._required_key(f"{a}.context_length")),
-            **self.arch.file_hparams(self),
+            n_dense_lead=n_dense_lead,
+            d_ff=int(self.metadata(f"{a}.feed_forward_length", 0)) if n_dense_lead else 0,
+            **self.arch.read_hparams(self),
         )
 
     def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -513,7 +534,8 @@ class GGUFModel:
             "ffn_norm.weight": (d,), "ffn_gate_inp.weight": (E, d), "ffn_gate_exps.weight": (E, f, d),
             "ffn_up_exps.weight": (E, f, d), "ffn_down_exps.weight": (E, d, f),
             "ffn_gate_inp_shexp.weight": (d,), "ffn_gate_shexp.weight": (fs, d), "ffn_up_shexp.weight": (fs, d),
-            "ffn_down_shexp.weight": (d, fs),
+            "ffn_down_shexp.weight": (d, fs), "exp_probs_b.bias": (E,),
+            "ffn_gate.weight": (hp.d_ff, d), "ffn_up.weight": (hp.d_ff, d), "ffn_down.weight": (d, hp.d_ff),
         }
         shapes = {"token_embd.weight": (V, d), "output.weight": (V, d), "output_norm.weight": (d,)}
         for i in range(hp.n_layer):
@@ -544,6 +566,12 @@ class GGUFModel:
     def has_shared_expert(self) -> bool:
         """Whether the family runs a shared expert beside the routed ones (its tensors are then required)."""
         return self.arch.has_shared_expert
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers whose feed-forward half is a Mixture of Experts (`Architecture.moe_layers`): the
+        layers every routed-expert stage walks; the others' dense FFNs are kept as in the source."""
+        return self.arch.moe_layers(self.hp)
 
     @property
     def tensor_names(self) -> list[str]:

@@ -95,11 +95,15 @@ class HealRun:
             raise InputError(f"{self.cfg.source}: [model] source: {src_hp.n_layer} layers x {src_hp.n_expert} "
                              f"experts x d={src_hp.d_model} does not match the reference's {ref_hp.n_layer} x "
                              f"{ref_hp.n_expert} x d={ref_hp.d_model}")
+        arch = self.reference.arch
+        if not arch.supports_moce and any(b != 0 for b in self.cfg.moce_bonus):
+            raise InputError(f"{self.cfg.path}: [moce] bonus: cache-aware routing is not supported for the {arch} "
+                             f"family (its routing is not softmax top-k of the router logits); use bonus = [0.0]")
         for variant in self.external_variants():  # absent only where the config allowed it
             if variant.gguf.exists():
                 open_model(variant.gguf)
         for variant in self.cfg.healed_variants:
-            if variant.budgeted and variant.budget_roles == "all" and not self.source.arch.budgets_attention:
+            if variant.budgeted and variant.budget_roles == "all" and not self.source.arch.standard_attention:
                 raise InputError(f"{self.cfg.path}: [[variant]] {variant.name}: budget_roles = \"all\" is not "
                                  f"supported for the {self.source.arch} family (its attention is not the "
                                  "standard attention the attention roles measure); use \"routed\"")
@@ -221,6 +225,10 @@ class HealRun:
 
     def import_dump(self, spec: Path, label: str = "import-dump") -> StageResult:
         hp = self.reference.hp
+        if self.reference.moe_layers != tuple(range(hp.n_layer)):
+            raise InputError(f"{self.cfg.path}: [calibration] import_dump: not supported for a model with dense "
+                             f"layers ({self.reference.arch}: MoE layers {self.reference.moe_layers[0]}.."
+                             f"{hp.n_layer - 1} of {hp.n_layer})")
         dump.check_spec_fits(spec, hp.d_model, hp.d_shexp, hp.n_expert_used, hp.n_layer)
         files = dump.raw_dump_files(spec)
         return self._stage(label, IMPORT_DUMP, {}, {"spec": spec, **files}, {},
@@ -273,7 +281,7 @@ class HealRun:
         if variant.budgeted:
             chosen = quantize.read_recipe(self.allocation(variant).path)
         else:
-            chosen = {(layer, t): f for layer in range(self.source.hp.n_layer) for t, f in variant.formats().items()}
+            chosen = {(layer, t): f for layer in self.source.moe_layers for t, f in variant.formats().items()}
         return {f"blk.{layer}.{t}.weight": f for (layer, t), f in sorted(chosen.items())}
 
     def quantize(self, variant: Variant, layer: int) -> StageResult:
@@ -300,8 +308,8 @@ class HealRun:
                                up["unseen"].path if "unseen" in up else None, params, layer))
 
     def calibrated_layers(self, variant: Variant) -> list[StageResult]:
-        """Every layer's calibrate unit of `variant` (each with its quantize unit), in layer order."""
-        layers = range(self.source.hp.n_layer)
+        """Every MoE layer's calibrate unit of `variant` (each with its quantize unit), in layer order."""
+        layers = self.source.moe_layers
         if not self.planning:
             layers = progress(layers, desc=f"heal {variant.name}", unit="layer")
         return [self.calibrate(variant, layer) for layer in layers]
@@ -312,7 +320,7 @@ class HealRun:
 
     def assemble(self, variant: Variant) -> StageResult:
         units = self.calibrated_layers(variant)
-        up = {f"calibrated.{layer}": unit for layer, unit in enumerate(units)}
+        up = {f"calibrated.{layer}": unit for layer, unit in zip(self.source.moe_layers, units)}
         params = {"variant": variant.name, "knobs": variant.knobs()}
         return self._stage(f"assemble:{variant.name}", ASSEMBLE, params, {"source": self.cfg.source}, up,
                            lambda out: calibrate.build_assembly(out, self.cfg.source, [u.path for u in units],
@@ -510,6 +518,7 @@ class HealRun:
                                       imatrix if variant.importance else None, binary)
 
     def write_imatrix(self, out: Path) -> Path:
-        quantize.write_imatrix_from_dump(out, self.source, dump.open_dump(self.dump("calibration").path),
+        quantize.write_imatrix_from_dump(out, self.source, dump.open_dump(self.dump("calibration").path,
+                                                                          self.source.hp, self.source.moe_layers),
                                          self.cfg.seq_tokens)
         return out

@@ -56,7 +56,8 @@ def linear(params: dict, name: str, x: jax.Array) -> jax.Array:
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal grouped-query softmax attention of rotated heads, concatenated.
 
-    q (B, T, H, hd), k and v (B, T, Hkv, hd) -> (B, T, H*hd); query head h reads KV head h // (H/Hkv).
+    q (B, T, H, hd), k (B, T, Hkv, hd), v (B, T, Hkv, hv) -> (B, T, H*hv); query head h reads KV head
+    h // (H/Hkv). Scores are scaled by 1/sqrt(hd); hv may differ from hd (MLA's value heads do).
     """
     B, T, H, hd = q.shape
     Hkv = k.shape[2]
@@ -65,7 +66,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     causal = jnp.tril(jnp.ones((T, T), dtype=bool))  # (T, T): query t sees keys s <= t
     scores = jnp.where(causal, scores, -jnp.inf)  # (B, Hkv, G, T, T)
     probs = jax.nn.softmax(scores, axis=-1)  # (B, Hkv, G, T, T)
-    return einsum("bkgts,bskh->btkgh", probs, v).reshape(B, T, H * hd)  # (B, T, H*hd)
+    return einsum("bkgts,bskh->btkgh", probs, v).reshape(B, T, H * v.shape[-1])  # (B, T, H*hv)
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:

@@ -24,6 +24,7 @@ import numpy as np
 
 from moeheal.kernels.importance import gate_up_importance
 from moeheal.pipeline.arch import Architecture
+from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import HParams
 
 ROUTED = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -42,6 +43,9 @@ def chosen_roles(budget_roles: str, arch: Architecture) -> tuple[str, ...]:
     expert (where the family has one) and attention. Embeddings, output, norms and routers stay."""
     if budget_roles == "routed":
         return ROUTED
+    if not arch.standard_attention:
+        raise InputError(f'budget_roles = "all": not supported for the {arch} family, whose attention is not '
+                         f'the q/k/v/output one the sensitivity measures; use "routed"')
     return ROUTED + (SHARED if arch.has_shared_expert else ()) + ATTENTION
 
 

@@ -116,11 +116,11 @@ class Runner:
         rows = self._rows("token_embd.weight", ids)  # (U, d)
         return jnp.asarray(rows[inverse.reshape(tokens.shape)])  # (B, T, d)
 
-    def _routing(self, layer: int, router_logits: jnp.ndarray,
+    def _routing(self, layer: int, params: dict, router_logits: jnp.ndarray,
                  routing_hook: RoutingHook | None) -> tuple[jnp.ndarray, jnp.ndarray]:
         """The family's top-k routing, or the hook's choice (checked)."""
         if routing_hook is None:
-            return self.arch.route(router_logits, self.hp.n_expert_used, self.hp.norm_topk_prob)
+            return self.arch.route_layer(params, router_logits, self.hp)
         experts, weights = routing_hook(layer, np.asarray(router_logits))
         experts, weights = np.asarray(experts), np.asarray(weights, np.float32)
         want = router_logits.shape[:2]
@@ -137,7 +137,8 @@ class Runner:
         `logits=False`: a dump wants the layers' activations only, and a real vocabulary's output
         projection costs as much as several layers).
 
-        With `capture`, `on_layer(layer, LayerCapture)` is called after every layer.
+        With `capture`, `on_layer(layer, LayerCapture)` is called after every MoE layer (a dense
+        layer, `Architecture.is_moe_layer`, has no experts to capture).
         `routing_hook(layer, router_logits)` returns `(experts, weights)` (B, T, k) that
         replace the family's top-k routing.
         """
@@ -148,7 +149,10 @@ class Runner:
         for i in range(hp.n_layer):
             params = self.layer_params(i)  # the only layer resident
             h_attn, attn_in, mixed, router_logits = self.arch.layer_attention_block(i, params, h, cos, sin, hp)  # (B,T,d) x3, (B,T,E)
-            experts, weights = self._routing(i, router_logits, routing_hook)  # (B, T, k) each
+            if not self.arch.is_moe_layer(i, hp):
+                h = self.arch.dense_ffn_block(params, h_attn, mixed)  # (B, T, d)
+                continue
+            experts, weights = self._routing(i, params, router_logits, routing_hook)  # (B, T, k) each
             h, yr, hh, gate = self.arch.moe_block(params, h_attn, mixed, experts, weights)  # (B,T,d) x2, (B,T,f_s), (B,T)
             if capture and on_layer is not None:
                 on_layer(i, LayerCapture(

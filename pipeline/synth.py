@@ -21,6 +21,13 @@ every size-dependent path can be exercised offline:
   Mixtral-8x7B (no shared expert, no q/k norms or biases; experts sized by
   `feed_forward_length`, `vocab_size` and `rope.dimension_count` keys). Its q/k
   rows are random, so the converter's RoPE row permutation has nothing to act on.
+- `deepseek-v3`: `deepseek2` as llama.cpp's converter writes DeepSeek-V3 (MLA with
+  the q LoRA, split k_b / v_b, YaRN rope scaling of factor 40 over 4096 tokens,
+  3 dense leading layers, 256 experts in 8 groups, top-8 from 4 groups, an
+  ungated shared expert). A synth of fewer layers keeps at least one MoE
+  layer (dense leading layers = min(3, layers - 1)); with `--experts` too few
+  for groups of two, one group. The MLA, dense FFN and bias roles draw from the
+  demo fit of the role they stand in for (`BORROWED_ROLES`); the bias is zero.
 
 Weights are random but shaped like trained ones. Each matrix is drawn from a
 Student-t distribution whose degrees of freedom and scale come from the role it
@@ -144,8 +151,18 @@ LIKE: dict[str, LikeModel] = {
                    norm_topk_prob=True, context_length=32768),
         description="Mixtral-8x7B's tensor shapes and metadata; random heavy-tailed weights and a filler "
                     "SentencePiece vocabulary; made by moeheal synth, not a trained model"),
+    "deepseek-v3": LikeModel(
+        title="DeepSeek-V3 shapes (synthetic)", arch="deepseek2", d_ff=18432,
+        hp=HParams(n_layer=61, d_model=7168, n_head=128, n_head_kv=1, head_dim=192, n_expert=256, n_expert_used=8,
+                   d_expert=2048, d_shexp=2048, rope_theta=10000.0, rms_eps=1e-6, vocab_size=129280,
+                   norm_topk_prob=True, context_length=163840, n_dense_lead=3, d_ff=18432, q_lora_rank=1536,
+                   kv_lora_rank=512, rope_dim=64, v_head_dim=128, n_group=8, n_group_used=4,
+                   expert_weights_scale=2.5, rope_scaling_factor=40.0, rope_orig_ctx=4096, yarn_log_mul=1.0),
+        description="DeepSeek-V3's tensor shapes and metadata (MLA with the q LoRA, YaRN rope scaling of factor "
+                    "40, 3 dense leading layers, 256 experts in 8 groups, top-8 from 4 groups, one ungated "
+                    f"shared expert); a Qwen-style filler vocabulary of DeepSeek-V3's size; {_QWEN3_NOTE}"),
 }
-
+# Roles the demo model has no tensor of draw from the fit of the demo role they stand in for.
 MATRIX_TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
     "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
@@ -185,11 +202,15 @@ ROLE_FITS: dict[str, TailFit] = {
     "ffn_down_shexp": TailFit(df=4.928, std=0.07746, fan_in=256),
 }
 NORM_ROLE, ZERO_ROLE, DECAY_ROLE = "norm", "zero", "ssm_a"
-# Roles the demo model (full attention only) has no fit for, drawn with the fit of the matrix they
-# stand in for: the linear attention's fused q/k/v, its output gate, its beta/alpha, its output, and
-# the convolution kernel (its std rescaled to the 4-tap fan-in, as any role's).
+# Roles the demo model (full attention, every layer MoE) has no fit for, drawn with the fit of the
+# matrix they stand in for: the linear attention's fused q/k/v, its output gate, its beta/alpha, its
+# output, and the convolution kernel (its std rescaled to the 4-tap fan-in, as any role's); MLA's
+# projections; a dense layer's FFN.
 BORROWED_ROLES = {"attn_qkv": "attn_q", "attn_gate": "attn_v", "ssm_ba": "attn_k", "ssm_out": "attn_output",
-                  "ssm_conv1d": "attn_v"}
+                  "ssm_conv1d": "attn_v",  # Qwen3-Next's linear attention
+                  "attn_q_a": "attn_q", "attn_q_b": "attn_q", "attn_kv_a_mqa": "attn_k", "attn_k_b": "attn_k",
+                  "attn_v_b": "attn_v", "ffn_gate": "ffn_gate_shexp", "ffn_up": "ffn_up_shexp",
+                  "ffn_down": "ffn_down_shexp"}  # DeepSeek-V3's MLA and dense FFNs
 
 
 @dataclass(frozen=True)
@@ -268,6 +289,8 @@ def plan_tensors(like: LikeModel, n_layer: int, n_expert: int, vocab_size: int,
         return TensorPlan(name, tuple(shape), ggml_type, role)
 
     plan = [t("token_embd.weight", vocab_size, d), t("output_norm.weight", d), t("output.weight", vocab_size, d)]
+    if like.arch == "deepseek2":
+        return plan + _deepseek2_plan(like.hp, n_layer, n_expert, t)
     for i in range(n_layer):
         b = f"blk.{i}."
         plan += [t(b + "attn_norm.weight", d)]
@@ -287,6 +310,65 @@ def plan_tensors(like: LikeModel, n_layer: int, n_expert: int, vocab_size: int,
             plan += [t(b + "ffn_gate_inp_shexp.weight", d), t(b + "ffn_gate_shexp.weight", fs, d),
                      t(b + "ffn_up_shexp.weight", fs, d), t(b + "ffn_down_shexp.weight", d, fs)]
     return plan
+
+
+def deepseek2_shape(hp: HParams, n_layer: int, n_expert: int) -> tuple[int, int, int, int]:
+    """(dense leading layers, expert groups, groups kept, experts per token) of a DeepSeek-V3 synth of
+    `n_layer` layers and `n_expert` experts: at least one MoE layer; with too few experts for the real
+    groups of two or more, one group."""
+    n_group, n_group_used = hp.n_group, hp.n_group_used
+    if n_expert % n_group or n_expert // n_group < 2:
+        n_group = n_group_used = 1
+    return min(hp.n_dense_lead, n_layer - 1), n_group, n_group_used, min(hp.n_expert_used, n_expert)
+
+
+def _deepseek2_plan(hp: HParams, n_layer: int, n_expert: int, t) -> list[TensorPlan]:
+    """A DeepSeek-V3 layer stack as llama.cpp's converter writes it: MLA with the q LoRA and split
+    k_b / v_b, dense SwiGLU FFNs first, then router, correction bias, experts and the ungated shared expert."""
+    d, H, E, f, fs = hp.d_model, hp.n_head, n_expert, hp.d_expert, hp.d_shexp
+    n_dense = deepseek2_shape(hp, n_layer, n_expert)[0]
+    plan = []
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        plan += [t(b + "attn_norm.weight", d), t(b + "attn_q_a.weight", hp.q_lora_rank, d),
+                 t(b + "attn_q_a_norm.weight", hp.q_lora_rank), t(b + "attn_q_b.weight", H * hp.head_dim, hp.q_lora_rank),
+                 t(b + "attn_kv_a_mqa.weight", hp.kv_lora_rank + hp.rope_dim, d),
+                 t(b + "attn_kv_a_norm.weight", hp.kv_lora_rank),
+                 t(b + "attn_k_b.weight", H, hp.kv_lora_rank, hp.head_dim - hp.rope_dim),
+                 t(b + "attn_v_b.weight", H, hp.v_head_dim, hp.kv_lora_rank),
+                 t(b + "attn_output.weight", d, H * hp.v_head_dim), t(b + "ffn_norm.weight", d)]
+        if i < n_dense:
+            plan += [t(b + "ffn_gate.weight", hp.d_ff, d), t(b + "ffn_up.weight", hp.d_ff, d),
+                     t(b + "ffn_down.weight", d, hp.d_ff)]
+            continue
+        plan += [t(b + "ffn_gate_inp.weight", E, d), t(b + "exp_probs_b.bias", E),
+                 t(b + "ffn_gate_exps.weight", E, f, d), t(b + "ffn_up_exps.weight", E, f, d),
+                 t(b + "ffn_down_exps.weight", E, d, f), t(b + "ffn_gate_shexp.weight", fs, d),
+                 t(b + "ffn_up_shexp.weight", fs, d), t(b + "ffn_down_shexp.weight", d, fs)]
+    return plan
+
+
+def _deepseek2_kv(hp: HParams, n_layer: int, n_expert: int) -> list[TypedKV]:
+    """The keys llama.cpp's DeepseekV2Model converter writes beyond the common ones (YaRN's among them),
+    but no `vocab_size` (a shrunk vocabulary's size is its token list's, which llama.cpp counts)."""
+    a, u32, f32 = "deepseek2", GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    n_dense, n_group, n_group_used, k = deepseek2_shape(hp, n_layer, n_expert)
+    return [
+        (f"{a}.expert_used_count", k, u32),
+        (f"{a}.attention.key_length", hp.kv_lora_rank + hp.rope_dim, u32),
+        (f"{a}.attention.value_length", hp.kv_lora_rank, u32),
+        (f"{a}.expert_group_count", n_group, u32), (f"{a}.expert_group_used_count", n_group_used, u32),
+        (f"{a}.expert_gating_func", 2, u32), (f"{a}.leading_dense_block_count", n_dense, u32),
+        (f"{a}.attention.q_lora_rank", hp.q_lora_rank, u32),
+        (f"{a}.attention.kv_lora_rank", hp.kv_lora_rank, u32),
+        (f"{a}.attention.key_length_mla", hp.head_dim, u32), (f"{a}.attention.value_length_mla", hp.v_head_dim, u32),
+        (f"{a}.expert_shared_count", hp.d_shexp // hp.d_expert, u32),
+        (f"{a}.expert_weights_scale", hp.expert_weights_scale, f32), (f"{a}.rope.dimension_count", hp.rope_dim, u32),
+        (f"{a}.rope.scaling.type", "yarn", GGUFValueType.STRING), (f"{a}.rope.scaling.factor", hp.rope_scaling_factor, f32),
+        (f"{a}.rope.scaling.original_context_length", hp.rope_orig_ctx, u32),
+        (f"{a}.rope.scaling.yarn_beta_fast", 32.0, f32), (f"{a}.rope.scaling.yarn_beta_slow", 1.0, f32),
+        (f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * hp.yarn_log_mul, f32),
+    ]
 
 
 def _qwen3next_attention(hp: HParams, layer: int) -> dict[str, tuple[int, ...]]:
@@ -326,6 +408,9 @@ def hparams_kv(like: LikeModel, n_layer: int, n_expert: int, file_type: LlamaFil
     ]
     if a != "qwen3next":  # its converter writes no expert_weights_norm: llama.cpp always renormalises
         kv.append((f"{a}.expert_weights_norm", like.hp.norm_topk_prob, GGUFValueType.BOOL))
+    if like.arch == "deepseek2":  # its keys overwrite the common ones in place; its shared width is a count
+        family = {item[0]: item for item in _deepseek2_kv(like.hp, n_layer, n_expert)}
+        return [family.pop(item[0], item) for item in kv] + list(family.values())
     if like.hp.d_shexp:
         kv.append((f"{a}.expert_shared_feed_forward_length", like.hp.d_shexp, u32))
     if a == "llama":  # LlamaModel: no head-dim, expert-width or weights-norm keys (Mixtral's config has none)

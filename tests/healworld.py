@@ -19,7 +19,8 @@ STRATA = ("ops", "chat_json", "ja", "persona")
 ROLES = ["cal"] * 5 + ["eval"] * 3 + ["canary"] + ["unused"] * 3
 
 
-def write_world(root: Path, model: Path | None = None, variants: str | None = None) -> Path:
+def write_world(root: Path, model: Path | None = None, variants: str | None = None,
+                moce_bonus: tuple[float, ...] = (0.0, 0.5)) -> Path:
     """Write model (unless given), docs, split, windows and heal.toml under `root`; return the config."""
     root.mkdir(parents=True, exist_ok=True)
     if model is None:
@@ -66,7 +67,7 @@ bootstrap = 200
 seed = 0
 {variants}
 [moce]
-bonus = [0.0, 0.5]
+bonus = [{", ".join(str(b) for b in moce_bonus)}]
 cache_experts = 4
 """)
     return config

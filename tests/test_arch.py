@@ -33,11 +33,11 @@ gptq_damp = 1.0
 
 
 def test_registry_names_every_family_by_its_llama_cpp_name():
-    assert sorted(ARCHITECTURES) == ["llama", "olmoe", "qwen2moe", "qwen3moe", "qwen3next"]
+    assert sorted(ARCHITECTURES) == ["deepseek2", "llama", "olmoe", "qwen2moe", "qwen3moe", "qwen3next"]
     assert all(arch.name == name and str(arch) == name for name, arch in ARCHITECTURES.items())
-    assert sorted(n for n, a in ARCHITECTURES.items() if a.has_shared_expert) == ["qwen2moe", "qwen3next"]
+    assert sorted(n for n, a in ARCHITECTURES.items() if a.has_shared_expert) == ["deepseek2", "qwen2moe", "qwen3next"]
     assert {n: a.routing.norm_topk_default for n, a in ARCHITECTURES.items()} == \
-        {"llama": True, "olmoe": False, "qwen2moe": False, "qwen3moe": True, "qwen3next": True}
+        {"deepseek2": False, "llama": True, "olmoe": False, "qwen2moe": False, "qwen3moe": True, "qwen3next": True}
 
 
 def test_sigmoid_routing_keeps_the_highest_scores_and_renormalises():

@@ -256,7 +256,7 @@ def read_whole_dump(path: Path, n_expert: int | None = None) -> None:
     """What a stage does with a dump: open it, read every array of every layer, read the routing."""
     hp = None if n_expert is None else _HP(RAW["layers"], RAW["d"], RAW["f"], RAW["k"], n_expert)
     root = dump.open_dump(path, hp)
-    for layer in range(root.n_layer):
+    for layer in root.layers:
         for name in dump.ARRAYS:
             root[str(layer)][name][:]
     dump.read_routing(path)

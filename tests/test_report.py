@@ -514,7 +514,7 @@ def test_determinism_counts_only_repeat_runs():
     moved = {**experts, 1: experts[1].copy()}
     moved[1][1, 2, 0] += 1  # rep 2 routes one token of batch row 1 differently
     runs = [(logits, experts, hit_stats), (logits.copy(), experts, hit_stats), (logits, moved, hit_stats)]
-    rows = [hitrate_rows(runs, row, 6, 2, lru=3, belady=5, key={
+    rows = [hitrate_rows(runs, row, 6, (0, 1), lru=3, belady=5, key={
         "variant": "v1", "moce_bonus": 0.5, "cache_experts": 4, "prompt_id": f"p{row}"}) for row in (0, 1)]
     assert [r["same_as_rep0"] for r in rows[0]] == [None, True, True]
     assert [r["same_as_rep0"] for r in rows[1]] == [None, True, False]

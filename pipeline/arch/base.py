@@ -1,7 +1,7 @@
 """What a model family is to the pipeline, and the registry of the families we run.
 
 Every family we support is a pre-norm decoder whose feed-forward half is a
-Mixture of Experts:
+Mixture of Experts (after any leading dense SwiGLU layers, `is_moe_layer`):
 
     h_attn = h + Attention(RMSNorm(h))
     mixed  = RMSNorm(h_attn)                                   (the MoE input)
@@ -9,9 +9,10 @@ Mixture of Experts:
 
 with SwiGLU experts stored stacked (`ffn_{gate,up,down}_exps`). Families
 differ in how attention projects and normalises q/k (biases, per-head or
-whole-vector RMSNorm) and which dimensions RoPE rotates together, in
-routing (softmax or sigmoid scores, renormalised top-k or not) and in
-whether a shared expert runs beside the routed ones.
+whole-vector RMSNorm, DeepSeek's latent attention) and which dimensions RoPE
+rotates together, in routing (softmax or sigmoid scores, renormalised top-k or
+not, a selection bias and expert groups) and in whether a shared expert, gated or
+not, runs beside the routed ones.
 An `Architecture` says exactly those things, by its llama.cpp name
 (`general.architecture`), so the file reader, the runner and the stages ask
 it instead of guessing from tensor names. A family is one file next to this
@@ -28,9 +29,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moeheal.kernels.moce import topk_route
 from moeheal.pipeline import model as M
+from moeheal.pipeline.errors import InputError
 
 if TYPE_CHECKING:
     from moeheal.pipeline.gguf_model import GGUFModel, HParams
@@ -42,8 +45,11 @@ MOE_TENSORS = ("ffn_norm.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight",
                "ffn_down_exps.weight")
 SHARED_EXPERT_TENSORS = ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
                          "ffn_down_shexp.weight")
+DENSE_FFN_TENSORS = ("ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 
-SharedExpert = Literal["none", "sigmoid_gated"]
+# "sigmoid_gated": out * sigmoid(x . ffn_gate_inp_shexp) (Qwen2-MoE); "ungated": out as is (DeepSeek).
+SharedExpert = Literal["none", "sigmoid_gated", "ungated"]
+SHARED_GATE_TENSORS = {"none": (), "sigmoid_gated": ("ffn_gate_inp_shexp.weight",), "ungated": ()}
 
 
 class Routing(NamedTuple):
@@ -66,9 +72,10 @@ class Architecture:
     # True: llama.cpp's graph renormalises the top-k weights whatever `<arch>.expert_weights_norm` says,
     # so a file that says otherwise is refused. None: the key is read (default `routing.norm_topk_default`).
     fixed_topk_norm: ClassVar[bool | None] = None
-    # Whether `attention` / `attention_heads` compute every layer's attention, so that a budget with
-    # budget_roles = "all" can measure and choose the formats of attn_{q,k,v,output}.
-    budgets_attention: ClassVar[bool] = True
+    router_extra_tensors: ClassVar[tuple[str, ...]] = ()  # per-MoE-layer tensors the routing reads beyond the router
+    # Whether attention is the standard q/k/v/output one that `pipeline.roles` measures and a budget over
+    # every role ("all") may choose formats for.
+    standard_attention: ClassVar[bool] = True
 
     def __str__(self) -> str:
         return self.name
@@ -83,14 +90,54 @@ class Architecture:
         """Whether a shared expert runs beside the routed ones; healing fits a ridge through it."""
         return self.shared_expert != "none"
 
-    def is_moe_layer(self, layer: int) -> bool:
-        """Whether `layer`'s feed-forward half is a Mixture of Experts (every layer in our families)."""
-        return True
+    @property
+    def supports_moce(self) -> bool:
+        """Whether cache-aware routing (`kernels.moce`, softmax scores of the router logits alone)
+        reproduces this family's routing at bonus 0."""
+        return self.routing.score == "softmax" and not self.router_extra_tensors
 
-    def layer_tensors(self, layer: int) -> tuple[str, ...]:
+    def is_moe_layer(self, layer: int, hp: HParams) -> bool:
+        """Whether `layer`'s feed-forward half is a Mixture of Experts: all but the file's leading
+        dense layers (`leading_dense_block_count`, 0 in the families without any). The one rule
+        every stage that walks layers asks, through `moe_layers`."""
+        return layer >= hp.n_dense_lead
+
+    def moe_layers(self, hp: HParams) -> tuple[int, ...]:
+        """The MoE layers' indices in order: the layers routed-expert work (dump, quantize, heal) visits."""
+        return tuple(i for i in range(hp.n_layer) if self.is_moe_layer(i, hp))
+
+    def layer_tensors(self, layer: int, hp: HParams) -> tuple[str, ...]:
         """Short names of the tensors `blk.{layer}` must hold, and no others."""
-        ffn = MOE_TENSORS + (SHARED_EXPERT_TENSORS if self.has_shared_expert else ())
-        return ATTENTION_TENSORS + self.attention_extra_tensors + (ffn if self.is_moe_layer(layer) else ())
+        return self.attention_layer_tensors(hp) + self.ffn_layer_tensors(layer, hp)
+
+    def attention_layer_tensors(self, hp: HParams) -> tuple[str, ...]:
+        """Short names of the attention tensors every layer holds."""
+        return ATTENTION_TENSORS + self.attention_extra_tensors
+
+    def ffn_layer_tensors(self, layer: int, hp: HParams) -> tuple[str, ...]:
+        """Short names of `blk.{layer}`'s feed-forward tensors: the MoE's, or a dense layer's FFN."""
+        if not self.is_moe_layer(layer, hp):
+            return DENSE_FFN_TENSORS
+        shared = self.shared_gate_tensors + SHARED_EXPERT_TENSORS[1:]  # its gate's (if any), gate/up/down
+        return MOE_TENSORS + self.router_extra_tensors + (shared if self.has_shared_expert else ())
+
+    def read_hparams(self, model: GGUFModel) -> dict[str, Any]:
+        """The HParams fields the family's attention sets: n_head, n_head_kv, head_dim (and its own,
+        validated here: an InputError naming the file and key), from `model`'s keys and its query
+        projection (`query_projection`)."""
+        a = self.name
+        n_head = int(model._required_key(f"{a}.attention.head_count"))
+        q_name, q_per_dim = self.query_projection(model)
+        q_rows = model.shape(q_name)[0] // q_per_dim  # n_head * head_dim
+        if q_rows % n_head:
+            raise InputError(f"{model.name}: key {a}.attention.head_count: {n_head} does not divide the "
+                             f"{q_rows} rows of {q_name}")
+        n_head_kv = int(model.metadata(f"{a}.attention.head_count_kv", n_head))
+        if n_head % n_head_kv:
+            raise InputError(f"{model.name}: key {a}.attention.head_count_kv: {n_head_kv} does not divide "
+                             f"head_count {n_head}")
+        return {"n_head": n_head, "n_head_kv": n_head_kv,
+                "head_dim": int(model.metadata(f"{a}.attention.key_length", q_rows // n_head))}
 
     def attention_extra_shapes(self, hp: HParams) -> dict[str, tuple[int, ...]]:
         """NumPy shapes of `attention_extra_tensors`, as the hyperparameters imply them (an entry
@@ -98,16 +145,6 @@ class Architecture:
         return {}
 
     # ---- what the file's keys say (read before the tensor table is checked) --
-
-    def file_hparams(self, model: GGUFModel) -> dict[str, Any]:
-        """`HParams` fields beyond the common ones, from the family's own keys of `model` (validated
-        here: an InputError naming the file and key); none by default."""
-        return {}
-
-    def file_layer_tensors(self, model: GGUFModel, layer: int) -> tuple[str, ...]:
-        """`layer_tensors` for this file: a family whose layers differ by the file's keys (which
-        layers are linear attention, say) reads them here."""
-        return self.layer_tensors(layer)
 
     def query_projection(self, model: GGUFModel) -> tuple[str, int]:
         """(tensor, rows per query head dimension): the projection whose rows are
@@ -161,10 +198,24 @@ class Architecture:
         attn_in = M.rms_norm(h, params["attn_norm.weight"], hp.rms_eps)  # (B, T, d)
         h_attn = h + self.attention(params, attn_in, cos, sin, hp)  # (B, T, d)
         mixed = M.rms_norm(h_attn, params["ffn_norm.weight"], hp.rms_eps)  # (B, T, d)
+        if "ffn_gate_inp.weight" not in params:  # a dense layer: no router (static under jit: dict keys)
+            return h_attn, attn_in, mixed, jnp.zeros(mixed.shape[:2] + (0,), jnp.float32)  # (B, T, 0)
         router_logits = M.einsum("btd,ed->bte", mixed, params["ffn_gate_inp.weight"])  # (B, T, E)
         return h_attn, attn_in, mixed, router_logits
 
+    @partial(jax.jit, static_argnames="self")
+    def dense_ffn_block(self, params: dict, h_attn: jax.Array, mixed: jax.Array) -> jax.Array:
+        """A dense layer's feed-forward half, a SwiGLU FFN: h_attn, mixed (B, T, d) -> h_out (B, T, d)."""
+        B, T, d = mixed.shape
+        hidden = M.swiglu(mixed.reshape(B * T, d), params["ffn_gate.weight"], params["ffn_up.weight"])  # (N, f)
+        return h_attn + M.einsum("nf,df->nd", hidden, params["ffn_down.weight"]).reshape(B, T, d)  # (B, T, d)
+
     # ---- routing and experts ----------------------------------------------
+
+    def route_layer(self, params: dict, router_logits: jax.Array, hp: HParams) -> tuple[jax.Array, jax.Array]:
+        """A MoE layer's routing from its tensors (`params`, for a family whose routing reads more than
+        the router logits) and router_logits (B, T, E) -> experts (B, T, k) int32, weights (B, T, k)."""
+        return self.route(router_logits, hp.n_expert_used, hp.norm_topk_prob)
 
     def route(self, router_logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
         """router_logits (..., E) -> experts (..., k) int32, weights (..., k)."""
@@ -172,14 +223,30 @@ class Architecture:
             return topk_route(router_logits, k, norm_topk_prob)
         return sigmoid_topk_route(router_logits, k, norm_topk_prob)
 
+    @property
+    def shared_gate_tensors(self) -> tuple[str, ...]:
+        """Short names of the tensors `shared_expert_gate` reads (none for an ungated shared expert)."""
+        return SHARED_GATE_TENSORS[self.shared_expert]
+
+    def shared_expert_gate(self, params: dict, mixed: np.ndarray) -> np.ndarray:
+        """The shared expert's output multiplier per token, in NumPy (healing's ridge reads it on
+        dumped rows): mixed (N, d) -> (N,), its sigmoid gate, or ones (ungated, or none)."""
+        if self.shared_expert == "sigmoid_gated":
+            return 1.0 / (1.0 + np.exp(-(mixed @ params["ffn_gate_inp_shexp.weight"].reshape(-1))))  # (N,)
+        return np.ones(len(mixed), np.float32)  # (N,)
+
     @partial(jax.jit, static_argnames="self")
     def shared_expert_forward(self, params: dict, mixed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The shared expert on mixed (N, d): out (N, d), hh (N, f_s) its hidden silu(gate)*up,
-        gate (N,) its sigmoid gate. Without one: out zeros, hh (N, 0), gate ones."""
+        gate (N,) its sigmoid gate, ones when ungated. Without one: out zeros, hh (N, 0), gate ones."""
         if self.shared_expert == "sigmoid_gated":
             return M.sigmoid_gated_shared_expert(params, mixed)
         N, d = mixed.shape
-        return jnp.zeros((N, d), jnp.float32), jnp.zeros((N, 0), jnp.float32), jnp.ones((N,), jnp.float32)
+        gate = jnp.ones((N,), jnp.float32)  # (N,)
+        if self.shared_expert == "ungated":
+            hh = M.swiglu(mixed, params["ffn_gate_shexp.weight"], params["ffn_up_shexp.weight"])  # (N, f_s)
+            return M.einsum("nf,df->nd", hh, params["ffn_down_shexp.weight"]), hh, gate  # (N, d), (N, f_s), (N,)
+        return jnp.zeros((N, d), jnp.float32), jnp.zeros((N, 0), jnp.float32), gate
 
     @partial(jax.jit, static_argnames="self")
     def moe_block(self, params: dict, h_attn: jax.Array, mixed: jax.Array, experts: jax.Array,

@@ -117,13 +117,13 @@ class Qwen3Next(Architecture):
     name = "qwen3next"
     routing = Routing(score="softmax", norm_topk_default=True)  # llama.cpp's graph always renormalises
     shared_expert = "sigmoid_gated"
-    budgets_attention = False  # the roles' attention code assumes ungated full attention in every layer
+    standard_attention = False  # the roles' attention code assumes ungated full attention in every layer
 
     # ---- what the file holds ----------------------------------------------
 
-    def file_hparams(self, model: GGUFModel) -> dict[str, Any]:
+    def read_hparams(self, model: GGUFModel) -> dict[str, Any]:
         a = self.name
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = super().read_hparams(model)
         for field, key in SSM_KEYS.items():
             value = model.metadata(f"{a}.{key}")
             if value is None:
@@ -146,8 +146,8 @@ class Qwen3Next(Architecture):
         extra["recurrent_layers"] = recurrent_layers(model)
         return extra
 
-    def file_layer_tensors(self, model: GGUFModel, layer: int) -> tuple[str, ...]:
-        attention = LINEAR_ATTENTION_TENSORS if recurrent_layers(model)[layer] else FULL_ATTENTION_TENSORS
+    def layer_tensors(self, layer: int, hp: HParams) -> tuple[str, ...]:
+        attention = LINEAR_ATTENTION_TENSORS if hp.recurrent_layers[layer] else FULL_ATTENTION_TENSORS
         return COMMON_TENSORS + attention + FFN_TENSORS
 
     def query_projection(self, model: GGUFModel) -> tuple[str, int]:

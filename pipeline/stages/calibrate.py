@@ -115,10 +115,11 @@ def _routed(experts_f32: dict[str, np.ndarray], data: dict[str, np.ndarray]) -> 
 
 def _gated_hidden(source: GGUFModel, layer: int, data: dict[str, np.ndarray],
                   arrays: dict[str, np.ndarray] | None = None) -> np.ndarray:
-    """Z = sigmoid(x . w_gate_shexp) * hh: what the shared down projection multiplies; with
+    """Z = gate(x) * hh: what the shared down projection multiplies, gate the family's
+    (`Architecture.shared_expert_gate`: a sigmoid gate, or 1 for an ungated shared expert); with
     `arrays` holding quantized ffn_gate_shexp / ffn_up_shexp (a recipe chose them), hh from those."""
-    gate_w = source.tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight").reshape(-1)  # (d,)
-    gate = 1.0 / (1.0 + np.exp(-(data["mixed"] @ gate_w)))  # (T,)
+    gate_params = {name: source.tensor(f"blk.{layer}.{name}") for name in source.arch.shared_gate_tensors}
+    gate = source.arch.shared_expert_gate(gate_params, data["mixed"])  # (T,)
     hh = data["hh"]  # (T, f) from the source's gate/up
     if arrays is not None and ("ffn_gate_shexp" in arrays or "ffn_up_shexp" in arrays):
         w_gate, w_up = (dequantized_matrix(arrays, name) if name in arrays
@@ -254,10 +255,13 @@ def _npz_member(file: Path, name: str) -> Callable[[], np.ndarray]:
 def assemble_gguf(out: Path, source: GGUFModel, calibrated: list[Path], variant: str, params: dict[str, Any]) -> None:
     """The healed model: the source GGUF with every tensor the variant quantized replaced, each in
     the format recorded beside it (routed experts, the shared down projection, any other role a
-    recipe chose); `moeheal.*` keys record the variant and its knobs. `calibrated[i]` is layer i's
-    calibrate unit. Tensors are streamed: one replaced tensor is in memory at a time."""
+    recipe chose); `moeheal.*` keys record the variant and its knobs. `calibrated[i]` is the i-th MoE
+    layer's calibrate unit (`GGUFModel.moe_layers`; dense layers are copied as they are). Tensors are
+    streamed: one replaced tensor is in memory at a time."""
     replace: dict[str, Deferred] = {}
-    for layer, unit in enumerate(calibrated):
+    if len(calibrated) != len(source.moe_layers):
+        raise ValueError(f"{len(calibrated)} calibrate units for {len(source.moe_layers)} MoE layers")
+    for layer, unit in zip(source.moe_layers, calibrated):
         replace |= layer_replacements(unit, layer)
     copy_gguf(source, out, replace, extra_kv=[
         ("moeheal.variant", variant, None),
@@ -271,8 +275,9 @@ def build_calibrate(out: Path, source: Path, quant_dir: Path, cal_dump: Path, un
     """One unit of the calibrate stage: alpha and ridge for layer `layer` of one variant's quantized
     experts (`quant_dir`, the quantize unit of that layer), on the dumps."""
     model = open_model(source)
-    calibrate_layer(out, model, quant_dir, open_dump(cal_dump, model.hp),
-                    open_dump(unseen_dump, model.hp) if unseen_dump is not None else None, params, layer)
+    calibrate_layer(out, model, quant_dir, open_dump(cal_dump, model.hp, model.moe_layers),
+                    open_dump(unseen_dump, model.hp, model.moe_layers) if unseen_dump is not None else None,
+                    params, layer)
 
 
 def build_assembly(out: Path, source: Path, calibrated: list[Path], variant: str, params: dict[str, Any]) -> None:

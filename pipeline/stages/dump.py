@@ -95,7 +95,7 @@ def _read_dtype(arr: zarr.Array) -> str:
     return str(arr.attrs.get("stored_as", arr.dtype))
 
 
-def _open_or_create(path: Path, trace: str, n_layer: int, widths: dict[str, tuple[int, str]],
+def _open_or_create(path: Path, trace: str, layers: tuple[int, ...], widths: dict[str, tuple[int, str]],
                     chunk_rows: int, total_rows: int, dump_dtype: str) -> zarr.Group:
     """Open a partial dump to resume, or create an empty one."""
     if (path / "zarr.json").exists():
@@ -107,7 +107,7 @@ def _open_or_create(path: Path, trace: str, n_layer: int, widths: dict[str, tupl
     root = zarr.open_group(str(path), mode="w")
     root.attrs.update({"trace": trace, "total_rows": total_rows, "rows_done": 0, "chunk_rows": chunk_rows,
                        "dump_dtype": dump_dtype})
-    for layer in range(n_layer):
+    for layer in layers:
         group = root.create_group(str(layer))
         group.attrs["trace"] = trace
         for name, (width, dtype) in widths.items():
@@ -115,9 +115,10 @@ def _open_or_create(path: Path, trace: str, n_layer: int, widths: dict[str, tupl
     return root
 
 
-def _truncate(root: zarr.Group, n_layer: int, rows: int, routing_dir: Path, names: tuple[str, ...]) -> None:
+def _truncate(root: zarr.Group, layers: tuple[int, ...], rows: int, routing_dir: Path,
+              names: tuple[str, ...]) -> None:
     """Drop anything a killed run wrote past the last complete chunk."""
-    for layer in range(n_layer):
+    for layer in layers:
         for name in names:
             arr = root[str(layer)][name]
             if arr.shape[0] != rows:
@@ -159,17 +160,18 @@ def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: st
     names = ARRAYS + (ATTENTION_ARRAYS if attention_inputs else ())
     widths = {name: width for name, width in _widths(hp, k, dump_dtype).items() if name in names}
     total = int(len(tokens))
-    root = _open_or_create(out, trace, hp.n_layer, widths, seq_tokens, total, dump_dtype)
+    layers = runner.model.moe_layers  # a dense layer has no experts to heal
+    root = _open_or_create(out, trace, layers, widths, seq_tokens, total, dump_dtype)
     routing_dir = out / "routing"
     routing_dir.mkdir(exist_ok=True)
     done = int(root.attrs["rows_done"])
-    _truncate(root, hp.n_layer, done, routing_dir, names)
+    _truncate(root, layers, done, routing_dir, names)
     starts = np.flatnonzero(np.diff(seq, prepend=-1))  # first position of each sequence
     root.attrs["seq_starts"] = [int(s) for s in starts]
     bounds = list(zip(starts, list(starts[1:]) + [total]))
     per_chunk = max(1, chunk_tokens // seq_tokens)
     chunks = [bounds[i:i + per_chunk] for i in range(0, len(bounds), per_chunk)]
-    arrays = {(layer, name): root[str(layer)][name] for layer in range(hp.n_layer) for name in names}
+    arrays = {(layer, name): root[str(layer)][name] for layer in layers for name in names}
     if done:
         log(f"[dump:{trace}] resuming after {done} of {total} tokens")
     for chunk in progress([c for c in chunks if c[0][0] >= done], desc=f"dump {trace}", unit="chunk"):
@@ -188,7 +190,7 @@ def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: st
             block = np.concatenate(buffers[(layer, name)], axis=0)  # (hi - lo, width)
             arr.resize((hi, arr.shape[1]))
             arr[lo:hi] = block
-        for layer in range(hp.n_layer):
+        for layer in layers:
             experts = np.concatenate(buffers[(layer, "experts")])  # (n, k)
             weights = np.concatenate(buffers[(layer, "weights")])  # (n, k)
             n = experts.shape[0]
@@ -278,9 +280,9 @@ class DumpGroup:
 class Dump:
     """A complete, structurally checked dump (what `open_dump` returns): `dump[str(layer)][name][rows]`."""
 
-    def __init__(self, root: zarr.Group, path: Path, n_layer: int, n_expert: int | None,
+    def __init__(self, root: zarr.Group, path: Path, layers: tuple[int, ...], n_expert: int | None,
                  arrays: tuple[str, ...] = ARRAYS):
-        self._root, self.path, self.n_layer, self._n_expert, self.arrays = root, path, n_layer, n_expert, arrays
+        self._root, self.path, self.layers, self._n_expert, self.arrays = root, path, layers, n_expert, arrays
 
     @property
     def attrs(self):
@@ -295,17 +297,19 @@ class Dump:
         return list(zip(starts, starts[1:] + [int(self.attrs["total_rows"])]))
 
     def __getitem__(self, layer: str) -> DumpGroup:
-        if layer not in {str(i) for i in range(self.n_layer)}:
+        if layer not in {str(i) for i in self.layers}:
             raise KeyError(layer)
         return DumpGroup(self._root[layer], f"{self.path}: layer {layer}", self._n_expert)
 
 
-def open_dump(path: Path, hp: HParams | None = None) -> Dump:
+def open_dump(path: Path, hp: HParams | None = None, layers: tuple[int, ...] | None = None) -> Dump:
     """A complete dump, its layout checked before any stage reads it.
 
-    Every layer `0..n-1` holds every array with T rows, the widths agree
-    across layers (and with `hp`, the model's HParams, when given), and no
-    chunk file is missing (Zarr would silently read a missing chunk as zeros).
+    Every layer holds every array with T rows, the widths agree across layers
+    (and with `hp`, the model's HParams, when given), and no chunk file is
+    missing (Zarr would silently read a missing chunk as zeros). The layers are
+    the model's MoE layers `layers` when given (`GGUFModel.moe_layers`), else
+    every layer of `hp`; without either, consecutive indices `a..b`.
     """
     try:
         root = zarr.open_group(str(path), mode="r")
@@ -321,19 +325,22 @@ def open_dump(path: Path, hp: HParams | None = None) -> Dump:
     total = attrs.get("total_rows")
     if not isinstance(total, int) or isinstance(total, bool) or total < 1:
         raise InputError(f"{path}: attribute total_rows {total!r} is not a positive row count")
-    n_layer = len(layer_names)
-    if layer_names != sorted(str(i) for i in range(n_layer)) or not n_layer:
-        raise InputError(f"{path}: layer groups {layer_names[:8]} are not 0..n-1")
-    if hp is not None and n_layer != hp.n_layer:
-        raise InputError(f"{path}: {n_layer} layers, the model has {hp.n_layer}")
+    indices = sorted(int(n) for n in layer_names if n.isdigit() and str(int(n)) == n)
+    if len(indices) != len(layer_names) or not indices or indices != list(range(indices[0], indices[-1] + 1)):
+        raise InputError(f"{path}: layer groups {layer_names[:8]} are not consecutive layer indices")
+    if layers is None and hp is not None:
+        layers = tuple(range(hp.n_layer))
+    if layers is not None and tuple(indices) != tuple(layers):
+        raise InputError(f"{path}: layers {indices[0]}..{indices[-1]}, the model's MoE layers are "
+                         f"{layers[0]}..{layers[-1]}")
     dump_dtype = attrs.get("dump_dtype", "float32")
     if dump_dtype not in DUMP_DTYPES:
         raise InputError(f"{path}: attribute dump_dtype {dump_dtype!r} is not one of {', '.join(DUMP_DTYPES)}")
     expected = _widths(hp, hp.n_expert_used, dump_dtype) if hp is not None else None
     first: dict[str, tuple[int, str]] = {}
     # the optional arrays are there when layer 0 has their folder (each array is then checked below)
-    names = ARRAYS + tuple(name for name in ATTENTION_ARRAYS if (Path(path) / "0" / name).is_dir())
-    for layer in range(n_layer):
+    names = ARRAYS + tuple(name for name in ATTENTION_ARRAYS if (Path(path) / str(indices[0]) / name).is_dir())
+    for layer in indices:
         for name in names:
             where = f"{path}: layer {layer} {name}"
             try:
@@ -357,7 +364,7 @@ def open_dump(path: Path, hp: HParams | None = None) -> Dump:
                                    and starts == sorted(set(starts))):
         raise InputError(f"{path}: attribute seq_starts {str(starts)[:80]} is not the increasing first rows "
                          f"of the dump's sequences")
-    return Dump(root, Path(path), n_layer, hp.n_expert if hp is not None else None, names)
+    return Dump(root, Path(path), tuple(indices), hp.n_expert if hp is not None else None, names)
 
 
 SPEC_KEYS = {"trace", "T", "d", "f", "k", "layers"}

@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from moeheal.kernels.kld import token_kld
 from moeheal.kernels.moce import belady_hits, lru_hits, make_routing_hook
+from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import GGUFModel, open_model
 from moeheal.pipeline.files import read_part, write_parquet
 from moeheal.pipeline.progress import progress
@@ -82,16 +83,29 @@ def reference_logits(out: Path, reference: GGUFModel, windows: pa.Table, tokens:
 
 
 def _forward_with_cache(runner: Runner, batch: np.ndarray, bonus: float, cache_experts: int):
-    """Logits (B, T, V), per layer experts (B, T, k), hits (B, T) and misses (B, T)."""
+    """Logits (B, T, V), per MoE layer experts (B, T, k), hits (B, T) and misses (B, T).
+
+    A family whose routing cache-aware routing does not reproduce (`Architecture.supports_moce`)
+    runs its own routing, at bonus 0 only, and its hits are an LRU cache's replaying that routing,
+    which is what cache-aware routing at bonus 0 counts."""
     hp = runner.hp
-    hook = make_routing_hook(cache_experts, bonus, hp.n_expert_used, hp.norm_topk_prob)
+    moce = runner.arch.supports_moce
+    if not moce and bonus != 0:
+        raise InputError(f"{runner.model.name}: MoCE bonus {bonus:g}: not supported for the {runner.arch} family")
+    hook = make_routing_hook(cache_experts, bonus, hp.n_expert_used, hp.norm_topk_prob) if moce else None
     experts: dict[int, np.ndarray] = {}
 
     def on_layer(layer: int, cap) -> None:
         experts[layer] = np.asarray(cap.experts)
 
     logits = runner.forward(batch, capture=True, routing_hook=hook, on_layer=on_layer)
-    return np.asarray(logits), experts, hook.stats
+    if moce:
+        return np.asarray(logits), experts, hook.stats
+    stats = {}
+    for layer, e in experts.items():  # (B, T, k)
+        hits = np.stack([lru_hits(row, cache_experts) for row in e]).astype(np.int32)  # (B, T)
+        stats[layer] = (hits, hp.n_expert_used - hits)
+    return np.asarray(logits), experts, stats
 
 
 def evaluate_model(out: Path, model: GGUFModel, variant: str, ref_dir: Path, windows: pa.Table,
@@ -100,7 +114,7 @@ def evaluate_model(out: Path, model: GGUFModel, variant: str, ref_dir: Path, win
     """Write `token_kld.parquet` and `hitrate.parquet` for one model."""
     out.mkdir(parents=True, exist_ok=True)
     runner = Runner(model)
-    n_layer = model.hp.n_layer
+    layers = model.moe_layers
     kld_parts, hit_rows = [], []
     plain_experts: dict[str, dict[int, np.ndarray]] = {}
     for bonus in sorted(bonuses):  # 0 first: its routing is the baselines' trace
@@ -124,22 +138,22 @@ def evaluate_model(out: Path, model: GGUFModel, variant: str, ref_dir: Path, win
                     "top1": pa.array(top1.astype(np.int32)),
                     "same_top1": pa.array(ref_top1 == top1),
                 }))
-                layer_experts = {layer: experts[layer][row, :n] for layer in range(n_layer)}  # (n, k)
+                layer_experts = {layer: experts[layer][row, :n] for layer in layers}  # (n, k)
                 if bonus == 0:
                     plain_experts[wid] = layer_experts
-                lru = sum(int(lru_hits(plain_experts[wid][layer], cache_experts).sum()) for layer in range(n_layer))
-                belady = sum(int(belady_hits(plain_experts[wid][layer], cache_experts).sum())
-                             for layer in range(n_layer))
-                hit_rows += hitrate_rows(runs, row, n, n_layer, lru, belady, {
+                lru = sum(int(lru_hits(plain_experts[wid][layer], cache_experts).sum()) for layer in layers)
+                belady = sum(int(belady_hits(plain_experts[wid][layer], cache_experts).sum()) for layer in layers)
+                hit_rows += hitrate_rows(runs, row, n, layers, lru, belady, {
                     "variant": variant, "moce_bonus": float(bonus), "cache_experts": cache_experts,
                     "prompt_id": wid})
     write_parquet(out / "token_kld.parquet", pa.concat_tables(kld_parts))
     write_parquet(out / "hitrate.parquet", pa.Table.from_pylist(hit_rows, schema=HITRATE_SCHEMA))
 
 
-def hitrate_rows(runs: list, row: int, n: int, n_layer: int, lru: int, belady: int,
+def hitrate_rows(runs: list, row: int, n: int, layers: tuple[int, ...], lru: int, belady: int,
                  key: dict) -> list[dict]:
-    """`hitrate` rows of one window (batch row `row`, first `n` positions), one per repetition.
+    """`hitrate` rows of one window (batch row `row`, first `n` positions, the MoE `layers`), one per
+    repetition.
 
     `runs` are the repetitions' (logits (B, T, V), experts {layer: (B, T, k)},
     stats {layer: (hits (B, T), misses (B, T))}). `same_as_rep0` compares a
@@ -150,11 +164,11 @@ def hitrate_rows(runs: list, row: int, n: int, n_layer: int, lru: int, belady: i
     logits, experts, _ = runs[0]
     rows = []
     for rep, (rep_logits, rep_experts, rep_stats) in enumerate(runs):
-        hits = sum(int(rep_stats[layer][0][row, :n].sum()) for layer in range(n_layer))
-        misses = sum(int(rep_stats[layer][1][row, :n].sum()) for layer in range(n_layer))
+        hits = sum(int(rep_stats[layer][0][row, :n].sum()) for layer in layers)
+        misses = sum(int(rep_stats[layer][1][row, :n].sum()) for layer in layers)
         lookups = hits + misses
         same = None if rep == 0 else bool(np.array_equal(rep_logits[row, :n], logits[row, :n]) and all(
-            np.array_equal(rep_experts[layer][row, :n], experts[layer][row, :n]) for layer in range(n_layer)))
+            np.array_equal(rep_experts[layer][row, :n], experts[layer][row, :n]) for layer in layers))
         rows.append({**key, "rep": rep, "hit_rate": hits / lookups, "misses_per_token": misses / n,
                      "hit_rate_lru": lru / lookups, "hit_rate_belady": belady / lookups, "same_as_rep0": same})
     return rows

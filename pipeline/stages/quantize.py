@@ -267,7 +267,7 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
 
     stats: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     others = (roles.SHARED if source.arch.has_shared_expert else ()) + (roles.ATTENTION if "attn_in" in dump_root.arrays else ())
-    for layer in range(source.hp.n_layer):
+    for layer in source.moe_layers:
         if others:
             matrices = layer_matrices(source, layer)
             data = read_layer(dump_root[str(layer)], slice(None), roles.dump_arrays(others))
@@ -297,4 +297,5 @@ def build_quantize(out: Path, source: Path, dump: Path | None, params: QuantizeP
     when given."""
     model = open_model(source)
     formats = layer_formats(params, layer, read_recipe(recipe) if recipe is not None else None)
-    quantize_layer(out, model, open_dump(dump, model.hp) if dump is not None else None, params, layer, formats)
+    quantize_layer(out, model, open_dump(dump, model.hp, model.moe_layers) if dump is not None else None, params,
+                   layer, formats)

@@ -163,7 +163,7 @@ def measure_sensitivity(source: GGUFModel, cal, unseen, params: SensitivityParam
     seqs = {"in_sample": roles.clip_sequences(cal.sequences("sensitivity"), in_rows),
             "unseen": unseen.sequences("sensitivity")} if extra else {"in_sample": [], "unseen": []}
     rows = []
-    for layer in progress(range(source.hp.n_layer), desc="sensitivity", unit="layer"):
+    for layer in progress(source.moe_layers, desc="sensitivity", unit="layer"):
         weights = expert_weights(source, layer)
         plan = importance_plan(weights, cal if qp.importance else None, layer, qp)
         data = {"in_sample": read_layer(cal[str(layer)], in_rows, extra),
@@ -246,7 +246,8 @@ def build_sensitivity(out: Path, source: Path, cal_dump: Path, unseen_dump: Path
                       log: Callable[[str], None] = print) -> None:
     """The sensitivity stage: `sensitivity.parquet`."""
     model = open_model(source)
-    table = measure_sensitivity(model, open_dump(cal_dump, model.hp), open_dump(unseen_dump, model.hp), params)
+    table = measure_sensitivity(model, open_dump(cal_dump, model.hp, model.moe_layers),
+                                open_dump(unseen_dump, model.hp, model.moe_layers), params)
     write_parquet(out / "sensitivity.parquet", table)
 
 
