@@ -46,6 +46,18 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)  # (B, T, H, hd)
 
 
+def apply_rope_pairs(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """llama.cpp's "normal" rotary embedding (llama, deepseek2): dimension 2i pairs with 2i + 1, at frequency i.
+
+    x (B, T, H, hd), cos/sin (T, hd/2) -> (B, T, H, hd).
+    """
+    B, T, H, hd = x.shape
+    pairs = x.reshape(B, T, H, hd // 2, 2)  # (B, T, H, hd/2, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]  # (B, T, H, hd/2) each
+    c, s = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, hd/2)
+    return jnp.stack([x0 * c - x1 * s, x1 * c + x0 * s], axis=-1).reshape(B, T, H, hd)  # (B, T, H, hd)
+
+
 def linear(params: dict, name: str, x: jax.Array) -> jax.Array:
     """x (..., d_in) @ W.T (+ bias when the layer has one) -> (..., d_out)."""
     y = einsum("...i,oi->...o", x, params[f"{name}.weight"])  # (..., d_out)

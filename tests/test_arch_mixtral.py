@@ -20,7 +20,6 @@ from moeheal import kernels
 from moeheal.kernels.importance import gate_up_importance
 from moeheal.pipeline import model as M
 from moeheal.pipeline.arch import ARCHITECTURES
-from moeheal.pipeline.arch.mixtral import apply_rope_pairs
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.convert import hf_to_gguf, permute_rope_rows
 from moeheal.pipeline.errors import InputError
@@ -157,7 +156,7 @@ def test_adjacent_pair_rope_on_permuted_rows_is_rotate_half_on_the_originals():
     ref = x * cos[None, :, None] + rotated * sin[None, :, None]  # (B, T, H, hd)
     perm = permute_rope_rows(np.arange(H * hd), H).reshape(H, hd) % hd  # each head's dimension order
     c, s = M.rope_tables(T, hd, 1e4)
-    got = np.asarray(apply_rope_pairs(jnp.asarray(x[..., perm[0]], jnp.float32), c, s))  # (B, T, H, hd)
+    got = np.asarray(M.apply_rope_pairs(jnp.asarray(x[..., perm[0]], jnp.float32), c, s))  # (B, T, H, hd)
     np.testing.assert_allclose(got, ref[..., perm[0]], atol=1e-5)
     neox = np.asarray(M.apply_rope(jnp.asarray(x[..., perm[0]], jnp.float32), c, s))
     assert np.abs(neox - ref[..., perm[0]]).max() > 1e-2  # the default rotation would be wrong here

@@ -47,14 +47,6 @@ MLA = ("attn_norm.weight", "attn_kv_a_mqa.weight", "attn_kv_a_norm.weight", "att
        "attn_output.weight")
 
 
-def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """llama.cpp's NORM rotary embedding: dims (2i, 2i+1) rotate together by frequency i.
-    x (B, T, H, r), cos/sin (T, r/2) -> (B, T, H, r)."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]  # (B, T, H, r/2) each
-    c, s = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, r/2)
-    return jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(x.shape)  # (B, T, H, r)
-
-
 YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # llama.cpp's defaults, the only values it uses for deepseek2
 
 
@@ -163,10 +155,10 @@ class Deepseek2(Architecture):
         else:
             q = M.linear(params, "attn_q", x)  # (B, T, H*hd)
         q = q.reshape(B, T, H, hp.head_dim)  # (B, T, H, hd)
-        q_pe = apply_rope_interleaved(q[..., nope:], cos, sin)  # (B, T, H, rope)
+        q_pe = M.apply_rope_pairs(q[..., nope:], cos, sin)  # (B, T, H, rope)
         kv_a = M.linear(params, "attn_kv_a_mqa", x)  # (B, T, r_kv + rope)
         c = M.rms_norm(kv_a[..., :r_kv], params["attn_kv_a_norm.weight"], hp.rms_eps)  # (B, T, r_kv)
-        k_pe = apply_rope_interleaved(kv_a[..., None, r_kv:], cos, sin)  # (B, T, 1, rope): one key for all heads
+        k_pe = M.apply_rope_pairs(kv_a[..., None, r_kv:], cos, sin)  # (B, T, 1, rope): one key for all heads
         k_nope = M.einsum("btc,hcn->bthn", c, params["attn_k_b.weight"])  # (B, T, H, nope)
         v = M.einsum("btc,hvc->bthv", c, params["attn_v_b.weight"])  # (B, T, H, v)
         q = jnp.concatenate([q[..., :nope], q_pe], axis=-1) * yarn_score_scale(hp)  # (B, T, H, hd)

@@ -18,25 +18,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
 
 from moeheal.pipeline import model as M
 from moeheal.pipeline.arch.base import Architecture, Routing, register
 
 if TYPE_CHECKING:
     from moeheal.pipeline.gguf_model import HParams
-
-
-def apply_rope_pairs(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """llama.cpp's "normal" rotary embedding: dimension 2i pairs with 2i + 1, at frequency i.
-
-    x (B, T, H, hd), cos/sin (T, hd/2) -> (B, T, H, hd).
-    """
-    B, T, H, hd = x.shape
-    pairs = x.reshape(B, T, H, hd // 2, 2)  # (B, T, H, hd/2, 2)
-    x0, x1 = pairs[..., 0], pairs[..., 1]  # (B, T, H, hd/2) each
-    c, s = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, hd/2)
-    return jnp.stack([x0 * c - x1 * s, x1 * c + x0 * s], axis=-1).reshape(B, T, H, hd)  # (B, T, H, hd)
 
 
 @register
@@ -48,7 +35,7 @@ class Mixtral(Architecture):
     fixed_topk_norm = True  # llama.cpp's llama graph passes norm_w = true, never reading expert_weights_norm
 
     def apply_rope(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        return apply_rope_pairs(x, cos, sin)  # (B, T, H, hd)
+        return M.apply_rope_pairs(x, cos, sin)  # (B, T, H, hd)
 
     def project_qkv(self, params: dict, x: jax.Array, hp: HParams) -> tuple[jax.Array, jax.Array, jax.Array]:
         B, T, _ = x.shape
