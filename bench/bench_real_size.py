@@ -42,6 +42,10 @@ from moeheal.pipeline.config import load_config
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.synth import LIKE, write_synth
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.llama_kld import held_out_text, llama_kld, perplexity_binary, run_perplexity  # noqa: E402
+
 DEMO = Path(__file__).resolve().parent.parent / "demo"
 STAGE_LINE = re.compile(r"^\[(?P<label>[^\]]+)\] (?P<what>computing|cache hit) ")
 
@@ -126,6 +130,20 @@ def device_peak_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
+def llama_cpp_kld(source: Path, healed: dict[str, Path], work: Path) -> dict[str, list[float]]:
+    """llama.cpp's own run of every healed GGUF: {variant: [mean KLD, its +-, same top-1 %]} against
+    the source on 2 chunks of the demo's held-out text (random weights: proof that llama.cpp loads and
+    runs the file, not a quality figure)."""
+    binary = perplexity_binary()
+    if binary is None:
+        raise SystemExit("--llama-kld: $LLAMA_CPP_DIR/bin/llama-perplexity not found")
+    text = work / "held_out.txt"
+    text.write_text(held_out_text(DEMO / "docs.jsonl", DEMO / "split.csv"), encoding="utf-8")
+    base = work / "source.kld"
+    run_perplexity(binary, str(source), text, base, chunks=2, kld=False)
+    return {name: list(llama_kld(binary, str(path), text, base, chunks=2)) for name, path in healed.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--like", default="qwen3-30b-a3b", choices=sorted(LIKE))
@@ -137,14 +155,19 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
                         help="which of the two variants to heal (the unhealed baseline always runs)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="synth's worker processes")
+    parser.add_argument("--vocab", type=int, help="a smaller vocabulary than the real model's (a quick check on CPU)")
+    parser.add_argument("--llama-kld", action="store_true",
+                        help="also have llama.cpp ($LLAMA_CPP_DIR) run every healed GGUF: its KLD against the "
+                             "synthetic source on 2 chunks of the demo's held-out text")
     parser.add_argument("--work", type=Path, default=Path("/tmp/moeheal-real-size"))
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args()
     like = LIKE[args.like]
     args.work.mkdir(parents=True, exist_ok=True)
-    model = args.work / f"{args.like}-{args.layers}l{f'-{args.experts}e' if args.experts else ''}.gguf"
+    shrunk = (f"-{args.experts}e" if args.experts else "") + (f"-{args.vocab}v" if args.vocab else "")
+    model = args.work / f"{args.like}-{args.layers}l{shrunk}.gguf"
     start = time.perf_counter()
-    synth = write_synth(model, args.like, n_layer=args.layers, n_expert=args.experts,
+    synth = write_synth(model, args.like, n_layer=args.layers, n_expert=args.experts, vocab_size=args.vocab,
                         jobs=args.jobs) if not model.exists() else None
     synth_s = time.perf_counter() - start
     clock = StageClock()
@@ -153,10 +176,10 @@ def main() -> int:
     run = HealRun(load_config(config), log=clock)
     if args.no_eval:  # up to the healed GGUFs: a real vocabulary makes every evaluated window costly
         run.audit()
-        for variant in run.all_quantized_variants():
-            run.assemble(variant)
+        healed = {variant.name: run.assemble(variant).path for variant in run.all_quantized_variants()}
     else:
         run.heal()
+        healed = {variant.name: run.assemble(variant).path for variant in run.all_quantized_variants()}
     end = time.perf_counter()
     heal_s = end - start
 
@@ -177,6 +200,8 @@ def main() -> int:
         "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "device_peak_bytes": device_peak_bytes(),
     }
+    if args.llama_kld:
+        figures["llama_cpp_kld"] = llama_cpp_kld(model, healed, args.work)
     print(json.dumps(figures, indent=1))
     if figures["synth_s"]:
         print(f"heal / synth wall time: {heal_s / synth_s:.2f}x")

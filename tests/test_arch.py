@@ -99,6 +99,12 @@ def healed_olmoe(tmp_path_factory) -> tuple[Path, HealRun]:
 
 def test_olmoe_heals_without_a_ridge_and_the_assembled_gguf_loads(healed_olmoe):
     _, run = healed_olmoe
+    variant = run.cfg.variants[0]
+    assert run.calibrated_table([variant], "ridge_cv").num_rows == 0  # no shared expert, no ridge
+    for m in run.calibrated_table([variant], "layer_metrics").to_pylist():
+        assert m["resid_ridge"] == m["resid_alpha"]
+        if m["split"] == "in_sample":  # alpha is the least-squares scale on these rows: it cannot do worse
+            assert m["resid_alpha"] <= m["resid_alpha1"]
     healed = GGUFModel(run.assemble(run.cfg.variants[0]).path)
     assert healed.arch is ARCHITECTURES["olmoe"] and healed.metadata("moeheal.variant") == "v1"
     assert healed.raw("blk.0.ffn_down_exps.weight").ggml_type.name == "TQ2_0"

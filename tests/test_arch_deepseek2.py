@@ -22,7 +22,7 @@ from moeheal.pipeline.runner import LayerCapture, Runner
 from tests.ggufs import train_tiny_bpe
 from tests.healworld import write_world
 from tests.test_llamacpp import eval_text, llama_perplexity, our_perplexity
-from tests.test_runner import rel_err, tokens_for
+from tests.test_runner import rel_err, tokens_for, transformers_run
 
 
 def tiny_deepseek_v3(vocab_size: int, seed: int, n_layer: int = 3, d_model: int = 64, q_lora_rank: int | None = 32,
@@ -53,32 +53,6 @@ def tiny_deepseek_v3(vocab_size: int, seed: int, n_layer: int = 3, d_model: int 
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn_like(b))
     return model.float().eval()
-
-
-def deepseek_run(hf, tokens: np.ndarray) -> tuple[np.ndarray, dict[int, dict]]:
-    """transformers' logits and, per MoE layer, its router's choices and the routed experts' output."""
-    per_layer: dict[int, dict] = {}
-    hooks = []
-    for i, layer in enumerate(hf.model.layers):
-        if not hasattr(layer.mlp, "gate"):
-            continue  # a dense layer
-
-        def on_router(mod, args, out, i=i):
-            _, weights, experts = out
-            per_layer.setdefault(i, {}).update(weights=weights.numpy(), experts=experts.numpy())
-
-        def on_experts(mod, args, out, i=i):
-            per_layer.setdefault(i, {})["yr"] = out.numpy()
-
-        hooks += [layer.mlp.gate.register_forward_hook(on_router),
-                  layer.mlp.experts.register_forward_hook(on_experts)]
-    try:
-        with torch.no_grad():
-            logits = hf(torch.from_numpy(tokens).long()).logits.numpy()
-    finally:
-        for h in hooks:
-            h.remove()
-    return logits, per_layer
 
 
 def convert(tmp: Path, seed: int, matrix_type: str = "f32", **dims) -> tuple[Path, object]:
@@ -125,7 +99,7 @@ def test_split_kv_b_is_the_transposed_key_rows_and_the_value_rows(v3):
 def check_against_transformers(path: Path, hf) -> None:
     model = GGUFModel(path)
     tokens = tokens_for(model)
-    ref_logits, ref = deepseek_run(hf, tokens)
+    ref_logits, ref = transformers_run(hf, tokens)
     caps: dict[int, LayerCapture] = {}
     got = Runner(model).forward(tokens, capture=True, on_layer=lambda i, c: caps.__setitem__(i, c))
     assert rel_err(got, ref_logits) <= 1e-4
@@ -353,7 +327,7 @@ def test_the_converter_refuses_what_llama_cpp_would_compute_differently(v3, tmp_
 @pytest.mark.parametrize("moce, variants, why", [
     ((0.0, 0.5), DEEPSEEK_VARIANTS, r"\[moce\] bonus: cache-aware routing is not supported for the deepseek2 family"),
     ((0.0,), '[[variant]]\nname = "b"\nbudget_bpw = 3.0\nformats = ["q2_k", "q3_k"]\nbudget_roles = "all"\n',
-     r'budget_roles = "all": not supported for the deepseek2 family'),
+     r'budget_roles = "all" is not supported for the deepseek2 family'),
 ])
 def test_moce_bonuses_and_whole_file_budgets_are_refused(v3, tmp_path, moce, variants, why):
     config = write_world(tmp_path, model=v3[0], variants=variants, moce_bonus=moce)

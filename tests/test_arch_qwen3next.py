@@ -29,7 +29,7 @@ from moeheal.pipeline.runner import LayerCapture, Runner
 from tests.ggufs import train_tiny_bpe
 from tests.healworld import write_world
 from tests.test_llamacpp import eval_text, llama_perplexity, our_perplexity
-from tests.test_runner import numpy_moe, rel_err, tokens_for
+from tests.test_runner import numpy_moe, rel_err, tokens_for, transformers_run
 
 # A variant with a ridge: Qwen3-Next has a shared expert, so healing runs importance, GPTQ, alpha and the ridge.
 RIDGE_VARIANT = """
@@ -71,33 +71,6 @@ def tiny_qwen3next(vocab_size: int, seed: int, d_model: int = 64, n_layer: int =
             elif name.endswith("dt_bias"):
                 p.copy_(0.5 * torch.randn_like(p))
     return model.float().eval()
-
-
-def hf_run(hf, tokens: np.ndarray) -> tuple[np.ndarray, list[dict]]:
-    """Logits and, per layer, the MoE input, the routed experts' output and the router's choices."""
-    per_layer: list[dict] = [{} for _ in hf.model.layers]
-    hooks = []
-    for i, layer in enumerate(hf.model.layers):
-        def on_mlp(mod, args, out, i=i):
-            per_layer[i]["mixed"] = args[0].detach().numpy()
-
-        def on_experts(mod, args, out, i=i):
-            per_layer[i]["yr"] = out.detach().numpy()
-
-        def on_router(mod, args, out, i=i):
-            logits, scores, indices = out
-            per_layer[i].update(router_logits=logits.detach().numpy(), weights=scores.detach().numpy(),
-                                experts=indices.detach().numpy())
-
-        hooks += [layer.mlp.register_forward_hook(on_mlp), layer.mlp.experts.register_forward_hook(on_experts),
-                  layer.mlp.gate.register_forward_hook(on_router)]
-    try:
-        with torch.no_grad():
-            logits = hf(torch.from_numpy(tokens).long()).logits.numpy()
-    finally:
-        for h in hooks:
-            h.remove()
-    return logits, per_layer
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +125,8 @@ def test_qwen3next_logits_and_routing_match_transformers(qwen3next):
     path, hf = qwen3next
     model = GGUFModel(path)
     tokens = tokens_for(model, length=80)  # past transformers' 64-token chunk of the delta rule
-    logits32, _ = hf_run(hf, tokens)
-    ref_logits, ref = hf_run(float64_copy(hf), tokens)
+    logits32, _ = transformers_run(hf, tokens)
+    ref_logits, ref = transformers_run(float64_copy(hf), tokens)
     caps: dict[int, LayerCapture] = {}
     got = Runner(model).forward(tokens, capture=True, on_layer=lambda i, c: caps.__setitem__(i, c))
     assert rel_err(got, ref_logits) <= 1e-4 and rel_err(got, logits32) <= 1e-4

@@ -28,21 +28,29 @@ def load_transformers(path: Path, model: GGUFModel):
     return hf.eval()
 
 
-def transformers_run(hf, tokens: np.ndarray) -> tuple[np.ndarray, list[dict]]:
-    """Logits and, per layer, the MoE block's input/output and the router's logits/choices."""
-    per_layer: list[dict] = [{} for _ in hf.model.layers]
+def transformers_run(hf, tokens: np.ndarray) -> tuple[np.ndarray, dict[int, dict]]:
+    """Logits and, per MoE layer (a dense one has no `mlp.gate` and no entry), the MoE block's
+    input and output, the routed experts' output and the router's logits and choices."""
+    per_layer: dict[int, dict] = {}
     hooks = []
     for i, layer in enumerate(hf.model.layers):
+        if not hasattr(layer.mlp, "gate"):
+            continue
+
         def on_mlp(mod, args, out, i=i):
-            per_layer[i]["mixed"] = args[0].detach().numpy()
-            per_layer[i]["moe_out"] = (out[0] if isinstance(out, tuple) else out).detach().numpy()
+            per_layer.setdefault(i, {}).update(mixed=args[0].detach().numpy(),
+                                               moe_out=(out[0] if isinstance(out, tuple) else out).detach().numpy())
+
+        def on_experts(mod, args, out, i=i):
+            per_layer.setdefault(i, {})["yr"] = out.detach().numpy()
 
         def on_router(mod, args, out, i=i):
             logits, scores, indices = out
-            per_layer[i].update(router_logits=logits.detach().numpy(), weights=scores.detach().numpy(),
-                                experts=indices.detach().numpy())
+            per_layer.setdefault(i, {}).update(router_logits=logits.detach().numpy(), weights=scores.detach().numpy(),
+                                               experts=indices.detach().numpy())
 
-        hooks += [layer.mlp.register_forward_hook(on_mlp), layer.mlp.gate.register_forward_hook(on_router)]
+        hooks += [layer.mlp.register_forward_hook(on_mlp), layer.mlp.gate.register_forward_hook(on_router),
+                  layer.mlp.experts.register_forward_hook(on_experts)]
     try:
         with torch.no_grad():
             logits = hf(torch.from_numpy(tokens).long()).logits.numpy()
