@@ -8,9 +8,11 @@ over the demo's corpus, split and a few of its windows (the synthetic vocabulary
 with the demo's, so the demo text tokenizes the same), and runs every stage:
 corpus, traces, dumps of the calibration and unseen traces, quantize and
 calibrate per (variant, layer), assembly, reference logits, evaluation,
-comparisons. Two variants (`--variants` picks): `ls_q2_k` (Q2_K, importance, least squares,
-alpha and ridge) and `gptq_iq2_xxs` (IQ2_XXS, importance, GPTQ, alpha and
-ridge; ridge only where the model has a shared expert).
+comparisons. Two variants by default: `ls_q2_k` (Q2_K, importance, least
+squares, alpha and ridge) and `gptq_iq2_xxs` (IQ2_XXS, importance, GPTQ, alpha
+and ridge; ridge only where the model has a shared expert); `--variants` picks,
+`ls_tq2_0` (TQ2_0, importance, least squares, alpha and ridge) being the
+cheapest healed one.
 
 Printed: each stage invocation's wall time (from its start to the next
 stage's start, so a unit's reading of its inputs is in it), the sums per
@@ -71,6 +73,7 @@ def write_windows(work: Path, per_stratum: int) -> Path:
 
 # The healed variants this bench can run, as config tables.
 VARIANTS = {
+    "ls_tq2_0": '[[variant]]\nname = "ls_tq2_0"\nquant = "tq2_0"\nround = "ls"\n',
     "ls_q2_k": '[[variant]]\nname = "ls_q2_k"\nquant = "q2_k"\nround = "ls"\n',
     "gptq_iq2_xxs": '[[variant]]\nname = "gptq_iq2_xxs"\nquant = "iq2_xxs"\nround = "gptq"\n',
 }
@@ -152,8 +155,8 @@ def main() -> int:
     parser.add_argument("--experts", type=int, help="fewer experts than the real model (a quick check on CPU)")
     parser.add_argument("--windows", type=int, default=2, help="eval windows per stratum (and one canary)")
     parser.add_argument("--no-eval", action="store_true", help="stop at the healed GGUFs (no logits)")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
-                        help="which of the two variants to heal (the unhealed baseline always runs)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["ls_q2_k", "gptq_iq2_xxs"],
+                        help="which variants to heal (default ls_q2_k gptq_iq2_xxs; the unhealed baseline always runs)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="synth's worker processes")
     parser.add_argument("--vocab", type=int, help="a smaller vocabulary than the real model's (a quick check on CPU)")
     parser.add_argument("--llama-kld", action="store_true",
