@@ -26,14 +26,14 @@ from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.gguf_write import copy_gguf, write_gguf
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.runner import LayerCapture, Runner
+from moeheal.pipeline.runner import Runner
 from moeheal.pipeline.stages.dump import open_dump
 from moeheal.pipeline.synth import write_synth
 from moeheal.pipeline.tokenizer import decode, encode
 from tests.ggufs import sample_texts
 from tests.healworld import write_world
 from tests.test_llamacpp import eval_text, llama_perplexity, our_perplexity
-from tests.test_runner import rel_err, tokens_for, transformers_run
+from tests.test_runner import check_against_transformers, tokens_for
 
 SPM_SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2 as in Mixtral's tokenizer; <0x00>..<0xFF> follow
 # A family without a shared expert heals by importance, GPTQ and alpha (no ridge knob); a budget over
@@ -164,26 +164,15 @@ def test_adjacent_pair_rope_on_permuted_rows_is_rotate_half_on_the_originals():
 
 def test_logits_routing_and_expert_output_match_transformers(mixtral):
     path, hf, _ = mixtral
-    model = GGUFModel(path)
-    tokens = tokens_for(model)
-    ref_logits, ref = transformers_run(hf, tokens)
-    caps: dict[int, LayerCapture] = {}
-    got = Runner(model).forward(tokens, capture=True, on_layer=lambda i, c: caps.__setitem__(i, c))
-    assert rel_err(got, ref_logits) <= 1e-4
+    tokens, caps, ref = check_against_transformers(GGUFModel(path), hf)
     B, T = tokens.shape
     assert sorted(caps) == [0, 1]
     for i, cap in caps.items():
         r = ref[i]
         np.testing.assert_allclose(cap.mixed.reshape(B * T, -1), r["mixed"].reshape(B * T, -1), atol=1e-4)
         np.testing.assert_allclose(cap.router_logits.reshape(B * T, -1), r["router_logits"], atol=1e-4)
-        ours = np.sort(cap.experts.reshape(B * T, -1), axis=1)
-        assert np.array_equal(ours, np.sort(r["experts"], axis=1)), f"layer {i}: different experts chosen"
-        order_ours, order_ref = np.argsort(cap.experts.reshape(B * T, -1), 1), np.argsort(r["experts"], 1)
-        weights = np.take_along_axis(cap.weights.reshape(B * T, -1), order_ours, 1)
-        np.testing.assert_allclose(weights, np.take_along_axis(r["weights"], order_ref, 1), atol=1e-5)
-        np.testing.assert_allclose(weights.sum(1), 1.0, atol=1e-6)  # renormalised over the chosen two
+        np.testing.assert_allclose(cap.weights.reshape(B * T, -1).sum(1), 1.0, atol=1e-6)  # renormalised over two
         assert cap.hh.shape == (B, T, 0) and np.all(cap.shexp_gate == 1.0)
-        np.testing.assert_allclose(cap.yr, r["moe_out"], atol=1e-4 * np.abs(r["moe_out"]).max())
 
 
 def test_the_gguf_tokenizer_gives_the_ids_of_the_exported_one(mixtral):

@@ -60,6 +60,29 @@ def transformers_run(hf, tokens: np.ndarray) -> tuple[np.ndarray, dict[int, dict
     return logits, per_layer
 
 
+def check_against_transformers(model: GGUFModel, hf) -> tuple[np.ndarray, dict[int, LayerCapture], dict[int, dict]]:
+    """Our runner against transformers on the same tokens: logits within 1e-4 relative error, the
+    same MoE layers captured, the same experts chosen per token, their weights (matched by expert)
+    within 1e-5 and the routed output within 1e-4 of its scale. Returns (tokens, our captures,
+    transformers' per-layer values) for a family's own checks."""
+    tokens = tokens_for(model)
+    ref_logits, ref = transformers_run(hf, tokens)
+    caps: dict[int, LayerCapture] = {}
+    got = Runner(model).forward(tokens, capture=True, on_layer=lambda i, c: caps.__setitem__(i, c))
+    assert rel_err(got, ref_logits) <= 1e-4
+    assert sorted(caps) == sorted(ref) == list(model.moe_layers)  # dense layers capture nothing
+    B, T = tokens.shape
+    for i, cap in caps.items():
+        ours, theirs = cap.experts.reshape(B * T, -1), ref[i]["experts"].reshape(B * T, -1)
+        assert np.array_equal(np.sort(ours, 1), np.sort(theirs, 1)), f"layer {i}: different experts chosen"
+        np.testing.assert_allclose(np.take_along_axis(cap.weights.reshape(B * T, -1), np.argsort(ours, 1), 1),
+                                   np.take_along_axis(ref[i]["weights"].reshape(B * T, -1), np.argsort(theirs, 1), 1),
+                                   atol=1e-5)
+        yr = ref[i]["yr"].reshape(B * T, -1)  # (N, d)
+        np.testing.assert_allclose(cap.yr.reshape(B * T, -1), yr, atol=1e-4 * np.abs(yr).max())
+    return tokens, caps, ref
+
+
 def tokens_for(model: GGUFModel, batch: int = 2, length: int = 48, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, model.hp.vocab_size, (batch, length)).astype(np.int32)
 
