@@ -10,7 +10,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline import gguf_model
+from moeheal.pipeline.gguf_model import GGUFModel, open_model
 from moeheal.pipeline.gguf_write import copy_gguf, write_gguf
 from tests.ggufs import garbage_file, truncated_copy
 
@@ -102,6 +103,29 @@ def test_dequantized_tensors_equal_gguf_py(tiny_qwen2moe_q8):
     assert {Q8_0, GGMLQuantizationType.F32} <= types
     assert model.raw("blk.0.ffn_gate_exps.weight").ggml_type == Q8_0
     assert model.raw("blk.0.ffn_gate_inp.weight").ggml_type == GGMLQuantizationType.F32  # router stays F32
+
+
+def test_large_tensors_dequantized_by_our_kernels_equal_gguf_py(tiny_qwen2moe_q8, monkeypatch):
+    """The kernel path (taken above DEVICE_DEQUANT_MIN_BYTES, here for every block tensor) is bit-identical."""
+    monkeypatch.setattr(gguf_model, "DEVICE_DEQUANT_MIN_BYTES", 0)
+    model = GGUFModel(tiny_qwen2moe_q8)
+    for t in GGUFReader(tiny_qwen2moe_q8).tensors:
+        if t.tensor_type == Q8_0:
+            np.testing.assert_array_equal(model.tensor(t.name), dequantize(t.data, t.tensor_type).reshape(
+                model.shape(t.name)), err_msg=t.name)
+
+
+def test_open_model_reuses_an_unchanged_file_and_reopens_a_rewritten_one(tiny_qwen2moe, tiny_qwen3moe, tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(tiny_qwen2moe.read_bytes())
+    first = open_model(path)
+    assert open_model(path) is first
+    path.write_bytes(tiny_qwen3moe.read_bytes())  # another file at the same path
+    again = open_model(path)
+    assert again is not first and again.arch.name == "qwen3moe"
+    path.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(InputError):  # a damaged rewrite is refused, never served from the cache
+        open_model(path)
 
 
 def test_rows_and_layer_agree_with_tensor(tiny_qwen2moe_q8):
