@@ -48,10 +48,14 @@ __all__ = [
 # Weights per compiled call. The scale search keeps a handful of arrays the
 # size of the chunk alive, so this bounds peak memory to a few hundred MB.
 CHUNK_WEIGHTS = 1 << 22
-# Experts per compiled batch on an accelerator, in weights: GPTQ's column loop is sequential, so
-# a batch of 2 experts (CHUNK_WEIGHTS at the Qwen3-30B-A3B shape) leaves a GPU idle; 1 << 26 is
-# 42 such experts, a few GB of weights, Hessians and scratch, far inside one card.
-ACCELERATOR_CHUNK_WEIGHTS = 1 << 26
+# Weights per compiled call on an accelerator: GPTQ's column loop is sequential, so a batch of 2
+# experts (CHUNK_WEIGHTS at the Qwen3-30B-A3B shape) leaves a GPU idle. 1 << 28 holds all 128 experts
+# of that shape (every column step then serves the whole layer; 42 per batch took 8% longer on an
+# H200) and 256 of Qwen3-Next's: with their Hessians and the factor's scratch under 20 GB.
+ACCELERATOR_CHUNK_WEIGHTS = 1 << 28
+
+# Columns per GPTQ rounding step on an accelerator (`gptq_update_width`).
+ACCELERATOR_GPTQ_UPDATE_WIDTH = 32
 
 # The mesh axis that experts are sharded along.
 EXPERT_AXIS = "expert"
@@ -63,16 +67,18 @@ def bits_per_weight(fmt: str) -> float:
     return format_of(fmt).bits_per_weight
 
 
-def _quantize_matrix(fmt: str, w: jax.Array, importance: jax.Array | None, hessian: jax.Array | None) -> jax.Array:
+def _quantize_matrix(fmt: str, w: jax.Array, importance: jax.Array | None, hessian: jax.Array | None,
+                     update_width: int | None = None) -> jax.Array:
     """One matrix (rows, cols) -> ggml bytes (rows, cols/block*type_size); traced, not jitted.
 
-    With a hessian, GPTQ rounding; the importance (if any) still weights the
-    scale searches there.
+    With a hessian, GPTQ rounding (``update_width``: its schedule, see
+    ``gptq_quantize``); the importance (if any) still weights the scale
+    searches there.
     """
     cls = FORMATS[fmt]
     rows, cols = w.shape
     if hessian is not None:
-        return gptq_quantize(cls, w, hessian, importance)  # (rows, bytes)
+        return gptq_quantize(cls, w, hessian, importance, update_width)  # (rows, bytes)
     blocks = w.reshape(rows * cols // cls.block_size, cls.block_size)  # (n, B)
     imp = None
     if importance is not None:
@@ -81,16 +87,18 @@ def _quantize_matrix(fmt: str, w: jax.Array, importance: jax.Array | None, hessi
     return cls.quantize_blocks(blocks, imp).reshape(rows, -1)  # (rows, bytes)
 
 
-@partial(jax.jit, static_argnames=("fmt",))
-def _quantize_rows_jit(fmt: str, w: jax.Array, importance: jax.Array | None, hessian: jax.Array | None) -> jax.Array:
+@partial(jax.jit, static_argnames=("fmt", "update_width"))
+def _quantize_rows_jit(fmt: str, w: jax.Array, importance: jax.Array | None, hessian: jax.Array | None,
+                       update_width: int | None) -> jax.Array:
     """Jitted ``_quantize_matrix`` for one chunk of rows."""
-    return _quantize_matrix(fmt, w, importance, hessian)
+    return _quantize_matrix(fmt, w, importance, hessian, update_width)
 
 
-@partial(jax.jit, static_argnames=("fmt",))
-def _quantize_experts_jit(fmt: str, w: jax.Array, importance: jax.Array | None, hessians: jax.Array | None) -> jax.Array:
+@partial(jax.jit, static_argnames=("fmt", "update_width"))
+def _quantize_experts_jit(fmt: str, w: jax.Array, importance: jax.Array | None, hessians: jax.Array | None,
+                          update_width: int | None) -> jax.Array:
     """``_quantize_matrix`` vmapped over a batch of experts: (e, rows, cols) -> (e, rows, bytes)."""
-    return jax.vmap(partial(_quantize_matrix, fmt))(w, importance, hessians)
+    return jax.vmap(partial(_quantize_matrix, fmt, update_width=update_width))(w, importance, hessians)
 
 
 def _check_factorable(factorable_flags: np.ndarray) -> None:
@@ -99,7 +107,7 @@ def _check_factorable(factorable_flags: np.ndarray) -> None:
         raise ValueError(NOT_POSITIVE_DEFINITE)
 
 
-def _experts_batch(fmt: str, w: jax.Array, importance: jax.Array | None,
+def _experts_batch(fmt: str, update_width: int | None, w: jax.Array, importance: jax.Array | None,
                    hessians: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """Bytes (e, rows, bytes) of a batch, and per expert whether its Hessian factors (e,) (True without one).
 
@@ -107,21 +115,21 @@ def _experts_batch(fmt: str, w: jax.Array, importance: jax.Array | None,
     same matrices, so XLA can share the factorisation between them, and it
     costs no host work: the flags come back with the bytes.
     """
-    raw = _quantize_experts_jit(fmt, w, importance, hessians)  # (e, rows, bytes)
+    raw = _quantize_experts_jit(fmt, w, importance, hessians, update_width)  # (e, rows, bytes)
     if hessians is None:
         return raw, jnp.ones(w.shape[:1], bool)  # (e,)
     return raw, jax.vmap(factorable)(hessians)  # (e,)
 
 
-@partial(jax.jit, static_argnames=("fmt", "mesh"))
-def _experts_batch_jit(fmt: str, mesh: Mesh, w: jax.Array, importance: jax.Array | None,
+@partial(jax.jit, static_argnames=("fmt", "update_width", "mesh"))
+def _experts_batch_jit(fmt: str, update_width: int | None, mesh: Mesh, w: jax.Array, importance: jax.Array | None,
                        hessians: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """``_experts_batch`` on the mesh: each device runs it on its own experts, none talks to another."""
     if mesh.size == 1:
-        return _experts_batch(fmt, w, importance, hessians)
+        return _experts_batch(fmt, update_width, w, importance, hessians)
     # check_vma off: the kernels' loops start from constants, which the per-device type check would
     # have to be told vary by device; nothing here crosses devices for it to guard
-    per_device = jax.shard_map(partial(_experts_batch, fmt), mesh=mesh, in_specs=PartitionSpec(EXPERT_AXIS),
+    per_device = jax.shard_map(partial(_experts_batch, fmt, update_width), mesh=mesh, in_specs=PartitionSpec(EXPERT_AXIS),
                                out_specs=PartitionSpec(EXPERT_AXIS), check_vma=False)
     return per_device(w, importance, hessians)
 
@@ -131,15 +139,18 @@ def expert_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(np.array(jax.local_devices() if devices is None else list(devices)), (EXPERT_AXIS,))
 
 
-def _map_chunks(fn: Callable[..., Any], chunk: int, *arrays: np.ndarray | None,
-                sharding: jax.sharding.Sharding | None = None) -> Any:
+def _map_chunks(fn: Callable[..., Any], chunk: int, *arrays: np.ndarray | jax.Array | None,
+                sharding: jax.sharding.Sharding | None = None, to_host: bool = True) -> Any:
     """Apply ``fn`` to equal leading-axis chunks of ``arrays`` and concatenate.
 
     The last chunk is zero-padded to the common length so every call has one
     shape (one compilation); padded results are dropped. None passes through.
     ``fn`` may return a tuple of arrays, each concatenated on its own. With a
     ``sharding``, each chunk is placed with it before the call (the caller
-    makes ``chunk`` a multiple of its device count).
+    makes ``chunk`` a multiple of its device count). Inputs already on a device
+    (``jax.Array``) are sliced and padded there; ``to_host=False`` keeps the
+    results there too, so a layer's tensors cross to the host only when a
+    caller asks for them.
     """
     n = next(a.shape[0] for a in arrays if a is not None)
     outs = []
@@ -149,14 +160,40 @@ def _map_chunks(fn: Callable[..., Any], chunk: int, *arrays: np.ndarray | None,
             if a is None:
                 parts.append(None)
                 continue
+            xp = jnp if isinstance(a, jax.Array) else np
             part = a[start:start + chunk]
             if part.shape[0] < chunk:
-                pad = np.zeros((chunk - part.shape[0], *part.shape[1:]), part.dtype)
-                part = np.concatenate([part, pad])
+                part = xp.concatenate([part, xp.zeros((chunk - part.shape[0], *part.shape[1:]), part.dtype)])
             parts.append(part if sharding is None else jax.device_put(part, sharding))
         valid = min(chunk, n - start)
-        outs.append(jax.tree.map(lambda out: np.asarray(out)[:valid], fn(*parts)))  # noqa: B023
-    return jax.tree.map(lambda *chunks: np.concatenate(chunks), *outs)
+        if to_host:
+            outs.append(jax.tree.map(lambda out: np.asarray(out)[:valid], fn(*parts)))  # noqa: B023
+        else:
+            outs.append(jax.tree.map(lambda out: out[:valid], fn(*parts)))  # noqa: B023
+    concatenate = np.concatenate if to_host else jnp.concatenate
+    return jax.tree.map(lambda *chunks: chunks[0] if len(chunks) == 1 else concatenate(chunks), *outs)
+
+
+def _on_accelerator(devices: Sequence[jax.Device] | None = None) -> bool:
+    """Whether work goes to an accelerator (the first of ``devices``, default the default backend's)."""
+    first = jax.local_devices()[0] if devices is None else devices[0]
+    return first.platform != "cpu"
+
+
+def gptq_update_width(devices: Sequence[jax.Device] | None = None) -> int | None:
+    """GPTQ's schedule on these devices (``gptq_quantize``'s ``update_width``).
+
+    An accelerator rounds ``ACCELERATOR_GPTQ_UPDATE_WIDTH`` columns per step:
+    the whole-block step moved 8x the memory per column there. The CPU keeps
+    the whole-block step, whose bytes the demo's published figures were made
+    with (the narrow step changes a few near-tie codes, never the method).
+    """
+    return ACCELERATOR_GPTQ_UPDATE_WIDTH if _on_accelerator(devices) else None
+
+
+def _float32(x: np.ndarray | jax.Array) -> np.ndarray | jax.Array:
+    """x as float32, staying where it is: a device array is never pulled to the host."""
+    return x.astype(jnp.float32) if isinstance(x, jax.Array) else np.asarray(x, np.float32)
 
 
 def _check_matrix(x: np.ndarray, cls: type[BlockFormat], what: str) -> None:
@@ -206,11 +243,19 @@ def quantize(
     if hessian is not None:
         _check_factorable(np.asarray(factorable(jnp.asarray(hessian))))
     chunk_rows = max(1, min(CHUNK_WEIGHTS // cols, rows))
-    return _map_chunks(lambda w: _quantize_rows_jit(fmt, w, importance, hessian), chunk_rows, x)  # (rows, bytes)
+    width = gptq_update_width()
+    return _map_chunks(lambda w: _quantize_rows_jit(fmt, w, importance, hessian, width), chunk_rows, x)  # (rows, bytes)
 
 
-def dequantize(raw: np.ndarray, fmt: str, shape: tuple[int, ...]) -> np.ndarray:
-    """ggml block bytes -> float32 array of ``shape``, bit-identical to gguf.quants.dequantize."""
+def dequantize(raw: np.ndarray, fmt: str, shape: tuple[int, ...], keep_on_device: bool = False
+               ) -> np.ndarray | jax.Array:
+    """ggml block bytes -> float32 array of ``shape``, bit-identical to gguf.quants.dequantize.
+
+    ``keep_on_device`` returns a ``jax.Array`` on the default device instead of a
+    NumPy copy: the consumer is device code (GPTQ statistics, the routed
+    forward), and a real layer's float32 experts are GBs each way. On an
+    accelerator the blocks go in batches of ``ACCELERATOR_CHUNK_WEIGHTS``.
+    """
     cls = format_of(fmt)
     shape = tuple(int(s) for s in shape)
     n_weights = int(np.prod(shape))
@@ -218,8 +263,10 @@ def dequantize(raw: np.ndarray, fmt: str, shape: tuple[int, ...]) -> np.ndarray:
     if shape[-1] % cls.block_size != 0 or raw.size != n_weights // cls.block_size * cls.type_size:
         raise ValueError(f"raw: {raw.size} bytes do not hold {cls.name} weights of shape {shape}")
     blocks = raw.reshape(-1, cls.type_size)  # (n, type_size)
-    chunk_blocks = max(1, min(CHUNK_WEIGHTS // cls.block_size, blocks.shape[0]))
-    values = _map_chunks(lambda b: dequantize_blocks_jit(fmt, b), chunk_blocks, blocks)  # (n, B)
+    weights = ACCELERATOR_CHUNK_WEIGHTS if _on_accelerator() else CHUNK_WEIGHTS
+    chunk_blocks = max(1, min(weights // cls.block_size, blocks.shape[0]))
+    values = _map_chunks(lambda b: dequantize_blocks_jit(fmt, b), chunk_blocks, blocks,
+                         to_host=not keep_on_device)  # (n, B)
     return values.reshape(shape)
 
 
@@ -243,27 +290,28 @@ def quantize_experts(
     ValueError if a Hessian's float32 factorisation fails on the device.
     """
     cls = format_of(fmt)
-    w = np.asarray(w, np.float32)
+    w = _float32(w)  # (E, rows, cols), on the device already when the caller's arrays are
     if w.ndim != 3:
         raise ValueError(f"w: expected [n_expert, rows, cols], got shape {w.shape}")
     n_expert, rows, cols = w.shape
     _check_matrix(w, cls, "w")
     if importance is not None:
-        importance = np.asarray(importance, np.float32)
+        importance = _float32(importance)
         if importance.shape != (n_expert, cols):
             raise ValueError(f"importance: shape {importance.shape}, expected ({n_expert}, {cols})")
     if hessians is not None:
-        hessians = np.asarray(hessians, np.float32)
+        hessians = _float32(hessians)
     _check_hessian(cls, hessians, cols, (n_expert,))
     mesh = expert_mesh(devices)
     # The per-device batch does not depend on the device count: device d of step s runs the batch a
     # single device runs at step s * devices + d, same experts, same shape, same program, so the bytes
     # cannot depend on the device count (a batch's shape can move near-ties on some backends).
     if batch_weights is None:
-        batch_weights = CHUNK_WEIGHTS if mesh.devices.flat[0].platform == "cpu" else ACCELERATOR_CHUNK_WEIGHTS
+        batch_weights = ACCELERATOR_CHUNK_WEIGHTS if _on_accelerator(mesh.devices.flat) else CHUNK_WEIGHTS
     per_device = max(1, min(batch_weights // (rows * cols), n_expert))
     sharding = NamedSharding(mesh, PartitionSpec(EXPERT_AXIS))
-    raw, factorable_flags = _map_chunks(partial(_experts_batch_jit, fmt, mesh), per_device * mesh.size,
+    raw, factorable_flags = _map_chunks(partial(_experts_batch_jit, fmt, gptq_update_width(mesh.devices.flat), mesh),
+                                        per_device * mesh.size,
                                         w, importance, hessians, sharding=sharding)  # (E, rows, bytes), (E,)
     _check_factorable(factorable_flags)
     return raw

@@ -71,7 +71,8 @@ def inverse_cholesky_upper(hessian: jax.Array) -> jax.Array:
 
 
 def gptq_quantize(
-    fmt: type[BlockFormat], w: jax.Array, hessian: jax.Array, importance: jax.Array | None = None
+    fmt: type[BlockFormat], w: jax.Array, hessian: jax.Array, importance: jax.Array | None = None,
+    update_width: int | None = None,
 ) -> jax.Array:
     """GPTQ-rounded ggml bytes of one matrix: (rows, cols) -> (rows, n_blocks * type_size) uint8.
 
@@ -79,10 +80,25 @@ def gptq_quantize(
     weights the block and sub-block scale searches (diag(H) when None), so a
     variant's tempered activation importance still decides the scales while H
     decides the error feedback.
+
+    ``update_width`` is a schedule, not a change of method: the columns each
+    rounding step pushes its error onto at once. None: the rest of the ggml
+    block, every step. A width w (a divisor of the sub-block, or one larger
+    than it: then the sub-block) rounds w columns with their errors applied
+    among themselves, then pushes the w errors onto the rest of the block as one
+    matrix product, a second level of GPTQ's lazy batch update. Exact arithmetic
+    is the same; float32 rounds the sums in another order, so a few near-tie
+    codes differ. On a GPU the narrow step moves an eighth of the memory per
+    column (measured 1.45x faster at the Qwen3-30B-A3B shape, bench/RESULTS.md).
     """
     rows, cols = w.shape
     block, sub, group = fmt.block_size, fmt.sub_block, fmt.gptq_group
-    n_blocks, n_sub = cols // block, block // sub
+    lazy = update_width is not None
+    width = min(update_width, sub) if lazy else sub  # columns rounded per step of the chunk loop
+    if sub % width or width % group:
+        raise ValueError(f"update_width {update_width}: {fmt.name} needs a divisor of its sub-block of {sub} "
+                         f"that is a multiple of its GPTQ group of {group}")
+    n_blocks, n_sub, n_chunk = cols // block, block // sub, sub // width
     hessian = jnp.asarray(hessian, jnp.float32)  # (cols, cols)
     importance = jnp.diag(hessian) if importance is None else jnp.asarray(importance, jnp.float32)  # (cols,)
     upper = inverse_cholesky_upper(hessian)  # (cols, cols)
@@ -101,28 +117,47 @@ def gptq_quantize(
             imp_sub = jax.lax.dynamic_slice(imp_blk, (0, s * sub), (rows, sub))  # (rows, S)
             sub_plan = fmt.gptq_sub_plan(plan, x_sub, imp_sub)
 
-            def group_step(j, carry):
+            def chunk_step(j, carry):
                 w_blk, codes, err = carry
-                c = s * sub + j * group
-                cols = jax.lax.dynamic_slice_in_dim(w_blk, c, group, axis=1)  # (rows, g)
-                u_gg = jax.lax.dynamic_slice(u_blk, (c, c), (group, group))  # (g, g)
-                code, values = fmt.gptq_round_group(sub_plan, cols, u_gg)  # (rows, g) x2
-                if group == 1:
-                    g_err = (cols - values) / u_gg[0, 0]  # (rows, 1)
-                else:  # e U_gg^-1: the same as feeding each column's error to the next within the group
-                    g_err = jax.scipy.linalg.solve_triangular(u_gg, (cols - values).T, trans="T").T  # (rows, g)
-                u_rows = jax.lax.dynamic_slice_in_dim(u_blk, c, group, axis=0)  # (g, B)
-                # U upper: only columns >= c move; one column's update is an outer product, which fuses
-                # into the subtraction where a k = 1 matrix product would be a kernel of its own
-                if group == 1:
-                    w_blk = w_blk - g_err * u_rows  # (rows, B)
+                c0 = s * sub + j * width  # the chunk's first column in the block
+                if lazy:  # round within the chunk's own columns
+                    work, u_work, base = (jax.lax.dynamic_slice_in_dim(w_blk, c0, width, axis=1),  # (rows, w)
+                                          jax.lax.dynamic_slice(u_blk, (c0, c0), (width, width)), 0)  # (w, w)
+                else:  # every step updates the whole block
+                    work, u_work, base = w_blk, u_blk, c0  # (rows, B), (B, B)
+
+                def group_step(i, carry):
+                    work, chunk_codes, chunk_err = carry
+                    c = base + i * group
+                    cols = jax.lax.dynamic_slice_in_dim(work, c, group, axis=1)  # (rows, g)
+                    u_gg = jax.lax.dynamic_slice(u_work, (c, c), (group, group))  # (g, g)
+                    code, values = fmt.gptq_round_group(sub_plan, cols, u_gg)  # (rows, g) x2
+                    if group == 1:
+                        g_err = (cols - values) / u_gg[0, 0]  # (rows, 1)
+                    else:  # e U_gg^-1: the same as feeding each column's error to the next within the group
+                        g_err = jax.scipy.linalg.solve_triangular(u_gg, (cols - values).T, trans="T").T  # (rows, g)
+                    u_rows = jax.lax.dynamic_slice_in_dim(u_work, c, group, axis=0)  # (g, width of work)
+                    # U upper: only columns >= c move; one column's update is an outer product, which fuses
+                    # into the subtraction where a k = 1 matrix product would be a kernel of its own
+                    if group == 1:
+                        work = work - g_err * u_rows  # (rows, width of work)
+                    else:
+                        work = work - jnp.matmul(g_err, u_rows, precision=jax.lax.Precision.HIGHEST)
+                    return (work, jax.lax.dynamic_update_slice_in_dim(chunk_codes, code, i * group, axis=1),
+                            jax.lax.dynamic_update_slice_in_dim(chunk_err, g_err, i * group, axis=1))
+
+                init = (work, jnp.zeros((rows, width), jnp.int32), jnp.zeros((rows, width), jnp.float32))
+                work, chunk_codes, chunk_err = jax.lax.fori_loop(0, width // group, group_step, init)  # (rows, w) x2
+                if lazy:  # the chunk's errors onto the rest of the block, as one product
+                    u_rows = jax.lax.dynamic_slice(u_blk, (c0, 0), (width, block))  # (w, B)
+                    w_blk = w_blk - jnp.matmul(chunk_err, u_rows, precision=jax.lax.Precision.HIGHEST)  # (rows, B)
                 else:
-                    w_blk = w_blk - jnp.matmul(g_err, u_rows, precision=jax.lax.Precision.HIGHEST)  # (rows, B)
-                return (w_blk, jax.lax.dynamic_update_slice_in_dim(codes, code, j * group, axis=1),
-                        jax.lax.dynamic_update_slice_in_dim(err, g_err, c, axis=1))
+                    w_blk = work
+                return (w_blk, jax.lax.dynamic_update_slice_in_dim(codes, chunk_codes, j * width, axis=1),
+                        jax.lax.dynamic_update_slice_in_dim(err, chunk_err, c0, axis=1))
 
             init = (w_blk, jnp.zeros((rows, sub), jnp.int32), err)
-            w_blk, codes, err = jax.lax.fori_loop(0, sub // group, group_step, init)  # (rows, B), (rows, S), (rows, B)
+            w_blk, codes, err = jax.lax.fori_loop(0, n_chunk, chunk_step, init)  # (rows, B), (rows, S), (rows, B)
             return (w_blk, err), (sub_plan, codes)
 
         init = (w_blk, jnp.zeros((rows, block), jnp.float32))

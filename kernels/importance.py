@@ -75,7 +75,9 @@ class ExpertStats:
     sum_h_sq (E, f): sum of h_c^2 (down importance).
     sum_xx_t (E, d, d), sum_hh_t (E, f, f): sums of x x^T and h h^T (GPTQ
     Hessians of gate/up and of down), None unless requested; with routing
-    weights, sums of w x x^T and w h h^T.
+    weights, sums of w x x^T and w h h^T. They stay on the device that summed
+    them (``jax.Array``): at a real layer they are GBs that only device code
+    (`pooled_second_moment`, `expert_hessians`, GPTQ) reads.
     weight_sums (E,): sum of the routing weights w of e's pairs, the normaliser
     of the weighted Hessian sums (see `hessian_mass`); None when unweighted.
     The diagonal sums stay unweighted either way: they feed importance (and the
@@ -85,12 +87,12 @@ class ExpertStats:
     counts: np.ndarray
     sum_x_sq: np.ndarray
     sum_h_sq: np.ndarray
-    sum_xx_t: np.ndarray | None
-    sum_hh_t: np.ndarray | None
+    sum_xx_t: jax.Array | None
+    sum_hh_t: jax.Array | None
     weight_sums: np.ndarray | None = None
 
     def __add__(self, other: ExpertStats) -> ExpertStats:
-        def add(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
+        def add(a: np.ndarray | jax.Array | None, b: np.ndarray | jax.Array | None) -> np.ndarray | jax.Array | None:
             return a + b if a is not None and b is not None else None
 
         if (self.weight_sums is None) != (other.weight_sums is None):
@@ -235,8 +237,8 @@ def expert_hidden_stats(
         counts=np.bincount(routing.reshape(-1), minlength=n_expert).astype(np.int64),
         sum_x_sq=np.asarray(sum_x_sq),
         sum_h_sq=np.asarray(sum_h_sq),
-        sum_xx_t=np.asarray(sum_xx_t) if with_hessians else None,
-        sum_hh_t=np.asarray(sum_hh_t) if with_hessians else None,
+        sum_xx_t=sum_xx_t if with_hessians else None,
+        sum_hh_t=sum_hh_t if with_hessians else None,
         weight_sums=weight_sums,
     )
 
@@ -321,17 +323,28 @@ def down_importance(
     return _tempered_mean_one(blended, beta)  # (E, f)
 
 
-def pooled_second_moment(sum_xx_t: np.ndarray, counts: np.ndarray) -> np.ndarray:
+def pooled_second_moment(sum_xx_t: np.ndarray | jax.Array, counts: np.ndarray) -> jax.Array:
     """The layer's E[x x^T] from per-expert sums: sum_e sum_xx_t[e] / sum_e counts[e].
 
     Every token is counted once per chosen expert, k times in both sums, so for
     x this is the plain mean over the layer's tokens; for h (which differs per
     expert) it is the mean over routed (token, expert) pairs. With router-weighted
     sums and `counts` the weight sums, it is the same mean weighted by w.
-    (E, n, n), (E,) -> (n, n); all-zero counts give zeros.
+    Summed in float64 on the device holding the sums (a real layer's are GBs):
+    a float64 sum of float32 terms is exact unless they span more than 2^29,
+    so the result is the host's float64 sum to the last float32 bit in all but
+    such cases (tests/test_importance.py compares them).
+    (E, n, n), (E,) -> (n, n) float32; all-zero counts give zeros.
     """
     total = float(np.sum(counts, dtype=np.float64))
-    return (np.sum(sum_xx_t, axis=0, dtype=np.float64) / (total if total > 0 else 1.0)).astype(np.float32)
+    with jax.enable_x64(True):
+        return _pooled(jnp.asarray(sum_xx_t, jnp.float32), jnp.float64(total if total > 0 else 1.0))  # (n, n)
+
+
+@jax.jit
+def _pooled(sum_xx_t: jax.Array, total: jax.Array) -> jax.Array:
+    """`pooled_second_moment`'s arithmetic (traced with 64-bit types on): (E, n, n), () -> (n, n) float32."""
+    return (jnp.sum(sum_xx_t.astype(jnp.float64), axis=0) / total).astype(jnp.float32)  # (n, n)
 
 
 def hessian_mass(stats: ExpertStats, shrink: float) -> tuple[np.ndarray, float]:
@@ -390,9 +403,9 @@ def _shrunk_damped(sum_xx_t: jax.Array, counts: jax.Array, h_layer: jax.Array, s
     return jax.vmap(damp_hessian, in_axes=(0, None))(_shrunk(sum_xx_t, counts, h_layer, shrink), damp)  # (E, n, n)
 
 
-def expert_hessians(sum_xx_t: np.ndarray, counts: np.ndarray, h_layer: np.ndarray, shrink: float,
-                    damp: float) -> np.ndarray:
+def expert_hessians(sum_xx_t: np.ndarray | jax.Array, counts: np.ndarray, h_layer: np.ndarray | jax.Array,
+                    shrink: float, damp: float) -> jax.Array:
     """The GPTQ Hessians of a layer's experts: `shrink_hessian`, then `damp_hessian` on each, in one
-    device program (one transfer each way). (E, n, n), (E,), (n, n) -> (E, n, n) float32."""
-    return np.asarray(_shrunk_damped(jnp.asarray(sum_xx_t, jnp.float32), jnp.asarray(counts, jnp.float32),
-                                     jnp.asarray(h_layer, jnp.float32), jnp.float32(shrink), jnp.float32(damp)))
+    device program, left on the device for GPTQ. (E, n, n), (E,), (n, n) -> (E, n, n) float32."""
+    return _shrunk_damped(jnp.asarray(sum_xx_t, jnp.float32), jnp.asarray(counts, jnp.float32),
+                          jnp.asarray(h_layer, jnp.float32), jnp.float32(shrink), jnp.float32(damp))

@@ -31,7 +31,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
@@ -41,6 +41,10 @@ from gguf.quants import dequantize
 from moeheal.pipeline.arch import ARCHITECTURES, Architecture
 from moeheal.pipeline.arch.base import GLOBAL_TENSORS, OPTIONAL_GLOBAL_TENSORS
 from moeheal.pipeline.errors import InputError
+
+if TYPE_CHECKING:
+    import jax
+
 
 @dataclass(frozen=True)
 class HParams:
@@ -621,6 +625,11 @@ class GGUFModel:
         raw = self.raw(name)
         return dequantize_raw(raw)
 
+    def device_tensor(self, name: str) -> jax.Array:
+        """A tensor dequantized to float32 on the default JAX device, never copied to the host: for
+        device code (a real layer's experts are GBs, each way over the bus)."""
+        return dequantize_raw(self.raw(name), keep_on_device=True)
+
     def rows(self, name: str, index: np.ndarray | slice) -> np.ndarray:
         """Selected rows of a 2-D tensor, dequantized (embedding lookup without the whole table)."""
         raw = self.raw(name)
@@ -651,8 +660,9 @@ class GGUFModel:
         return _DIGEST_CACHE[key]
 
 
-def dequantize_raw(raw: RawTensor) -> np.ndarray:
-    """Float32 values of stored blocks, in the tensor's logical shape.
+def dequantize_raw(raw: RawTensor, keep_on_device: bool = False) -> np.ndarray | jax.Array:
+    """Float32 values of stored blocks, in the tensor's logical shape (a `jax.Array` on the default
+    device with `keep_on_device`).
 
     Block formats our kernels know (Q8_0, the k-quants, the i-quants, ...) are dequantized by them,
     on the default JAX device and bit-identical to gguf-py (tests/test_formats.py): a real model's
@@ -662,9 +672,14 @@ def dequantize_raw(raw: RawTensor) -> np.ndarray:
     from moeheal import kernels
 
     if raw.ggml_type.name.lower() in kernels.FORMATS and raw.data.size >= DEVICE_DEQUANT_MIN_BYTES:
-        return kernels.dequantize(raw.data, raw.ggml_type.name.lower(), raw.shape)  # (...) float32, a copy
-    values = dequantize(raw.data, raw.ggml_type)  # (..., cols)
-    return np.array(values, dtype=np.float32).reshape(raw.shape)  # a copy: never a view on the map
+        return kernels.dequantize(raw.data, raw.ggml_type.name.lower(), raw.shape,
+                                  keep_on_device=keep_on_device)  # (...) float32, a copy
+    values = np.array(dequantize(raw.data, raw.ggml_type), dtype=np.float32).reshape(raw.shape)  # a copy
+    if keep_on_device:
+        import jax.numpy as jnp
+
+        return jnp.asarray(values)
+    return values  # never a view on the map
 
 
 # Stored tensors at least this large are dequantized by our kernels (`dequantize_raw`); smaller ones

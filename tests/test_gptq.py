@@ -20,6 +20,7 @@ import pytest
 
 from moeheal.kernels import FORMATS, damp_hessian, dequantize, quantize, quantize_experts
 from moeheal.kernels.formats import IQ4_NL, TQ2_0
+from moeheal.kernels.gptq import gptq_quantize
 from tests import reference_quants as ref
 
 
@@ -139,3 +140,44 @@ def test_undamped_singular_hessian_is_refused() -> None:
         quantize(np.ones((2, 256), np.float32), "q8_0", hessian=np.eye(256, dtype=np.float32))
     damped = np.asarray(damp_hessian(h, 0.01))
     assert quantize(np.ones((2, 256), np.float32), "tq2_0", hessian=damped).shape == (2, 66)
+
+
+@pytest.mark.parametrize("fmt", ["tq2_0", "q2_k", "iq2_xxs"])
+def test_narrow_update_schedule_is_the_same_gptq(fmt: str) -> None:
+    """The accelerator's schedule (32 columns per step, their errors pushed on as one product)
+    against the whole-block step: the same method, so the same output error and all but a few
+    near-tie codes."""
+    cls = FORMATS[fmt]
+    rng = np.random.default_rng(11)
+    rows, cols = 16, 512
+    h = np.asarray(damp_hessian(correlated_hessian(rng, cols, 2.0), 0.01), np.float32)  # (cols, cols)
+    w = (0.02 * rng.standard_t(4, (rows, cols))).astype(np.float32)
+    whole = jax.jit(lambda w, h: gptq_quantize(cls, w, h))(w, h)  # (rows, bytes)
+    narrow = jax.jit(lambda w, h: gptq_quantize(cls, w, h, update_width=32))(w, h)
+    q_whole, q_narrow = (dequantize(np.asarray(raw), fmt, w.shape) for raw in (whole, narrow))
+    err_whole, err_narrow = (ref.output_error(w, q, h.astype(np.float64)) for q in (q_whole, q_narrow))
+    assert abs(err_narrow / err_whole - 1) < 2e-3
+    assert np.mean(q_whole == q_narrow) > 0.98
+
+
+def test_update_width_must_divide_the_sub_block() -> None:
+    w, h = np.ones((2, 256), np.float32), np.eye(256, dtype=np.float32)
+    with pytest.raises(ValueError, match="divisor of its sub-block of 32"):
+        gptq_quantize(FORMATS["iq2_xxs"], w, h, update_width=12)
+    assert gptq_quantize(FORMATS["iq2_xxs"], w, h, update_width=64).shape == (2, 66)  # wider: the sub-block
+
+
+def test_device_arrays_in_give_the_bytes_of_host_arrays() -> None:
+    """quantize_experts on arrays already on the device (the pipeline's layers) and dequantize kept
+    there: the same bytes and values as from and to NumPy."""
+    rng = np.random.default_rng(5)
+    n_expert, rows, cols = 3, 8, 256
+    hessians = np.stack([damp_hessian(correlated_hessian(rng, cols, 2.0), 0.05) for _ in range(n_expert)])
+    w = (0.02 * rng.standard_t(4, (n_expert, rows, cols))).astype(np.float32)
+    importance = rng.gamma(1.0, 1.0, (n_expert, cols)).astype(np.float32)
+    host = quantize_experts(w, "q2_k", importance, hessians.astype(np.float32), batch_weights=2 * rows * cols)
+    device = quantize_experts(jnp.asarray(w), "q2_k", jnp.asarray(importance), jnp.asarray(hessians, jnp.float32),
+                              batch_weights=2 * rows * cols)
+    assert np.array_equal(host, device)
+    kept = dequantize(host, "q2_k", w.shape, keep_on_device=True)
+    assert isinstance(kept, jax.Array) and np.array_equal(np.asarray(kept), dequantize(host, "q2_k", w.shape))

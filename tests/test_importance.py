@@ -225,6 +225,9 @@ def test_shrink_hessian_and_pooled_moment() -> None:
     h_layer = pooled_second_moment(stats_.sum_xx_t, stats_.counts)
     x64 = x.astype(np.float64)
     np.testing.assert_allclose(h_layer, x64.T @ x64 / len(x), rtol=1e-5, atol=1e-6)
+    # summed on the device, in float64: the host's float64 sum to the last float32 bit
+    host = np.sum(np.asarray(stats_.sum_xx_t), axis=0, dtype=np.float64) / float(np.sum(stats_.counts))
+    assert np.array_equal(np.asarray(h_layer), host.astype(np.float32))
     shrunk = shrink_hessian(stats_.sum_xx_t, stats_.counts, h_layer, shrink=8.0)
     for e in range(w_gate.shape[0]):
         own = x64[np.any(experts == e, axis=1)]

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 import numpy as np
 import pyarrow as pa
 
@@ -102,11 +103,13 @@ def scale_expert_scales(arrays: dict[str, np.ndarray], name: str, factor: float,
         raise InputError(f"{where}: alpha {factor:.6g} on {name}: {exc}") from None
 
 
-def dequantized_experts(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {name: dequantized_matrix(arrays, name) for name in EXPERT_TENSORS}
+def dequantized_experts(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """The layer's quantized routed experts in float32 on the default device, where the routed
+    forward runs (a real layer's are GBs: they never cross to the host)."""
+    return {name: dequantized_matrix(arrays, name, keep_on_device=True) for name in EXPERT_TENSORS}
 
 
-def _routed(experts_f32: dict[str, np.ndarray], data: dict[str, np.ndarray]) -> np.ndarray:
+def _routed(experts_f32: dict[str, jax.Array], data: dict[str, np.ndarray]) -> np.ndarray:
     return np.asarray(moe_forward(
         {"gate_exps": experts_f32["ffn_gate_exps"], "up_exps": experts_f32["ffn_up_exps"],
          "down_exps": experts_f32["ffn_down_exps"]},
@@ -128,9 +131,11 @@ def _gated_hidden(source: GGUFModel, layer: int, data: dict[str, np.ndarray],
     return hh * gate[:, None]  # (T, f)
 
 
-def dequantized_matrix(arrays: dict[str, np.ndarray], name: str) -> np.ndarray:
+def dequantized_matrix(arrays: dict[str, np.ndarray], name: str, keep_on_device: bool = False
+                       ) -> np.ndarray | jax.Array:
     """A quantized tensor of the layer's arrays back to float32, in the shape recorded beside it."""
-    return kernels.dequantize(arrays[name], tensor_format(arrays, name), tuple(arrays[f"{name}.shape"]))
+    return kernels.dequantize(arrays[name], tensor_format(arrays, name), tuple(arrays[f"{name}.shape"]),
+                              keep_on_device=keep_on_device)
 
 
 def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, params: CalibrateParams,
@@ -152,7 +157,7 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
     y_q = {s: _routed(experts_f32, g) for s, g in groups.items()}
     alpha = fit_alpha(y_ref["in_sample"], y_q["in_sample"]) if params.alpha else 1.0
     arrays["ffn_down_exps"] = scale_expert_scales(arrays, "ffn_down_exps", alpha, f"{variant}: layer {layer}")
-    experts_f32["ffn_down_exps"] = dequantized_matrix(arrays, "ffn_down_exps")  # alpha in its fp16 scales
+    experts_f32["ffn_down_exps"] = dequantized_matrix(arrays, "ffn_down_exps", keep_on_device=True)  # alpha in its scales
     y_healed = {s: _routed(experts_f32, g) for s, g in groups.items()}
     del experts_f32
 

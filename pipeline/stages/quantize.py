@@ -33,11 +33,13 @@ into `layer_<i>.npz`, reading only that layer's tensors from the source GGUF
 (a memory map) and that layer's rows of the dump. A killed run resumes at the
 first layer without an output, and a knob read by one layer's formats alone
 (a budget's recipe) recomputes only the layers whose formats it changed.
-Host memory per unit is bounded by one layer, whatever the model's depth:
-its three expert tensors dequantized to float32 (3 E f d x 4 bytes, 9.7 GB
-for E=128, f=1536, d=4096) and their block bytes, the layer's dumped rows it
-reads (T (2d + f + 2k) x 4 bytes at most: 0.6 GB for T=16384), and with GPTQ
-the per-expert Hessians (E (d^2 + f^2) x 4 bytes: 9.8 GB at those shapes).
+Memory per unit is bounded by one layer, whatever the model's depth. The
+layer's three expert tensors dequantized to float32 (3 E f d x 4 bytes, 9.7 GB
+for E=128, f=1536, d=4096) and with GPTQ the per-expert Hessians (E (d^2 + f^2)
+x 4 bytes: 9.8 GB at those shapes) live on the default JAX device (on a CPU
+backend, host memory) and never cross to the host; the host holds the stored
+layer's memory map, the block bytes and the layer's dumped rows it reads
+(T (2d + f + 2k) x 4 bytes at most: 0.6 GB for T=16384).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from moeheal import kernels
@@ -108,15 +111,16 @@ class QuantizeParams:
                    gptq_router_weighted=variant.gptq_router_weighted if gptq else None, budget=budget)
 
 
-def expert_weights(model: GGUFModel, layer: int) -> dict[str, np.ndarray]:
-    """gate/up (E, f, d) and down (E, d, f) of one layer, dequantized to float32."""
-    return {name: model.tensor(f"blk.{layer}.{name}.weight") for name in EXPERT_TENSORS}
+def expert_weights(model: GGUFModel, layer: int) -> dict[str, jax.Array]:
+    """gate/up (E, f, d) and down (E, d, f) of one layer, dequantized to float32 on the default device,
+    where every consumer (statistics, Hessians, rounding) runs: they never cross to the host."""
+    return {name: model.device_tensor(f"blk.{layer}.{name}.weight") for name in EXPERT_TENSORS}
 
 
-def layer_importance(weights: dict[str, np.ndarray], mixed: np.ndarray, experts: np.ndarray,
+def layer_importance(weights: dict[str, jax.Array], mixed: np.ndarray, experts: np.ndarray,
                      routing_weights: np.ndarray, params: QuantizeParams
-                     ) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
-    """Per tensor: (importance (E, cols), damped hessians (E, cols, cols) or None).
+                     ) -> dict[str, tuple[np.ndarray, jax.Array | None]]:
+    """Per tensor: (importance (E, cols), damped hessians (E, cols, cols) on the device, or None).
 
     routing_weights (N, k) beside experts (N, k) reach the Hessians only with
     `gptq_router_weighted`; importance never uses them.
@@ -142,8 +146,8 @@ def layer_importance(weights: dict[str, np.ndarray], mixed: np.ndarray, experts:
     return {"ffn_gate_exps": (gate_up, h_x), "ffn_up_exps": (gate_up, h_x), "ffn_down_exps": (down, h_h)}
 
 
-def importance_plan(weights: dict[str, np.ndarray], dump_root, layer: int, params: QuantizeParams
-                    ) -> dict[str, tuple[np.ndarray | None, np.ndarray | None]]:
+def importance_plan(weights: dict[str, jax.Array], dump_root, layer: int, params: QuantizeParams
+                    ) -> dict[str, tuple[np.ndarray | None, jax.Array | None]]:
     """Per tensor of one layer: (importance, damped hessians) from the calibration dump, or (None, None)."""
     if dump_root is None:
         return {name: (None, None) for name in EXPERT_TENSORS}

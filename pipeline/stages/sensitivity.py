@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 import numpy as np
 import pyarrow as pa
 
@@ -115,7 +116,7 @@ def _row(layer: int, role: str, fmt: str, n_weights: int, n_bytes: int, errors: 
             "rel_err": errors["unseen"], "rel_err_in_sample": errors["in_sample"], "alpha": alpha}
 
 
-def _routed_rows(layer: int, role: str, weights: dict[str, np.ndarray], plan, data, params: "SensitivityParams"
+def _routed_rows(layer: int, role: str, weights: dict[str, jax.Array], plan, data, params: "SensitivityParams"
                  ) -> list[dict[str, Any]]:
     """One routed role of one layer in every candidate format: the routed output error after alpha."""
     w = weights[role]  # (E, rows, cols)
@@ -124,7 +125,8 @@ def _routed_rows(layer: int, role: str, weights: dict[str, np.ndarray], plan, da
     for fmt in params.formats:
         raw = kernels.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
         assert raw.nbytes == tensor_bytes(fmt, w.size), (fmt, raw.shape)
-        y = {s: _routed({**weights, role: kernels.dequantize(raw, fmt, w.shape)}, d) for s, d in data.items()}
+        w_q = kernels.dequantize(raw, fmt, w.shape, keep_on_device=True)  # (E, rows, cols)
+        y = {s: _routed({**weights, role: w_q}, d) for s, d in data.items()}
         alpha = fit_alpha(data["in_sample"]["yr"], y["in_sample"]) if params.alpha else 1.0
         errors = {s: relative_residual(d["yr"], alpha * y[s]) for s, d in data.items()}
         rows.append(_row(layer, role, fmt, int(w.size), raw.nbytes, errors, float(alpha)))
