@@ -12,8 +12,10 @@ is the cost. Each row times the same experts with importance-weighted
 least-squares rounding (the baseline, measured in the same run) and with GPTQ
 (damped Hessians of correlated synthetic activations), per tensor (the whole
 expert stack), and prints the ratio and the GPTQ throughput. Times exclude
-compilation (first call), best of ``--repeats``; on a GPU they include the
-host transfers.
+compilation (first call), best of ``--repeats``. The inputs are on the
+device before the clock starts, as the pipeline's are (a quantize unit
+dequantizes the layer and sums its Hessians there); the bytes come back to
+the host inside the timing.
 
 GFLOP/s counts GPTQ's dense arithmetic per expert: the factor (Cholesky,
 cols^3 / 3, and the triangular inverse, cols^3) and the error feedback (the
@@ -89,7 +91,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     with jax.default_device(device):
         for shape in SHAPES[args.shape]:
-            w, importance, h = problem(shape)
+            w, importance, h = (jax.device_put(a, device) for a in problem(shape))
             for fmt in args.formats:
                 def ls() -> None:
                     kernels.quantize_experts(w, fmt, importance, devices=[device])
