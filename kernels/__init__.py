@@ -41,6 +41,7 @@ __all__ = [
     "dequantize",
     "expert_mesh",
     "format_of",
+    "gptq_update_width",
     "quantize",
     "quantize_experts",
 ]

@@ -1,0 +1,99 @@
+"""GPTQ's schedule on one device: the factorisation, the update width and the batch of experts.
+
+    python bench/bench_gptq_schedule.py                         # CPU smoke run, 4 x 64 x 512
+    python bench/bench_gptq_schedule.py --shape 128x768x2048    # one Qwen3-30B-A3B ffn_gate_exps (on a GPU)
+
+Times the compiled programs on inputs already on the device (as a quantize
+unit's are), results left there: first the factor of 128 Hessians (the
+Cholesky that `factorable` checks, and `inverse_cholesky_upper`, GPTQ's
+U with H^-1 = U^T U), then `gptq_quantize` vmapped over experts with each
+update width (None: the whole ggml block every column step, the CPU's
+schedule; 32: the accelerator's two-level lazy update) and batch of experts
+per call. The baseline, measured in the same run, is the whole-block
+schedule at 42 experts per call (the batch before the real-size work). Each
+row prints the time, the ratio to the baseline, the share of bytes equal to
+the baseline's and the output error tr((W-Q) H (W-Q)^T) over the first 8
+experts relative to the baseline's: a schedule may move near-tie codes, never
+the quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_gptq import problem  # noqa: E402
+from moeheal import kernels  # noqa: E402
+from moeheal.kernels.gptq import factorable, gptq_quantize, inverse_cholesky_upper  # noqa: E402
+
+SCHEDULES = ((None, 42), (None, 128), (32, 128))  # (update width, experts per call)
+
+
+def best_time(fn, repeats: int) -> tuple[object, float]:
+    """(result, fastest of `repeats` calls after a compiling one), every call waited for."""
+    out = jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return out, min(times)
+
+
+def output_error(w: np.ndarray, raw: np.ndarray, fmt: str, h: np.ndarray, experts: int = 8) -> float:
+    """tr((W - Q) H (W - Q)^T) summed over the first `experts` experts, float64."""
+    total = 0.0
+    for e in range(min(experts, w.shape[0])):
+        diff = w[e].astype(np.float64) - kernels.dequantize(raw[e], fmt, w.shape[1:]).astype(np.float64)  # (rows, cols)
+        total += float(np.sum((diff @ h[e].astype(np.float64)) * diff))
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="4x64x512", help="experts x rows x cols")
+    parser.add_argument("--formats", nargs="+", default=["tq2_0", "iq2_xxs"])
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    shape = tuple(int(n) for n in args.shape.split("x"))
+    n_expert = shape[0]
+    w, importance, h = problem(shape)
+    on_device = [jax.device_put(a) for a in (w, importance, h)]
+    print(f"device: {jax.devices()[0].device_kind}; {args.shape}; best of {args.repeats} after a compiling call\n")
+    for name, fn in (("Cholesky (factorable)", factorable), ("inverse_cholesky_upper", inverse_cholesky_upper)):
+        _, seconds = best_time(partial(jax.jit(jax.vmap(fn)), on_device[2]), args.repeats)
+        print(f"factor of {n_expert} Hessians, {name}: {seconds:.3f} s")
+    print("\n| format | update width | experts per call | GPTQ s | vs whole block, 42 per call | bytes equal | "
+          "output error vs baseline |")
+    print("|---|---|---|---|---|---|---|")
+    for fmt in args.formats:
+        cls = kernels.FORMATS[fmt]
+        baseline = None
+        for width, batch in SCHEDULES:
+            batch = min(batch, n_expert)
+            program = jax.jit(jax.vmap(partial(gptq_quantize, cls, update_width=width)))
+
+            def run(program=program, batch=batch):
+                return [program(*(a[s:s + batch] for a in (on_device[0], on_device[2], on_device[1])))
+                        for s in range(0, n_expert, batch)]
+
+            out, seconds = best_time(run, args.repeats)
+            raw = np.concatenate([np.asarray(o) for o in out])  # (E, rows, bytes)
+            err = output_error(w, raw, fmt, h)
+            if baseline is None:
+                baseline = (raw, err, seconds)
+            print(f"| {fmt} | {'whole block' if width is None else width} | {batch} | {seconds:.3f} | "
+                  f"{baseline[2] / seconds:.2f}x | {np.mean(raw == baseline[0]):.4f} | {err / baseline[1]:.4f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
