@@ -1,7 +1,9 @@
 """Layer-major forward pass over a GGUF MoE model.
 
 A batch of sequences goes through the model one layer at a time: the layer's
-tensors are dequantized from the memory-mapped file and used. Dequantized
+tensors are dequantized from the memory-mapped file onto the default JAX
+device, where the layer runs (on a GPU a real layer's float32 weights never
+cross to the host and back), and used. Dequantized
 tensors are kept between forward passes up to a byte budget (least recently
 used dropped first), so a model that fits is dequantized once however many
 batches run, while peak memory stays bounded by that budget plus one layer's
@@ -16,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -57,7 +60,7 @@ class Runner:
                  cache_bytes: int = WEIGHT_CACHE_BYTES):
         self.model = model
         self.cache_bytes = cache_bytes
-        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[str, np.ndarray | jax.Array] = OrderedDict()
         self.hp = model.hp
         self.arch = model.arch  # the family's attention, routing and shared expert
         self.overrides = {name: np.asarray(w, np.float32) for name, w in (overrides or {}).items()}
@@ -70,14 +73,15 @@ class Runner:
 
     # ---- weights ----------------------------------------------------------
 
-    def _tensor(self, name: str) -> np.ndarray:
-        """The tensor dequantized (read-only by convention: it may be the cached copy)."""
+    def _tensor(self, name: str) -> np.ndarray | jax.Array:
+        """The tensor dequantized on the default device (read-only by convention: it may be the
+        cached copy); an override as given."""
         if name in self.overrides:
             return self.overrides[name]
         if name in self._cache:
             self._cache.move_to_end(name)
             return self._cache[name]
-        w = self.model.tensor(name)
+        w = self.model.device_tensor(name)
         if w.nbytes <= self.cache_bytes:
             self._cache[name] = w
             held = sum(v.nbytes for v in self._cache.values())
@@ -86,7 +90,7 @@ class Runner:
                 held -= dropped.nbytes
         return w
 
-    def _rows(self, name: str, index: np.ndarray | slice) -> np.ndarray:
+    def _rows(self, name: str, index: np.ndarray | slice) -> np.ndarray | jax.Array:
         """Rows of a 2-D tensor: from the whole dequantized tensor when it is cached or small
         against the cache budget, else without dequantizing the rest of it."""
         if name in self.overrides:
@@ -95,7 +99,7 @@ class Runner:
             return self._tensor(name)[index]
         return self.model.rows(name, index)
 
-    def layer_params(self, i: int) -> dict[str, np.ndarray]:
+    def layer_params(self, i: int) -> dict[str, np.ndarray | jax.Array]:
         """Layer i's tensors, dequantized, overrides applied, keyed by short name."""
         prefix = f"blk.{i}."
         return {n[len(prefix):]: self._tensor(n) for n in self.model.tensor_names if n.startswith(prefix)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+import jax
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader
@@ -113,6 +114,18 @@ def test_large_tensors_dequantized_by_our_kernels_equal_gguf_py(tiny_qwen2moe_q8
         if t.tensor_type == Q8_0:
             np.testing.assert_array_equal(model.tensor(t.name), dequantize(t.data, t.tensor_type).reshape(
                 model.shape(t.name)), err_msg=t.name)
+
+
+@pytest.mark.parametrize("kernel_path", [False, True], ids=["gguf-py", "kernels"])
+def test_device_tensors_equal_host_tensors(tiny_qwen2moe_q8, monkeypatch, kernel_path):
+    """`device_tensor` (what the units and the runner use) holds the bits `tensor` returns, on the device."""
+    if kernel_path:
+        monkeypatch.setattr(gguf_model, "DEVICE_DEQUANT_MIN_BYTES", 0)
+    model = GGUFModel(tiny_qwen2moe_q8)
+    for name in ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_gate_inp.weight", "token_embd.weight"):
+        on_device = model.device_tensor(name)
+        assert isinstance(on_device, jax.Array), name
+        np.testing.assert_array_equal(np.asarray(on_device), model.tensor(name), err_msg=name)
 
 
 def test_open_model_reuses_an_unchanged_file_and_reopens_a_rewritten_one(tiny_qwen2moe, tiny_qwen3moe, tmp_path):
