@@ -19,8 +19,10 @@ stage's start, so a unit's reading of its inputs is in it), the sums per
 stage kind, per layer for the per-layer units, the same scaled to the real
 model's layer count (labelled as extrapolated: the units of different layers
 do the same work on the same shapes), the process's peak host memory
-(ru_maxrss) and the device's peak memory (JAX's `peak_bytes_in_use`, where
-the backend reports it). The baseline in the same run is the synth step
+(ru_maxrss), the peaks of its anonymous and file-backed resident memory while
+healing (what it allocates, and the read pages of the memory-mapped GGUF and
+dumps, which ru_maxrss also counts), and the device's peak memory (JAX's
+`peak_bytes_in_use`, where the backend reports it). The baseline in the same run is the synth step
 (writing the model), so the ratios say how heal time compares with the cost
 of merely producing the file.
 """
@@ -34,6 +36,7 @@ import os
 import re
 import resource
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -128,6 +131,41 @@ class StageClock:
         return out
 
 
+class HostMemory:
+    """Peaks of the process's anonymous and file-backed resident memory while running (Linux
+    /proc/self/status RssAnon and RssFile, sampled every `period` seconds by a thread).
+
+    ru_maxrss counts both: the pages of a memory-mapped GGUF that a unit has read stay resident
+    (and counted) until the kernel needs them back, so it grows with the layers read even when
+    what the process allocates does not. RssAnon is what it allocates.
+    """
+
+    def __init__(self, period: float = 0.1):
+        self.period, self.peaks = period, {"RssAnon": 0, "RssFile": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with open("/proc/self/status") as f:
+                    for line in f:
+                        key, _, value = line.partition(":")
+                        if key in self.peaks:
+                            self.peaks[key] = max(self.peaks[key], int(value.split()[0]) * 1024)
+            except OSError:  # not Linux: no figures
+                return
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> "HostMemory":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def device_peak_bytes() -> int | None:
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
@@ -177,11 +215,11 @@ def main() -> int:
     start = time.perf_counter()
     config = write_config(args.work, model, args.tokens, write_windows(args.work, args.windows), args.variants)
     run = HealRun(load_config(config), log=clock)
-    if args.no_eval:  # up to the healed GGUFs: a real vocabulary makes every evaluated window costly
-        run.audit()
-        healed = {variant.name: run.assemble(variant).path for variant in run.all_quantized_variants()}
-    else:
-        run.heal()
+    with HostMemory() as host:
+        if args.no_eval:  # up to the healed GGUFs: a real vocabulary makes every evaluated window costly
+            run.audit()
+        else:
+            run.heal()
         healed = {variant.name: run.assemble(variant).path for variant in run.all_quantized_variants()}
     end = time.perf_counter()
     heal_s = end - start
@@ -201,6 +239,8 @@ def main() -> int:
         "per_layer_s": {k: sum(v) / len(v) for k, v in per_layer.items()},
         "extrapolated_whole_model_s": {k: sum(v) / len(v) * like.hp.n_layer for k, v in per_layer.items()},
         "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "heal_peak_anon_bytes": host.peaks["RssAnon"] or None,  # allocated by the process while healing
+        "heal_peak_file_bytes": host.peaks["RssFile"] or None,  # memory-mapped files' resident pages
         "device_peak_bytes": device_peak_bytes(),
     }
     if args.llama_kld:

@@ -142,8 +142,10 @@ def cv_folds(n_rows: int, scheme: str) -> list[np.ndarray]:
 
 def held_out_error(eval_stats: RidgeStats, d_w: np.ndarray, eta: float) -> float:
     """||R - eta Z dW^T||^2 on the rows of eval_stats, from their statistics alone."""
-    explained = np.einsum("fd,df->", eval_stats.cross, d_w)  # <Z^T R, dW^T> = <R, Z dW^T>
-    energy = np.einsum("df,fg,dg->", d_w, eval_stats.gram, d_w)  # ||Z dW^T||^2
+    explained = np.sum(eval_stats.cross.T * d_w)  # <Z^T R, dW^T> = <R, Z dW^T>
+    # ||Z dW^T||^2 = sum (dW G) * dW: one BLAS product; the three-operand einsum ran an unblocked
+    # loop, 0.6 s a call at d = 2048, f = 512 (Qwen3-Next), 24 s of every calibrate unit there
+    energy = np.sum((d_w @ eval_stats.gram) * d_w)
     return eval_stats.sum_sq_r - 2.0 * eta * explained + eta**2 * energy
 
 
