@@ -176,9 +176,10 @@ def _map_chunks(fn: Callable[..., Any], chunk: int, *arrays: np.ndarray | jax.Ar
 
 
 def _on_accelerator(devices: Sequence[jax.Device] | None = None) -> bool:
-    """Whether work goes to an accelerator (the first of ``devices``, default the default backend's)."""
-    first = jax.local_devices()[0] if devices is None else devices[0]
-    return first.platform != "cpu"
+    """Whether work goes to an accelerator: the first of ``devices``, else the default device
+    (``jax.default_device``'s, where a caller set one), else the default backend's first."""
+    first = devices[0] if devices is not None else (jax.config.jax_default_device or jax.local_devices()[0])
+    return getattr(first, "platform", first) != "cpu"  # the setting may name a platform
 
 
 def gptq_update_width(devices: Sequence[jax.Device] | None = None) -> int | None:
