@@ -171,8 +171,9 @@ def _map_chunks(fn: Callable[..., Any], chunk: int, *arrays: np.ndarray | jax.Ar
             outs.append(jax.tree.map(lambda out: np.asarray(out)[:valid], fn(*parts)))  # noqa: B023
         else:
             outs.append(jax.tree.map(lambda out: out[:valid], fn(*parts)))  # noqa: B023
-    concatenate = np.concatenate if to_host else jnp.concatenate
-    return jax.tree.map(lambda *chunks: chunks[0] if len(chunks) == 1 else concatenate(chunks), *outs)
+    if to_host:  # a writable NumPy array of the caller's own, even from one chunk
+        return jax.tree.map(lambda *chunks: np.concatenate(chunks), *outs)
+    return jax.tree.map(lambda *chunks: chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks), *outs)
 
 
 def _on_accelerator(devices: Sequence[jax.Device] | None = None) -> bool:
