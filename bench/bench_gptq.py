@@ -23,7 +23,9 @@ lazy update of the later columns after every ggml block, 2 rows cols^2, and
 the updates inside a block, 2 rows cols block). The roofs are NVIDIA's H200
 SXM figures: FP32 67 TFLOPS (CUDA cores; what HIGHEST precision runs on) and
 TF32 tensor 494.7 TFLOPS dense (the datasheet's 989 TFLOPS is with 2:4
-sparsity, which a dense product cannot use).
+sparsity, which a dense product cannot use). The least-squares scale search
+is set against the memory roof, HBM3e 4.8 TB/s: the bytes it must move (the
+float32 weights and importance read, the block bytes written) over its time.
 """
 
 from __future__ import annotations
@@ -47,6 +49,16 @@ SHAPES = {
 }
 H200_FP32_TFLOPS = 67.0
 H200_TF32_DENSE_TFLOPS = 494.7
+H200_HBM_TB_PER_S = 4.8
+
+
+def least_squares_bytes(shape: tuple[int, int, int], fmt: str) -> float:
+    """Bytes the least-squares search must move: float32 weights and importance in, block bytes out."""
+    from moeheal import kernels
+
+    n_expert, rows, cols = shape
+    cls = kernels.FORMATS[fmt]
+    return 4.0 * n_expert * (rows * cols + cols) + n_expert * rows * cols / cls.block_size * cls.type_size
 
 
 def gptq_flops(shape: tuple[int, int, int], block: int) -> float:
@@ -86,9 +98,9 @@ def main() -> None:
     device = jax.devices("gpu")[0] if args.gpu else jax.devices("cpu")[0]
     print(f"device: {device.device_kind}; best of {args.repeats} after a compiling call; roofs: H200 SXM FP32 "
           f"{H200_FP32_TFLOPS:g} TFLOPS, TF32 tensor {H200_TF32_DENSE_TFLOPS:g} TFLOPS dense\n")
-    print("| format | experts x rows x cols | least squares s | GPTQ s | GPTQ / least squares | GPTQ M weights/s "
-          "| GPTQ GFLOP/s | % of FP32 roof | % of TF32 roof |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| format | experts x rows x cols | least squares s | least squares GB/s | % of HBM roof | GPTQ s "
+          "| GPTQ / least squares | GPTQ M weights/s | GPTQ GFLOP/s | % of FP32 roof | % of TF32 roof |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     with jax.default_device(device):
         for shape in SHAPES[args.shape]:
             w, importance, h = (jax.device_put(a, device) for a in problem(shape))
@@ -102,7 +114,9 @@ def main() -> None:
                 ls(), gptq()  # compile
                 t_ls, t_gptq = best_of(ls, args.repeats), best_of(gptq, args.repeats)
                 gflops = gptq_flops(shape, kernels.FORMATS[fmt].block_size) / t_gptq / 1e9
-                print(f"| {fmt} | {'x'.join(map(str, shape))} | {t_ls:.3f} | {t_gptq:.3f} | {t_gptq / t_ls:.1f}x "
+                ls_gb = least_squares_bytes(shape, fmt) / t_ls / 1e9
+                print(f"| {fmt} | {'x'.join(map(str, shape))} | {t_ls:.3f} | {ls_gb:.3g} "
+                      f"| {100 * ls_gb / 1e3 / H200_HBM_TB_PER_S:.3g} | {t_gptq:.3f} | {t_gptq / t_ls:.1f}x "
                       f"| {w.size / t_gptq / 1e6:.2f} | {gflops:.3g} | {100 * gflops / 1e3 / H200_FP32_TFLOPS:.3g} "
                       f"| {100 * gflops / 1e3 / H200_TF32_DENSE_TFLOPS:.3g} |", flush=True)
 
