@@ -331,9 +331,11 @@ def pooled_second_moment(sum_xx_t: np.ndarray | jax.Array, counts: np.ndarray) -
     expert) it is the mean over routed (token, expert) pairs. With router-weighted
     sums and `counts` the weight sums, it is the same mean weighted by w.
     Summed in float64 on the device holding the sums (a real layer's are GBs):
-    a float64 sum of float32 terms is exact unless they span more than 2^29,
-    so the result is the host's float64 sum to the last float32 bit in all but
-    such cases (tests/test_importance.py compares them).
+    float64 holds 29 more bits than a float32 term, so the sum of E terms is
+    exact, and equal to the host's whatever the order, unless their magnitudes
+    span more than about 2^(29 - log2 E); even then only a last-bit tie of the
+    float32 rounding could tell them apart (tests/test_importance.py compares
+    them bit for bit).
     (E, n, n), (E,) -> (n, n) float32; all-zero counts give zeros.
     """
     total = float(np.sum(counts, dtype=np.float64))
