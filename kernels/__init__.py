@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from moeheal.kernels import kquants  # noqa: F401  (registers q2_k .. q6_k in FORMATS)
 from moeheal.kernels import iquants  # noqa: F401  (registers iq2_xxs, iq2_xs, iq2_s, iq3_xxs)
 from moeheal.kernels.formats import FORMATS, BlockFormat, dequantize_blocks_jit, format_of
-from moeheal.kernels.gptq import damp_hessian, factorable, gptq_quantize
+from moeheal.kernels.gptq import GptqSchedule, damp_hessian, factorable, gptq_quantize
 
 __all__ = [
     "FORMATS",
@@ -41,7 +41,8 @@ __all__ = [
     "dequantize",
     "expert_mesh",
     "format_of",
-    "gptq_update_width",
+    "GptqSchedule",
+    "gptq_schedule",
     "quantize",
     "quantize_experts",
 ]
@@ -55,8 +56,11 @@ CHUNK_WEIGHTS = 1 << 22
 # H200) and 256 of Qwen3-Next's: with their Hessians and the factor's scratch under 20 GB.
 ACCELERATOR_CHUNK_WEIGHTS = 1 << 28
 
-# Columns per GPTQ rounding step on an accelerator (`gptq_update_width`).
+# Columns per GPTQ rounding step on an accelerator (`gptq_schedule`).
 ACCELERATOR_GPTQ_UPDATE_WIDTH = 32
+# Platforms whose GPTQ factor is computed in float64 (`gptq_schedule`): CUDA and ROCm GPUs run
+# float64 in hardware; Metal has none and TPUs emulate it.
+FLOAT64_FACTOR_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 
 # The mesh axis that experts are sharded along.
 EXPERT_AXIS = "expert"
@@ -69,17 +73,16 @@ def bits_per_weight(fmt: str) -> float:
 
 
 def _quantize_matrix(fmt: str, w: jax.Array, importance: jax.Array | None, hessian: jax.Array | None,
-                     update_width: int | None = None) -> jax.Array:
+                     schedule: GptqSchedule = GptqSchedule()) -> jax.Array:
     """One matrix (rows, cols) -> ggml bytes (rows, cols/block*type_size); traced, not jitted.
 
-    With a hessian, GPTQ rounding (``update_width``: its schedule, see
-    ``gptq_quantize``); the importance (if any) still weights the scale
-    searches there.
+    With a hessian, GPTQ rounding in ``schedule``'s order (``gptq_quantize``);
+    the importance (if any) still weights the scale searches there.
     """
     cls = FORMATS[fmt]
     rows, cols = w.shape
     if hessian is not None:
-        return gptq_quantize(cls, w, hessian, importance, update_width)  # (rows, bytes)
+        return gptq_quantize(cls, w, hessian, importance, schedule)  # (rows, bytes)
     blocks = w.reshape(rows * cols // cls.block_size, cls.block_size)  # (n, B)
     imp = None
     if importance is not None:
@@ -88,18 +91,18 @@ def _quantize_matrix(fmt: str, w: jax.Array, importance: jax.Array | None, hessi
     return cls.quantize_blocks(blocks, imp).reshape(rows, -1)  # (rows, bytes)
 
 
-@partial(jax.jit, static_argnames=("fmt", "update_width"))
+@partial(jax.jit, static_argnames=("fmt", "schedule"))
 def _quantize_rows_jit(fmt: str, w: jax.Array, importance: jax.Array | None, hessian: jax.Array | None,
-                       update_width: int | None) -> jax.Array:
+                       schedule: GptqSchedule) -> jax.Array:
     """Jitted ``_quantize_matrix`` for one chunk of rows."""
-    return _quantize_matrix(fmt, w, importance, hessian, update_width)
+    return _quantize_matrix(fmt, w, importance, hessian, schedule)
 
 
-@partial(jax.jit, static_argnames=("fmt", "update_width"))
+@partial(jax.jit, static_argnames=("fmt", "schedule"))
 def _quantize_experts_jit(fmt: str, w: jax.Array, importance: jax.Array | None, hessians: jax.Array | None,
-                          update_width: int | None) -> jax.Array:
+                          schedule: GptqSchedule) -> jax.Array:
     """``_quantize_matrix`` vmapped over a batch of experts: (e, rows, cols) -> (e, rows, bytes)."""
-    return jax.vmap(partial(_quantize_matrix, fmt, update_width=update_width))(w, importance, hessians)
+    return jax.vmap(partial(_quantize_matrix, fmt, schedule=schedule))(w, importance, hessians)
 
 
 def _check_factorable(factorable_flags: np.ndarray) -> None:
@@ -108,7 +111,7 @@ def _check_factorable(factorable_flags: np.ndarray) -> None:
         raise ValueError(NOT_POSITIVE_DEFINITE)
 
 
-def _experts_batch(fmt: str, update_width: int | None, w: jax.Array, importance: jax.Array | None,
+def _experts_batch(fmt: str, schedule: GptqSchedule, w: jax.Array, importance: jax.Array | None,
                    hessians: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """Bytes (e, rows, bytes) of a batch, and per expert whether its Hessian factors (e,) (True without one).
 
@@ -116,21 +119,21 @@ def _experts_batch(fmt: str, update_width: int | None, w: jax.Array, importance:
     same matrices, so XLA can share the factorisation between them, and it
     costs no host work: the flags come back with the bytes.
     """
-    raw = _quantize_experts_jit(fmt, w, importance, hessians, update_width)  # (e, rows, bytes)
+    raw = _quantize_experts_jit(fmt, w, importance, hessians, schedule)  # (e, rows, bytes)
     if hessians is None:
         return raw, jnp.ones(w.shape[:1], bool)  # (e,)
-    return raw, jax.vmap(factorable)(hessians)  # (e,)
+    return raw, jax.vmap(partial(factorable, schedule=schedule))(hessians)  # (e,)
 
 
-@partial(jax.jit, static_argnames=("fmt", "update_width", "mesh"))
-def _experts_batch_jit(fmt: str, update_width: int | None, mesh: Mesh, w: jax.Array, importance: jax.Array | None,
+@partial(jax.jit, static_argnames=("fmt", "schedule", "mesh"))
+def _experts_batch_jit(fmt: str, schedule: GptqSchedule, mesh: Mesh, w: jax.Array, importance: jax.Array | None,
                        hessians: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """``_experts_batch`` on the mesh: each device runs it on its own experts, none talks to another."""
     if mesh.size == 1:
-        return _experts_batch(fmt, update_width, w, importance, hessians)
+        return _experts_batch(fmt, schedule, w, importance, hessians)
     # check_vma off: the kernels' loops start from constants, which the per-device type check would
     # have to be told vary by device; nothing here crosses devices for it to guard
-    per_device = jax.shard_map(partial(_experts_batch, fmt, update_width), mesh=mesh, in_specs=PartitionSpec(EXPERT_AXIS),
+    per_device = jax.shard_map(partial(_experts_batch, fmt, schedule), mesh=mesh, in_specs=PartitionSpec(EXPERT_AXIS),
                                out_specs=PartitionSpec(EXPERT_AXIS), check_vma=False)
     return per_device(w, importance, hessians)
 
@@ -176,22 +179,32 @@ def _map_chunks(fn: Callable[..., Any], chunk: int, *arrays: np.ndarray | jax.Ar
     return jax.tree.map(lambda *chunks: chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks), *outs)
 
 
-def _on_accelerator(devices: Sequence[jax.Device] | None = None) -> bool:
-    """Whether work goes to an accelerator: the first of ``devices``, else the default device
-    (``jax.default_device``'s, where a caller set one), else the default backend's first."""
+def _platform(devices: Sequence[jax.Device] | None = None) -> str:
+    """The platform work goes to: the first of ``devices``'s, else the default device's
+    (``jax.default_device``'s, where a caller set one), else the default backend's first's."""
     first = devices[0] if devices is not None else (jax.config.jax_default_device or jax.local_devices()[0])
-    return getattr(first, "platform", first) != "cpu"  # the setting may name a platform
+    return getattr(first, "platform", first)  # the setting may name a platform
 
 
-def gptq_update_width(devices: Sequence[jax.Device] | None = None) -> int | None:
-    """GPTQ's schedule on these devices (``gptq_quantize``'s ``update_width``).
+def _on_accelerator(devices: Sequence[jax.Device] | None = None) -> bool:
+    """Whether work goes to an accelerator (see ``_platform``)."""
+    return _platform(devices) != "cpu"
 
-    An accelerator rounds ``ACCELERATOR_GPTQ_UPDATE_WIDTH`` columns per step:
-    the whole-block step moved 8x the memory per column there. The CPU keeps
-    the whole-block step, whose bytes the demo's published figures were made
-    with (the narrow step changes a few near-tie codes, never the method).
+
+def gptq_schedule(devices: Sequence[jax.Device] | None = None) -> GptqSchedule:
+    """GPTQ's schedule on these devices (``gptq_quantize``'s ``schedule``).
+
+    An accelerator rounds ``ACCELERATOR_GPTQ_UPDATE_WIDTH`` columns per step
+    (the whole-block step moved 8x the memory per column there) and, on
+    ``FLOAT64_FACTOR_PLATFORMS``, factors H in float64 (a third of the float32
+    reference's work, bench/RESULTS.md). The CPU keeps the whole-block step and
+    the float32 factor, whose bytes the demo's published figures were made
+    with (a schedule changes a few near-tie codes, never the method).
     """
-    return ACCELERATOR_GPTQ_UPDATE_WIDTH if _on_accelerator(devices) else None
+    if not _on_accelerator(devices):
+        return GptqSchedule()
+    return GptqSchedule(update_width=ACCELERATOR_GPTQ_UPDATE_WIDTH,
+                        float64_factor=_platform(devices) in FLOAT64_FACTOR_PLATFORMS)
 
 
 def _float32(x: np.ndarray | jax.Array) -> np.ndarray | jax.Array:
@@ -243,11 +256,12 @@ def quantize(
     if hessian is not None:
         hessian = np.asarray(hessian, np.float32)
     _check_hessian(cls, hessian, cols, ())
+    schedule = gptq_schedule()
     if hessian is not None:
-        _check_factorable(np.asarray(factorable(jnp.asarray(hessian))))
+        _check_factorable(np.asarray(factorable(jnp.asarray(hessian), schedule)))
     chunk_rows = max(1, min(CHUNK_WEIGHTS // cols, rows))
-    width = gptq_update_width()
-    return _map_chunks(lambda w: _quantize_rows_jit(fmt, w, importance, hessian, width), chunk_rows, x)  # (rows, bytes)
+    return _map_chunks(lambda w: _quantize_rows_jit(fmt, w, importance, hessian, schedule), chunk_rows,
+                       x)  # (rows, bytes)
 
 
 def dequantize(raw: np.ndarray, fmt: str, shape: tuple[int, ...], keep_on_device: bool = False
@@ -313,7 +327,7 @@ def quantize_experts(
         batch_weights = ACCELERATOR_CHUNK_WEIGHTS if _on_accelerator(mesh.devices.flat) else CHUNK_WEIGHTS
     per_device = max(1, min(batch_weights // (rows * cols), n_expert))
     sharding = NamedSharding(mesh, PartitionSpec(EXPERT_AXIS))
-    raw, factorable_flags = _map_chunks(partial(_experts_batch_jit, fmt, gptq_update_width(mesh.devices.flat), mesh),
+    raw, factorable_flags = _map_chunks(partial(_experts_batch_jit, fmt, gptq_schedule(mesh.devices.flat), mesh),
                                         per_device * mesh.size,
                                         w, importance, hessians, sharding=sharding)  # (E, rows, bytes), (E,)
     _check_factorable(factorable_flags)

@@ -28,6 +28,8 @@ feeding the group's columns one by one would give.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 
@@ -45,23 +47,50 @@ def damp_hessian(hessian: jax.Array, damp: float) -> jax.Array:
     return hessian + damp * jnp.mean(jnp.diag(hessian)) * jnp.eye(hessian.shape[0], dtype=jnp.float32)  # (cols, cols)
 
 
-def factorable(hessian: jax.Array) -> jax.Array:
-    """Whether GPTQ's float32 Cholesky of H succeeds: () bool.
+@dataclass(frozen=True)
+class GptqSchedule:
+    """How GPTQ orders and carries its arithmetic on a device; never what it computes.
 
-    The same factorisation ``inverse_cholesky_upper`` starts from, checked on
-    the device that rounds: a host float64 check passes matrices that float32
-    cannot factor, and costs more than the rounding itself.
+    ``update_width``: the columns each rounding step pushes its error onto at
+    once (``gptq_quantize``). ``float64_factor``: U from one float64 Cholesky and
+    a triangular inverse (``reverse_cholesky_upper``) instead of float32 H^-1
+    formed and factored (``inverse_cholesky_upper``, GPTQ's reference): the
+    same matrix in exact arithmetic, a third of the work, and closer to the
+    float64 factor than either float32 route. The CPU keeps the default, whose
+    bytes the demo's published figures were made with; ``kernels.gptq_schedule``
+    picks per device.
     """
+
+    update_width: int | None = None
+    float64_factor: bool = False
+
+
+def _reversed(matrix: jax.Array) -> jax.Array:
+    """J M J, J the exchange matrix: rows and columns in reverse order."""
+    return matrix[::-1, ::-1]  # (cols, cols)
+
+
+def factorable(hessian: jax.Array, schedule: GptqSchedule = GptqSchedule()) -> jax.Array:
+    """Whether the Cholesky that ``schedule``'s factor starts from succeeds: () bool.
+
+    The same factorisation ``gptq_factor`` starts from, checked on the device
+    that rounds, in the same precision: a host float64 check passes matrices
+    that float32 cannot factor, and costs more than the rounding itself.
+    """
+    if schedule.float64_factor:
+        with jax.enable_x64(True):
+            return jnp.all(jnp.isfinite(jnp.linalg.cholesky(_reversed(hessian).astype(jnp.float64))))  # ()
     return jnp.all(jnp.isfinite(jnp.linalg.cholesky(hessian)))  # ()
 
 
 def inverse_cholesky_upper(hessian: jax.Array) -> jax.Array:
-    """Upper-triangular U with H^-1 = U^T U (GPTQ's factor); NaN if H is not PD.
+    """Upper-triangular U with H^-1 = U^T U (GPTQ's factor), float32; NaN if H is not PD.
 
-    H^-1 is formed and factored as GPTQ's reference does; the cheaper
-    U = J chol(J H J)^-1 J (J reversing the columns) is the same matrix in
-    exact arithmetic but rounds differently, and moved q5_k's float32 result
-    away from the float64 reference by 7% on tests/test_gptq.py's matrices.
+    H^-1 is formed and factored as GPTQ's reference does (two Cholesky
+    factorisations and two triangular solves against the identity). The
+    cheaper U = J chol(J H J)^-1 J in float32 rounds differently, and moved
+    q5_k's result away from the float64 reference by 7% on tests/test_gptq.py's
+    matrices; ``reverse_cholesky_upper`` takes that route in float64.
     """
     n = hessian.shape[0]
     chol = jnp.linalg.cholesky(hessian)  # (cols, cols) lower, H = L L^T
@@ -70,9 +99,32 @@ def inverse_cholesky_upper(hessian: jax.Array) -> jax.Array:
     return jnp.linalg.cholesky(h_inv).T  # (cols, cols) upper
 
 
+def reverse_cholesky_upper(hessian: jax.Array) -> jax.Array:
+    """The same U (H^-1 = U^T U) as J L^-1 J with J H J = L L^T, computed in float64; float32 out.
+
+    J H J = L L^T gives H^-1 = (J L^-1 J)^T (J L^-1 J), and J L^-1 J is upper
+    triangular: one Cholesky and one triangular inverse, where
+    ``inverse_cholesky_upper`` needs two of each and squares H's condition
+    number by forming H^-1. float64 keeps the route exact enough for every
+    format (float32 was not, see there); on GPUs whose float64 matrix units run
+    at float32's speed (the H100 and H200) it costs less than the float32
+    reference. NaN if H is not PD.
+    """
+    n = hessian.shape[0]
+    with jax.enable_x64(True):
+        chol = jnp.linalg.cholesky(_reversed(hessian).astype(jnp.float64))  # (cols, cols) lower, J H J = L L^T
+        chol_inv = jax.scipy.linalg.solve_triangular(chol, jnp.eye(n, dtype=jnp.float64), lower=True)  # (cols, cols)
+        return _reversed(chol_inv).astype(jnp.float32)  # (cols, cols) upper
+
+
+def gptq_factor(hessian: jax.Array, schedule: GptqSchedule = GptqSchedule()) -> jax.Array:
+    """GPTQ's U (H^-1 = U^T U) by ``schedule``'s route: (cols, cols) float32 upper, NaN if H is not PD."""
+    return reverse_cholesky_upper(hessian) if schedule.float64_factor else inverse_cholesky_upper(hessian)
+
+
 def gptq_quantize(
     fmt: type[BlockFormat], w: jax.Array, hessian: jax.Array, importance: jax.Array | None = None,
-    update_width: int | None = None,
+    schedule: GptqSchedule = GptqSchedule(),
 ) -> jax.Array:
     """GPTQ-rounded ggml bytes of one matrix: (rows, cols) -> (rows, n_blocks * type_size) uint8.
 
@@ -81,7 +133,8 @@ def gptq_quantize(
     variant's tempered activation importance still decides the scales while H
     decides the error feedback.
 
-    ``update_width`` is a schedule, not a change of method: the columns each
+    ``schedule`` orders the arithmetic, never changes the method. Its factor:
+    ``gptq_factor``. Its ``update_width``: the columns each
     rounding step pushes its error onto at once. None: the rest of the ggml
     block, every step. A width w (a divisor of the sub-block, or one larger
     than it: then the sub-block) rounds w columns with their errors applied
@@ -93,6 +146,7 @@ def gptq_quantize(
     """
     rows, cols = w.shape
     block, sub, group = fmt.block_size, fmt.sub_block, fmt.gptq_group
+    update_width = schedule.update_width
     lazy = update_width is not None
     width = min(update_width, sub) if lazy else sub  # columns rounded per step of the chunk loop
     if sub % width or width % group:
@@ -101,7 +155,7 @@ def gptq_quantize(
     n_blocks, n_sub, n_chunk = cols // block, block // sub, sub // width
     hessian = jnp.asarray(hessian, jnp.float32)  # (cols, cols)
     importance = jnp.diag(hessian) if importance is None else jnp.asarray(importance, jnp.float32)  # (cols,)
-    upper = inverse_cholesky_upper(hessian)  # (cols, cols)
+    upper = gptq_factor(hessian, schedule)  # (cols, cols)
     col_ids = jnp.arange(cols)  # (cols,)
 
     def block_step(w_cur: jax.Array, b: jax.Array):

@@ -43,15 +43,15 @@ def test_quantize_on_gpu_matches_cpu_error(fmt):
 
 
 def test_gptq_on_gpu_reaches_the_cpu_error():
-    """The GPU rounds GPTQ 32 columns per step, the CPU the whole block per step: the same method,
-    the same output error to within near-tie flips."""
+    """The GPU rounds GPTQ 32 columns per step from a float64 factor, the CPU the whole block per
+    step from a float32 one: the same method, the same output error to within near-tie flips."""
     rng = np.random.default_rng(3)
     cols = 512
     x = rng.standard_normal((4 * cols, cols)) @ (np.eye(cols) + rng.standard_normal((cols, cols)) / np.sqrt(cols))
     h = np.asarray(kernels.damp_hessian(x.T @ x / len(x), 0.01), np.float32)  # (cols, cols)
     w = (0.02 * rng.standard_t(4, size=(64, cols))).astype(np.float32)
-    assert kernels.gptq_update_width() == kernels.ACCELERATOR_GPTQ_UPDATE_WIDTH
-    assert on_cpu(kernels.gptq_update_width) is None
+    assert kernels.gptq_schedule() == kernels.GptqSchedule(kernels.ACCELERATOR_GPTQ_UPDATE_WIDTH, float64_factor=True)
+    assert on_cpu(kernels.gptq_schedule) == kernels.GptqSchedule()
     errors = []
     for raw in (kernels.quantize(w, "q2_k", hessian=h), on_cpu(kernels.quantize, w, "q2_k", None, h)):
         diff = (w - kernels.dequantize(raw, "q2_k", w.shape)).astype(np.float64)  # (rows, cols)
