@@ -9,7 +9,7 @@ OUT    ?= export
 # torch is only for the parity tests (transformers loads our GGUFs); pin the CPU build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: heal test bench audit sql export report card clean setup setup-test
+.PHONY: heal test test-gpu bench audit sql export report card clean setup setup-test
 
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
@@ -30,6 +30,11 @@ heal: setup
 
 test: setup-test
 	$(BIN)/python -m pytest -q -m "not gpu"
+
+# The GPU against the CPU, on a machine with JAX for CUDA (`pip install -e '.[cuda]'`); the tests
+# default JAX to the CPU, so the platforms are named here.
+test-gpu: setup-test
+	JAX_PLATFORMS=cuda,cpu $(BIN)/python -m pytest -q -m gpu tests/test_gpu.py
 
 bench: setup-test
 	for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
