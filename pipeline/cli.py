@@ -25,8 +25,26 @@ def _pipeline(args: argparse.Namespace, plan: bool = False, peers_may_be_missing
     return HealRun(load_config(args.config, peers_may_be_missing), plan=plan)
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """``--shard I/N`` as (I, N), 0 <= I < N; InputError (one line, exit 2) otherwise."""
+    index, _, count = text.partition("/")
+    try:
+        shard, shards = int(index), int(count)
+    except ValueError:
+        shard, shards = -1, 0
+    if not 0 <= shard < shards:
+        raise InputError(f"--shard {text}: expected I/N, worker I of N, with 0 <= I < N (e.g. 0/4)")
+    return shard, shards
+
+
 def cmd_heal(args: argparse.Namespace) -> int:
+    shard = parse_shard(args.shard) if args.shard else None
     run = _pipeline(args)
+    if shard is not None:
+        units = run.shard_units(*shard)
+        print(f"shard {shard[0]}/{shard[1]}: {len(units)} units in the lake; `moeheal heal` without --shard "
+              "assembles, evaluates and publishes once every shard has finished")
+        return 0
     run.heal()
     print(run.summary_table())
     return 0
@@ -173,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         if name in ("export", "imatrix"):
             p.add_argument("--out", required=True, help="output folder (export) or GGUF file (imatrix)")
+        if name == "heal":
+            p.add_argument("--shard", metavar="I/N",
+                           help="build only worker I's share of the per-layer quantize and calibrate units of N "
+                                "workers on this lake (one per GPU or host), then stop; run without it afterwards")
         if name == "plan":
             p.add_argument("--format", choices=("table", "json"), default="table",
                            help="json: a list of {stage, fingerprint, status}")

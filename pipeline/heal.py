@@ -314,6 +314,23 @@ class HealRun:
             layers = progress(layers, desc=f"heal {variant.name}", unit="layer")
         return [self.calibrate(variant, layer) for layer in layers]
 
+    def shard_units(self, shard: int, shards: int) -> list[StageResult]:
+        """Worker ``shard`` of ``shards``' share of the per-layer units, built, and nothing after them.
+
+        The (variant, layer) pairs in DAG order (variants as configured, layers in
+        order), every ``shards``-th from the ``shard``-th: each calibrate unit with
+        its quantize unit and what they read (dumps, a budget's recipe). Workers
+        on one lake share everything else through it: a stage is built under its
+        fingerprint's lock, so the first worker to reach a dump builds it and the
+        others wait and find it. No assembly, evaluation or publication: a
+        ``heal`` afterwards finds every unit cached and does those. The units are
+        the ones one process would build, so the healed GGUFs are the same bytes.
+        """
+        pairs = [(variant, layer) for variant in self.all_quantized_variants() for layer in self.source.moe_layers]
+        mine = pairs[shard::shards]
+        return [self.calibrate(variant, layer)
+                for variant, layer in progress(mine, desc=f"shard {shard}/{shards}", unit="unit")]
+
     def calibrated_table(self, variants: list[Variant], name: str) -> pa.Table:
         """`layer_metrics` or `ridge_cv`: the rows every (variant, layer) unit wrote, in that order."""
         return pa.concat_tables([_read_parts(unit, name) for v in variants for unit in self.calibrated_layers(v)])

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -15,6 +18,7 @@ import pytest
 from gguf import GGUFValueType, GGUFWriter
 
 from moeheal import kernels
+from moeheal.pipeline.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.gguf_write import _WRITER_OWNED_KEYS, _add_kv
@@ -162,6 +166,40 @@ def test_assembly_is_byte_identical_to_an_all_at_once_assembly(world, tmp_path):
         reference_assembly(theirs, run.source, [u.path for u in run.calibrated_layers(variant)], variant.name,
                            variant.knobs())
         assert ours.read_bytes() == theirs.read_bytes(), variant.name
+
+
+def shard_process(config: Path, shard: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "moeheal", "heal", "-c", str(config), "--shard", shard],
+                            cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_shard_workers_build_each_unit_once_and_the_same_gguf(world, tmp_path):
+    """Two `heal --shard` processes at once on one lake (as two GPUs or hosts would run them) share
+    the units between them, each built once; the plan then finds every unit cached, and the healed
+    GGUFs are byte for byte those of one process."""
+    sharded, single = copy_world(world, tmp_path / "sharded"), copy_world(world, tmp_path / "single")
+    workers = [shard_process(sharded, f"{i}/2") for i in range(2)]
+    outputs = [worker.communicate(timeout=600) for worker in workers]
+    for worker, (out, err) in zip(workers, outputs):
+        assert worker.returncode == 0, err
+    built = [sorted(line.split("]")[0][1:] for line in out.splitlines() if "computing" in line) for out, _ in outputs]
+    every_unit = sorted(u for v in ("unhealed", "v1") for stage in ("quantize", "calibrate") for u in units(stage, v))
+    assert sorted(built[0] + built[1]) == every_unit  # each unit once, by one of the workers
+    assert built[0] and built[1]
+    planned = statuses(sharded)
+    assert all(planned[u] == "cached" for u in every_unit)
+    assert planned["assemble:v1"] == "compute"  # a worker assembles nothing
+    runs = [HealRun(load_config(config), log=Log()) for config in (sharded, single)]
+    for variant in runs[0].all_quantized_variants():
+        assert runs[0].assemble(variant).path.read_bytes() == runs[1].assemble(variant).path.read_bytes()
+
+
+@pytest.mark.parametrize("shard", ["2/2", "1", "a/b", "1/-2", "0/0"])
+def test_a_bad_shard_is_one_line_and_exit_2(world, shard, capsys):
+    assert main(["heal", "-c", str(world), "--shard", shard]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"--shard {shard}" in err
 
 
 # ---- bfloat16 dumps -----------------------------------------------------------------------------
