@@ -12,7 +12,11 @@ comparisons. Two variants by default: `ls_q2_k` (Q2_K, importance, least
 squares, alpha and ridge) and `gptq_iq2_xxs` (IQ2_XXS, importance, GPTQ, alpha
 and ridge; ridge only where the model has a shared expert); `--variants` picks,
 `ls_tq2_0` (TQ2_0, importance, least squares, alpha and ridge) being the
-cheapest healed one.
+cheapest healed one. `--shards N` first runs N `moeheal heal --shard i/N`
+workers at once on the lake (worker i on GPU i mod the GPU count), as a
+machine with several GPUs runs a real model; the in-process heal then finds
+every unit cached, and the figures add the workers' phase (its wall time,
+each worker's, the stages each built).
 
 Printed: each stage invocation's wall time (from its start to the next
 stage's start, so a unit's reading of its inputs is in it), the sums per
@@ -35,10 +39,12 @@ import json
 import os
 import re
 import resource
+import subprocess
 import sys
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -109,6 +115,32 @@ bonus = [0.0]
 cache_experts = 8
 """)
     return config
+
+
+def run_shard_workers(config: Path, shards: int) -> dict[str, object]:
+    """`moeheal heal --shard i/N` for i < N, all at once on the config's lake, worker i on GPU i mod
+    the GPU count (`CUDA_VISIBLE_DEVICES`) where there are GPUs: the phase's wall time, each worker's
+    own time and the units it built (its `computing` lines)."""
+    gpus = len(jax.devices("gpu")) if jax.default_backend() == "gpu" else 0
+    start = time.perf_counter()
+    workers = []
+    for i in range(shards):
+        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": str(i % gpus)} if gpus else {})}
+        workers.append((time.perf_counter(), subprocess.Popen(
+            [sys.executable, "-m", "moeheal", "heal", "-c", str(config), "--shard", f"{i}/{shards}"],
+            stdout=subprocess.PIPE, text=True, env=env)))
+
+    def finish(began: float, worker: subprocess.Popen) -> tuple[float, int]:
+        out, _ = worker.communicate()
+        if worker.returncode != 0:
+            raise SystemExit(f"shard worker exited {worker.returncode}")
+        return time.perf_counter() - began, sum(" computing " in line for line in out.splitlines()
+                                                 if STAGE_LINE.match(line))
+
+    with ThreadPoolExecutor(shards) as pool:  # each worker's own end, whichever finishes first
+        done = list(pool.map(lambda pair: finish(*pair), workers))
+    return {"shards": shards, "gpus_used": min(gpus, shards), "shard_phase_s": time.perf_counter() - start,
+            "shard_worker_s": [seconds for seconds, _ in done], "shard_stages_built": [n for _, n in done]}
 
 
 class StageClock:
@@ -202,6 +234,9 @@ def main() -> int:
                              "synthetic source on 2 chunks of the demo's held-out text")
     parser.add_argument("--work", type=Path, default=Path("/tmp/moeheal-real-size"))
     parser.add_argument("--json", type=Path, help="write the figures here too")
+    parser.add_argument("--shards", type=int, default=0, metavar="N",
+                        help="first build the per-layer units with N `heal --shard` workers at once (one per GPU "
+                             "where there are GPUs); the timed heal then finds them cached")
     args = parser.parse_args()
     like = LIKE[args.like]
     args.work.mkdir(parents=True, exist_ok=True)
@@ -215,6 +250,7 @@ def main() -> int:
     start = time.perf_counter()
     config = write_config(args.work, model, args.tokens, write_windows(args.work, args.windows), args.variants)
     run = HealRun(load_config(config), log=clock)
+    sharded = run_shard_workers(config, args.shards) if args.shards else {}
     with HostMemory() as host:
         if args.no_eval:  # up to the healed GGUFs: a real vocabulary makes every evaluated window costly
             run.audit()
@@ -242,6 +278,7 @@ def main() -> int:
         "heal_peak_anon_bytes": host.peaks["RssAnon"] or None,  # allocated by the process while healing
         "heal_peak_file_bytes": host.peaks["RssFile"] or None,  # memory-mapped files' resident pages
         "device_peak_bytes": device_peak_bytes(),
+        **sharded,
     }
     if args.llama_kld:
         figures["llama_cpp_kld"] = llama_cpp_kld(model, healed, args.work)
