@@ -106,7 +106,7 @@ def _quantize_experts_jit(fmt: str, w: jax.Array, importance: jax.Array | None, 
 
 
 def _check_factorable(factorable_flags: np.ndarray) -> None:
-    """ValueError unless every Hessian's float32 factorisation succeeded on the device."""
+    """ValueError unless every Hessian's factorisation (in the schedule's precision) succeeded on the device."""
     if not np.all(factorable_flags):
         raise ValueError(NOT_POSITIVE_DEFINITE)
 
@@ -304,7 +304,8 @@ def quantize_experts(
     CPU, ``ACCELERATOR_CHUNK_WEIGHTS`` on an accelerator), each
     batch the same compiled program; with several ``devices`` (default: this
     host's devices of the default backend) each takes one batch per step.
-    ValueError if a Hessian's float32 factorisation fails on the device.
+    ValueError if a Hessian's factorisation (float32, or float64 where
+    ``gptq_schedule`` says) fails on the device.
     """
     cls = format_of(fmt)
     w = _float32(w)  # (E, rows, cols), on the device already when the caller's arrays are
