@@ -32,16 +32,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from moeheal.kernels import kquants  # noqa: F401  (registers q2_k .. q6_k in FORMATS)
 from moeheal.kernels import iquants  # noqa: F401  (registers iq2_xxs, iq2_xs, iq2_s, iq3_xxs)
 from moeheal.kernels.formats import FORMATS, BlockFormat, dequantize_blocks_jit, format_of
-from moeheal.kernels.gptq import GptqSchedule, damp_hessian, factorable, gptq_quantize
+from moeheal.kernels.gptq import CPU_SCHEDULE, GptqSchedule, damp_hessian, factorable, gptq_quantize
 
 __all__ = [
     "FORMATS",
+    "GptqSchedule",
     "bits_per_weight",
     "damp_hessian",
     "dequantize",
     "expert_mesh",
     "format_of",
-    "GptqSchedule",
     "gptq_schedule",
     "quantize",
     "quantize_experts",
@@ -73,7 +73,7 @@ def bits_per_weight(fmt: str) -> float:
 
 
 def _quantize_matrix(fmt: str, w: jax.Array, importance: jax.Array | None, hessian: jax.Array | None,
-                     schedule: GptqSchedule = GptqSchedule()) -> jax.Array:
+                     schedule: GptqSchedule = CPU_SCHEDULE) -> jax.Array:
     """One matrix (rows, cols) -> ggml bytes (rows, cols/block*type_size); traced, not jitted.
 
     With a hessian, GPTQ rounding in ``schedule``'s order (``gptq_quantize``);
@@ -202,7 +202,7 @@ def gptq_schedule(devices: Sequence[jax.Device] | None = None) -> GptqSchedule:
     with (a schedule changes a few near-tie codes, never the method).
     """
     if not _on_accelerator(devices):
-        return GptqSchedule()
+        return CPU_SCHEDULE
     return GptqSchedule(update_width=ACCELERATOR_GPTQ_UPDATE_WIDTH,
                         float64_factor=_platform(devices) in FLOAT64_FACTOR_PLATFORMS)
 

@@ -65,12 +65,16 @@ class GptqSchedule:
     float64_factor: bool = False
 
 
+# The CPU's schedule, every function's default: the whole ggml block per step, the float32 factor.
+CPU_SCHEDULE = GptqSchedule()
+
+
 def _reversed(matrix: jax.Array) -> jax.Array:
     """J M J, J the exchange matrix: rows and columns in reverse order."""
     return matrix[::-1, ::-1]  # (cols, cols)
 
 
-def factorable(hessian: jax.Array, schedule: GptqSchedule = GptqSchedule()) -> jax.Array:
+def factorable(hessian: jax.Array, schedule: GptqSchedule = CPU_SCHEDULE) -> jax.Array:
     """Whether the Cholesky that ``schedule``'s factor starts from succeeds: () bool.
 
     The same factorisation ``gptq_factor`` starts from, checked on the device
@@ -117,14 +121,14 @@ def reverse_cholesky_upper(hessian: jax.Array) -> jax.Array:
         return _reversed(chol_inv).astype(jnp.float32)  # (cols, cols) upper
 
 
-def gptq_factor(hessian: jax.Array, schedule: GptqSchedule = GptqSchedule()) -> jax.Array:
+def gptq_factor(hessian: jax.Array, schedule: GptqSchedule = CPU_SCHEDULE) -> jax.Array:
     """GPTQ's U (H^-1 = U^T U) by ``schedule``'s route: (cols, cols) float32 upper, NaN if H is not PD."""
     return reverse_cholesky_upper(hessian) if schedule.float64_factor else inverse_cholesky_upper(hessian)
 
 
 def gptq_quantize(
     fmt: type[BlockFormat], w: jax.Array, hessian: jax.Array, importance: jax.Array | None = None,
-    schedule: GptqSchedule = GptqSchedule(),
+    schedule: GptqSchedule = CPU_SCHEDULE,
 ) -> jax.Array:
     """GPTQ-rounded ggml bytes of one matrix: (rows, cols) -> (rows, n_blocks * type_size) uint8.
 
