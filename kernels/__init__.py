@@ -196,7 +196,7 @@ def gptq_schedule(devices: Sequence[jax.Device] | None = None) -> GptqSchedule:
 
     An accelerator rounds ``ACCELERATOR_GPTQ_UPDATE_WIDTH`` columns per step
     (the whole-block step moved 8x the memory per column there) and, on
-    ``FLOAT64_FACTOR_PLATFORMS``, factors H in float64 (a third of the float32
+    ``FLOAT64_FACTOR_PLATFORMS``, factors H in float64 (half the float32
     reference's work, bench/RESULTS.md). The CPU keeps the whole-block step and
     the float32 factor, whose bytes the demo's published figures were made
     with (a schedule changes a few near-tie codes, never the method).

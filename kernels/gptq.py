@@ -55,7 +55,7 @@ class GptqSchedule:
     once (``gptq_quantize``). ``float64_factor``: U from one float64 Cholesky and
     a triangular inverse (``reverse_cholesky_upper``) instead of float32 H^-1
     formed and factored (``inverse_cholesky_upper``, GPTQ's reference): the
-    same matrix in exact arithmetic, a third of the work, and closer to the
+    same matrix in exact arithmetic, half the arithmetic, and closer to the
     float64 factor than either float32 route. The CPU keeps the default, whose
     bytes the demo's published figures were made with; ``kernels.gptq_schedule``
     picks per device.
