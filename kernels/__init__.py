@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from moeheal.kernels import kquants  # noqa: F401  (registers q2_k .. q6_k in FORMATS)
 from moeheal.kernels import iquants  # noqa: F401  (registers iq2_xxs, iq2_xs, iq2_s, iq3_xxs)
 from moeheal.kernels.formats import FORMATS, BlockFormat, dequantize_blocks_jit, format_of
-from moeheal.kernels.gptq import CPU_SCHEDULE, GptqSchedule, damp_hessian, factorable, gptq_quantize
+from moeheal.kernels.gptq import CPU_SCHEDULE, GptqSchedule, damp_hessian, factor_is_finite, gptq_factor, gptq_round
 
 __all__ = [
     "FORMATS",
@@ -72,17 +72,18 @@ def bits_per_weight(fmt: str) -> float:
     return format_of(fmt).bits_per_weight
 
 
-def _quantize_matrix(fmt: str, w: jax.Array, importance: jax.Array | None, hessian: jax.Array | None,
+def _quantize_matrix(fmt: str, w: jax.Array, importance: jax.Array | None, upper: jax.Array | None,
                      schedule: GptqSchedule = CPU_SCHEDULE) -> jax.Array:
     """One matrix (rows, cols) -> ggml bytes (rows, cols/block*type_size); traced, not jitted.
 
-    With a hessian, GPTQ rounding in ``schedule``'s order (``gptq_quantize``);
-    the importance (if any) still weights the scale searches there.
+    With GPTQ's factor ``upper`` of H (``_gptq_factor``), GPTQ rounding in
+    ``schedule``'s order (``gptq_round``), the importance weighting the scale
+    searches there.
     """
     cls = FORMATS[fmt]
     rows, cols = w.shape
-    if hessian is not None:
-        return gptq_quantize(cls, w, hessian, importance, schedule)  # (rows, bytes)
+    if upper is not None:
+        return gptq_round(cls, w, upper, importance, schedule)  # (rows, bytes)
     blocks = w.reshape(rows * cols // cls.block_size, cls.block_size)  # (n, B)
     imp = None
     if importance is not None:
@@ -91,23 +92,28 @@ def _quantize_matrix(fmt: str, w: jax.Array, importance: jax.Array | None, hessi
     return cls.quantize_blocks(blocks, imp).reshape(rows, -1)  # (rows, bytes)
 
 
+def _gptq_factor(hessian: jax.Array, importance: jax.Array | None, schedule: GptqSchedule
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """GPTQ's factor U of one Hessian (cols, cols), the scale searches' importance (cols,) (diag(H) when
+    None) and whether U is finite (); traced, not jitted. The one factorisation of H a matrix gets."""
+    upper = gptq_factor(hessian, schedule)  # (cols, cols)
+    importance = jnp.diag(hessian) if importance is None else importance  # (cols,)
+    return upper, importance, factor_is_finite(upper)
+
+
+_gptq_factor_jit = jax.jit(_gptq_factor, static_argnames=("schedule",))
+
+
 @partial(jax.jit, static_argnames=("fmt", "schedule"))
-def _quantize_rows_jit(fmt: str, w: jax.Array, importance: jax.Array | None, hessian: jax.Array | None,
+def _quantize_rows_jit(fmt: str, w: jax.Array, importance: jax.Array | None, upper: jax.Array | None,
                        schedule: GptqSchedule) -> jax.Array:
     """Jitted ``_quantize_matrix`` for one chunk of rows."""
-    return _quantize_matrix(fmt, w, importance, hessian, schedule)
+    return _quantize_matrix(fmt, w, importance, upper, schedule)
 
 
-@partial(jax.jit, static_argnames=("fmt", "schedule"))
-def _quantize_experts_jit(fmt: str, w: jax.Array, importance: jax.Array | None, hessians: jax.Array | None,
-                          schedule: GptqSchedule) -> jax.Array:
-    """``_quantize_matrix`` vmapped over a batch of experts: (e, rows, cols) -> (e, rows, bytes)."""
-    return jax.vmap(partial(_quantize_matrix, fmt, schedule=schedule))(w, importance, hessians)
-
-
-def _check_factorable(factorable_flags: np.ndarray) -> None:
-    """ValueError unless every Hessian's factorisation (in the schedule's precision) succeeded on the device."""
-    if not np.all(factorable_flags):
+def _check_factored(factored: np.ndarray) -> None:
+    """ValueError unless every Hessian's factor (in the schedule's precision) came out finite on the device."""
+    if not np.all(factored):
         raise ValueError(NOT_POSITIVE_DEFINITE)
 
 
@@ -115,14 +121,15 @@ def _experts_batch(fmt: str, schedule: GptqSchedule, w: jax.Array, importance: j
                    hessians: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """Bytes (e, rows, bytes) of a batch, and per expert whether its Hessian factors (e,) (True without one).
 
-    The check sits in the same program as the rounding, which factors the
-    same matrices, so XLA can share the factorisation between them, and it
-    costs no host work: the flags come back with the bytes.
+    Each Hessian is factored once, for the rounding and the check alike, and
+    the check costs no host work: the flags come back with the bytes.
     """
-    raw = _quantize_experts_jit(fmt, w, importance, hessians, schedule)  # (e, rows, bytes)
     if hessians is None:
+        raw = jax.vmap(partial(_quantize_matrix, fmt, schedule=schedule))(w, importance, None)  # (e, rows, bytes)
         return raw, jnp.ones(w.shape[:1], bool)  # (e,)
-    return raw, jax.vmap(partial(factorable, schedule=schedule))(hessians)  # (e,)
+    upper, importance, factored = jax.vmap(partial(_gptq_factor, schedule=schedule))(hessians, importance)
+    raw = jax.vmap(partial(_quantize_matrix, fmt, schedule=schedule))(w, importance, upper)  # (e, rows, bytes)
+    return raw, factored  # (e, rows, bytes), (e,)
 
 
 @partial(jax.jit, static_argnames=("fmt", "schedule", "mesh"))
@@ -257,10 +264,12 @@ def quantize(
         hessian = np.asarray(hessian, np.float32)
     _check_hessian(cls, hessian, cols, ())
     schedule = gptq_schedule()
-    if hessian is not None:
-        _check_factorable(np.asarray(factorable(jnp.asarray(hessian), schedule)))
+    upper = None
+    if hessian is not None:  # factored once, shared by every chunk of rows
+        upper, importance, factored = _gptq_factor_jit(jnp.asarray(hessian), importance, schedule)
+        _check_factored(np.asarray(factored))
     chunk_rows = max(1, min(CHUNK_WEIGHTS // cols, rows))
-    return _map_chunks(lambda w: _quantize_rows_jit(fmt, w, importance, hessian, schedule), chunk_rows,
+    return _map_chunks(lambda w: _quantize_rows_jit(fmt, w, importance, upper, schedule), chunk_rows,
                        x)  # (rows, bytes)
 
 
@@ -328,8 +337,8 @@ def quantize_experts(
         batch_weights = ACCELERATOR_CHUNK_WEIGHTS if _on_accelerator(mesh.devices.flat) else CHUNK_WEIGHTS
     per_device = max(1, min(batch_weights // (rows * cols), n_expert))
     sharding = NamedSharding(mesh, PartitionSpec(EXPERT_AXIS))
-    raw, factorable_flags = _map_chunks(partial(_experts_batch_jit, fmt, gptq_schedule(mesh.devices.flat), mesh),
+    raw, factored = _map_chunks(partial(_experts_batch_jit, fmt, gptq_schedule(mesh.devices.flat), mesh),
                                         per_device * mesh.size,
                                         w, importance, hessians, sharding=sharding)  # (E, rows, bytes), (E,)
-    _check_factorable(factorable_flags)
+    _check_factored(factored)
     return raw

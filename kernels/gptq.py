@@ -74,17 +74,15 @@ def _reversed(matrix: jax.Array) -> jax.Array:
     return matrix[::-1, ::-1]  # (cols, cols)
 
 
-def factorable(hessian: jax.Array, schedule: GptqSchedule = CPU_SCHEDULE) -> jax.Array:
-    """Whether the Cholesky that ``schedule``'s factor starts from succeeds: () bool.
+def factor_is_finite(upper: jax.Array) -> jax.Array:
+    """Whether GPTQ's factor came out finite, i.e. H was positive definite in its precision: () bool.
 
-    The same factorisation ``gptq_factor`` starts from, checked on the device
-    that rounds, in the same precision: a host float64 check passes matrices
-    that float32 cannot factor, and costs more than the rounding itself.
+    Checked on the factor the rounding uses, on the device that rounds: a
+    float32 H that the host's float64 factors may not factor here, and the
+    reference route's second Cholesky (of H^-1) can fail where the first did
+    not. Read from the factor itself, the check costs no factorisation of its own.
     """
-    if schedule.float64_factor:
-        with jax.enable_x64(True):
-            return jnp.all(jnp.isfinite(jnp.linalg.cholesky(_reversed(hessian).astype(jnp.float64))))  # ()
-    return jnp.all(jnp.isfinite(jnp.linalg.cholesky(hessian)))  # ()
+    return jnp.all(jnp.isfinite(upper))  # ()
 
 
 def inverse_cholesky_upper(hessian: jax.Array) -> jax.Array:
@@ -135,10 +133,25 @@ def gptq_quantize(
     hessian (cols, cols) positive definite (already damped); importance (cols,)
     weights the block and sub-block scale searches (diag(H) when None), so a
     variant's tempered activation importance still decides the scales while H
-    decides the error feedback.
+    decides the error feedback. ``gptq_round`` with the factor of ``hessian``.
+    """
+    hessian = jnp.asarray(hessian, jnp.float32)  # (cols, cols)
+    importance = jnp.diag(hessian) if importance is None else importance  # (cols,)
+    return gptq_round(fmt, w, gptq_factor(hessian, schedule), importance, schedule)  # (rows, bytes)
 
-    ``schedule`` orders the arithmetic, never changes the method. Its factor:
-    ``gptq_factor``. Its ``update_width``: the columns each
+
+def gptq_round(
+    fmt: type[BlockFormat], w: jax.Array, upper: jax.Array, importance: jax.Array,
+    schedule: GptqSchedule = CPU_SCHEDULE,
+) -> jax.Array:
+    """GPTQ-rounded ggml bytes of one matrix from H's factor: (rows, cols) -> (rows, n_blocks * type_size) uint8.
+
+    upper (cols, cols): ``gptq_factor`` of the Hessian, taken as an input so
+    that a matrix rounded in row chunks, and the finiteness check, share one
+    factorisation; importance (cols,) weights the scale searches.
+
+    ``schedule`` orders the arithmetic, never changes the method (its factor
+    route is ``gptq_factor``'s). Its ``update_width``: the columns each
     rounding step pushes its error onto at once. None: the rest of the ggml
     block, every step. A width w (a divisor of the sub-block, or one larger
     than it: then the sub-block) rounds w columns with their errors applied
@@ -157,9 +170,7 @@ def gptq_quantize(
         raise ValueError(f"update_width {update_width}: {fmt.name} needs a divisor of its sub-block of {sub} "
                          f"that is a multiple of its GPTQ group of {group}")
     n_blocks, n_sub, n_chunk = cols // block, block // sub, sub // width
-    hessian = jnp.asarray(hessian, jnp.float32)  # (cols, cols)
-    importance = jnp.diag(hessian) if importance is None else jnp.asarray(importance, jnp.float32)  # (cols,)
-    upper = gptq_factor(hessian, schedule)  # (cols, cols)
+    importance = jnp.asarray(importance, jnp.float32)  # (cols,)
     col_ids = jnp.arange(cols)  # (cols,)
 
     def block_step(w_cur: jax.Array, b: jax.Array):

@@ -20,7 +20,7 @@ import pytest
 
 from moeheal.kernels import FORMATS, damp_hessian, dequantize, quantize, quantize_experts
 from moeheal.kernels.formats import IQ4_NL, TQ2_0
-from moeheal.kernels.gptq import GptqSchedule, factorable, gptq_factor, gptq_quantize
+from moeheal.kernels.gptq import GptqSchedule, factor_is_finite, gptq_factor, gptq_quantize
 from tests import reference_quants as ref
 
 
@@ -191,12 +191,13 @@ def test_float64_factor_is_closer_to_the_float64_factor() -> None:
 
 
 @pytest.mark.parametrize("schedule", [GptqSchedule(), GptqSchedule(float64_factor=True)], ids=["float32", "float64"])
-def test_factorable_follows_the_schedule(schedule: GptqSchedule) -> None:
+def test_a_singular_hessian_gives_a_factor_that_is_not_finite(schedule: GptqSchedule) -> None:
+    """Both factor routes fail loudly (NaN) on a singular H, and the check reads that from the factor."""
     singular = np.zeros((256, 256), np.float32)
     singular[0, 0] = 1.0
-    assert not bool(factorable(jnp.asarray(singular), schedule))
-    assert bool(factorable(damp_hessian(singular, 0.01), schedule))
     assert np.isnan(np.asarray(gptq_factor(jnp.asarray(singular), schedule))).any()
+    assert not bool(factor_is_finite(gptq_factor(jnp.asarray(singular), schedule)))
+    assert bool(factor_is_finite(gptq_factor(damp_hessian(singular, 0.01), schedule)))
 
 
 def test_update_width_must_divide_the_sub_block() -> None:
