@@ -1,11 +1,13 @@
 """Forward-pass throughput: the JAX layer-major runner vs transformers (torch CPU) vs llama.cpp.
 
-    python bench/bench_forward.py [--gguf demo/model/demo-q8_0.gguf] [--batch 4] [--seq 512]
+    python bench/bench_forward.py [--gguf demo/model/demo-q8_0.gguf] [--batch 4] [--seq 512] [--scored 128]
 
 Times a batch of `--batch` sequences of `--seq` tokens through each engine on
 the same GGUF file and prints a markdown table of tokens/s. The JAX runner
 runs on whatever backend JAX finds (CPU or GPU); its first call, which
-compiles, is timed separately. Without the demo model a tiny random one is
+compiles, is timed separately. With `--scored N` the runner is also timed
+asking for the logits at the last N positions only, as the evaluation does
+(its baseline: the same runner, every position), which pays at a real vocabulary. Without the demo model a tiny random one is
 generated. With LLAMA_CPP_DIR pointing at a llama.cpp build, `llama-perplexity`
 is timed on the same number of tokens.
 """
@@ -34,7 +36,7 @@ from moeheal.pipeline.runner import Runner  # noqa: E402
 DEFAULT_GGUF = ROOT / "demo" / "model" / "demo-q8_0.gguf"
 
 
-def bench_jax(model: GGUFModel, tokens: np.ndarray, reps: int) -> list[tuple[str, str, float]]:
+def bench_jax(model: GGUFModel, tokens: np.ndarray, reps: int, scored: int | None) -> list[tuple[str, str, float]]:
     import jax
 
     runner = Runner(model)
@@ -42,8 +44,16 @@ def bench_jax(model: GGUFModel, tokens: np.ndarray, reps: int) -> list[tuple[str
     runner.forward(tokens)
     first = time.perf_counter() - t0
     backend = f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
-    return [("moeheal JAX, first call (compiles)", backend, first),
+    rows = [("moeheal JAX, first call (compiles)", backend, first),
             ("moeheal JAX", backend, best_of(lambda: runner.forward(tokens), reps))]
+    if scored:
+        last = slice(tokens.shape[1] - scored, tokens.shape[1])
+        runner.forward(tokens, positions=last)  # compiles the narrower output product
+        rows.append((f"moeheal JAX, logits at the last {scored} positions", backend,
+                     best_of(lambda: runner.forward(tokens, positions=last), reps)))
+        print(f"logits at {scored} of {tokens.shape[1]} positions: {rows[-1][2] / rows[1][2]:.2f}x the time of "
+              "every position's (same runner, same run)")
+    return rows
 
 
 def bench_transformers(path: Path, model: GGUFModel, tokens: np.ndarray, reps: int) -> list[tuple[str, str, float]]:
@@ -93,6 +103,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--scored", type=int, help="also time the logits at the last N positions only")
     ap.add_argument("--no-transformers", action="store_true")
     args = ap.parse_args()
 
@@ -105,7 +116,7 @@ def main() -> None:
     model = GGUFModel(path)
     tokens = np.random.default_rng(0).integers(0, model.hp.vocab_size, (args.batch, args.seq)).astype(np.int32)
 
-    rows = bench_jax(model, tokens, args.reps)
+    rows = bench_jax(model, tokens, args.reps, args.scored)
     if not args.no_transformers:
         rows += bench_transformers(path, model, tokens, args.reps)
     rows += bench_llama_cpp(path, model, tokens)

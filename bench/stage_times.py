@@ -50,8 +50,9 @@ def main() -> int:
             out = csv.writer(f, lineterminator="\n")
             out.writerow(["stage", "units", "seconds"])
             out.writerows([stage, n, f"{s:.2f}"] for stage, (n, s) in sorted(tables[0].items()))
-    header = " | ".join(f"{s}: units | s" for s in args.sources)
-    print(f"| stage | {header} |{' second / first |' if len(tables) == 2 else ''}")
+    labels = [s.parent.name for s in args.sources]  # lake/runs -> lake, demo-h200/stage_times.csv -> demo-h200
+    header = " | ".join(f"{label} units | {label} s" for label in labels)
+    print(f"| stage | {header} |{f' {labels[1]} / {labels[0]} |' if len(tables) == 2 else ''}")
     print("|---" * (1 + 2 * len(tables) + (len(tables) == 2)) + "|")
     stages = sorted(set().union(*tables), key=lambda st: -tables[0].get(st, (0, 0.0))[1])
     for stage in stages + ["all"]:

@@ -136,10 +136,12 @@ class Runner:
         return jnp.asarray(experts, jnp.int32), jnp.asarray(weights)
 
     def forward(self, tokens: np.ndarray, capture: bool = False, routing_hook: RoutingHook | None = None,
-                on_layer: LayerCallback | None = None, logits: bool = True) -> np.ndarray | None:
-        """Logits (B, T, V) float32 for sequences that each start at position 0 (None with
-        `logits=False`: a dump wants the layers' activations only, and a real vocabulary's output
-        projection costs as much as several layers).
+                on_layer: LayerCallback | None = None, logits: bool = True,
+                positions: slice = slice(None)) -> np.ndarray | None:
+        """Logits (B, T', V) float32 at `positions` (all T by default) for sequences that each
+        start at position 0; None with `logits=False`. A real vocabulary's output projection costs
+        as much as several layers, so a dump (activations only) skips it and an evaluation, which
+        scores a window's last positions only, asks for those.
 
         With `capture`, `on_layer(layer, LayerCapture)` is called after every MoE layer (a dense
         layer, `Architecture.is_moe_layer`, has no experts to capture).
@@ -164,7 +166,7 @@ class Runner:
                     experts=np.asarray(experts, np.int32), weights=np.asarray(weights, np.float32),
                     yr=np.asarray(yr), hh=np.asarray(hh), shexp_gate=np.asarray(gate)))
             del params
-        return self.logits(h) if logits else None
+        return self.logits(h[:, positions]) if logits else None  # (B, T', V)
 
     def logits(self, h: jnp.ndarray) -> np.ndarray:
         """Final norm and output projection, h (B, T, d) -> (B, T, V), a chunk of vocabulary rows at a time."""

@@ -219,6 +219,19 @@ def test_weight_cache_is_bounded_and_changes_no_logit(tiny_qwen2moe):
         set(whole._cache) == set(model.tensor_names)
 
 
+def test_logits_at_positions_are_those_positions_of_the_full_logits(tiny_qwen3moe):
+    """An evaluation asks for its scored positions only; they are the full pass's, to float32 rounding
+    (the output product runs over fewer rows), and the rest is never projected."""
+    model = GGUFModel(tiny_qwen3moe)
+    runner = Runner(model)
+    tokens = tokens_for(model, length=16)  # (2, 16)
+    full = runner.forward(tokens)  # (2, 16, V)
+    part = runner.forward(tokens, positions=slice(5, 12))  # (2, 7, V)
+    assert part.shape == (2, 7, runner.hp.vocab_size)
+    np.testing.assert_allclose(part, full[:, 5:12], rtol=1e-5, atol=1e-5)
+    assert runner.forward(tokens, positions=slice(15, 16)).shape == (2, 1, runner.hp.vocab_size)
+
+
 @pytest.mark.parametrize("n_tokens, skew", [(1, False), (37, False), (64, True)])
 def test_moe_forward_matches_numpy(tiny_qwen2moe, n_tokens, skew):
     params = GGUFModel(tiny_qwen2moe).layer(0)

@@ -60,6 +60,18 @@ def _batches(windows: list[dict], tokens: dict[str, np.ndarray]) -> list[tuple[l
     return out
 
 
+def _scored_union(chunk: list[dict]) -> slice:
+    """The positions a batch's logits are needed at: from the first scored position of any of
+    its windows to the last (the context before them only feeds attention)."""
+    spans = [_scored(w) for w in chunk]
+    return slice(min(s.start for s in spans), max(s.stop for s in spans))
+
+
+def _within(span: slice, union: slice) -> slice:
+    """`span` (window positions) as positions of logits computed at `union`."""
+    return slice(span.start - union.start, span.stop - union.start)
+
+
 def _scored(w: dict) -> slice:
     """Positions (within the window) whose next-token logits are scored.
 
@@ -77,13 +89,14 @@ def reference_logits(out: Path, reference: GGUFModel, windows: pa.Table, tokens:
     out.mkdir(parents=True, exist_ok=True)
     runner = Runner(reference)
     for chunk, batch in progress(_batches(windows.to_pylist(), tokens), desc="reference", unit="batch"):
-        logits = runner.forward(batch)  # (B, T_pad, V)
+        union = _scored_union(chunk)
+        logits = runner.forward(batch, positions=union)  # (B, scored span, V)
         for row, w in enumerate(chunk):
-            np.save(out / f"{w['window_id']}.npy", np.asarray(logits[row, _scored(w)], np.float32))
+            np.save(out / f"{w['window_id']}.npy", np.asarray(logits[row, _within(_scored(w), union)], np.float32))
 
 
-def _forward_with_cache(runner: Runner, batch: np.ndarray, bonus: float, cache_experts: int):
-    """Logits (B, T, V), per MoE layer experts (B, T, k), hits (B, T) and misses (B, T).
+def _forward_with_cache(runner: Runner, batch: np.ndarray, bonus: float, cache_experts: int, positions: slice):
+    """Logits (B, T', V) at `positions`, per MoE layer experts (B, T, k), hits (B, T) and misses (B, T).
 
     A family whose routing cache-aware routing does not reproduce (`Architecture.supports_moce`)
     runs its own routing, at bonus 0 only, and its hits are an LRU cache's replaying that routing,
@@ -98,7 +111,7 @@ def _forward_with_cache(runner: Runner, batch: np.ndarray, bonus: float, cache_e
     def on_layer(layer: int, cap) -> None:
         experts[layer] = np.asarray(cap.experts)
 
-    logits = runner.forward(batch, capture=True, routing_hook=hook, on_layer=on_layer)
+    logits = runner.forward(batch, capture=True, routing_hook=hook, on_layer=on_layer, positions=positions)
     if moce:
         return np.asarray(logits), experts, hook.stats
     stats = {}
@@ -120,13 +133,14 @@ def evaluate_model(out: Path, model: GGUFModel, variant: str, ref_dir: Path, win
     for bonus in sorted(bonuses):  # 0 first: its routing is the baselines' trace
         for chunk, batch in progress(_batches(windows.to_pylist(), tokens), desc=f"{variant}@{bonus}",
                                      unit="batch"):
-            runs = [_forward_with_cache(runner, batch, bonus, cache_experts) for _ in range(reps)]
-            logits, experts, _ = runs[0]
+            union = _scored_union(chunk)
+            runs = [_forward_with_cache(runner, batch, bonus, cache_experts, union) for _ in range(reps)]
+            logits, experts, _ = runs[0]  # logits (B, scored span, V)
             for row, w in enumerate(chunk):
                 wid, n = w["window_id"], len(tokens[w["window_id"]])
                 span = _scored(w)
                 ref = np.load(ref_dir / f"{wid}.npy")  # (n_scored, V)
-                kld, ref_top1, top1 = (np.asarray(a) for a in token_kld(ref, logits[row, span]))
+                kld, ref_top1, top1 = (np.asarray(a) for a in token_kld(ref, logits[row, _within(span, union)]))
                 positions = np.arange(span.start, span.stop, dtype=np.int32) + 1 + w["ctx_start"]
                 kld_parts.append(pa.table({
                     "variant": pa.array([variant] * len(kld), pa.string()),
@@ -155,7 +169,7 @@ def hitrate_rows(runs: list, row: int, n: int, layers: tuple[int, ...], lru: int
     """`hitrate` rows of one window (batch row `row`, first `n` positions, the MoE `layers`), one per
     repetition.
 
-    `runs` are the repetitions' (logits (B, T, V), experts {layer: (B, T, k)},
+    `runs` are the repetitions' (logits at the batch's scored positions (B, T', V), experts {layer: (B, T, k)},
     stats {layer: (hits (B, T), misses (B, T))}). `same_as_rep0` compares a
     repeat with repetition 0 and is NULL on repetition 0 itself, which has
     nothing to be compared with: counting it would double the apparent
@@ -167,7 +181,7 @@ def hitrate_rows(runs: list, row: int, n: int, layers: tuple[int, ...], lru: int
         hits = sum(int(rep_stats[layer][0][row, :n].sum()) for layer in layers)
         misses = sum(int(rep_stats[layer][1][row, :n].sum()) for layer in layers)
         lookups = hits + misses
-        same = None if rep == 0 else bool(np.array_equal(rep_logits[row, :n], logits[row, :n]) and all(
+        same = None if rep == 0 else bool(np.array_equal(rep_logits[row], logits[row]) and all(
             np.array_equal(rep_experts[layer][row, :n], experts[layer][row, :n]) for layer in layers))
         rows.append({**key, "rep": rep, "hit_rate": hits / lookups, "misses_per_token": misses / n,
                      "hit_rate_lru": lru / lookups, "hit_rate_belady": belady / lookups, "same_as_rep0": same})
