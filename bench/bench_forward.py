@@ -7,7 +7,9 @@ the same GGUF file and prints a markdown table of tokens/s. The JAX runner
 runs on whatever backend JAX finds (CPU or GPU); its first call, which
 compiles, is timed separately. With `--scored N` the runner is also timed
 asking for the logits at the last N positions only, as the evaluation does
-(its baseline: the same runner, every position), which pays at a real vocabulary. Without the demo model a tiny random one is
+(its baseline: the same runner, every position), and again without keeping the
+output matrix between passes (``Runner``'s ``output_cache_bytes = 0``): both pay
+at a real vocabulary. Without the demo model a tiny random one is
 generated. With LLAMA_CPP_DIR pointing at a llama.cpp build, `llama-perplexity`
 is timed on the same number of tokens.
 """
@@ -53,6 +55,11 @@ def bench_jax(model: GGUFModel, tokens: np.ndarray, reps: int, scored: int | Non
                      best_of(lambda: runner.forward(tokens, positions=last), reps)))
         print(f"logits at {scored} of {tokens.shape[1]} positions: {rows[-1][2] / rows[1][2]:.2f}x the time of "
               "every position's (same runner, same run)")
+        unkept = Runner(model, output_cache_bytes=0)  # the output matrix dequantized again on every pass
+        unkept.forward(tokens, positions=last)
+        rows.append(("the same, output matrix not kept", backend,
+                     best_of(lambda: unkept.forward(tokens, positions=last), reps)))
+        print(f"keeping the output matrix: {rows[-2][2] / rows[-1][2]:.2f}x the time of not keeping it")
     return rows
 
 

@@ -30,6 +30,10 @@ from moeheal.pipeline.gguf_model import GGUFModel
 OUTPUT_ROWS_PER_CHUNK = 16384
 # Dequantized float32 tensors kept between forward passes (see the module docstring).
 WEIGHT_CACHE_BYTES = 1 << 30
+# The output matrix's float32 copy is kept on its own when it fits this: every pass with logits
+# reads all of it, and at a real vocabulary (151,936 x 2048: 1.2 GB) the weight cache cannot hold
+# it, so each pass would dequantize it again (half of a one-layer 30B-shape pass, bench/RESULTS.md).
+OUTPUT_CACHE_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -53,13 +57,16 @@ LayerCallback = Callable[[int, LayerCapture], None]
 class Runner:
     """Runs `model` layer by layer; `overrides` replace GGUF tensors by name (float32 arrays).
 
-    `cache_bytes` bounds the dequantized tensors kept between forward passes.
+    `cache_bytes` bounds the dequantized tensors kept between forward passes;
+    `output_cache_bytes` the output matrix's copy, kept apart from them.
     """
 
     def __init__(self, model: GGUFModel, overrides: dict[str, np.ndarray] | None = None,
-                 cache_bytes: int = WEIGHT_CACHE_BYTES):
+                 cache_bytes: int = WEIGHT_CACHE_BYTES, output_cache_bytes: int = OUTPUT_CACHE_BYTES):
         self.model = model
         self.cache_bytes = cache_bytes
+        self.output_cache_bytes = output_cache_bytes
+        self._output: jax.Array | np.ndarray | None = None  # the output matrix (V, d), once a pass needs it
         self._cache: OrderedDict[str, np.ndarray | jax.Array] = OrderedDict()
         self.hp = model.hp
         self.arch = model.arch  # the family's attention, routing and shared expert
@@ -98,6 +105,15 @@ class Runner:
         if name in self._cache or 4 * int(np.prod(self.model.shape(name))) <= self.cache_bytes // 4:
             return self._tensor(name)[index]
         return self.model.rows(name, index)
+
+    def _output_rows(self, index: slice) -> np.ndarray | jax.Array:
+        """Rows of the output matrix: from its float32 copy, made on first use and kept when it fits
+        `output_cache_bytes` (an override stays as given), else as `_rows` gives them."""
+        name = self.output_name
+        if self._output is None and name not in self.overrides \
+                and 4 * int(np.prod(self.model.shape(name))) <= self.output_cache_bytes:
+            self._output = self.model.device_tensor(name)  # (V, d)
+        return self._output[index] if self._output is not None else self._rows(name, index)
 
     def layer_params(self, i: int) -> dict[str, np.ndarray | jax.Array]:
         """Layer i's tensors, dequantized, overrides applied, keyed by short name."""
@@ -176,6 +192,6 @@ class Runner:
         out = np.empty((B, T, V), np.float32)  # (B, T, V)
         for start in range(0, V, OUTPUT_ROWS_PER_CHUNK):
             stop = min(V, start + OUTPUT_ROWS_PER_CHUNK)
-            rows = self._rows(self.output_name, slice(start, stop))  # (chunk, d)
+            rows = self._output_rows(slice(start, stop))  # (chunk, d)
             out[:, :, start:stop] = np.asarray(M.logits_chunk(x, jnp.asarray(rows)))  # (B, T, chunk)
         return out

@@ -215,8 +215,24 @@ def test_weight_cache_is_bounded_and_changes_no_logit(tiny_qwen2moe):
         assert 0 < sum(w.nbytes for w in bounded._cache.values()) <= budget
     whole = Runner(model)
     np.testing.assert_array_equal(whole.forward(tokens), base)
-    assert set(whole._cache) == set(model.tensor_names) - {"token_embd.weight"} or \
-        set(whole._cache) == set(model.tensor_names)
+    held = set(whole._cache) | {whole.output_name}  # the output matrix is kept apart (`_output`)
+    assert whole._output is not None
+    assert held == set(model.tensor_names) - {"token_embd.weight"} or held == set(model.tensor_names)
+
+
+def test_the_kept_output_matrix_changes_no_logit(tiny_qwen2moe):
+    """The output matrix's copy, kept apart from the weight cache, gives the bits of rows dequantized
+    chunk by chunk on every pass; over its budget nothing is kept."""
+    model = GGUFModel(tiny_qwen2moe)
+    tokens = tokens_for(model, length=16)
+    chunked = Runner(model, cache_bytes=0, output_cache_bytes=0)
+    base = chunked.forward(tokens)
+    assert chunked._output is None
+    kept = Runner(model, cache_bytes=0)
+    for _ in range(2):
+        np.testing.assert_array_equal(kept.forward(tokens), base)
+    assert kept._output is not None and kept._output.shape == model.shape(kept.output_name)
+    assert Runner(model).forward(tokens, logits=False) is None
 
 
 def test_logits_at_positions_are_those_positions_of_the_full_logits(tiny_qwen3moe):
