@@ -7,7 +7,8 @@ cross to the host and back), and used. Dequantized
 tensors are kept between forward passes up to a byte budget (least recently
 used dropped first), so a model that fits is dequantized once however many
 batches run, while peak memory stays bounded by that budget plus one layer's
-float32 weights and the batch's activations, not the whole model: that is
+float32 weights, the output matrix's copy (kept apart, at most
+``OUTPUT_CACHE_BYTES``) and the batch's activations, not the whole model: that is
 what lets a 100B-parameter MoE run on a machine with far less memory than its
 weights. The same code runs on CPU and GPU JAX backends.
 """
