@@ -146,7 +146,38 @@ def held_out_error(eval_stats: RidgeStats, d_w: np.ndarray, eta: float) -> float
     # ||Z dW^T||^2 = sum (dW G) * dW: one BLAS product; the three-operand einsum ran an unblocked
     # loop, 0.6 s a call at d = 2048, f = 512 (Qwen3-Next), 24 s of every calibrate unit there
     energy = np.sum((d_w @ eval_stats.gram) * d_w)
-    return eval_stats.sum_sq_r - 2.0 * eta * explained + eta**2 * energy
+    return _expand_error(eval_stats.sum_sq_r, explained, energy, eta)
+
+
+def _expand_error(sum_sq_r: float, explained: float, energy: float, eta: float) -> float:
+    """||R - eta Z dW^T||^2 = ||R||^2 - 2 eta <R, Z dW^T> + eta^2 ||Z dW^T||^2."""
+    return sum_sq_r - 2.0 * eta * explained + eta**2 * energy
+
+
+def held_out_errors(fit: RidgeStats, held_out: RidgeStats, rhos: Sequence[float], eta: float) -> np.ndarray:
+    """``held_out_error`` of the ridge fitted on ``fit`` for every rho, from one eigendecomposition.
+
+    With fit's G = V diag(s) V^T, (G + lam I)^-1 C = V diag(1 / (s + lam)) V^T C: every rho's
+    fit rescales the rows of A = V^T C, and its held-out error needs only A, V^T C_h and
+    V^T G_h V, so each rho costs one product where a solve per rho cost three (3x faster at
+    the Qwen3-Next shared expert's f = 512, d = 2048, bench/RESULTS.md). The same numbers as
+    ``solve_ridge`` per rho to float64 rounding; rho = 0 (least squares, minimum-norm when G
+    is singular) still goes through ``solve_ridge``.
+    """
+    eigenvalues, basis = np.linalg.eigh(fit.gram)  # (f,), (f, f)
+    fit_cross = basis.T @ fit.cross  # (f, d) = V^T C
+    held_cross = basis.T @ held_out.cross  # (f, d) = V^T C_h
+    held_gram = basis.T @ held_out.gram @ basis  # (f, f) = V^T G_h V
+    errors = np.empty(len(rhos))
+    for i, rho in enumerate(rhos):
+        lam = ridge_lambda(fit.gram, rho)
+        if lam == 0:
+            errors[i] = held_out_error(held_out, solve_ridge(fit.gram, fit.cross, rho), eta)
+            continue
+        fitted = fit_cross / (eigenvalues + lam)[:, None]  # (f, d) = V^T dW^T
+        energy = np.sum((held_gram @ fitted) * fitted)  # ||Z_h dW^T||^2
+        errors[i] = _expand_error(held_out.sum_sq_r, np.sum(held_cross * fitted), energy, eta)
+    return errors
 
 
 def ridge_cv_sweep(z: np.ndarray, r: np.ndarray, rhos: Sequence[float], eta: float, scheme: str) -> np.ndarray:
@@ -171,11 +202,7 @@ def _sweep(splits: list[tuple[RidgeStats, RidgeStats]], rhos: Sequence[float], e
     norm = sum(held_out.sum_sq_r for _, held_out in splits)
     if not norm > 0:
         raise ValueError("R is zero: the relative gain is undefined")
-    gains = []
-    for rho in rhos:
-        err = sum(held_out_error(held_out, solve_ridge(fit.gram, fit.cross, rho), eta) for fit, held_out in splits)
-        gains.append(err / norm - 1.0)
-    return np.array(gains)
+    return sum(held_out_errors(fit, held_out, rhos, eta) for fit, held_out in splits) / norm - 1.0
 
 
 class FoldStats(NamedTuple):

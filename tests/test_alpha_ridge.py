@@ -12,6 +12,8 @@ from moeheal.kernels.ridge import (
     cv_folds,
     effective_dof,
     fit_ridge,
+    held_out_error,
+    held_out_errors,
     matrix_rank,
     ridge_cv,
     ridge_cv_sweep,
@@ -162,6 +164,20 @@ def test_ridge_cv_in_sample_matches_direct_fit() -> None:
         ridge_cv_sweep(z, r, [0.25, 6.0], 0.5, "in_sample"),
         [ridge_cv(z, r, 0.25, 0.5, "in_sample"), ridge_cv(z, r, 6.0, 0.5, "in_sample")],
     )
+
+
+def test_one_eigendecomposition_gives_every_rhos_held_out_error() -> None:
+    """The sweep's rescaled eigendecomposition against a solve per rho, rho = 0 (least squares on a
+    rank-deficient fit: the minimum-norm solution) included."""
+    rng = np.random.default_rng(11)
+    z, r = ridge_problem(rng, n=300)
+    z[:, -1] = z[:, 0]  # a repeated feature: G is singular
+    held = np.arange(0, 300, 3)
+    fit_stats = ridge_stats(np.delete(z, held, 0), np.delete(r, held, 0))
+    held_stats = ridge_stats(z[held], r[held])
+    rhos, eta = [0.0, 0.25, 6.0, 24.0], 0.7
+    expected = [held_out_error(held_stats, solve_ridge(fit_stats.gram, fit_stats.cross, rho), eta) for rho in rhos]
+    np.testing.assert_allclose(held_out_errors(fit_stats, held_stats, rhos, eta), expected, rtol=1e-10)
 
 
 def test_cross_validation_exposes_overfit_on_pure_noise() -> None:

@@ -224,8 +224,9 @@ def ridge_cv_rows(z: np.ndarray, y_ref: np.ndarray, y_q: np.ndarray, gram: np.nd
     gains = {split: alpha_ridge_cv_sweep(z, y_ref, y_q, grid, eta, split, refit_alpha) for split in CV_SPLITS}
     best = grid[int(np.argmin(gains["lobo4"]))]
     applied = rho > 0 and bool(gains["lobo4"][grid.index(rho)] < 0)
+    dof = {grid_rho: float(effective_dof(gram, grid_rho)) for grid_rho in grid}  # one eigvalsh per rho, not per split
     rows = [{"rho": grid_rho, "split": split, "rel_gain": float(gains[split][i]), "rank_z": int(rank),
-             "dof": float(effective_dof(gram, grid_rho)), "chosen": grid_rho == best,
+             "dof": dof[grid_rho], "chosen": grid_rho == best,
              "configured": grid_rho == rho, "applied": grid_rho == rho and applied}
             for i, grid_rho in enumerate(grid) for split in CV_SPLITS]
     return rows, best, applied
