@@ -24,29 +24,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.timing import best_of  # noqa: E402
-from moeheal.kernels.ridge import (  # noqa: E402
-    cv_folds,
-    fold_stats,
-    held_out_error,
-    held_out_errors,
-    solve_ridge,
-)
+from moeheal.kernels.ridge import alpha_residual_splits, held_out_error, held_out_errors, solve_ridge  # noqa: E402
 from moeheal.pipeline.stages.calibrate import CV_SPLITS, RHO_GRID  # noqa: E402
-
-
-def splits_of(z: np.ndarray, y_ref: np.ndarray, y_q: np.ndarray) -> list:
-    """Every (fit, held-out) residual statistics pair of the three splits, alpha refitted per fold."""
-    pairs = []
-    for scheme in CV_SPLITS:
-        if scheme == "in_sample":
-            total = fold_stats(z, y_ref, y_q)
-            folds = [(total, total)]
-        else:
-            held = [fold_stats(z[rows], y_ref[rows], y_q[rows]) for rows in cv_folds(z.shape[0], scheme)]
-            total = sum(held[1:], held[0])
-            folds = [(total - h, h) for h in held]
-        pairs += [(fit.residual(fit.alpha()), h.residual(fit.alpha())) for fit, h in folds]
-    return pairs
 
 
 def main() -> None:
@@ -60,7 +39,7 @@ def main() -> None:
     z = (rng.standard_normal((args.rows, args.f)) * rng.uniform(0.2, 2.0, args.f)).astype(np.float32)  # (T, f)
     y_ref = rng.standard_normal((args.rows, args.d)).astype(np.float32)  # (T, d)
     y_q = (0.9 * y_ref + 0.1 * z[:, : min(args.f, args.d)].sum(1, keepdims=True)).astype(np.float32)  # (T, d)
-    pairs = splits_of(z, y_ref, y_q)
+    pairs = [pair for scheme in CV_SPLITS for pair in alpha_residual_splits(z, y_ref, y_q, scheme)]
     rhos, eta = list(RHO_GRID), 0.15
 
     def per_rho_solve() -> np.ndarray:

@@ -159,7 +159,7 @@ def held_out_errors(fit: RidgeStats, held_out: RidgeStats, rhos: Sequence[float]
 
     With fit's G = V diag(s) V^T, (G + lam I)^-1 C = V diag(1 / (s + lam)) V^T C: every rho's
     fit rescales the rows of A = V^T C, and its held-out error needs only A, V^T C_h and
-    V^T G_h V, so each rho costs one product where a solve per rho cost three (3x faster at
+    V^T G_h V, so each rho costs one product where a solve per rho cost three (3.6x faster at
     the Qwen3-Next shared expert's f = 512, d = 2048, bench/RESULTS.md). The same numbers as
     ``solve_ridge`` per rho to float64 rounding; rho = 0 (least squares, minimum-norm when G
     is singular) still goes through ``solve_ridge``.
@@ -267,6 +267,13 @@ def alpha_ridge_cv_sweep(z: np.ndarray, y_ref: np.ndarray, y_q: np.ndarray, rhos
     held-out rows h of each fold. An alpha fitted on all rows would have seen
     the held-out rows, and the residual it leaves there would flatter the ridge.
     """
+    return _sweep(alpha_residual_splits(z, y_ref, y_q, scheme, refit_alpha), rhos, eta)
+
+
+def alpha_residual_splits(z: np.ndarray, y_ref: np.ndarray, y_q: np.ndarray, scheme: str,
+                          refit_alpha: bool = True) -> list[tuple[RidgeStats, RidgeStats]]:
+    """Per fold of ``scheme``, the ridge statistics of R = y_ref - alpha_f y_q on its training and
+    its held-out rows, alpha_f fitted on the training rows (1 when not ``refit_alpha``)."""
     if scheme == "in_sample":
         total = fold_stats(z, y_ref, y_q)
         splits = [(total, total)]
@@ -278,7 +285,7 @@ def alpha_ridge_cv_sweep(z: np.ndarray, y_ref: np.ndarray, y_q: np.ndarray, rhos
     for fit, held_out in splits:
         alpha = fit.alpha() if refit_alpha else 1.0
         residual_splits.append((fit.residual(alpha), held_out.residual(alpha)))
-    return _sweep(residual_splits, rhos, eta)
+    return residual_splits
 
 
 def ridge_cv(z: np.ndarray, r: np.ndarray, rho: float, eta: float, scheme: str) -> float:
