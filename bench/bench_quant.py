@@ -112,15 +112,16 @@ def bench_gpu(repeats: int) -> list[str]:
     """Rows for the GPU run: device-resident jitted kernels, in GB/s of float32 weights."""
     import jax
 
-    from moeheal.kernels import _quantize_experts_jit
+    from moeheal.kernels import _experts_batch_jit, expert_mesh, gptq_schedule
 
     if jax.default_backend() == "cpu":
         raise SystemExit("--gpu: JAX has no GPU backend here (install jax[cuda12])")
+    mesh, schedule = expert_mesh(jax.devices()[:1]), gptq_schedule(jax.devices()[:1])  # one device, no GPTQ here
     lines = []
     for shape in GPU_SHAPES:
         w = jax.device_put(heavy_tailed_experts(shape))
         for fmt in ("tq2_0", "iq4_nl", *KQUANTS, *IQUANTS):
-            call = lambda: _quantize_experts_jit(fmt, w, None, None).block_until_ready()  # noqa: E731
+            call = lambda: _experts_batch_jit(fmt, schedule, mesh, w, None, None)[0].block_until_ready()  # noqa: E731
             compile_s = timed_first_call(call)
             seconds = best_of(call, repeats)
             gbps = w.size * 4 / seconds / 1e9

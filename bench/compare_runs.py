@@ -74,6 +74,8 @@ def main() -> int:
     print(f"a = {args.a}, b = {args.b}\n")
     print("| set | variant | KLD a | KLD b | b vs a, % |\n|---|---|---:|---:|---:|")
     shifts = []
+    if not set(kld["a"]) & set(kld["b"]):
+        raise SystemExit(f"{args.a} and {args.b} share no (set, variant)")
     for key in sorted(kld["a"]):
         if key in kld["b"]:
             shift = 100 * (kld["b"][key] / kld["a"][key] - 1)

@@ -9,7 +9,9 @@ times (``Lake`` provenance); summing them per stage kind (quantize, calibrate,
 evaluate, ...) says where a run's wall time went, whatever the variant or
 layer. A source is a lake's ``runs/`` folder or a CSV this script wrote.
 Columns: units built, total seconds, and for the second source its ratio to
-the first. A run killed and resumed counts only the units that finished.
+the first. A run killed and resumed counts only the units that finished. A
+``runs/`` folder holds every record the lake keeps, earlier runs' too: time one
+run on an empty lake (``make clean``) for its figures alone.
 """
 
 from __future__ import annotations
