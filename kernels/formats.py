@@ -42,8 +42,8 @@ def fp16_round(d: jax.Array) -> jax.Array:
 
 
 def fp16_to_bytes(d: jax.Array) -> jax.Array:
-    """(n,) float32 scales -> (n, 2) uint8, little-endian fp16."""
-    bits = jax.lax.bitcast_convert_type(d.astype(jnp.float16), jnp.uint16)  # (n,)
+    """(n,) or (n, 1) float32 scales (the latter as ``unpack`` returns them) -> (n, 2) uint8, little-endian fp16."""
+    bits = jax.lax.bitcast_convert_type(d.reshape(d.shape[0]).astype(jnp.float16), jnp.uint16)  # (n,)
     return jnp.stack([bits & 0xFF, bits >> 8], axis=-1).astype(jnp.uint8)  # (n, 2)
 
 
@@ -202,6 +202,14 @@ class BlockFormat:
     scales that a global factor multiplies (the scale d; for formats with a min
     also dmin, so that every dequantized value is multiplied by the factor).
 
+    ``unpack`` splits blocks into their parts (fp16 scales, integer scale codes,
+    weight codes, as float or integer arrays), ``pack`` writes them back, and
+    ``dequantize_parts`` computes the values from the parts with the same float32
+    products as gguf-py. Dequantizing is the two composed, so code that tunes a
+    part (the fp16 scales at ``fp16_parts``, or the codes) and decodes it through
+    ``dequantize_parts`` sees exactly the values the written bytes will decode to,
+    and JAX can differentiate the values with respect to the float parts.
+
     GPTQ rounding (``supports_gptq``) sees a block as ``block_size //
     sub_block`` sub-blocks: ``gptq_block_plan`` fixes what is shared by the
     block when its first column starts, ``gptq_sub_plan`` what is shared by a
@@ -217,6 +225,7 @@ class BlockFormat:
     type_size: ClassVar[int]
     bits_per_weight: ClassVar[float]
     scale_offsets: ClassVar[tuple[int, ...]]
+    fp16_parts: ClassVar[tuple[int, ...]] = (0,)  # positions in ``unpack``'s parts of the stored fp16 scales
     supports_gptq: ClassVar[bool] = False
     sub_block: ClassVar[int]
     gptq_group: ClassVar[int] = 1
@@ -239,9 +248,24 @@ class BlockFormat:
         raise NotImplementedError
 
     @classmethod
-    def dequantize_blocks(cls, blocks: jax.Array) -> jax.Array:
-        """(n, type_size) uint8 -> (n, block_size) float32."""
+    def pack(cls, *parts: jax.Array) -> jax.Array:
+        """The parts ``unpack`` returns (scales as fp16-representable floats) -> (n, type_size) uint8."""
         raise NotImplementedError
+
+    @classmethod
+    def unpack(cls, blocks: jax.Array) -> tuple[jax.Array, ...]:
+        """(n, type_size) uint8 -> the block's parts, fp16 scales first (each family documents its parts)."""
+        raise NotImplementedError
+
+    @classmethod
+    def dequantize_parts(cls, parts: tuple[jax.Array, ...]) -> jax.Array:
+        """``unpack``'s parts -> (n, block_size) float32 values; differentiable in the float parts."""
+        raise NotImplementedError
+
+    @classmethod
+    def dequantize_blocks(cls, blocks: jax.Array) -> jax.Array:
+        """(n, type_size) uint8 -> (n, block_size) float32, bit for bit as gguf-py."""
+        return cls.dequantize_parts(cls.unpack(blocks))
 
     @classmethod
     def scale_scales(cls, raw: np.ndarray, factor: float) -> np.ndarray:
@@ -357,8 +381,8 @@ class GridFormat(BlockFormat):
         return cls.pack(d, idx)  # (n, type_size)
 
     @classmethod
-    def dequantize_blocks(cls, blocks: jax.Array) -> jax.Array:
-        d, idx = cls.unpack(blocks)  # (n, 1), (n, B)
+    def dequantize_parts(cls, parts: tuple[jax.Array, ...]) -> jax.Array:
+        d, idx = parts  # (n, 1), (n, B)
         return d * cls.level_grid()[idx]  # (n, B), one float32 product, as gguf-py
 
     @classmethod
@@ -493,9 +517,20 @@ class Q8_0(BlockFormat, ggml_type=GGMLQuantizationType.Q8_0):
         return jnp.concatenate([fp16_to_bytes(d), jax.lax.bitcast_convert_type(q, jnp.uint8)], axis=-1)  # (n, 34)
 
     @classmethod
-    def dequantize_blocks(cls, blocks: jax.Array) -> jax.Array:
+    def pack(cls, d: jax.Array, q: jax.Array) -> jax.Array:
+        """d (n,) fp16 values, q (n, 32) integer-valued in -128..127 -> (n, 34) uint8."""
+        q8 = jax.lax.bitcast_convert_type(q.astype(jnp.int8), jnp.uint8)  # (n, 32)
+        return jnp.concatenate([fp16_to_bytes(d), q8], axis=-1)  # (n, 34)
+
+    @classmethod
+    def unpack(cls, blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(n, 34) uint8 -> d (n, 1), q (n, 32) float32."""
         d = bytes_to_fp16(blocks[:, :2])  # (n, 1)
-        q = jax.lax.bitcast_convert_type(blocks[:, 2:], jnp.int8).astype(jnp.float32)  # (n, 32)
+        return d, jax.lax.bitcast_convert_type(blocks[:, 2:], jnp.int8).astype(jnp.float32)  # (n, 32)
+
+    @classmethod
+    def dequantize_parts(cls, parts: tuple[jax.Array, ...]) -> jax.Array:
+        d, q = parts  # (n, 1), (n, 32)
         return q * d  # (n, 32)
 
 

@@ -162,9 +162,9 @@ class IQuant(BlockFormat):
         raise NotImplementedError
 
     @classmethod
-    def dequantize_blocks(cls, blocks: jax.Array) -> jax.Array:
-        n = blocks.shape[0]
-        d, l, idx, neg = cls.unpack(blocks)
+    def dequantize_parts(cls, parts: tuple[jax.Array, ...]) -> jax.Array:
+        d, l, idx, neg = parts  # (n, 1), (n, J), (n, 256 / group), (n, 256)
+        n = idx.shape[0]
         db = d * (0.5 + l) * jnp.float32(cls.unit)  # (n, J), float32 products in gguf-py's order
         per_weight = jnp.repeat(db, cls.sub_block, axis=1)  # (n, 256)
         values = per_weight * cls.grid()[idx].reshape(n, QK_K)  # (n, 256)

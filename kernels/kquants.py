@@ -214,6 +214,7 @@ class KQuant(BlockFormat):
     """
 
     supports_gptq = True
+    fp16_parts = (0, 1)  # d, dmin (dmin is 0 where the format has no mins)
     has_min: ClassVar[bool]
     code_range: ClassVar[tuple[int, int]]
     scale_range: ClassVar[tuple[int, int]]
@@ -232,10 +233,10 @@ class KQuant(BlockFormat):
         raise NotImplementedError
 
     @classmethod
-    def dequantize_blocks(cls, blocks: jax.Array) -> jax.Array:
-        n = blocks.shape[0]
+    def dequantize_parts(cls, parts: tuple[jax.Array, ...]) -> jax.Array:
+        d, dmin, ls, lm, q = parts  # (n, 1) x2, (n, k) x2, (n, 256)
+        n = q.shape[0]
         k = QK_K // cls.sub_block
-        d, dmin, ls, lm, q = cls.unpack(blocks)
         dl = (d * ls)[..., None]  # (n, k, 1), float32 products as gguf-py
         values = dl * q.reshape(n, k, cls.sub_block)  # (n, k, S)
         if cls.has_min:

@@ -101,6 +101,21 @@ def test_q8_0_quantize_is_byte_identical_to_gguf_py() -> None:
     assert np.array_equal(quantize(x, "q8_0"), gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0))
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_parts_round_trip_and_name_the_stored_scales(fmt: str) -> None:
+    """pack(unpack(b)) == b for quantizer-made blocks, and ``fp16_parts`` are the fp16 numbers at ``scale_offsets``:
+    what tunes parts and packs them (learned rounding, end-to-end tuning) writes the bytes it decoded."""
+    cls = FORMATS[fmt]
+    x = random_weights(np.random.default_rng(1), (64, 512), "t3")
+    raw = quantize(x, fmt).reshape(-1, cls.type_size)  # (n, type_size)
+    parts = cls.unpack(raw)
+    assert np.array_equal(np.asarray(cls.pack(*parts)), raw)
+    assert np.array_equal(np.asarray(cls.dequantize_parts(parts)), np.asarray(cls.dequantize_blocks(raw)))
+    for index, off in zip(cls.fp16_parts, cls.scale_offsets):
+        stored = raw[:, off:off + 2].copy().view(np.float16).astype(np.float32)  # (n, 1)
+        assert np.array_equal(np.asarray(parts[index]).reshape(-1, 1), stored)
+
+
 @pytest.mark.parametrize("fmt", PATH_FORMATS)
 def test_degenerate_blocks(fmt: str) -> None:
     cls = FORMATS[fmt]
