@@ -54,6 +54,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     planned = _pipeline(args, plan=True).plan()
     if args.format == "json":
         print(json.dumps([vars(p) for p in planned], indent=1))
+    elif args.format in ("dot", "mermaid"):
+        from moeheal.pipeline import dagdraw
+
+        print(dagdraw.to_dot(planned) if args.format == "dot" else dagdraw.to_mermaid(planned))
     else:
         width = max(len(p.stage) for p in planned)
         for p in planned:
@@ -196,8 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="build only worker I's share of the per-layer quantize and calibrate units of N "
                                 "workers on this lake (one per GPU or host), then stop; run without it afterwards")
         if name == "plan":
-            p.add_argument("--format", choices=("table", "json"), default="table",
-                           help="json: a list of {stage, fingerprint, status}")
+            p.add_argument("--format", choices=("table", "json", "dot", "mermaid"), default="table",
+                           help="json: a list of {stage, fingerprint, status, upstream}; dot (Graphviz) or "
+                                "mermaid: the DAG, one node per stage with its units' cache status")
         if name == "recipe":
             p.add_argument("--variant", required=True, help="a [[variant]] name of the config")
             p.add_argument("--imatrix", default="imatrix.gguf",

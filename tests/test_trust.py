@@ -135,6 +135,24 @@ def test_plan_lists_every_stage_and_runs_nothing(world, capsys):
     assert after == before  # nothing computed
 
 
+def test_plan_draws_the_dag_it_would_run(world, capsys):
+    """dot and mermaid: one node per stage, an edge for every stage an invocation reads; nothing cached yet."""
+    assert main(["plan", "-c", str(world), "--format", "json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    edges = {(up.split(":")[0], p["stage"].split(":")[0]) for p in planned for up in p["upstream"]}
+    edges = {(a, b) for a, b in edges if a != b}
+    assert ("quantize", "calibrate") in edges and ("corpus", "traces") in edges
+    assert main(["plan", "-c", str(world), "--format", "dot"]) == 0
+    dot = capsys.readouterr().out
+    assert dot.startswith("digraph moeheal {") and dot.rstrip().endswith("}")
+    assert {tuple(line.strip().rstrip(";").replace('"', "").split(" -> ")) for line in dot.splitlines()
+            if " -> " in line} == edges
+    assert "fillcolor" not in dot  # no stage is cached on a fresh lake
+    assert main(["plan", "-c", str(world), "--format", "mermaid"]) == 0
+    mermaid = capsys.readouterr().out
+    assert mermaid.startswith("flowchart LR") and mermaid.count(" --> ") == len(edges)
+
+
 def test_plan_after_heal_is_all_cached(world, capsys):
     assert main(["heal", "-c", str(world)]) == 0
     capsys.readouterr()
