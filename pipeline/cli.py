@@ -67,9 +67,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# What each command that stops short of evaluation publishes (the rest of the current set is carried
+# forward where its inputs did not change: HealRun.publish).
+AUDIT_TABLES = ("overlap", "docs", "cal_trace", "windows")
+DUMP_TABLES = AUDIT_TABLES + ("routing",)
+CALIBRATE_TABLES = DUMP_TABLES + ("sensitivity", "layer_metrics", "ridge_cv", "variants", "recipe", "sizes")
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     run = _pipeline(args)
     print(run.audit_summary(run.audit()))
+    run.publish(only=AUDIT_TABLES)
     return 0
 
 
@@ -78,6 +86,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
     for trace in run.traces_present():  # the unseen trace only when [calibration] unseen_tokens > 0
         result = run.dump(trace)
         print(f"{trace}: {result.path}")
+    run.publish(only=DUMP_TABLES)
     return 0
 
 
@@ -86,6 +95,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     for variant in run.all_quantized_variants():  # one unit per layer: `quantize:<variant>:<layer>`
         for layer in run.source.moe_layers:
             print(f"{variant.name}:{layer}: {run.quantize(variant, layer).path}")
+    run.publish(only=DUMP_TABLES + ("sensitivity",))
     return 0
 
 
@@ -93,6 +103,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     run = _pipeline(args)
     for variant in run.all_quantized_variants():
         print(f"{variant.name}: {run.assemble(variant).path}")
+    run.publish(only=CALIBRATE_TABLES)
     return 0
 
 

@@ -23,6 +23,8 @@ published set exactly as it was.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
@@ -38,7 +40,7 @@ from moeheal.pipeline.dag import PlannedStage, Stage, layer_params, plan_stage, 
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import read_part
 from moeheal.pipeline.gguf_model import GGUFModel, open_model
-from moeheal.pipeline.lake import Lake, Publication, StageResult
+from moeheal.pipeline.lake import Lake, Publication, StageResult, read_sources
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.stages import calibrate, corpus, dump, evaluate, quantize, sensitivity
 from moeheal.pipeline.tokenizer import build_tokenizer
@@ -62,6 +64,11 @@ STAGES = (CORPUS, TRACES, WINDOWS, AUDIT, DUMP, IMPORT_DUMP, SENSITIVITY, ALLOCA
           REFERENCE, EVALUATE, COMPARISONS)
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
                   "tokenizer.ggml.token_type")
+
+
+def _identities(sources: list[Any]) -> list[str]:
+    """Stage results by fingerprint, outside GGUFs by digest: what a published table was computed from."""
+    return [s.fingerprint if isinstance(s, StageResult) else str(s) for s in sources]
 
 
 def _read_parts(result: StageResult, name: str) -> pa.Table:
@@ -447,39 +454,73 @@ class HealRun:
                          **sensitivity.gguf_size(open_model(self.variant_gguf(variant)))})
         return pa.Table.from_pylist(rows, schema=sensitivity.SIZES_SCHEMA)
 
-    def stage_tables(self, publication: Publication) -> None:
-        """Every table of the contract, from this run's stage outputs, into `publication`."""
-        overlap = self.audit()
-        publication.write_table("docs", _read_parts(self.corpus(), "docs"))
-        publication.write_table("cal_trace", _read_parts(self.traces(), "cal_trace"))
-        publication.write_table("windows", _read_parts(self.windows(), "windows"))
-        publication.write_table("overlap", overlap)
-        publication.write_table("routing", pa.concat_tables(
-            [dump.read_routing(self.dump(t).path) for t in self.traces_present()]))
-        quantized = self.all_quantized_variants()
-        publication.write_table("layer_metrics", self.calibrated_table(quantized, "layer_metrics"))
-        publication.write_table("ridge_cv", self.calibrated_table(quantized, "ridge_cv"))
-        evaluations = [self.evaluate_variant(v) for v in self.evaluated_variants()]
-        publication.write_table("variants", self.variants_table())
-        if self.budget_variants():
-            publication.write_table("sensitivity", self.sensitivity_table())
-        publication.write_table("recipe", self.recipe_table())
-        publication.write_table("sizes", self.sizes_table())
-        publication.write_table("token_kld", pa.concat_tables([_read_parts(r, "token_kld") for r in evaluations]))
-        publication.write_table("hitrate", pa.concat_tables([_read_parts(r, "hitrate") for r in evaluations]))
-        comparisons = self.comparisons()
-        publication.write_table("window_kld", _read_parts(comparisons, "window_kld"))
-        publication.write_table("comparisons", _read_parts(comparisons, "comparisons"))
+    def table_declarations(self) -> dict[str, tuple[Callable[[], list[Any]], Callable[[], pa.Table]]]:
+        """Every table of the contract: what it is computed from (the stage results and outside GGUFs,
+        in plan mode only their fingerprints) and how it is read from them; the audit's first, so that
+        a leak stops a run before anything else is read."""
+        quantized, evaluated = self.all_quantized_variants(), self.evaluated_variants()
 
-    def publish(self, with_report: bool = True) -> Path:
-        """Run everything, stage every table (and the report), then publish them as one set."""
+        def dumps() -> list[StageResult]:
+            return [self.dump(t) for t in self.traces_present()]
+
+        def calibrated() -> list[StageResult]:
+            return [unit for v in quantized for unit in self.calibrated_layers(v)]
+
+        def ggufs() -> list[Any]:
+            return [open_model(v.gguf).digest() if v.kind == "external" else self.assemble(v) for v in evaluated]
+
+        def measured() -> list[Any]:
+            return ggufs() + [self.sensitivity(v) for v in self.budget_variants()]
+
+        def evaluations() -> list[StageResult]:
+            return [self.evaluate_variant(v) for v in evaluated]
+
+        def evaluated_parts(name: str) -> Callable[[], pa.Table]:
+            return lambda: pa.concat_tables([_read_parts(r, name) for r in evaluations()])
+
+        declared: dict[str, tuple[Callable[[], list[Any]], Callable[[], pa.Table]]] = {
+            "overlap": (lambda: [self.audit_stage()], self.audit),
+            "docs": (lambda: [self.corpus()], lambda: _read_parts(self.corpus(), "docs")),
+            "cal_trace": (lambda: [self.traces()], lambda: _read_parts(self.traces(), "cal_trace")),
+            "windows": (lambda: [self.windows()], lambda: _read_parts(self.windows(), "windows")),
+            "routing": (dumps, lambda: pa.concat_tables([dump.read_routing(r.path) for r in dumps()])),
+            "layer_metrics": (calibrated, lambda: self.calibrated_table(quantized, "layer_metrics")),
+            "ridge_cv": (calibrated, lambda: self.calibrated_table(quantized, "ridge_cv")),
+            "variants": (ggufs, self.variants_table),
+            "recipe": (measured, self.recipe_table),
+            "sizes": (ggufs, self.sizes_table),
+            "token_kld": (evaluations, evaluated_parts("token_kld")),
+            "hitrate": (evaluations, evaluated_parts("hitrate")),
+            "window_kld": (lambda: [self.comparisons()], lambda: _read_parts(self.comparisons(), "window_kld")),
+            "comparisons": (lambda: [self.comparisons()], lambda: _read_parts(self.comparisons(), "comparisons")),
+        }
+        if self.budget_variants():
+            declared["sensitivity"] = (lambda: [self.sensitivity(v) for v in self.budget_variants()],
+                                       self.sensitivity_table)
+        return declared
+
+    def publish(self, with_report: bool = True, only: tuple[str, ...] | None = None) -> Path:
+        """Run what the tables need, stage them (and the report), then publish them as one set.
+
+        With `only`, just those tables are computed (what `moeheal audit`, `dump`, `quantize` and
+        `calibrate` produce); every other table of the current set is carried into the new set if
+        what it was computed from is what this config would compute it from now, and dropped
+        otherwise, so the published set stays consistent. The report is kept only when every table
+        it was rendered from is. A run that fails publishes nothing.
+        """
         from moeheal.pipeline.stages.report import write_report
 
         with self.lake.lock("run", on_wait=self.log):  # one publishing run per lake at a time
             publication = self.lake.begin_publication()
             try:
-                self.stage_tables(publication)
-                if with_report:
+                declared = self.table_declarations()
+                names = [name for name in declared if only is None or name in only]
+                for name in names:
+                    sources, read = declared[name]
+                    publication.write_table(name, read(), _identities(sources()))
+                if only is not None:
+                    self.carry_forward(publication, names)
+                elif with_report:
                     write_report(publication, publication.report_dir)
                 return self.lake.publish(publication)
             except BaseException as exc:
@@ -487,6 +528,19 @@ class HealRun:
                 if isinstance(exc, OSError):
                     exc.filename = exc.filename or str(publication.folder)
                 raise
+
+    def carry_forward(self, publication: Publication, computed: list[str]) -> None:
+        """Into `publication`, the current set's tables other than `computed` whose sources are still
+        this config's; and the current report when the new set's tables are the old ones."""
+        previous = self.lake.sources()
+        if not previous:
+            return
+        planned = HealRun(self.cfg, log=self.log, plan=True).table_declarations()
+        for name, sources in previous.items():
+            if name not in computed and name in planned and _identities(planned[name][0]()) == sources:
+                publication.carry(name, self.lake.table_path(name), sources)
+        if read_sources(publication.folder) == previous and self.lake.report_dir.is_dir():
+            shutil.copytree(self.lake.report_dir, publication.report_dir, copy_function=os.link)
 
     # ---- whole DAG, plan, report, export -------------------------------------------
     def heal(self) -> None:

@@ -46,6 +46,7 @@ from moeheal.pipeline.sqlrun import run_sql
 CODE_VERSION = __version__
 STAGE_FOLDERS = ("dumps", "quant", "models", "parts", "runs", "tmp", "published")
 PUBLISHED_LINKS = {"tables": "current/tables", "lake.duckdb": "current/lake.duckdb", "report": "current/report"}
+SOURCES_FILE = "sources.json"  # per published set: table -> the stage fingerprints it was read from
 KEEP_GENERATIONS = 2  # the current published set and the one before it
 
 
@@ -107,8 +108,23 @@ class Publication(TableSet):
         super().__init__(self.folder / "tables")
         self.tables_dir.mkdir(parents=True)
 
-    def write_table(self, name: str, table: pa.Table) -> None:
+    def write_table(self, name: str, table: pa.Table, sources: list[str] | None = None) -> None:
+        """Stage a table; `sources` identify what it was computed from (stage fingerprints, GGUF
+        digests), so that a later partial run can tell whether it still matches (`Lake.sources`)."""
         write_parquet(self.table_path(name), table)
+        self.record_sources(name, sources)
+
+    def carry(self, name: str, current: Path, sources: list[str] | None) -> None:
+        """Take a table of the current set into this one unchanged (a hard link: never written again)."""
+        os.link(current.resolve(), self.table_path(name))
+        self.record_sources(name, sources)
+
+    def record_sources(self, name: str, sources: list[str] | None) -> None:
+        recorded = read_sources(self.folder)
+        recorded.pop(name, None)
+        if sources is not None:
+            recorded[name] = list(sources)
+        (self.folder / SOURCES_FILE).write_text(json.dumps(recorded, indent=1, sort_keys=True))
 
     @property
     def report_dir(self) -> Path:
@@ -270,9 +286,10 @@ class Lake(TableSet):
         """
         publication = self.begin_publication()
         try:
+            sources = self.sources()
             for name in self.table_names():
                 if name not in replace:
-                    os.link(self.table_path(name).resolve(), publication.table_path(name))
+                    publication.carry(name, self.table_path(name), sources.get(name))
             for name, table in replace.items():
                 publication.write_table(name, table)
             if report is not None:
@@ -286,9 +303,19 @@ class Lake(TableSet):
         """Publish one table (a new set, the others carried over)."""
         self.republish({name: table})
 
+    def sources(self) -> dict[str, list[str]]:
+        """What each table of the current set was computed from (`Publication.write_table`)."""
+        return read_sources(self.root / "current")
+
     @property
     def report_dir(self) -> Path:
         return self.root / "report"
+
+
+def read_sources(folder: Path) -> dict[str, list[str]]:
+    """The sources record of a published or staged set ({} for a set without one)."""
+    path = folder / SOURCES_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _remove(path: Path) -> None:

@@ -303,3 +303,47 @@ def test_progress_prints_a_line_every_30_s_when_not_a_terminal(monkeypatch, caps
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[:2] == ["calibrate: 3/8 layer (33 s)", "calibrate: 6/8 layer (66 s)"]
     assert lines[-1].startswith("calibrate: done, 8 layer")
+
+
+# ---- every command publishes what it computed ---------------------------------------------
+
+def _published(lake: Path) -> set[str]:
+    return {p.stem for p in (lake / "tables").glob("*.parquet")}
+
+
+def test_audit_on_a_fresh_lake_publishes_its_tables(tmp_path, capsys):
+    """The cheap first check: `moeheal audit`, then SQL over the split before any dump exists."""
+    config = write_world(tmp_path, variants="")
+    assert main(["audit", "-c", str(config)]) == 0
+    assert main(["sql", "-c", str(config), "SELECT (SELECT count(*) FROM overlap), (SELECT count(*) FROM docs), "
+                 "(SELECT count(*) FROM windows)", "--format", "csv"]) == 0
+    counts = [int(v) for v in capsys.readouterr().out.strip().splitlines()[-1].split(",")]
+    assert counts[0] == counts[2] > 0 and counts[1] > 0
+    assert _published(load_config(config).lake_root) == {"overlap", "docs", "cal_trace", "windows"}
+
+
+def test_a_partial_command_carries_forward_what_still_matches(tmp_path):
+    """After a heal, `audit` keeps every table and the report; with a knob changed, the tables computed
+    from that variant are dropped and the split's tables stay; a failing audit publishes nothing."""
+    variant = '[[variant]]\nname = "v1"\nround = "ls"\nridge_rho = 6.0\n'
+    config = write_world(tmp_path, variants=variant, moce_bonus=(0.0,))
+    lake = load_config(config).lake_root
+    assert main(["heal", "-c", str(config)]) == 0
+    healed, sources = _published(lake), json.loads((lake / "current" / "sources.json").read_text())
+    assert main(["audit", "-c", str(config)]) == 0
+    assert _published(lake) == healed and (lake / "report" / "report.md").is_file()
+    assert json.loads((lake / "current" / "sources.json").read_text()) == sources
+    changed = tmp_path / "changed.toml"
+    changed.write_text(config.read_text().replace("ridge_rho = 6.0", "ridge_rho = 3.0"))
+    assert main(["audit", "-c", str(changed)]) == 0
+    kept = _published(lake)
+    assert {"overlap", "docs", "cal_trace", "windows", "routing"} <= kept
+    assert not kept & {"token_kld", "comparisons", "layer_metrics", "variants"}
+    assert not (lake / "report" / "report.md").exists()
+    leaky = tmp_path / "leaky.csv"
+    leaky.write_text((tmp_path / "split.csv").read_text().replace(",eval", ",cal", 1))
+    bad = tmp_path / "bad.toml"
+    bad.write_text(changed.read_text().replace('split = "split.csv"', 'split = "leaky.csv"'))
+    before = (lake / "current").resolve()
+    assert main(["audit", "-c", str(bad)]) == 3
+    assert (lake / "current").resolve() == before
