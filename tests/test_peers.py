@@ -40,10 +40,10 @@ def test_autoround_peer_is_llama_cpp_q2_k_with_other_routed_experts():
 
 
 def test_autoround_experts_quantize_the_reference_as_closely_as_llama_cpp():
-    """Decoded by gguf-py, each routed-expert tensor is near the reference's (Q8_0) weights: relative
-    error within 1.5x of llama.cpp's Q2_K + imatrix of the same tensor, and no worse than half of it
-    better (AutoRound minimises the block's output error, not the weights'; a transposed, shifted or
-    garbage tensor would be far off)."""
+    """Decoded by gguf-py, each routed-expert tensor is near the reference's (Q8_0) weights: its relative
+    error within 0.8x-1.25x of llama.cpp's Q2_K + imatrix of the same tensor (AutoRound minimises the
+    block's output error, not the weights', so it need not be lower; a transposed, shifted or garbage
+    tensor would be far off)."""
     ref, base, peer = (GGUFReader(p) for p in (REFERENCE, LLAMA_Q2_K, AUTOROUND))
     ref_tensors = {t.name: t for t in ref.tensors}
     base_tensors = {t.name: t for t in base.tensors}
@@ -56,7 +56,7 @@ def test_autoround_experts_quantize_the_reference_as_closely_as_llama_cpp():
         assert ours.shape == w.shape
         err = np.linalg.norm(ours - w) / np.linalg.norm(w)
         llama = np.linalg.norm(theirs - w) / np.linalg.norm(w)
-        assert 0.5 * llama < err < 1.5 * llama, (t.name, err, llama)
+        assert 0.8 * llama < err < 1.25 * llama, (t.name, err, llama)
 
 
 def test_runner_reads_the_autoround_peer():

@@ -189,7 +189,7 @@ def main() -> None:
     args = parser.parse_args()
     if not os.environ.get("LLAMA_CPP_ROOT"):
         parser.error("set LLAMA_CPP_ROOT to a llama.cpp source checkout: AutoRound 0.16.1's bundled converter "
-                     "names architectures that gguf 0.19.0 lacks, so it must read that checkout's")
+                     "names architectures that gguf 0.19.0 lacks; it reads the checkout's conversion code and gguf-py")
     args = argparse.Namespace(**{k: v.resolve() if isinstance(v, Path) else v for k, v in vars(args).items()})
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
