@@ -67,8 +67,9 @@ from gguf.quants import dequantize
 DEMO = Path(__file__).resolve().parents[2]
 ROLES = ("gate", "up", "down")  # GGUF ffn_{role}_exps <-> transformers experts.{i}.{role}_proj
 EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
-IGNORE = "self_attn,shared_expert,mlp.gate,lm_head,embed_tokens"  # substrings AutoRound matches; mlp.gate
-# also matches mlp.shared_expert_gate. The unfused experts are mlp.experts.{i}.{gate,up,down}_proj.
+IGNORE = "self_attn,shared_expert,mlp.gate,lm_head,embed_tokens"  # substrings AutoRound matches in layer
+# names (shared_expert takes mlp.shared_expert_gate too; AutoRound leaves the router, mlp.gate, alone by
+# itself and warns that this entry matches nothing). The unfused experts are mlp.experts.{i}.{role}_proj.
 TUNED_LINE = re.compile(r"quantized (\d+)/(\d+) layers in the block, loss iter 0: (\S+) -> iter (\d+): (\S+)")
 MIN_CODE_CHANGE = 0.02  # least share of 2-bit codes that tuning must move away from plain rounding
 
