@@ -31,9 +31,11 @@ heal: setup
 test: setup-test
 	$(BIN)/python -m pytest -q -m "not gpu"
 
-# The edit-test loop: kernels, the SQL statistics and audit, config, the DAG's cache on small
-# stages, the corpus and the card's blocks; chosen by measured duration (`pytest --durations=0`).
-FAST_TESTS ?= tests/test_formats.py tests/test_kquants.py tests/test_importance.py tests/test_alpha_ridge.py \
+# The edit-test loop: the formats (every registered one round-trips), importance, alpha/ridge,
+# allocation, KLD, n-grams and MoCE kernels, the SQL statistics and audit, config, the DAG's cache
+# on small stages, the corpus and the card's blocks: the test files whose tests take seconds of CPU
+# each. The k-quant, i-quant and GPTQ numerics (test_kquants, test_iquants, test_gptq) take minutes.
+FAST_TESTS ?= tests/test_formats.py tests/test_importance.py tests/test_alpha_ridge.py \
 	tests/test_allocate.py tests/test_kld.py tests/test_ngram.py tests/test_moce.py tests/test_stats.py \
 	tests/test_audit.py tests/test_config.py tests/test_corpus.py tests/test_dag.py tests/test_card.py
 test-fast: setup-test
