@@ -9,7 +9,7 @@ OUT    ?= export
 # torch is only for the parity tests (transformers loads our GGUFs); pin the CPU build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: heal test test-gpu bench audit sql export report card clean setup setup-test
+.PHONY: heal test test-fast test-gpu bench audit sql export report card clean setup setup-test
 
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
@@ -31,6 +31,16 @@ heal: setup
 test: setup-test
 	$(BIN)/python -m pytest -q -m "not gpu"
 
+# The edit-test loop: the formats (every registered one round-trips), importance, alpha/ridge,
+# allocation, KLD, n-grams and MoCE kernels, the SQL statistics and audit, config, the DAG's cache
+# on small stages, the corpus and the card's blocks: the test files whose tests take seconds of CPU
+# each. The k-quant, i-quant and GPTQ numerics (test_kquants, test_iquants, test_gptq) take minutes.
+FAST_TESTS ?= tests/test_formats.py tests/test_importance.py tests/test_alpha_ridge.py \
+	tests/test_allocate.py tests/test_kld.py tests/test_ngram.py tests/test_moce.py tests/test_stats.py \
+	tests/test_audit.py tests/test_config.py tests/test_corpus.py tests/test_dag.py tests/test_card.py
+test-fast: setup-test
+	$(BIN)/python -m pytest -q -x -m "not gpu and not slow and not llamacpp" $(FAST_TESTS)
+
 # The GPU against the CPU, on a machine with JAX for CUDA (`pip install -e '.[cuda]'`); the tests
 # default JAX to the CPU, so the platforms are named here.
 test-gpu: setup-test
@@ -45,8 +55,9 @@ audit: setup
 report: setup
 	$(BIN)/moeheal report -c $(CONFIG)
 
-# Rewrite the measured numbers in README.md (from CONFIG's lake, after `make heal`; the
-# rows they come from go to demo/results/) and in demo/model/MODEL_CARD.md (from the model).
+# Rewrite the measured numbers in demo/README.md, README.md's headline and bench/RESULTS.md (from
+# CONFIG's lake, after `make heal`; the rows they come from go to demo/results/) and in
+# demo/model/MODEL_CARD.md (from the model).
 card: setup
 	$(BIN)/python demo/card.py -c $(CONFIG)
 

@@ -1,4 +1,4 @@
-"""Regenerate the measured numbers in README.md and demo/model/MODEL_CARD.md.
+"""Regenerate the measured numbers in demo/README.md, README.md, bench/RESULTS.md and the demo's model card.
 
 Every number in those documents that a script can produce lives between
 markers, ``<!-- card:NAME -->`` ... ``<!-- /card:NAME -->``, and this script
@@ -13,13 +13,14 @@ written. Two kinds of block:
   the per-layer expert shares, the run's facts and the held-out cross-entropy
   per stratum that training logged (``demo/model/train_log.json``) and the
   export checked (``demo/model/export_check.json``), checked the same way.
-- ``card:<config>.<block>`` (README.md), ``<config>`` being the config's file
+- ``card:<config>.<block>`` (the files in ``DOCUMENTS``: demo/README.md, the
+  headline of README.md, bench/RESULTS.md), ``<config>`` being the config's file
   stem (``heal`` for demo/heal.toml): rendered from the lake of that config
-  with the report's own queries (``sql/report_*.sql``), so the README and
+  with the report's own queries (``sql/report_*.sql``), so those documents and
   ``lake/report/report.md`` cannot disagree. The rows each block renders
   from are written to ``demo/results/<config>/*.csv`` (a few KB), because a
-  lake takes minutes to build: a test re-renders the README blocks from that
-  snapshot and compares them with the committed text.
+  lake takes minutes to build: a test re-renders every such block from that
+  snapshot and compares it with the committed text.
 
 Run ``make card`` (``CONFIG=demo/ablations/calibration-length.toml`` for the
 ablation's blocks) after ``make heal``:
@@ -49,8 +50,11 @@ from moeheal.pipeline.tokenizer import build_tokenizer, encode
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DEMO_README = REPO / "demo" / "README.md"
 BENCH_RESULTS = REPO / "bench" / "RESULTS.md"
-DOCUMENTS = (README, BENCH_RESULTS)  # files whose card:<config>.<block> blocks render from a lake snapshot
+# files whose card:<config>.<block> blocks render from a lake snapshot: the README's headline,
+# the demo's results, the benchmarks' demo figures
+DOCUMENTS = (README, DEMO_README, BENCH_RESULTS)
 MODEL_CARD = REPO / "demo" / "model" / "MODEL_CARD.md"
 RESULTS = REPO / "demo" / "results"
 DEMO_GGUF = REPO / "demo" / "model" / "demo-q8_0.gguf"
@@ -202,7 +206,7 @@ def render_heldout_ce(log_path: Path = TRAIN_LOG, check_path: Path = EXPORT_CHEC
     return "\n".join(lines)
 
 
-# --- README: snapshots of the lake ----------------------------------------------------------
+# --- documents: snapshots of the lake --------------------------------------------------------
 
 # snapshot file -> (report query, the columns the renderers read). Only these columns are
 # kept, so the snapshot stays small and a column the pipeline adds does not churn it.
@@ -224,12 +228,12 @@ SNAPSHOTS: dict[str, tuple[str, tuple[str, ...]]] = {
         "sensitivity", "set", "variant", "covered", "pred_err", "kld", "rank_pred", "rank_kld", "spearman",
         "n_variants", "n_roles")),
 }
-# Report plots kept beside a config's snapshot, for the README to show.
+# Report plots kept beside a config's snapshot, for demo/README.md to show.
 PLOTS = ("kld_size.png",)
 
 
 def snapshot_lake(lake: Lake, settings: dict[str, object]) -> dict[str, list[Row]]:
-    """The rows every README block renders from: the report's queries over the lake, plus
+    """The rows every document block renders from: the report's queries over the lake, plus
     the run's settings that the lake does not hold (bootstrap replicates, n-gram length)."""
     snap: dict[str, list[Row]] = {"settings": [{"key": k, "value": v} for k, v in settings.items()]}
     present = set(lake.table_names())
@@ -291,10 +295,10 @@ def read_snapshot(folder: Path) -> dict[str, list[Row]]:
     return snap
 
 
-# --- README: rendering ----------------------------------------------------------------------
+# --- documents: rendering --------------------------------------------------------------------
 
 def _signed(x: float, digits: int) -> str:
-    """+1.2 / −1.2 with a typographic minus, as the README writes numbers."""
+    """+1.2 / −1.2 with a typographic minus, as the documents write numbers."""
     return f"{x:+.{digits}f}".replace("-", "−")
 
 
@@ -316,7 +320,7 @@ def _variant_order(snap: dict[str, list[Row]]) -> list[str]:
 
 
 def _pairs(snap: dict[str, list[Row]]) -> list[tuple[str, str]]:
-    """The ladder the README shows: consecutive variants in config order and, right after the
+    """The ladder demo/README.md shows: consecutive variants in config order and, right after the
     step that reaches it, the unhealed baseline against the last variant of each run of healed
     variants (the best recipe of that group, before the outside peer that follows it)."""
     order = _variant_order(snap)
@@ -451,6 +455,25 @@ def render_peers(snap: dict[str, list[Row]]) -> str:
     return render_comparisons(snap, _compare_pairs(snap))
 
 
+def render_headline(snap: dict[str, list[Row]]) -> str:
+    """The README's headline: of the config's own pairs, each outside GGUF against the variant of
+    ours that stores the routed experts in the same bits per weight, eval and canary side by side."""
+    kinds = {r["variant"]: r["kind"] for r in snap["variants"]}
+    bits = {r["variant"]: r["routed_bpw"] for r in snap["sizes"]}
+    index = {(r["set"], r["a"], r["b"]): r for r in snap["comparisons"]
+             if r["moce_bonus_a"] == 0 and r["moce_bonus"] == 0}
+    lines = ["| bits per routed weight | llama.cpp, our imatrix | ours | KLD eval: llama.cpp → ours "
+             "| Δ KLD eval [95% CI] | Δ KLD canary [95% CI] |", "|---|---|---|---|---|---|"]
+    for a, b in _compare_pairs(snap):
+        if kinds.get(a) != "external" or kinds.get(b) != "healed" or abs(bits[a] - bits[b]) > 1e-9:
+            continue
+        ev, ca = index[("eval", a, b)], index[("canary", a, b)]
+        lines.append(f"| {bits[b]:.3f} | {a} | {b} | {ev['kld_a']:.4f} → {ev['kld_b']:.4f} "
+                     f"| {_delta(ev['delta_pct'], ev['ci_lo'], ev['ci_hi'])} "
+                     f"| {_delta(ca['delta_pct'], ca['ci_lo'], ca['ci_hi'])} |")
+    return "\n".join(lines)
+
+
 RENDERERS: dict[str, Callable[[dict[str, list[Row]]], str]] = {
     "windows": render_windows,
     "comparisons": render_comparisons,
@@ -458,11 +481,12 @@ RENDERERS: dict[str, Callable[[dict[str, list[Row]]], str]] = {
     "local": render_local,
     "moce": render_moce,
     "sizes": render_sizes,
+    "headline": render_headline,
 }
 
 
 def readme_blocks(prefix: str, snap: dict[str, list[Row]], names: Iterable[str]) -> dict[str, str]:
-    """Rendered README blocks ``<prefix>.<renderer>`` among ``names`` (the blocks the README marks)."""
+    """Rendered blocks ``<prefix>.<renderer>`` among ``names`` (the blocks a document marks)."""
     out = {}
     for name in names:
         head, _, kind = name.partition(".")
@@ -482,7 +506,7 @@ def model_card_blocks() -> dict[str, str]:
 
 
 def main() -> None:
-    """Snapshot the config's lake, then rewrite the README's and the model card's blocks."""
+    """Snapshot the config's lake, then rewrite the documents' and the model card's blocks."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-c", "--config", type=Path, default=REPO / "demo" / "heal.toml")
     args = parser.parse_args()

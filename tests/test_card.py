@@ -1,6 +1,6 @@
-"""The measured numbers in README.md and the model card are what `make card` writes.
+"""The measured numbers in README.md, demo/README.md, bench/RESULTS.md and the model card are what `make card` writes.
 
-README blocks are re-rendered from the committed lake snapshot (demo/results/),
+Their blocks are re-rendered from the committed lake snapshot (demo/results/),
 since building a lake takes minutes; the model card's cross-entropy table is
 recomputed from the model itself.
 """
@@ -14,9 +14,9 @@ from tests.test_demo import DEMO, load_script
 card = load_script("demo_card", DEMO / "card.py")
 
 
-@pytest.mark.parametrize("document", card.DOCUMENTS, ids=lambda d: d.name)
+@pytest.mark.parametrize("document", card.DOCUMENTS, ids=lambda d: str(d.relative_to(card.REPO)))
 def test_every_lake_block_matches_its_snapshot(document):
-    """README.md and bench/RESULTS.md: every card:<config>.<block> equals a render of the snapshot."""
+    """README.md, demo/README.md and bench/RESULTS.md: every card:<config>.<block> equals a render of the snapshot."""
     readme = card.blocks(document.read_text(encoding="utf-8"))
     prefixes = {name.partition(".")[0] for name in readme}
     assert prefixes, f"{document.name} has no card: blocks"
@@ -54,6 +54,24 @@ def test_comparison_rows_follow_the_ladder():
     assert set(pairs) == set(zip(order, order[1:])) | closing  # consecutive steps + unhealed -> each group's best
     table = card.render_comparisons(snap).splitlines()
     assert len(table) == 2 + 2 * len(pairs)  # header, rule, one row per pair and window set
+
+
+def test_headline_pairs_each_peer_with_ours_at_its_size():
+    """README's headline: rows are `[eval] compare` pairs of an outside GGUF and one of ours whose
+    routed experts take the same bits, in the config's order, with the eval and canary rows' numbers."""
+    snap = card.read_snapshot(card.RESULTS / "heal")
+    kinds = {r["variant"]: r["kind"] for r in snap["variants"]}
+    bits = {r["variant"]: r["routed_bpw"] for r in snap["sizes"]}
+    rows = [line.split(" | ") for line in card.render_headline(snap).splitlines()[2:]]
+    shown = [(r[1], r[2]) for r in rows]
+    assert shown == [(a, b) for a, b in card._compare_pairs(snap)
+                     if kinds[a] == "external" and kinds[b] == "healed" and bits[a] == bits[b]]
+    assert shown, "the demo's config compares ours with a peer of the same size"
+    assert ("q2_k_imatrix", "iq2_xxs_healed") not in shown  # a peer of another size is not a like-for-like row
+    index = {(r["set"], r["a"], r["b"]): r for r in snap["comparisons"] if r["moce_bonus_a"] == 0 and r["moce_bonus"] == 0}
+    for (a, b), row in zip(shown, rows):
+        assert row[3] == f"{index['eval', a, b]['kld_a']:.4f} → {index['eval', a, b]['kld_b']:.4f}"
+        assert row[5].startswith(card._signed(index["canary", a, b]["delta_pct"], 1))
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ Heals the demo's two GPTQ-healed variants from float32 dumps
 lake, then runs `dump-dtype.toml`: the same knobs healed from bfloat16 dumps,
 evaluated beside the float32 ones on the same windows, with window-bootstrap
 CIs on each pair's KLD difference. Afterwards `make card
-CONFIG=demo/ablations/dump-dtype.toml` renders README's blocks.
+CONFIG=demo/ablations/dump-dtype.toml` renders demo/README.md's blocks.
 
     .venv/bin/python demo/ablations/dump_dtype.py
 """
