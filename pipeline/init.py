@@ -372,9 +372,10 @@ def peers_sh(llama_quantize: Path) -> str:
         f"{moeheal} imatrix -c heal.toml --out peers/imatrix.gguf",
     ]
     for variant, peer in PEER_FORMATS:
-        lines += [f'grep -q \'^name = "{peer}"$\' heal.toml || {{',
-                  f'  eval "$({moeheal} recipe -c heal.toml --variant {variant} --imatrix peers/imatrix.gguf '
-                  f'--out peers/{peer}.gguf --llama-quantize {shlex.quote(str(llama_quantize))})"',
+        lines += [f'grep -q \'^name = "{peer}"$\' heal.toml || {{',  # a plain assignment keeps set -e's exit
+                  f'  command=$({moeheal} recipe -c heal.toml --variant {variant} --imatrix peers/imatrix.gguf '
+                  f'--out peers/{peer}.gguf --llama-quantize {shlex.quote(str(llama_quantize))})',
+                  '  eval "$command"',
                   f"  printf '\\n[[variant]]\\nname = \"{peer}\"\\ngguf = \"peers/{peer}.gguf\"\\n' >> heal.toml",
                   "}"]
     return "\n".join(lines) + "\n"
