@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from moeheal import DATA
 from moeheal.pipeline.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.gguf_model import open_model
@@ -147,7 +148,8 @@ def test_init_writes_a_frozen_split_clean_windows_and_a_config_the_run_accepts(q
 def test_the_same_seed_gives_the_same_folder_and_another_seed_another_split(qwen2moe, texts, tmp_path, capsys):
     made = []
     for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
-        assert init(capsys, str(tmp_path / name), "--model", str(qwen2moe), "--text", str(texts), "--seed", seed)[0] == 0
+        code = init(capsys, str(tmp_path / name), "--model", str(qwen2moe), "--text", str(texts), "--seed", seed)[0]
+        assert code == 0
         made.append({f: (tmp_path / name / f).read_bytes() for f in ("docs.jsonl", "split.csv", "windows.csv")})
     assert made[0] == made[1]
     assert made[0]["split.csv"] != made[2]["split.csv"] and made[0]["docs.jsonl"] == made[2]["docs.jsonl"]
@@ -174,10 +176,12 @@ def test_without_text_the_bundled_corpus_is_split_by_its_four_strata(qwen2moe, t
     assert code == 0, err
     docs = read_documents(tmp_path / "out" / "docs.jsonl")
     assert {d["stratum"] for d in docs} == {"ops", "chat_json", "ja", "persona"}
-    bundled = [json.loads(line) for line in open(Path(__import__("moeheal").DATA) / "corpus" / "docs.jsonl")]
-    manifest = pq.read_table(Path(__import__("moeheal").DATA) / "corpus" / "manifest.parquet").to_pylist()
+    bundled = [json.loads(line) for line in open(DATA / "corpus" / "docs.jsonl", encoding="utf-8")]
+    manifest = pq.read_table(DATA / "corpus" / "manifest.parquet").to_pylist()
     assert {m["doc_id"] for m in manifest} == {d["doc_id"] for d in bundled} == {d["doc_id"] for d in docs}
     assert all(m["licence"] for m in manifest)
+    demo = {d["doc_id"]: d for d in read_documents(Path(__file__).resolve().parents[1] / "demo" / "docs.jsonl")}
+    assert all(demo[d["doc_id"]] == d for d in bundled)  # verbatim demo documents (demo/corpus/bundle.py)
     assert load_config(tmp_path / "out" / "heal.toml").cal_tokens == 32768
 
 

@@ -73,5 +73,6 @@ def test_the_installed_wheel_inits_heals_reports_and_exports_a_users_model(tmp_p
     # synth's vocabulary is package data: no demo model needed.
     run([moeheal, "synth", "--like", "qwen3-30b-a3b", "--layers", "1", "--vocab", "512", "--experts", "2",
          "--zeros", "--out", str(work / "synth.gguf")], cwd=work)
-    run([str(python), "-c", f"from moeheal.pipeline.gguf_model import open_model; open_model({str(work / 'synth.gguf')!r})"],
-        cwd=work)
+    opened = run([str(python), "-c", "import sys; from moeheal.pipeline.gguf_model import open_model; "
+                                     "print(open_model(sys.argv[1]).hp.n_layer)", str(work / "synth.gguf")], cwd=work)
+    assert opened.stdout.strip() == "1"
