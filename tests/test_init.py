@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -275,3 +276,22 @@ def test_bad_input_is_one_line_exit_2_and_leaves_the_folder_untouched(qwen2moe, 
     code, _, err = init(capsys, str(occupied), "--model", str(qwen2moe), "--text", str(texts))
     assert code == 2 and "not an empty folder" in err and err.count("\n") == 1
     assert [p.name for p in occupied.iterdir()] == ["heal.toml"] and (occupied / "heal.toml").read_text() == "mine"
+
+
+def test_peers_script_only_when_llama_quantize_is_found(qwen2moe, texts, tmp_path, capsys, monkeypatch):
+    """peers.sh names the llama-quantize found; the script itself is run by hand (docs/your-model.md)."""
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
+    assert init(capsys, str(tmp_path / "without"), "--model", str(qwen2moe), "--text", str(texts))[0] == 0
+    assert not (tmp_path / "without" / "peers.sh").exists()
+    build = tmp_path / "llama.cpp" / "build"
+    (build / "bin").mkdir(parents=True)
+    (build / "bin" / "llama-quantize").write_text("#!/bin/sh\n")
+    monkeypatch.setenv("LLAMA_CPP_DIR", str(build))
+    code, out, _ = init(capsys, str(tmp_path / "with"), "--model", str(qwen2moe), "--text", str(texts))
+    assert code == 0 and "peers.sh" in out
+    script = (tmp_path / "with" / "peers.sh").read_text()
+    assert str(build / "bin" / "llama-quantize") in script
+    for variant in ("q2_k_healed", "iq2_xxs_healed", "budget_2p3"):
+        assert f"--variant {variant} " in script
+    assert subprocess.run(["/bin/bash", "-n", str(tmp_path / "with" / "peers.sh")]).returncode == 0
