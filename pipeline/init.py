@@ -470,7 +470,12 @@ def _write_outputs(out: Path, docs: list[Doc], role: dict[str, str], windows: pa
         writer = csv.writer(f, lineterminator="\n")
         writer.writerow(["doc_id", "role"])
         writer.writerows((d.doc_id, role[d.doc_id]) for d in docs)
-    with (out / "windows.csv").open("w", newline="", encoding="utf-8") as f:
+    write_windows_csv(out / "windows.csv", windows)
+
+
+def write_windows_csv(path: Path, windows: pa.Table) -> None:
+    """The `windows` table (doc positions) as the config's windows file (context and scored lengths, start)."""
+    with path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f, lineterminator="\n")
         writer.writerow(["window_id", "doc_id", "stratum", "set", "ctx_tokens", "scored_tokens", "start"])
         for w in windows.to_pylist():
