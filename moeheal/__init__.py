@@ -7,12 +7,8 @@ folders ``pipeline/``, ``kernels/`` and ``sql/``, mapped by ``package-dir``.
 """
 
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 
 try:
     __version__ = version("moeheal")
 except PackageNotFoundError:  # running from a checkout that was never installed
     __version__ = "0+unknown"
-
-# Package data (the bundled corpus, the demo vocabulary): beside this file both in a checkout and installed.
-DATA = Path(__file__).resolve().parent / "data"

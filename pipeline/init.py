@@ -49,12 +49,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from moeheal import DATA
 from moeheal.kernels import format_of
 from moeheal.kernels.ngram import ngram_hashes
 from moeheal.pipeline import roles
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import GGUFModel, open_model
+from moeheal.pipeline.package_data import DATA
 from moeheal.pipeline.stages.corpus import clean_score_starts, generate_windows
 from moeheal.pipeline.tokenizer import build_tokenizer
 

@@ -100,10 +100,10 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_SIZES, GGML_QUANT_VERSION
 from gguf.quants import quantize
 
-from moeheal import DATA
 from moeheal.pipeline.arch import ARCHITECTURES
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import HParams
+from moeheal.pipeline.package_data import DATA
 from moeheal.pipeline.progress import progress
 
 if TYPE_CHECKING:

@@ -18,10 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from moeheal import DATA
 from moeheal.pipeline.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.gguf_model import open_model
+from moeheal.pipeline.package_data import DATA
 from moeheal.pipeline.stages.corpus import read_documents, read_split
 from moeheal.pipeline.tokenizer import build_tokenizer, encode
 from tests.ggufs import _WORDS as WORDS

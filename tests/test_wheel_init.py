@@ -9,6 +9,7 @@ needs no network; the wheel itself is installed with `--no-deps`.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -70,7 +71,10 @@ def test_the_installed_wheel_inits_heals_reports_and_exports_a_users_model(tmp_p
     kld = pq.read_table(next((work / "bundle").rglob("window_kld.parquet"))).to_pylist()
     assert {r["variant"] for r in kld} >= {"unhealed", "q2_k_healed"} and all(r["kld_mean"] >= 0 for r in kld)
 
-    # synth's vocabulary is package data: no demo model needed.
+    # The bundled corpus and synth's vocabulary are package data: no checkout, no demo model needed.
+    run([moeheal, "init", "bundled", "--model", str(model)], cwd=work)
+    strata = {json.loads(line)["stratum"] for line in (work / "bundled" / "docs.jsonl").open(encoding="utf-8")}
+    assert strata == {"ops", "chat_json", "ja", "persona"}
     run([moeheal, "synth", "--like", "qwen3-30b-a3b", "--layers", "1", "--vocab", "512", "--experts", "2",
          "--zeros", "--out", str(work / "synth.gguf")], cwd=work)
     opened = run([str(python), "-c", "import sys; from moeheal.pipeline.gguf_model import open_model; "
