@@ -251,15 +251,19 @@ def split_stratum(stratum: str, doc_ids: list[str], lengths: dict[str, int], see
     return role, (ctx, scored)
 
 
+def _window_fits(doc: np.ndarray, cal_hashes: np.ndarray, ctx: int, scored: int) -> bool:
+    """Whether `doc` holds a window whose scored span shares no n-gram with calibration text."""
+    shared = np.isin(ngram_hashes(doc, NGRAM), cal_hashes)  # (len - NGRAM + 1,) bool
+    return len(clean_score_starts(shared, len(doc), NGRAM, ctx, scored)) > 0
+
+
 def place_windows(stratum: str, roles_of: dict[str, str], tokens: dict[str, np.ndarray], cal_hashes: np.ndarray,
                   size: tuple[int, int], seed: int) -> pa.Table:
     """One window per eval / canary doc of the stratum where a scored span clear of calibration fits."""
     ctx, scored = size
     counts = {}
     for set_name, most in (("eval", EVAL_DOCS), ("canary", CANARY_DOCS)):
-        fits = sum(len(clean_score_starts(np.isin(ngram_hashes(tokens[d], NGRAM), cal_hashes), len(tokens[d]),
-                                          NGRAM, ctx, scored)) > 0
-                   for d, r in roles_of.items() if r == set_name)
+        fits = sum(_window_fits(tokens[d], cal_hashes, ctx, scored) for d, r in roles_of.items() if r == set_name)
         if fits == 0:
             raise InputError(f"--text: stratum {stratum!r}: no {set_name} document has {ctx}+{scored} tokens whose "
                              f"scored part shares no {NGRAM}-gram with the calibration text (is the text repeated?)")
