@@ -176,7 +176,24 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_init(args: argparse.Namespace) -> int:
+    from moeheal.pipeline.init import init_folder
+
+    result = init_folder(Path(args.dir), Path(args.model), [Path(t) for t in args.text], args.seed)
+    roles = ", ".join(f"{n} {role}" for role, n in result.roles.items())
+    config = result.folder / "heal.toml"
+    print(f"{result.folder}: {result.n_docs} documents ({roles}), {result.n_windows} windows, "
+          f"calibration {result.cal_tokens} tokens")
+    if result.peers:
+        print(f"llama.cpp found: `bash {result.folder / 'peers.sh'}` adds its quantizations as peers (optional)")
+    print("next:")
+    print(f"  moeheal heal -c {config}")
+    print(f"  moeheal report -c {config}")
+    return 0
+
+
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
+    "init": (cmd_init, "a folder with docs, a frozen split, windows and a heal.toml for your own model and text"),
     "heal": (cmd_heal, "run the whole DAG (every stage cached by fingerprint)"),
     "plan": (cmd_plan, "list every stage with its fingerprint and whether it is cached, running nothing"),
     "audit": (cmd_audit, "split and n-gram overlap checks only (exit 3 on a violation)"),
@@ -201,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (fn, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        if name != "synth":  # the one command that reads no config
+        if name not in ("synth", "init"):  # the commands that read no config
             p.add_argument("-c", "--config", default="heal.toml", help="path to heal.toml")
         p.set_defaults(fn=fn)
         if name in ("export", "imatrix"):
@@ -230,6 +247,15 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", help="output file for --format parquet")
         if name == "synth":
             _synth_arguments(p)
+        if name == "init":
+            p.add_argument("dir", help="the folder to write (new, or empty)")
+            p.add_argument("--model", required=True, help="a GGUF file, or a Hugging Face checkpoint folder "
+                                                          "(safetensors + config.json), converted into DIR/model.gguf")
+            p.add_argument("--text", action="append", default=[], metavar="PATH",
+                           help="a text file, a folder of them (sub-folders name strata), JSONL with a `text` "
+                                "field or Parquet with a `text` column (optional `stratum`); repeatable; "
+                                "default: the small corpus shipped with moeheal")
+            p.add_argument("--seed", type=int, default=0, help="seed of the split, the windows and the traces")
     return parser
 
 

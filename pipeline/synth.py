@@ -59,8 +59,10 @@ carries a valid byte-level BPE of the real size: the demo model's tokens and
 merges (all 256 byte tokens included), unique filler tokens up to id 151643,
 Qwen's `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` at their real ids
 151643-151645, and `[PAD<id>]` tokens after them as llama.cpp's converter writes
-a padded vocabulary. The demo model is read for this, so `synth` runs from a
-checkout of this repository (`write_synth(demo_model=...)` names another copy).
+a padded vocabulary. The demo model's vocabulary ships as package data
+(`moeheal/data/demo_vocab.json.gz`, written from the demo model by
+`demo/corpus/bundle.py`), so `synth` runs from an installed wheel;
+`write_synth(demo_model=...)` names another copy (that file, or a GGUF).
 Mixtral's real tokenizer is a 32000-piece SentencePiece BPE, not available
 offline either; its file carries a valid SentencePiece vocabulary
 (`tokenizer.ggml.model = "llama"`) laid out as Mixtral's: `<unk>`, `<s>`, `</s>`
@@ -77,7 +79,9 @@ and fast.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import json
 import math
 import os
 import re
@@ -99,12 +103,15 @@ from gguf.quants import quantize
 from moeheal.pipeline.arch import ARCHITECTURES
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import HParams
+from moeheal.pipeline.package_data import DATA
 from moeheal.pipeline.progress import progress
 
 if TYPE_CHECKING:
     from moeheal.pipeline.gguf_model import GGUFModel
 
-DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "model" / "demo-q8_0.gguf"
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "model" / "demo-q8_0.gguf"  # in a checkout only
+# The demo model's tokenizer.ggml.{tokens, token_type, merges}: package data, all synth reads of the demo model.
+DEMO_VOCAB = DATA / "demo_vocab.json.gz"
 CHUNK_WEIGHTS = 1 << 22  # weights drawn at once: 16 MB of float32, the unit of memory and of seeding
 NORM_STD = 0.1
 TypedKV = tuple[str, Any, GGUFValueType]  # a key, its value, and the GGUF type (of the items, for a list)
@@ -438,7 +445,19 @@ QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5
 
 
-def synth_vocabulary(vocab_size: int, demo: GGUFModel) -> tuple[list[str], list[int], list[str]]:
+def load_demo_vocabulary(path: Path) -> dict[str, list]:
+    """The demo vocabulary's `tokenizer.ggml.*` lists, from the packaged JSON or from a GGUF."""
+    if path.suffix == ".gguf":
+        from moeheal.pipeline.gguf_model import GGUFModel
+
+        model = GGUFModel(path)
+        return {key: list(model.metadata(key)) for key in
+                ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")}
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def synth_vocabulary(vocab_size: int, demo: dict[str, list]) -> tuple[list[str], list[int], list[str]]:
     """Tokens, token types and merges of `vocab_size` entries laid out as Qwen's padded vocabulary.
 
     The demo's ordinary tokens come first (a prefix of them when `vocab_size` is
@@ -446,7 +465,7 @@ def synth_vocabulary(vocab_size: int, demo: GGUFModel) -> tuple[list[str], list[
     filler tokens spelled in the byte alphabet (reachable by no merge, like
     rare tokens), the three specials, then `[PAD<id>]` tokens.
     """
-    demo_tokens, demo_types = demo.metadata("tokenizer.ggml.tokens"), demo.metadata("tokenizer.ggml.token_type")
+    demo_tokens, demo_types = demo["tokenizer.ggml.tokens"], demo["tokenizer.ggml.token_type"]
     ordinary = [tok for tok, ty in zip(demo_tokens, demo_types) if ty == TOKEN_NORMAL]
     n_text = min(QWEN_TEXT_TOKENS, vocab_size - len(QWEN_SPECIALS))
     tokens = ordinary[:n_text]
@@ -459,7 +478,7 @@ def synth_vocabulary(vocab_size: int, demo: GGUFModel) -> tuple[list[str], list[
             tokens.append(candidate)
             kept.add(candidate)
     merges = []
-    for merge in demo.metadata("tokenizer.ggml.merges"):
+    for merge in demo["tokenizer.ggml.merges"]:
         left, right = merge.split(" ", 1)
         if left in kept and right in kept and left + right in kept:
             merges.append(merge)
@@ -491,7 +510,7 @@ SPM_SPECIALS = ("<unk>", "<s>", "</s>")  # Mixtral's ids 0, 1, 2
 TOKEN_UNKNOWN, TOKEN_BYTE = 2, 6
 
 
-def sentencepiece_vocabulary(vocab_size: int, demo: GGUFModel) -> tuple[list[str], list[int], list[float]]:
+def sentencepiece_vocabulary(vocab_size: int, demo: dict[str, list]) -> tuple[list[str], list[int], list[float]]:
     """Tokens, token types and scores of `vocab_size` entries laid out as Mixtral's SentencePiece
     vocabulary (see the module docstring); the demo's byte-level tokens are spelled back to text."""
     from moeheal.pipeline.tokenizer import _byte_spelling
@@ -500,7 +519,7 @@ def sentencepiece_vocabulary(vocab_size: int, demo: GGUFModel) -> tuple[list[str
     tokens = list(SPM_SPECIALS) + [f"<0x{b:02X}>" for b in range(256)]
     types = [TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_CONTROL] + [TOKEN_BYTE] * 256
     kept = set(tokens)
-    demo_tokens, demo_types = demo.metadata("tokenizer.ggml.tokens"), demo.metadata("tokenizer.ggml.token_type")
+    demo_tokens, demo_types = demo["tokenizer.ggml.tokens"], demo["tokenizer.ggml.token_type"]
     for token, ty in zip(demo_tokens, demo_types):
         if len(tokens) == vocab_size:
             break
@@ -640,7 +659,7 @@ def _writer(tmp: Path, like: LikeModel, plan: list[TensorPlan], kv: list[TypedKV
 
 def write_synth(out: str | os.PathLike[str], like_name: str, n_layer: int | None = None, seed: int = 0,
                 matrix_type: str = "q8_0", split_max_size: int = 0, vocab_size: int | None = None,
-                n_expert: int | None = None, zeros: bool = False, demo_model: Path = DEMO_MODEL,
+                n_expert: int | None = None, zeros: bool = False, demo_model: Path = DEMO_VOCAB,
                 jobs: int = 1) -> SynthResult:
     """Write the synthetic model to `out` (or its shards `<stem>-0000i-of-0000n.gguf`), atomically.
 
@@ -649,8 +668,6 @@ def write_synth(out: str | os.PathLike[str], like_name: str, n_layer: int | None
     of the seed, the tensor name and its index); host memory then holds about one chunk per worker
     plus the chunks drawn ahead of the writer.
     """
-    from moeheal.pipeline.gguf_model import GGUFModel
-
     like = _check_args(like_name, n_layer, seed, matrix_type, vocab_size, n_expert, demo_model)
     if jobs < 1:
         raise InputError(f"synth: --jobs {jobs}: need at least 1 worker")
@@ -661,9 +678,9 @@ def write_synth(out: str | os.PathLike[str], like_name: str, n_layer: int | None
     started = time.monotonic()
     plan = plan_tensors(like, n_layer, n_expert, vocab_size, ggml_type)
     if like.arch == "llama":  # Mixtral: SentencePiece
-        vocabulary = sentencepiece_vocab_kv(*sentencepiece_vocabulary(vocab_size, GGUFModel(demo_model)))
+        vocabulary = sentencepiece_vocab_kv(*sentencepiece_vocabulary(vocab_size, load_demo_vocabulary(demo_model)))
     else:
-        vocabulary = vocab_kv(*synth_vocabulary(vocab_size, GGUFModel(demo_model)))
+        vocabulary = vocab_kv(*synth_vocabulary(vocab_size, load_demo_vocabulary(demo_model)))
     kv = hparams_kv(like, n_layer, n_expert, file_type, vocab_size) + vocabulary
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -729,5 +746,5 @@ def _check_args(like_name: str, n_layer: int | None, seed: int, matrix_type: str
     if n_expert is not None and not 1 <= n_expert <= like.hp.n_expert:
         raise InputError(f"synth: --experts {n_expert}: expected 1 to {like.hp.n_expert}")
     if not demo_model.is_file():
-        raise InputError(f"synth: {demo_model}: the demo model, whose vocabulary synth reuses, is missing")
+        raise InputError(f"synth: {demo_model}: the demo vocabulary synth reuses is missing")
     return like

@@ -25,7 +25,8 @@ from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.runner import Runner
 from moeheal.pipeline.synth import (
-    BORROWED_ROLES, DEMO_MODEL, LIKE, NORM_STD, ROLE_FITS, fit_roles, plan_tensors, role_of, tensor_values, write_synth,
+    BORROWED_ROLES, DEMO_MODEL, DEMO_VOCAB, LIKE, NORM_STD, ROLE_FITS, fit_roles, load_demo_vocabulary, plan_tensors,
+    role_of, tensor_values, write_synth,
 )
 
 Q8_0, F32 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32
@@ -123,6 +124,11 @@ def test_qwen3next_synth_runs_forward_and_keeps_a_full_attention_layer(next_smal
     assert logits.shape == (2, 8, 1024) and np.all(np.isfinite(logits)) and logits.std() > 0
     with pytest.raises(InputError, match="first 3 layers of qwen3-next-80b are all linear attention; keep at least 4"):
         write_synth(tmp_path / "x.gguf", "qwen3-next-80b", n_layer=3, zeros=True)
+
+
+def test_the_packaged_vocabulary_is_the_demo_models() -> None:
+    """synth reads the demo vocabulary from package data (demo/corpus/bundle.py writes it): kept current."""
+    assert load_demo_vocabulary(DEMO_VOCAB) == load_demo_vocabulary(DEMO_MODEL)
 
 
 def test_role_fits_are_the_demo_models() -> None:

@@ -16,13 +16,13 @@ root: ``.venv/bin/python demo/corpus/windows.py``.
 from __future__ import annotations
 
 import argparse
-import csv
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from moeheal.kernels.ngram import ngram_hashes
+from moeheal.pipeline.init import write_windows_csv
 from moeheal.pipeline.stages.corpus import build_docs, generate_windows, read_documents, read_split
 
 DEMO = Path(__file__).resolve().parents[1]
@@ -45,12 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     cal = [r["doc_id"] for r in docs.to_pylist() if r["role"] == "cal"]
     cal_hashes = np.unique(np.concatenate([ngram_hashes(tokens[d], NGRAM) for d in cal]))  # (G,) sorted
     windows = generate_windows(docs, tokens, cal_hashes, NGRAM, WINDOWS, CTX_TOKENS, SCORED_TOKENS, SEED)
-    with (args.demo / "windows.csv").open("w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f, lineterminator="\n")
-        writer.writerow(["window_id", "doc_id", "stratum", "set", "ctx_tokens", "scored_tokens", "start"])
-        for w in windows.to_pylist():
-            writer.writerow([w["window_id"], w["doc_id"], w["stratum"], w["set"], w["score_start"] - w["ctx_start"],
-                             w["score_end"] - w["score_start"], w["ctx_start"]])
+    write_windows_csv(args.demo / "windows.csv", windows)
     print(f"{windows.num_rows} windows written to {args.demo / 'windows.csv'}")
 
 

@@ -1,0 +1,297 @@
+"""`moeheal init`: a user's model and text in, a folder that `moeheal heal` runs out; bad input leaves nothing.
+
+The models are tiny random transformers models of every supported family, 256 wide so that every
+routed row is whole blocks of the ladder's 2-bit formats, exported the way the architecture tests
+export them. The text is random-word documents (no 16-gram shared between documents by construction).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from moeheal.pipeline.cli import main
+from moeheal.pipeline.config import load_config
+from moeheal.pipeline.gguf_model import open_model
+from moeheal.pipeline.package_data import DATA
+from moeheal.pipeline.stages.corpus import read_documents, read_split
+from moeheal.pipeline.tokenizer import build_tokenizer, encode
+from tests.ggufs import _WORDS as WORDS
+from tests.ggufs import make_tiny_gguf, train_tiny_bpe
+
+FAMILIES = ("qwen2moe", "qwen3moe", "olmoe", "mixtral", "deepseek2", "qwen3next")
+
+
+def random_doc(rng: random.Random, lines: int = 40) -> str:
+    return "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 14))) + f" {rng.randint(0, 999)}."
+                     for _ in range(lines))
+
+
+def write_text_folder(root: Path, strata: dict[str, int], seed: int = 0, lines: int = 40) -> Path:
+    """`root/<stratum>/doc_i.txt`, `strata[stratum]` documents each."""
+    rng = random.Random(seed)
+    for stratum, n in strata.items():
+        (root / stratum).mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            (root / stratum / f"doc_{i}.txt").write_text(random_doc(rng, lines), encoding="utf-8")
+    return root
+
+
+def hf_model(family: str, seed: int):
+    """(transformers model, tokenizer) of `family`, 256 wide, 2-4 layers."""
+    if family in ("qwen2moe", "qwen3moe", "olmoe"):
+        from tests.ggufs import tiny_hf_model
+
+        tokenizer = train_tiny_bpe(seed=seed)
+        return tiny_hf_model(family, tokenizer.get_vocab_size(), seed, d_model=256, d_expert=256,
+                             d_shexp=256), tokenizer
+    if family == "mixtral":
+        from tests.test_arch_mixtral import tiny_mixtral, train_tiny_spm
+
+        tokenizer = train_tiny_spm(seed=seed)
+        return tiny_mixtral(tokenizer.get_vocab_size(), seed, d_model=256, d_expert=256), tokenizer
+    tokenizer = train_tiny_bpe(seed=seed)
+    if family == "deepseek2":
+        from tests.test_arch_deepseek2 import tiny_deepseek_v3
+
+        return tiny_deepseek_v3(tokenizer.get_vocab_size(), seed, d_model=256, d_expert=256, kv_lora_rank=64,
+                                nope=32, rope=16, v_dim=32, q_lora_rank=64), tokenizer
+    from tests.test_arch_qwen3next import tiny_qwen3next
+
+    return tiny_qwen3next(tokenizer.get_vocab_size(), seed, d_model=256, d_expert=256, d_shexp=256), tokenizer
+
+
+def family_gguf(family: str, path: Path, seed: int = 5) -> Path:
+    from moeheal.pipeline.convert import hf_to_gguf
+
+    hf, tokenizer = hf_model(family, seed)
+    hf_to_gguf(hf, tokenizer, path, matrix_type="q8_0")
+    return path
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory) -> Path:
+    return write_text_folder(tmp_path_factory.mktemp("texts"), {"prose": 7, "notes": 6})
+
+
+@pytest.fixture(scope="module")
+def qwen2moe(tmp_path_factory) -> Path:
+    return family_gguf("qwen2moe", tmp_path_factory.mktemp("model") / "qwen2moe.gguf")
+
+
+def init(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["init", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def cli(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+# ---- what init writes ---------------------------------------------------------------------------
+
+
+def test_init_writes_a_frozen_split_clean_windows_and_a_config_the_run_accepts(qwen2moe, texts, tmp_path, capsys):
+    folder = tmp_path / "mine"
+    code, out, err = init(capsys, str(folder), "--model", str(qwen2moe), "--text", str(texts), "--seed", "3")
+    assert code == 0, err
+    assert f"moeheal heal -c {folder / 'heal.toml'}" in out and f"moeheal report -c {folder / 'heal.toml'}" in out
+    docs = read_documents(folder / "docs.jsonl")
+    assert {d["stratum"] for d in docs} == {"prose", "notes"} and len(docs) == 13
+    split = dict(read_split(folder / "split.csv"))
+    assert set(split) == {d["doc_id"] for d in docs}
+    for stratum in ("prose", "notes"):
+        assert {split[d["doc_id"]] for d in docs if d["stratum"] == stratum} == {"cal", "unused", "eval", "canary"}
+
+    # Every scored span shares no 16-gram with any calibration document (tuples, not the pipeline's hashes).
+    tok = build_tokenizer(open_model(qwen2moe))
+    ids = {d["doc_id"]: encode(tok, d["text"]) for d in docs}
+    cal_grams = {tuple(ids[d][i:i + 16]) for d in ids if split[d] == "cal" for i in range(len(ids[d]) - 15)}
+    with open(folder / "windows.csv", newline="") as f:
+        windows = list(csv.DictReader(f))
+    assert {w["set"] for w in windows} == {"eval", "canary"}
+    for w in windows:
+        assert split[w["doc_id"]] == w["set"]
+        start, ctx, scored = int(w["start"]), int(w["ctx_tokens"]), int(w["scored_tokens"])
+        doc = ids[w["doc_id"]]
+        assert start + ctx + scored <= len(doc)
+        score_start = start + ctx
+        touching = range(max(0, score_start - 15), score_start + scored - 15)  # 16-grams overlapping the span
+        assert not any(tuple(doc[i:i + 16]) in cal_grams for i in touching), w["window_id"]
+
+    cfg = load_config(folder / "heal.toml")
+    assert cfg.reference == qwen2moe.resolve()
+    assert [v.name for v in cfg.variants] == ["q2_k_healed", "iq2_xxs_healed", "budget_2p3"]
+    assert cfg.cal_tokens == sum(len(ids[d]) for d in ids if split[d] == "cal")  # all of it: under the cap
+    assert 0 < cfg.unseen_tokens <= sum(len(ids[d]) for d in ids if split[d] == "unused")
+    assert sum(cfg.mix.values()) <= 1
+
+    # Every variant passes the run's checks (formats against the model's rows, the budget's feasibility);
+    # healing it is `tests/test_wheel_init.py`'s, from the installed wheel.
+    code, out = cli(capsys, "plan", "-c", str(folder / "heal.toml"), "--format", "json")
+    assert code == 0
+    assert {"quantize:q2_k_healed", "quantize:iq2_xxs_healed", "allocate:budget_2p3"} <= \
+        {":".join(p["stage"].split(":")[:2]) for p in json.loads(out)}
+    code, out = cli(capsys, "audit", "-c", str(folder / "heal.toml"))
+    assert code == 0 and "0 scored-span leaks" in out
+
+
+def test_the_same_seed_gives_the_same_folder_and_another_seed_another_split(qwen2moe, texts, tmp_path, capsys):
+    made = []
+    for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
+        code = init(capsys, str(tmp_path / name), "--model", str(qwen2moe), "--text", str(texts), "--seed", seed)[0]
+        assert code == 0
+        made.append({f: (tmp_path / name / f).read_bytes() for f in ("docs.jsonl", "split.csv", "windows.csv")})
+    assert made[0] == made[1]
+    assert made[0]["split.csv"] != made[2]["split.csv"] and made[0]["docs.jsonl"] == made[2]["docs.jsonl"]
+
+
+def test_jsonl_and_parquet_give_strata_from_their_fields(qwen2moe, tmp_path, capsys):
+    rng = random.Random(4)
+    records = [{"text": random_doc(rng), "stratum": s} for s in ("code", "chat") for _ in range(6)]
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records[:6]), encoding="utf-8")
+    parquet = tmp_path / "b.parquet"
+    pq.write_table(pa.table({"text": [r["text"] for r in records[6:]], "stratum": [r["stratum"] for r in records[6:]]}),
+                   parquet)
+    code, _, err = init(capsys, str(tmp_path / "out"), "--model", str(qwen2moe), "--text", str(jsonl), "--text",
+                        str(parquet))
+    assert code == 0, err
+    docs = read_documents(tmp_path / "out" / "docs.jsonl")
+    assert sorted(d["text"] for d in docs) == sorted(r["text"] for r in records)
+    assert {d["stratum"] for d in docs} == {"code", "chat"}
+
+
+def test_without_text_the_bundled_corpus_is_split_by_its_four_strata(qwen2moe, tmp_path, capsys):
+    code, _, err = init(capsys, str(tmp_path / "out"), "--model", str(qwen2moe))
+    assert code == 0, err
+    docs = read_documents(tmp_path / "out" / "docs.jsonl")
+    assert {d["stratum"] for d in docs} == {"ops", "chat_json", "ja", "persona"}
+    bundled = [json.loads(line) for line in open(DATA / "corpus" / "docs.jsonl", encoding="utf-8")]
+    manifest = pq.read_table(DATA / "corpus" / "manifest.parquet").to_pylist()
+    assert {m["doc_id"] for m in manifest} == {d["doc_id"] for d in bundled} == {d["doc_id"] for d in docs}
+    assert all(m["licence"] for m in manifest)
+    demo = {d["doc_id"]: d for d in read_documents(Path(__file__).resolve().parents[1] / "demo" / "docs.jsonl")}
+    assert all(demo[d["doc_id"]] == d for d in bundled)  # verbatim demo documents (demo/corpus/bundle.py)
+    assert load_config(tmp_path / "out" / "heal.toml").cal_tokens == 32768
+
+
+def test_a_long_text_file_is_cut_at_blank_lines_into_documents(qwen2moe, tmp_path, capsys):
+    rng = random.Random(9)
+    book = tmp_path / "book.txt"
+    book.write_text("\n\n".join(random_doc(rng, 20) for _ in range(24)), encoding="utf-8")
+    code, _, err = init(capsys, str(tmp_path / "out"), "--model", str(qwen2moe), "--text", str(book))
+    assert code == 0, err
+    docs = read_documents(tmp_path / "out" / "docs.jsonl")
+    assert len(docs) > 4 and {d["stratum"] for d in docs} == {"text"}
+    assert "\n\n".join(d["text"] for d in docs) == book.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("family", FAMILIES[1:])
+def test_init_on_every_family_gives_a_config_heal_accepts(family, texts, tmp_path, capsys):
+    model = family_gguf(family, tmp_path / f"{family}.gguf")
+    folder = tmp_path / "out"
+    code, _, err = init(capsys, str(folder), "--model", str(model), "--text", str(texts))
+    assert code == 0, err
+    code, out = cli(capsys, "plan", "-c", str(folder / "heal.toml"), "--format", "json")
+    assert code == 0
+    stages = {p["stage"].split(":")[0] for p in json.loads(out)}
+    assert {"dump", "quantize", "evaluate"} <= stages
+    has_ridge = open_model(model).arch.has_shared_expert
+    assert ("ridge_eta" in (folder / "heal.toml").read_text()) == has_ridge
+
+
+@pytest.mark.parametrize("family", ("qwen2moe", "mixtral"))
+def test_init_converts_a_hugging_face_checkpoint_into_the_folder(family, texts, tmp_path, capsys):
+    pytest.importorskip("moeheal.pipeline.hf_convert")
+    hf, tokenizer = hf_model(family, seed=5)
+    checkpoint = tmp_path / "checkpoint"
+    hf.save_pretrained(checkpoint)
+    tokenizer.save(str(checkpoint / "tokenizer.json"))
+    folder = tmp_path / "out"
+    code, _, err = init(capsys, str(folder), "--model", str(checkpoint), "--text", str(texts))
+    assert code == 0, err
+    assert load_config(folder / "heal.toml").reference == folder / "model.gguf"
+    assert cli(capsys, "plan", "-c", str(folder / "heal.toml"))[0] == 0
+
+
+# ---- bad input: one line, exit 2, nothing written ------------------------------------------------
+
+
+def _bad_inputs(tmp: Path, good_model: Path, good_texts: Path) -> dict[str, tuple[list[str], str]]:
+    (tmp / "empty").mkdir(parents=True)
+    (tmp / "blank.txt").write_text("  \n\n ", encoding="utf-8")
+    (tmp / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    small = write_text_folder(tmp / "small", {"big": 6, "tiny": 2})
+    (tmp / "checkpoint").mkdir()
+    (tmp / "checkpoint" / "model.safetensors").write_bytes(b"")
+    narrow = make_tiny_gguf(tmp / "narrow.gguf", arch="qwen2moe", seed=1)  # 64 wide: no 256-weight block fits
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(tmp / "dense.gguf"), "bert")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model, texts = ["--model", str(good_model)], ["--text", str(good_texts)]
+    return {
+        "no text": (model + ["--text", str(tmp / "blank.txt")], "no text"),
+        "empty folder": (model + ["--text", str(tmp / "empty")], "holds no files"),
+        "missing file": (model + ["--text", str(tmp / "nope.txt")], "no such file"),
+        "not utf-8": (model + ["--text", str(tmp / "latin1.txt")], "not UTF-8"),
+        "small stratum": (model + ["--text", str(small)], "'tiny'"),
+        "unsupported family": (["--model", str(tmp / "dense.gguf")] + texts, "bert"),
+        "no config.json": (["--model", str(tmp / "checkpoint")] + texts, "config.json"),
+        "narrow experts": (["--model", str(narrow)] + texts, "not a multiple of"),
+        "missing model": (["--model", str(tmp / "nope.gguf")] + texts, "no such file"),
+    }
+
+
+def test_bad_input_is_one_line_exit_2_and_leaves_the_folder_untouched(qwen2moe, texts, tmp_path, capsys):
+    cases = _bad_inputs(tmp_path / "inputs", qwen2moe, texts)
+    target_parent = tmp_path / "targets"
+    target_parent.mkdir()
+    for name, (argv, expected) in cases.items():
+        folder = target_parent / name.replace(" ", "_")
+        folder.mkdir()  # an empty folder stays empty; nothing appears beside it
+        code, out, err = init(capsys, str(folder), *argv)
+        assert code == 2, (name, err)
+        assert err.count("\n") == 1 and expected in err, (name, err)
+        assert list(folder.iterdir()) == [], name
+    assert sorted(p.name for p in target_parent.iterdir()) == sorted(n.replace(" ", "_") for n in cases)
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "heal.toml").write_text("mine", encoding="utf-8")
+    code, _, err = init(capsys, str(occupied), "--model", str(qwen2moe), "--text", str(texts))
+    assert code == 2 and "not an empty folder" in err and err.count("\n") == 1
+    assert [p.name for p in occupied.iterdir()] == ["heal.toml"] and (occupied / "heal.toml").read_text() == "mine"
+
+
+def test_peers_script_only_when_llama_quantize_is_found(qwen2moe, texts, tmp_path, capsys, monkeypatch):
+    """peers.sh names the llama-quantize found; the script itself is run by hand (docs/your-model.md)."""
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
+    assert init(capsys, str(tmp_path / "without"), "--model", str(qwen2moe), "--text", str(texts))[0] == 0
+    assert not (tmp_path / "without" / "peers.sh").exists()
+    build = tmp_path / "llama.cpp" / "build"
+    (build / "bin").mkdir(parents=True)
+    (build / "bin" / "llama-quantize").write_text("#!/bin/sh\n")
+    monkeypatch.setenv("LLAMA_CPP_DIR", str(build))
+    code, out, _ = init(capsys, str(tmp_path / "with"), "--model", str(qwen2moe), "--text", str(texts))
+    assert code == 0 and "peers.sh" in out
+    script = (tmp_path / "with" / "peers.sh").read_text()
+    assert str(build / "bin" / "llama-quantize") in script
+    for variant in ("q2_k_healed", "iq2_xxs_healed", "budget_2p3"):
+        assert f"--variant {variant} " in script
+    assert subprocess.run(["/bin/bash", "-n", str(tmp_path / "with" / "peers.sh")]).returncode == 0

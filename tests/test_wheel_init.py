@@ -1,0 +1,82 @@
+"""The new user, in CI: the built wheel installed alone in a fresh environment, outside the repository,
+runs `init` on a model and text of their own, then `heal`, `report` and `export`; `synth` needs no
+checkout either.
+
+The environment borrows the test environment's dependencies (a plain `.pth` path entry to its
+site-packages, whose own `.pth` files, the editable install of this checkout, are not run) so the test
+needs no network; the wheel itself is installed with `--no-deps`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from tests.ggufs import make_tiny_gguf
+from tests.test_init import write_text_folder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**env, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, f"{cmd}: {done.stderr[-2000:]}"
+    return done
+
+
+def first_variant_only(config: Path) -> None:
+    """Keep the ladder's first variant (Q2_K healed) so one heal stays within a CI budget."""
+    head, first, *rest = config.read_text(encoding="utf-8").split("\n[[variant]]")
+    moce = rest[-1][rest[-1].index("[moce]"):]
+    config.write_text(f"{head}\n[[variant]]{first.rsplit(chr(10) + '#', 1)[0]}\n{moce}", encoding="utf-8")
+
+
+def test_the_installed_wheel_inits_heals_reports_and_exports_a_users_model(tmp_path):
+    dist = tmp_path / "dist"
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(REPO)], cwd=tmp_path)
+    env = tmp_path / "env"
+    run([sys.executable, "-m", "venv", str(env)], cwd=tmp_path)
+    python, moeheal = env / "bin" / "python", str(env / "bin" / "moeheal")
+    site = Path(run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                    cwd=tmp_path).stdout.strip())
+    borrowed = [p for p in sys.path if Path(p).name == "site-packages"] or [sysconfig.get_paths()["purelib"]]
+    (site / "borrowed_dependencies.pth").write_text("".join(f"{p}\n" for p in borrowed))
+    run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(next(dist.glob("moeheal-*.whl")))], cwd=tmp_path)
+
+    work = tmp_path / "work"  # the user's folder: no checkout anywhere near it
+    model = make_tiny_gguf(work / "my-moe.gguf", arch="qwen2moe", seed=3, n_layer=2, d_model=256, n_expert=8,
+                           k=2, matrix_type="q8_0", d_expert=256, d_shexp=256)
+    texts = write_text_folder(work / "texts", {"prose": 6, "notes": 6}, lines=30)
+    where = run([str(python), "-c", "import moeheal; print(moeheal.__file__)"], cwd=work).stdout
+    assert where.startswith(str(site))
+
+    init = run([moeheal, "init", "mine", "--model", str(model), "--text", str(texts)], cwd=work).stdout
+    assert "moeheal heal -c" in init
+    config = work / "mine" / "heal.toml"
+    first_variant_only(config)
+    healed = run([moeheal, "heal", "-c", str(config)], cwd=work).stdout
+    assert "q2_k_healed" in healed
+    run([moeheal, "report", "-c", str(config)], cwd=work)
+    run([moeheal, "export", "-c", str(config), "--out", str(work / "bundle")], cwd=work)
+    variants = pq.read_table(next((work / "bundle").rglob("variants.parquet"))).to_pylist()
+    assert {v["variant"]: v["kind"] for v in variants} == {"reference": "reference", "unhealed": "unhealed",
+                                                             "q2_k_healed": "healed"}
+    kld = pq.read_table(next((work / "bundle").rglob("window_kld.parquet"))).to_pylist()
+    assert {r["variant"] for r in kld} >= {"unhealed", "q2_k_healed"} and all(r["kld_mean"] >= 0 for r in kld)
+
+    # The bundled corpus and synth's vocabulary are package data: no checkout, no demo model needed.
+    run([moeheal, "init", "bundled", "--model", str(model)], cwd=work)
+    strata = {json.loads(line)["stratum"] for line in (work / "bundled" / "docs.jsonl").open(encoding="utf-8")}
+    assert strata == {"ops", "chat_json", "ja", "persona"}
+    run([moeheal, "synth", "--like", "qwen3-30b-a3b", "--layers", "1", "--vocab", "512", "--experts", "2",
+         "--zeros", "--out", str(work / "synth.gguf")], cwd=work)
+    opened = run([str(python), "-c", "import sys; from moeheal.pipeline.gguf_model import open_model; "
+                                     "print(open_model(sys.argv[1]).hp.n_layer)", str(work / "synth.gguf")], cwd=work)
+    assert opened.stdout.strip() == "1"
