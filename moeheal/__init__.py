@@ -12,3 +12,11 @@ try:
     __version__ = version("moeheal")
 except PackageNotFoundError:  # running from a checkout that was never installed
     __version__ = "0+unknown"
+
+
+def open_lake(path):  # -> dict[str, polars.LazyFrame]
+    """The published tables of a lake root or an exported bundle, {name: polars.LazyFrame}
+    (`moeheal.pipeline.frames.open_lake`; imported on first use, as polars is not light)."""
+    from moeheal.pipeline.frames import open_lake as _open_lake
+
+    return _open_lake(path)

@@ -55,6 +55,13 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v3": {"rope_interleave": True, "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
                     "first_k_dense_replace": 0, "routed_scaling_factor": 1.0, "n_shared_experts": 1},
 }
+# transformers' `attribute_map`s: a config key read under a second name.
+ATTRIBUTE_MAPS: dict[str, dict[str, str]] = {
+    "deepseek_v3": {"num_local_experts": "n_routed_experts"},
+    "mixtral": {"num_experts": "num_local_experts"},
+    "qwen3_moe": {"num_experts": "num_local_experts"},
+    "olmoe": {"num_local_experts": "num_experts"},
+}
 # Mixtral's names for the expert matrices: w1 gate, w3 up, w2 down.
 MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # A text that exercises a pre-tokenizer's every rule: spaces and line breaks, digits, contractions,
@@ -106,6 +113,10 @@ def read_config(hf_dir: Path) -> CheckpointConfig:
                          f"{', '.join(sorted(ARCH_BY_MODEL_TYPE))}); {ALTERNATIVE}")
     values = {**COMMON_DEFAULTS, **FAMILY_DEFAULTS[model_type], **raw, "name_or_path": hf_dir.name}
     values.setdefault("num_key_value_heads", values.get("num_attention_heads"))
+    for alias, key in ATTRIBUTE_MAPS.get(model_type, {}).items():
+        for one, other in ((alias, key), (key, alias)):
+            if one not in values and other in values:
+                values[one] = values[other]
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # a list of ids: the first is the token
         if isinstance(values[key], list):
             values[key] = values[key][0] if values[key] else None
