@@ -311,6 +311,9 @@ def convert_checkpoint(hf_dir: Path, out_gguf: Path, *, outtype: str = "f16") ->
                                                                           str(hf_dir / "tokenizer.json"))
     try:
         state_to_gguf(state, config, tokenizer, out_gguf, outtype, pre=pre)
-    except (KeyError, ValueError) as exc:  # a config the family's rewrite refuses, a tensor with no GGUF name
-        raise InputError(f"{hf_dir}: {exc}; {ALTERNATIVE}") from None
+    except KeyError as exc:  # a tensor the family's rewrite needs is not in the checkpoint
+        raise InputError(f"{hf_dir}: tensor {exc.args[0]}: missing; {ALTERNATIVE}") from None
+    except ValueError as exc:  # a parameter with no GGUF name, or settings the family's graph computes otherwise
+        unknown_tensor = str(exc).startswith("no GGUF name")
+        raise InputError(f"{hf_dir}: {exc}" + (f"; {ALTERNATIVE}" if unknown_tensor else "")) from None
     return out_gguf
