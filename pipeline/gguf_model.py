@@ -558,7 +558,8 @@ class GGUFModel:
         return shapes
 
     def _check_shapes(self) -> None:
-        """Every tensor agrees with the keys: a corrupted dimension or key cannot reach the runner."""
+        """Every tensor agrees with the keys: a corrupted dimension or key cannot reach the runner. A
+        shape that differs only by 1-dims llama.cpp ignores (`_ggml_dims`) is read as the expected one."""
         a = self.arch.name
         for key, value in ((f"{a}.{self.arch.expert_width_key}", self.hp.d_expert),
                            (f"{a}.expert_shared_feed_forward_length", self.hp.d_shexp)):

@@ -153,12 +153,16 @@ class SafetensorsFile:
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise InputError(f"{path}: header is not JSON ({exc})") from None
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 8 + n else b""
+        if not isinstance(header, dict):
+            raise InputError(f"{path}: header is not a JSON object")
         header.pop("__metadata__", None)
+        for name, entry in header.items():
+            if not (isinstance(entry, dict) and isinstance(entry.get("dtype"), str)
+                    and isinstance(entry.get("shape"), list) and all(isinstance(n, int) for n in entry["shape"])
+                    and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2):
+                raise InputError(f"{path}: tensor {name}: header entry is not {{dtype, shape, data_offsets}}")
         self._start, self._size = 8 + n, size
         self.entries: dict[str, dict[str, Any]] = header
-
-    def dtype(self, name: str) -> str:
-        return self.entries[name]["dtype"]
 
     def tensor(self, name: str) -> np.ndarray:
         """The tensor as float32 (a copy): F32 as stored, F16 widened, BF16 shifted into float32's high half."""

@@ -327,7 +327,7 @@ def test_open_lake_and_the_notebook_lines_read_the_lake_and_its_bundle(healed, t
         got = lake_frames[name].collect()
         assert got.equals(pl.from_arrow(pq.read_table(run.lake.table_path(name)))), name
         assert got.equals(bundle_frames[name].collect()), name
-        assert con.sql(f"SELECT count(*) FROM {name}").fetchone()[0] == got.height, name
+        assert con.execute(f"SELECT count(*) FROM {name}").fetchone()[0] == got.height, name
     where = {"stratum": "all", "subset": "all"}
     polars_rows = pl.read_parquet(bundle / "tables" / "comparisons.parquet").filter(**where)
     duckdb_rows = con.sql("SELECT * FROM comparisons WHERE stratum = 'all' AND subset = 'all'").pl()
