@@ -327,17 +327,18 @@ def test_open_lake_and_the_notebook_lines_read_the_lake_and_its_bundle(healed, t
         got = lake_frames[name].collect()
         assert got.equals(pl.from_arrow(pq.read_table(run.lake.table_path(name)))), name
         assert got.equals(bundle_frames[name].collect()), name
-        assert con.execute(f"SELECT count(*) FROM {name}").fetchone()[0] == got.height, name
-    where = {"stratum": "all", "subset": "all"}
-    polars_rows = pl.read_parquet(bundle / "tables" / "comparisons.parquet").filter(**where)
-    duckdb_rows = con.sql("SELECT * FROM comparisons WHERE stratum = 'all' AND subset = 'all'").pl()
-    assert polars_rows.height > 0 and polars_rows.sort("a", "b", "moce_bonus").equals(
-        duckdb_rows.sort("a", "b", "moce_bonus"))
-    pooled = bundle_frames["window_kld"].group_by("variant", "moce_bonus").agg(
+        assert con.execute(f"SELECT count(*) FROM {name}").fetchall() == [(got.height,)], name
+    where = "set = 'eval' AND stratum = 'all' AND subset = 'all'"
+    polars_rows = pl.read_parquet(bundle / "tables" / "comparisons.parquet").filter(set="eval", stratum="all",
+                                                                                   subset="all")
+    duckdb_rows = con.sql(f"SELECT * FROM comparisons WHERE {where}").pl()
+    key = ["a", "b", "moce_bonus_a", "moce_bonus_b"]
+    assert polars_rows.height > 0 and polars_rows.sort(key).equals(duckdb_rows.sort(key))
+    pooled = bundle_frames["window_kld"].filter(set="eval").group_by("variant", "moce_bonus").agg(
         kld=pl.col("kld_sum").sum() / pl.col("n_tokens").sum()).collect()
     v1 = pooled.filter(variant="v1", moce_bonus=0.0)["kld"].item()
     assert v1 == pytest.approx(polars_rows.filter(b="v1", moce_bonus=0.0, a="unhealed")["kld_b"].item(), rel=1e-9)
     pd = pytest.importorskip("pandas")
-    pandas_rows = pd.read_parquet(bundle / "tables" / "comparisons.parquet").query("stratum == 'all' and subset == 'all'")
-    assert len(pandas_rows) == polars_rows.height == len(
-        con.sql("SELECT * FROM comparisons WHERE stratum = 'all' AND subset = 'all'").df())
+    pandas_rows = pd.read_parquet(bundle / "tables" / "comparisons.parquet").query(
+        "set == 'eval' and stratum == 'all' and subset == 'all'")
+    assert len(pandas_rows) == polars_rows.height == len(con.sql(f"SELECT * FROM comparisons WHERE {where}").df())
