@@ -46,14 +46,12 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "sliding_window": None, "attention_bias": False,
 }
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen2_moe": {"norm_topk_prob": False},
-    "qwen3_moe": {"norm_topk_prob": True},
-    "olmoe": {"norm_topk_prob": False},
-    "mixtral": {},
-    "qwen3_next": {"norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1,
+    "qwen2_moe": {}, "qwen3_moe": {}, "olmoe": {}, "mixtral": {},
+    "qwen3_next": {"norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1, "head_dim": 256,
                    "full_attention_interval": 4, "linear_conv_kernel_dim": 4},
-    "deepseek_v3": {"rope_interleave": True, "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
-                    "first_k_dense_replace": 0, "routed_scaling_factor": 1.0, "n_shared_experts": 1},
+    "deepseek_v3": {"rope_interleave": True, "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
+                    "first_k_dense_replace": 3, "routed_scaling_factor": 2.5, "n_shared_experts": 1,
+                    "q_lora_rank": 1536},
 }
 # transformers' `attribute_map`s: a config key read under a second name.
 ATTRIBUTE_MAPS: dict[str, dict[str, str]] = {
