@@ -246,9 +246,10 @@ def read_state(hf_dir: Path, config: CheckpointConfig) -> dict[str, np.ndarray]:
             if sorted(names) != list(range(len(names))) or not names:
                 raise InputError(f"{hf_dir}: layer {layer}: experts' {matrix} are not numbered 0..E-1 "
                                  f"({len(names)} found)")
-            stacked[matrix] = np.stack([files[names[e]].tensor(names[e]) for e in range(len(names))])
+            stacked[matrix] = np.stack([files[names[e]].tensor(names[e]) for e in range(len(names))])  # (E, r, c)
         prefix = f"model.layers.{layer}.mlp.experts."
-        state[prefix + "gate_up_proj"] = np.concatenate([stacked["gate_proj"], stacked["up_proj"]], axis=1)  # (E, 2f, d)
+        gate_up = np.concatenate([stacked["gate_proj"], stacked["up_proj"]], axis=1)  # (E, 2f, d): gate rows first
+        state[prefix + "gate_up_proj"] = gate_up
         state[prefix + "down_proj"] = stacked["down_proj"]  # (E, d, f)
     for name in [n for n in state if n.endswith("linear_attn.A_log")]:  # Qwen3-Next
         # NumPy's float32 exp, within 2 ulp of the torch exp llama.cpp's converter applies; renamed
@@ -258,6 +259,7 @@ def read_state(hf_dir: Path, config: CheckpointConfig) -> dict[str, np.ndarray]:
 
 
 def read_tokenizer(hf_dir: Path) -> Tokenizer:
+    """`tokenizer.json` (the vocabulary, merges and pre-tokenizer a GGUF's vocabulary is built from)."""
     path = hf_dir / "tokenizer.json"
     if not path.is_file():
         raise InputError(f"{hf_dir}: no tokenizer.json (a SentencePiece tokenizer.model alone is not read); "

@@ -60,9 +60,9 @@ needs_converter = pytest.mark.skipif(CONVERTER is None, reason="llama.cpp's conv
 
 # Runs the converter's main with its pre-tokenizer lookup answered (see the module docstring).
 RUN_CONVERTER = """
-import runpy, sys
+import os, runpy, sys
 script = sys.argv[1]
-sys.path[:0] = [str(__import__("pathlib").Path(script).parent), str(__import__("pathlib").Path(script).parent / "gguf-py")]
+sys.path[:0] = [os.path.dirname(script), os.path.join(os.path.dirname(script), "gguf-py")]
 import conversion.base
 conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
 sys.argv = sys.argv[1:]
@@ -128,44 +128,56 @@ def stored_tensors(path: Path) -> dict[str, np.ndarray]:
         tuple(reversed(t.shape.tolist()))) for t in GGUFReader(path).tensors}
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def checkpoint(request, tmp_path_factory) -> tuple[str, Path, object]:
-    """(family, checkpoint folder, transformers model) of one tiny family, float32 safetensors."""
-    hf, tokenizer = tiny_family(request.param, seed=3)
-    folder = save_checkpoint(hf, tokenizer, tmp_path_factory.mktemp(request.param) / "checkpoint")
-    return request.param, folder, hf
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    """{family: (checkpoint folder, transformers model)} of every family, float32 safetensors."""
+    built = {}
+    for family in FAMILIES:
+        hf, tokenizer = tiny_family(family, seed=3)
+        built[family] = save_checkpoint(hf, tokenizer, tmp_path_factory.mktemp(family) / "checkpoint"), hf
+    return built
 
 
-# Converts sys.argv[1] to sys.argv[2] in a Python where torch and transformers cannot be imported.
+# Converts each (checkpoint, out) pair of sys.argv in a Python where torch and transformers cannot be imported.
 CONVERT_WITHOUT_TORCH = """
 import sys
 sys.modules.update(torch=None, transformers=None, safetensors=None)
 from pathlib import Path
 from moeheal.pipeline.hf_convert import convert_checkpoint
-convert_checkpoint(Path(sys.argv[1]), Path(sys.argv[2]), outtype="f32")
+for folder, out in zip(sys.argv[1::2], sys.argv[2::2]):
+    convert_checkpoint(Path(folder), Path(out), outtype="f32")
 """
 
 
-def test_our_conversion_without_torch_runs_within_1e4_of_transformers(checkpoint, tmp_path):
-    family, folder, hf = checkpoint
-    path = tmp_path / "ours.gguf"
-    subprocess.run([sys.executable, "-c", CONVERT_WITHOUT_TORCH, str(folder), str(path)], check=True, timeout=300,
+@pytest.fixture(scope="module")
+def converted_without_torch(checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """{family: our F32 conversion of its checkpoint}, all made by one Python without torch."""
+    out = tmp_path_factory.mktemp("ours")
+    paths = {family: out / f"{family}.gguf" for family in checkpoints}
+    pairs = [str(arg) for family, path in paths.items() for arg in (checkpoints[family][0], path)]
+    subprocess.run([sys.executable, "-c", CONVERT_WITHOUT_TORCH, *pairs], check=True, timeout=600,
                    env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    model = check_logits(path, hf)
+    return paths
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_our_conversion_without_torch_runs_within_1e4_of_transformers(checkpoints, converted_without_torch, family):
+    model = check_logits(converted_without_torch[family], checkpoints[family][1])
     assert model.arch.name == {"mixtral": "llama"}.get(family, family)
 
 
 @needs_converter
-def test_llama_cpp_conversion_runs_within_1e4_and_matches_ours(checkpoint, tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llama_cpp_conversion_runs_within_1e4_and_matches_ours(checkpoints, converted_without_torch, family, tmp_path):
     """The file llama.cpp's converter writes opens (its 2-D shared-expert gates included), runs as
     transformers does, and holds the tensors ours holds: equal values, equal shapes but for the
     1-dims llama.cpp's converter keeps; Qwen3-Next's -exp(A_log) within NumPy's and torch's 2 ulp."""
-    family, folder, hf = checkpoint
+    folder, hf = checkpoints[family]
     if family == "mixtral":
         pytest.importorskip("sentencepiece", reason="llama.cpp's converter reads Mixtral's vocabulary with it")
     theirs = llama_cpp_convert(folder, tmp_path / "llama-cpp.gguf")
     model = check_logits(theirs, hf)
-    ours = stored_tensors(convert_checkpoint(folder, tmp_path / "ours.gguf", outtype="f32"))
+    ours = stored_tensors(converted_without_torch[family])
     stored = stored_tensors(theirs)
     assert sorted(stored) == sorted(ours)
     for name, value in stored.items():
