@@ -293,3 +293,23 @@ def test_a_llama_cpp_converted_qwen2moe_heals(tmp_path):
     assert healed.raw("blk.0.ffn_down_exps.weight").ggml_type.name == "TQ2_0"
     assert healed.shape("blk.0.ffn_gate_inp_shexp.weight") == (256,)
     assert np.all(np.isfinite(Runner(healed).forward(tokens_for(healed, batch=1, length=16))))
+
+
+def test_a_shape_with_llama_cpp_s_extra_1_dims_opens_and_runs_the_same(tiny_qwen2moe, tmp_path):
+    """Without llama.cpp's converter at hand: the shared-expert gates stored as [1, d] (as it writes
+    them) open as (d,) and give the same logits; a shape that differs by more than 1-dims is refused."""
+    from moeheal.pipeline.gguf_write import copy_gguf
+
+    source = GGUFModel(tiny_qwen2moe)
+    gates = [f"blk.{i}.ffn_gate_inp_shexp.weight" for i in range(source.hp.n_layer)]
+    copy_gguf(source, tmp_path / "2d.gguf", {g: (source.tensor(g)[None, :], GGMLQuantizationType.F32) for g in gates})
+    assert {t.name: tuple(t.shape.tolist()) for t in GGUFReader(tmp_path / "2d.gguf").tensors}[gates[0]] == \
+        (source.hp.d_model, 1)  # ggml order: ne = [d, 1]
+    model = GGUFModel(tmp_path / "2d.gguf")
+    assert model.shape(gates[0]) == (source.hp.d_model,) and model.tensor(gates[0]).shape == (source.hp.d_model,)
+    tokens = tokens_for(model, batch=1, length=16)
+    np.testing.assert_array_equal(Runner(model).forward(tokens), Runner(source).forward(tokens))
+    halves = source.tensor(gates[0]).reshape(2, -1)  # (2, d/2): the same values, not the same shape
+    copy_gguf(source, tmp_path / "bad.gguf", {gates[0]: (halves, GGMLQuantizationType.F32)})
+    with pytest.raises(InputError, match=r"ffn_gate_inp_shexp.weight: shape \[2, 32\], expected \[64\]"):
+        GGUFModel(tmp_path / "bad.gguf")
