@@ -90,6 +90,7 @@ ARCH_LAYER_NAMES = {
         "linear_attn.conv1d.weight": "ssm_conv1d.weight",
         "linear_attn.dt_bias": "ssm_dt.bias",
         "linear_attn.A_log": "ssm_a",
+        "linear_attn.ssm_a": "ssm_a",  # -exp(A_log) already (`hf_convert`, which has no torch)
         "linear_attn.norm.weight": "ssm_norm.weight",
         "linear_attn.out_proj.weight": "ssm_out.weight",
     },
@@ -136,6 +137,8 @@ def _qwen3next_state(state: dict[str, np.ndarray], config) -> dict[str, np.ndarr
         if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             w = w + 1.0
         elif name.endswith(".A_log"):
+            import torch  # only here: torch is a test extra; `hf_convert` rewrites A_log itself
+
             w = -torch.exp(torch.from_numpy(w)).numpy()  # torch's float32 exp, as the converter's, to the bit
         elif name.endswith("linear_attn.conv1d.weight"):
             w = w.squeeze(1)  # (C, K)
@@ -246,8 +249,10 @@ def _gguf_tensors(state: dict[str, np.ndarray], n_layer: int, tied: bool,
         raise ValueError(f"no GGUF name for parameter {leftover[0]} (and {len(leftover) - 1} more)")
 
 
-def _vocab_kv(tokenizer: Tokenizer, bos: int | None, eos: int | None, pad: int | None) -> list[KV]:
-    """`tokenizer.ggml.*` for a byte-level BPE (llama.cpp's `_set_vocab_gpt2` keys)."""
+def _vocab_kv(tokenizer: Tokenizer, bos: int | None, eos: int | None, pad: int | None,
+              pre: str = "qwen2") -> list[KV]:
+    """`tokenizer.ggml.*` for a byte-level BPE (llama.cpp's `_set_vocab_gpt2` keys), its words cut
+    by the `pipeline.tokenizer.PRE_TOKENIZERS` regexes named `pre`."""
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     tokens = [""] * len(vocab)
     for token, index in vocab.items():
@@ -259,7 +264,7 @@ def _vocab_kv(tokenizer: Tokenizer, bos: int | None, eos: int | None, pad: int |
     merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
     kv: list[KV] = [
         ("tokenizer.ggml.model", "gpt2", GGUFValueType.STRING),
-        ("tokenizer.ggml.pre", "qwen2", GGUFValueType.STRING),
+        ("tokenizer.ggml.pre", pre, GGUFValueType.STRING),
         ("tokenizer.ggml.tokens", tokens, None),
         ("tokenizer.ggml.token_type", token_types, GGUFValueType.INT32),
         ("tokenizer.ggml.merges", merges, None),
@@ -423,19 +428,27 @@ def _special_id(tokenizer: Tokenizer, config_id: int | None, fallback: str) -> i
 def hf_to_gguf(hf_model, tokenizer: Tokenizer, out_path: str | os.PathLike[str], matrix_type: str = "q8_0",
                extra_kv: list[KV] | None = None) -> None:
     """Write `hf_model` (Qwen2MoeForCausalLM / Qwen3MoeForCausalLM / OlmoeForCausalLM /
-    MixtralForCausalLM / Qwen3NextForCausalLM) and its tokenizer as one GGUF.
+    MixtralForCausalLM / Qwen3NextForCausalLM / DeepseekV3ForCausalLM) and its tokenizer as one GGUF
+    (`state_to_gguf` on its state dict in float32)."""
+    state = {k: v.detach().to("cpu").float().numpy() for k, v in hf_model.state_dict().items()}
+    state_to_gguf(state, hf_model.config, tokenizer, out_path, matrix_type, extra_kv)
+
+
+def state_to_gguf(state: dict[str, np.ndarray], config, tokenizer: Tokenizer, out_path: str | os.PathLike[str],
+                  matrix_type: str = "q8_0", extra_kv: list[KV] | None = None, pre: str = "qwen2") -> None:
+    """Write a float32 state dict in transformers' names (experts fused, as its modules hold them)
+    with `config` (anything with the config's attributes) and its tokenizer as one GGUF.
 
     Matrices go to `matrix_type` ("q8_0", "f16" or "f32"); norms, biases, the
     router and the shared-expert gate stay F32. BOS/EOS/PAD ids come from the
     config, else (byte-level BPE) `<|endoftext|>`; no BOS is added at encode time
     (Qwen's way, and the pipeline's: it encodes without one for every family).
+    A byte-level BPE's words are cut by the `pre` regexes.
     """
-    config = hf_model.config
     arch = ARCH_BY_MODEL_TYPE.get(config.model_type)
     if arch is None:
         raise ValueError(f"unsupported model type {config.model_type!r} (supported: {sorted(ARCH_BY_MODEL_TYPE)})")
     ggml_matrix, file_type = MATRIX_TYPES[matrix_type]
-    state = {k: v.detach().to("cpu").float().numpy() for k, v in hf_model.state_dict().items()}
     if arch in ARCH_STATE:
         check, rewrite = ARCH_STATE[arch]
         check(config)
@@ -452,7 +465,7 @@ def hf_to_gguf(hf_model, tokenizer: Tokenizer, out_path: str | os.PathLike[str],
         kv += _vocab_kv(tokenizer,
                         bos=_special_id(tokenizer, config.bos_token_id, "<|endoftext|>"),
                         eos=eos,
-                        pad=_special_id(tokenizer, config.pad_token_id, "<|endoftext|>"))
+                        pad=_special_id(tokenizer, config.pad_token_id, "<|endoftext|>"), pre=pre)
     kv += list(extra_kv or [])
 
     def tensors() -> Iterator[TensorItem]:

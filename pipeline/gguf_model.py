@@ -296,6 +296,16 @@ def _check_tensor_table(tensors: list[TensorInfo], data_offset: int, alignment: 
         expected += -(-t.n_bytes // alignment) * alignment
 
 
+def _ggml_dims(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A NumPy-order shape as ggml's ne without its trailing 1s: llama.cpp takes a tensor of ne
+    [64, 1] where it expects [64] (ggml pads every shape with 1s to four dims), and its own
+    converter writes some tensors so (Qwen2-MoE's shared-expert gate as [1, d] in NumPy order)."""
+    ne = list(reversed(shape))
+    while len(ne) > 1 and ne[-1] == 1:
+        ne.pop()
+    return tuple(ne)
+
+
 def _known_keys(arch: str) -> set[str]:
     """Every key name gguf-py knows, with `{arch}` filled in (templates with other fields left out)."""
     known = set()
@@ -383,6 +393,7 @@ class GGUFModel:
             raise InputError(f"{self.path}: cannot read ({exc.strerror or exc})") from None
         self._reader = self._open_reader(self.path)
         self._tensors = {t.name: t for t in self._reader.tensors}
+        self._logical_shapes: dict[str, tuple[int, ...]] = {}  # tensors stored with extra 1-dims
         self.shards = [self.path]
         n_split = self.metadata(Keys.Split.LLM_KV_SPLIT_COUNT, 1)
         if not isinstance(n_split, int):
@@ -547,14 +558,19 @@ class GGUFModel:
         return shapes
 
     def _check_shapes(self) -> None:
-        """Every tensor agrees with the keys: a corrupted dimension or key cannot reach the runner."""
+        """Every tensor agrees with the keys: a corrupted dimension or key cannot reach the runner. A
+        shape that differs only by 1-dims llama.cpp ignores (`_ggml_dims`) is read as the expected one."""
         a = self.arch.name
         for key, value in ((f"{a}.{self.arch.expert_width_key}", self.hp.d_expert),
                            (f"{a}.expert_shared_feed_forward_length", self.hp.d_shexp)):
             if self.metadata(key, value) != value:
                 raise InputError(f"{self.name}: key {key}: {self.metadata(key)}, but the tensors say {value}")
         for name, expected in self._expected_shapes().items():
-            if name in self._tensors and self._shape(name) != expected:
+            if name not in self._tensors or self._shape(name) == expected:
+                continue
+            if _ggml_dims(self._shape(name)) == _ggml_dims(expected):  # as llama.cpp's create_tensor compares
+                self._logical_shapes[name] = expected
+            else:
                 raise InputError(f"{self.name}: tensor {name}: shape {list(self._shape(name))}, expected "
                                  f"{list(expected)} from the header's keys and token_embd / blk.0 shapes")
 
@@ -601,6 +617,10 @@ class GGUFModel:
         return {key: field for key, field in self._reader.fields.items() if not key.startswith("split.")}
 
     def _shape(self, name: str) -> tuple[int, ...]:
+        """NumPy-order shape: the one the keys imply when the file's differs only by 1-dims (see
+        `_check_shapes`), else the stored one."""
+        if name in self._logical_shapes:
+            return self._logical_shapes[name]
         return tuple(int(n) for n in reversed(self._tensors[name].shape.tolist()))  # ggml ne -> NumPy order
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -617,8 +637,9 @@ class GGUFModel:
         self._require(name)
         t = self._tensors[name]
         data = np.asarray(t.data)
-        row_bytes = data.view(np.uint8).reshape(*data.shape[:-1], -1)  # (..., row_bytes)
-        return RawTensor(ggml_type=t.tensor_type, data=row_bytes, shape=self._shape(name))
+        shape = self._shape(name)
+        row_bytes = data.view(np.uint8).reshape(*shape[:-1], -1)  # (..., row_bytes), stored 1-dims dropped
+        return RawTensor(ggml_type=t.tensor_type, data=row_bytes, shape=shape)
 
     def tensor(self, name: str) -> np.ndarray:
         """A tensor dequantized to float32, in NumPy shape order."""

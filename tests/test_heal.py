@@ -309,3 +309,36 @@ def test_alpha_out_of_fp16_range_is_an_input_error(healed):
     with pytest.raises(InputError, match="v1: layer 0: alpha 1e\\+09 on ffn_down_exps"):
         scale_expert_scales(arrays, "ffn_down_exps", 1e9, "v1: layer 0")
     assert np.array_equal(scale_expert_scales(arrays, "ffn_down_exps", 1.0, "v1: layer 0"), arrays["ffn_down_exps"])
+
+
+def test_open_lake_and_the_notebook_lines_read_the_lake_and_its_bundle(healed, tmp_path):
+    """`moeheal.open_lake` on the lake and on its exported bundle gives every table, equal to the
+    Parquet DuckDB reads; docs/notebook.md's lines (polars, DuckDB, pandas) agree on the bundle."""
+    import polars as pl
+
+    import moeheal
+
+    _, run = healed
+    bundle = run.export(tmp_path / "bundle")
+    lake_frames, bundle_frames = moeheal.open_lake(run.lake.root), moeheal.open_lake(bundle)
+    assert set(TABLES) <= set(lake_frames) and sorted(lake_frames) == sorted(bundle_frames)
+    con = duckdb.connect(str(bundle / "lake.duckdb"), read_only=True)
+    for name in TABLES:
+        got = lake_frames[name].collect()
+        assert got.equals(pl.from_arrow(pq.read_table(run.lake.table_path(name)))), name
+        assert got.equals(bundle_frames[name].collect()), name
+        assert con.execute(f"SELECT count(*) FROM {name}").fetchall() == [(got.height,)], name
+    where = "set = 'eval' AND stratum = 'all' AND subset = 'all'"
+    polars_rows = pl.read_parquet(bundle / "tables" / "comparisons.parquet").filter(set="eval", stratum="all",
+                                                                                   subset="all")
+    duckdb_rows = con.sql(f"SELECT * FROM comparisons WHERE {where}").pl()
+    key = ["a", "b", "moce_bonus_a", "moce_bonus_b"]
+    assert polars_rows.height > 0 and polars_rows.sort(key).equals(duckdb_rows.sort(key))
+    pooled = bundle_frames["window_kld"].filter(set="eval").group_by("variant", "moce_bonus").agg(
+        kld=pl.col("kld_sum").sum() / pl.col("n_tokens").sum()).collect()
+    v1 = pooled.filter(variant="v1", moce_bonus=0.0)["kld"].item()
+    assert v1 == pytest.approx(polars_rows.filter(b="v1", moce_bonus=0.0, a="unhealed")["kld_b"].item(), rel=1e-9)
+    pd = pytest.importorskip("pandas")
+    pandas_rows = pd.read_parquet(bundle / "tables" / "comparisons.parquet").query(
+        "set == 'eval' and stratum == 'all' and subset == 'all'")
+    assert len(pandas_rows) == polars_rows.height == len(con.sql(f"SELECT * FROM comparisons WHERE {where}").df())
