@@ -128,8 +128,6 @@ def _qwen3next_state(state: dict[str, np.ndarray], config) -> dict[str, np.ndarr
     """Qwen3-Next's parameters as llama.cpp's converter transforms them before naming: zero-centred
     norm weights + 1 (not the gated norm's), A_log -> -exp(A_log), the conv kernel (C, 1, K) -> (C, K),
     and in_proj_qkvz, stored per key head as [q, k, v, z], split into [all q, all k, all v] and z."""
-    import torch  # here, not at the top: converting a transformers model needs torch, importing this module not
-
     nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
     dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
     out = {}
