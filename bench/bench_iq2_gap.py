@@ -1,13 +1,17 @@
 """IQ2_XXS with importance only, ours against llama-quantize's with the same importance matrix.
 
     LLAMA_CPP_DIR=/path/to/llama.cpp/build python bench/bench_iq2_gap.py -c heal.toml
-    python bench/bench_iq2_gap.py -c heal.toml --cal-tokens 0 1024 256 --variants current llama_qw
+    python bench/bench_iq2_gap.py -c heal.toml --cal-tokens 0 1024 256 --variants pipeline layer_wide
 
 The config's lake must hold its calibration and unseen dumps (`moeheal dump -c
 heal.toml`). For each calibration length (`--cal-tokens`, 0 = the whole dump:
 a prefix of the dump, as a variant's `cal_tokens` takes it) every routed expert
 tensor of the reference is quantized to IQ2_XXS by our search under several
-ways of forming the importance (`IMPORTANCE`), and by llama-quantize with the
+ways of forming the importance (`IMPORTANCE`: the quantize stage's own rule for
+the config's `--variant`; the rule before docs/iq2_xxs-gap.md, the layer's
+E[x^2] for every expert's gate/up, at beta 0.5 and 1; each expert's own,
+blended, at beta 1; exactly the qw llama-quantize reads from the imatrix;
+none), and by llama-quantize with the
 importance matrix `moeheal imatrix` writes from the same rows (its bytes read
 back with gguf-py). Each is scored by the output-weighted error that the
 quantization actually costs,
