@@ -9,11 +9,17 @@ least squares. The same beta convention holds for gate/up (input: the MoE
 input x) and for down (input: the expert's hidden activation h), so
 `beta_gate_up = beta_down` means the same thing on both.
 
-For W_down the input is h_c = silu(g_c) * u_c with g = W_gate x, u = W_up x,
-and an expert sees only the tokens routed to it, often a few dozen. We compute
-the exact per-expert sum of h_c^2 over routed tokens and blend it with an
-analytic prior from the layer's diagonal input statistics, so thinly routed
-experts still get a sane weight.
+An expert's rounding error costs it through its own inputs: over the tokens
+routed to e, sum_t (dw . x_t)^2 = dw^T H_e dw with H_e = sum_{t->e} x_t x_t^T,
+so the diagonal weight is expert e's E[x_j^2], not the layer's (llama.cpp's
+imatrix stores the same per-expert statistic). Routing specialises: an
+expert that serves code tokens sees other channel magnitudes than one that
+serves prose. An expert sees only the tokens routed to it, often a few dozen,
+so its estimate is blended with a prior worth `blend_tokens` pseudo-tokens
+(`blended_second_moment`): for gate/up the layer's E[x_j^2] over every token,
+for W_down, whose input is h_c = silu(g_c) * u_c with g = W_gate x, u = W_up x,
+an analytic prior from the layer's diagonal input statistics. Thinly routed
+experts still get a sane weight, well-fed ones their own.
 
 GPTQ Hessians may be router-weighted: a token contributes to expert e's
 H = E[x x^T] (and to down's E[h h^T]) in proportion to its routing weight w_te,
@@ -56,12 +62,42 @@ def _tempered_mean_one(second_moment: np.ndarray, beta: float) -> np.ndarray:
 
 
 def gate_up_importance(mean_sq_x: np.ndarray, beta: float) -> np.ndarray:
-    """Per input-column weight for W_gate / W_up: w_j = E[x_j^2]^beta, mean 1.
+    """Per input-column weight of a matrix that every token reaches: w_j = E[x_j^2]^beta, mean 1.
 
-    mean_sq_x (d,) = E[x_j^2] over the layer's calibration tokens (the diagonal
+    mean_sq_x (..., d) = E[x_j^2] over the calibration tokens (the diagonal
     of E[x x^T]). Values below RELATIVE_FLOOR * mean are floored first.
     """
-    return _tempered_mean_one(mean_sq_x, beta)  # (d,)
+    return _tempered_mean_one(mean_sq_x, beta)  # (..., d)
+
+
+def blended_second_moment(exact_sum: np.ndarray, counts: np.ndarray, prior: np.ndarray,
+                          blend_tokens: float) -> np.ndarray:
+    """Per-expert E[v_j^2] with a prior worth `blend_tokens` pseudo-tokens (the posterior mean):
+
+        m[e, j] = (exact_sum[e, j] + blend_tokens * prior[e, j]) / (counts[e] + blend_tokens)
+
+    An expert with no routed tokens gets the prior; one with many its own data.
+    exact_sum (E, n) sums of v^2 over e's routed tokens, counts (E,), prior
+    (E, n) or (n,) -> (E, n) float64.
+    """
+    exact = np.asarray(exact_sum, dtype=np.float64)  # (E, n)
+    prior = np.broadcast_to(np.asarray(prior, dtype=np.float64), exact.shape)  # (E, n)
+    n = np.asarray(counts, dtype=np.float64)[:, None]  # (E, 1)
+    denominator = n + blend_tokens  # (E, 1)
+    safe = np.where(denominator > 0, denominator, 1.0)  # (E, 1)
+    return np.where(denominator > 0, (exact + blend_tokens * prior) / safe, prior)  # (E, n)
+
+
+def expert_gate_up_importance(sum_x_sq: np.ndarray, counts: np.ndarray, mean_sq_x: np.ndarray,
+                              blend_tokens: float, beta: float) -> np.ndarray:
+    """Per input-column weight for W_gate / W_up of every expert: (E, d), mean 1 per expert.
+
+    w[e, j] = m[e, j]^beta with m expert e's E[x_j^2] over its routed tokens,
+    blended with the layer's E[x_j^2] (mean_sq_x (d,), every token) by
+    `blend_tokens` pseudo-tokens (`blended_second_moment`). sum_x_sq (E, d)
+    and counts (E,) from `expert_hidden_stats`.
+    """
+    return gate_up_importance(blended_second_moment(sum_x_sq, counts, mean_sq_x, blend_tokens), beta)  # (E, d)
 
 
 @dataclass(frozen=True)
@@ -314,13 +350,7 @@ def down_importance(
     its own data. exact_sum (E, f) from `expert_hidden_stats`, analytic (E, f)
     from `analytic_hidden_sq`, counts (E,).
     """
-    exact = np.asarray(exact_sum, dtype=np.float64)  # (E, f)
-    prior = np.asarray(analytic, dtype=np.float64)  # (E, f)
-    n = np.asarray(counts, dtype=np.float64)[:, None]  # (E, 1)
-    denominator = n + blend_tokens  # (E, 1)
-    safe = np.where(denominator > 0, denominator, 1.0)  # (E, 1)
-    blended = np.where(denominator > 0, (exact + blend_tokens * prior) / safe, prior)  # (E, f)
-    return _tempered_mean_one(blended, beta)  # (E, f)
+    return _tempered_mean_one(blended_second_moment(exact_sum, counts, analytic, blend_tokens), beta)  # (E, f)
 
 
 def pooled_second_moment(sum_xx_t: np.ndarray | jax.Array, counts: np.ndarray) -> jax.Array:

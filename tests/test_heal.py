@@ -247,16 +247,23 @@ def test_cal_tokens_uses_a_prefix_of_the_calibration_dump(healed):
     from dataclasses import replace
 
     from moeheal.kernels.alpha import fit_alpha as alpha_of
-    from moeheal.kernels.importance import gate_up_importance
+    from moeheal.kernels.importance import expert_gate_up_importance, expert_hidden_stats
+    from moeheal.pipeline.stages.quantize import expert_weights
 
     _, run = healed
     full = run.cfg.variants[0]
     short = replace(full, name="v1_512", cal_tokens=512)
     assert run.quantize(short, 0).fingerprint != run.quantize(full, 0).fingerprint
-    mixed = open_dump(run.dump("calibration").path)["0"]["mixed"][:]
+    dumped = open_dump(run.dump("calibration").path)["0"]
+    mixed, routed = dumped["mixed"][:], dumped["experts"][:]
+    weights = expert_weights(run.source, 0)
     stored = np.load(run.quantize(short, 0).path / "layer_0.npz")["ffn_gate_exps.importance"][0]
     for rows, expected_equal in ((512, True), (len(mixed), False)):
-        expected = gate_up_importance(np.mean(np.square(mixed[:rows], dtype=np.float64), axis=0), 0.5)
+        stats = expert_hidden_stats(weights["ffn_gate_exps"], weights["ffn_up_exps"], mixed[:rows], routed[:rows],
+                                    with_hessians=False)
+        expected = expert_gate_up_importance(stats.sum_x_sq, stats.counts,
+                                             np.mean(np.square(mixed[:rows], dtype=np.float64), axis=0),
+                                             short.down_blend_tokens, short.beta_gate_up)[0]  # expert 0's
         assert np.allclose(stored, expected, rtol=1e-6) == expected_equal
     calibrated = np.load(run.calibrate(short, 0).path / "layer_0.npz")
     quantized = np.load(run.quantize(short, 0).path / "layer_0.npz")

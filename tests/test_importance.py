@@ -14,6 +14,7 @@ from moeheal.kernels.importance import (
     RELATIVE_FLOOR,
     analytic_hidden_sq,
     down_importance,
+    expert_gate_up_importance,
     expert_hidden_stats,
     gate_up_importance,
     gaussian_silu_moments,
@@ -216,6 +217,22 @@ def test_down_importance_blends_exact_and_prior() -> None:
     no_blend = down_importance(exact_sum, counts, analytic, blend_tokens=0.0, beta=1.0)
     np.testing.assert_allclose(no_blend[0], analytic[0] / analytic[0].mean(), rtol=1e-6)  # 0/0 falls back to the prior
     np.testing.assert_allclose(no_blend[2], exact_sum[2] / exact_sum[2].mean(), rtol=1e-6)
+
+
+def test_expert_gate_up_importance_blends_each_expert_with_the_layer() -> None:
+    """Each expert's own E[x^2] (llama.cpp's imatrix entry) pulled to the layer's by the pseudo-count."""
+    rng = np.random.default_rng(8)
+    sum_x_sq = rng.uniform(0, 5, size=(3, 8))
+    sum_x_sq[0] = 0.0
+    counts = np.array([0, 4, 1000])
+    layer = rng.uniform(0.1, 1, size=8)
+    got = expert_gate_up_importance(sum_x_sq, counts, layer, blend_tokens=16.0, beta=0.5)
+    blend = (sum_x_sq + 16.0 * layer) / (counts[:, None] + 16.0)
+    np.testing.assert_allclose(got, np.sqrt(blend) / np.sqrt(blend).mean(axis=1, keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(got[0], gate_up_importance(layer, 0.5), rtol=1e-6)  # no tokens: the layer's
+    own = expert_gate_up_importance(sum_x_sq, counts, layer, blend_tokens=0.0, beta=1.0)
+    np.testing.assert_allclose(own[2], sum_x_sq[2] / sum_x_sq[2].mean(), rtol=1e-6)  # llama.cpp's qw, mean 1
+    np.testing.assert_allclose(own[0], layer / layer.mean(), rtol=1e-6)  # 0/0 falls back to the layer's
 
 
 def test_shrink_hessian_and_pooled_moment() -> None:

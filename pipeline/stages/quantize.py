@@ -4,13 +4,17 @@ budget's recipe chooses them, the shared expert's and attention's matrices).
 Importance comes from the calibration dump (the audit's §1.1, with its
 inconsistencies fixed and both exponents explicit):
 
-- gate/up, per input channel d:   w_d = E[x_d^2] ^ beta_gate_up
-  over every token of the layer's dump (x = the MoE input `mixed`).
+- gate/up, per input channel d of expert e:   w_ed = Ehat[x_ed^2] ^ beta_gate_up
+  where Ehat blends the mean of x^2 over the tokens routed to e (x = the MoE
+  input `mixed`; the statistic llama.cpp's imatrix holds) with the layer's
+  over every token, weighted by `down_blend_tokens` pseudo-tokens.
 - down, per hidden channel c of expert e:   w_ec = Ehat[h_ec^2] ^ beta_down
   where Ehat blends the exact mean of h^2 over the tokens routed to e with an
   analytic estimate from diagonal input statistics, weighted by
   `down_blend_tokens` pseudo-tokens (an expert that saw 3 tokens is mostly
-  prior, one that saw 3000 is all data).
+  prior, one that saw 3000 is all data). The one pseudo-count serves both:
+  it says how many routed tokens a prior is worth, whatever the matrix
+  (docs/iq2_xxs-gap.md measures why gate/up is per expert).
 - round = "gptq": per expert H_e = E[x x^T] over its routed tokens, shrunk to
   the layer's H with `gptq_shrink` pseudo-tokens and damped by `gptq_damp`
   times its mean diagonal (for down, x is the expert's hidden activation h).
@@ -126,13 +130,12 @@ def layer_importance(weights: dict[str, jax.Array], mixed: np.ndarray, experts: 
     `gptq_router_weighted`; importance never uses them.
     """
     gate, up = weights["ffn_gate_exps"], weights["ffn_up_exps"]
-    n_expert = gate.shape[0]
     gptq = params.round == "gptq"
     stats = imp.expert_hidden_stats(gate, up, mixed, experts, with_hessians=gptq,
                                     routing_weights=routing_weights if params.gptq_router_weighted else None)
     mean_sq_x = np.mean(np.square(mixed, dtype=np.float64), axis=0)  # (d,)
-    gate_up = imp.gate_up_importance(mean_sq_x, params.beta_gate_up)  # (d,)
-    gate_up = np.broadcast_to(gate_up, (n_expert, gate_up.shape[0]))  # (E, d)
+    gate_up = imp.expert_gate_up_importance(stats.sum_x_sq, stats.counts, mean_sq_x, params.down_blend_tokens,
+                                            params.beta_gate_up)  # (E, d)
     analytic = imp.analytic_hidden_sq(gate, up, mean_sq_x)  # (E, f)
     down = imp.down_importance(stats.sum_h_sq, stats.counts, analytic, params.down_blend_tokens,
                                params.beta_down)  # (E, f)
@@ -257,8 +260,12 @@ def load_quantized(path: Path, layer: int) -> dict[str, np.ndarray]:
         return {key: data[key] for key in data.files}
 
 
-def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size: int) -> None:
+def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size: int, cal_tokens: int = 0) -> None:
     """The calibration statistics as a llama.cpp importance matrix (sum of x^2 per input column).
+
+    `cal_tokens` > 0 sums only the dump's first rows, the prefix a variant's
+    own `cal_tokens` quantizes from, so llama.cpp can be given the same
+    statistics at any calibration length.
 
     Per expert for `*_exps` tensors: gate/up see the MoE input x of the tokens
     routed to that expert, down sees that expert's hidden activation h. The
@@ -269,27 +276,28 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
     """
     from moeheal.pipeline.imatrix import write_imatrix
 
+    rows = slice(0, cal_tokens or None)
     stats: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     others = (roles.SHARED if source.arch.has_shared_expert else ()) + (roles.ATTENTION if "attn_in" in dump_root.arrays else ())
     for layer in source.moe_layers:
         if others:
             matrices = layer_matrices(source, layer)
-            data = read_layer(dump_root[str(layer)], slice(None), roles.dump_arrays(others))
-            seqs = dump_root.sequences("imatrix") if "attn_in" in data else []
+            data = read_layer(dump_root[str(layer)], rows, roles.dump_arrays(others))
+            seqs = roles.clip_sequences(dump_root.sequences("imatrix"), rows) if "attn_in" in data else []
             for role in others:
                 x = roles.matrix_input(role, matrices, data, seqs, source.hp, source.arch)  # (T, cols)
                 stats[f"blk.{layer}.{role}.weight"] = (np.sum(np.square(x, dtype=np.float64), axis=0).astype(np.float32),
                                                        np.asarray([x.shape[0]], np.float32))
         group = dump_root[str(layer)]
         weights = expert_weights(source, layer)
-        mixed, experts = group["mixed"][:], group["experts"][:]
+        mixed, experts = group["mixed"][rows], group["experts"][rows]
         hidden = imp.expert_hidden_stats(weights["ffn_gate_exps"], weights["ffn_up_exps"], mixed, experts,
                                          with_hessians=False)
         counts = hidden.counts.astype(np.float32)  # (E,)
         for name in ("ffn_gate_exps", "ffn_up_exps"):
             stats[f"blk.{layer}.{name}.weight"] = (hidden.sum_x_sq.astype(np.float32), counts)
         stats[f"blk.{layer}.ffn_down_exps.weight"] = (hidden.sum_h_sq.astype(np.float32), counts)
-    n_tokens = int(dump_root.attrs["total_rows"])
+    n_tokens = min(int(dump_root.attrs["total_rows"]), cal_tokens or int(dump_root.attrs["total_rows"]))
     write_imatrix(out, stats, chunk_count=max(1, n_tokens // chunk_size), datasets=["calibration"],
                   chunk_size=chunk_size)
 
