@@ -290,11 +290,14 @@ class HealRun:
         up = {"dump": self.dump("calibration")} if params.importance else {}  # no statistics: no dump
         if variant.budgeted:
             up["recipe"] = self.allocation(variant)
+        if params.round == quantize.LEARNED and self.cfg.unseen_tokens:  # measured there, never fitted
+            up["unseen"] = self.dump("unseen")
         return self._stage(f"quantize:{variant.name}:{layer}", QUANTIZE, layer_params(params, layer),
                            {"source": self.cfg.source}, up,
                            lambda out: quantize.build_quantize(
                                out, self.cfg.source, up["dump"].path if "dump" in up else None, params, layer,
-                               up["recipe"].path if "recipe" in up else None))
+                               up["recipe"].path if "recipe" in up else None,
+                               up["unseen"].path if "unseen" in up else None, self.log))
 
     def calibrate(self, variant: Variant, layer: int) -> StageResult:
         """The (variant, layer) unit of healing: alpha and ridge on the quantize unit of the same layer."""
@@ -334,6 +337,18 @@ class HealRun:
     def calibrated_table(self, variants: list[Variant], name: str) -> pa.Table:
         """`layer_metrics` or `ridge_cv`: the rows every (variant, layer) unit wrote, in that order."""
         return pa.concat_tables([_read_parts(unit, name) for v in variants for unit in self.calibrated_layers(v)])
+
+    def learned_curve_table(self) -> pa.Table:
+        """`learned_curve`: every learned-rounding unit's curve, each row named by its variant."""
+        parts = []
+        for variant in self.all_quantized_variants():
+            if variant.round != quantize.LEARNED:
+                continue
+            for layer in self.source.moe_layers:
+                part = _read_parts(self.quantize(variant, layer), "learned_curve")
+                parts.append(part.add_column(0, "variant", pa.array([variant.name] * part.num_rows, pa.string())))
+        return pa.concat_tables(parts) if parts else quantize.CURVE_SCHEMA.insert(0, pa.field("variant", pa.string())
+                                                                                    ).empty_table()
 
     def assemble(self, variant: Variant) -> StageResult:
         units = self.calibrated_layers(variant)
@@ -459,6 +474,7 @@ class HealRun:
         quantized = self.all_quantized_variants()
         publication.write_table("layer_metrics", self.calibrated_table(quantized, "layer_metrics"))
         publication.write_table("ridge_cv", self.calibrated_table(quantized, "ridge_cv"))
+        publication.write_table("learned_curve", self.learned_curve_table())
         evaluations = [self.evaluate_variant(v) for v in self.evaluated_variants()]
         publication.write_table("variants", self.variants_table())
         if self.budget_variants():
