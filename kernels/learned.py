@@ -71,7 +71,8 @@ Params = dict[str, jax.Array]
 def ste(continuous: jax.Array, rounded: jax.Array) -> jax.Array:
     """``rounded`` in the forward pass (bit for bit: ``c - stop_gradient(c)`` is exactly 0), the identity's
     gradient into ``continuous`` in the backward pass: the straight-through estimator."""
-    return rounded + (continuous - jax.lax.stop_gradient(continuous))
+    # the rounding itself passes no gradient (an fp16 cast would pass one, in fp16: it overflows)
+    return jax.lax.stop_gradient(rounded) + (continuous - jax.lax.stop_gradient(continuous))
 
 
 def round_code(c: jax.Array, lo: float, hi: float) -> jax.Array:
@@ -112,8 +113,9 @@ class Relaxation:
         """Each parameter's bound: it stays in [-bound, bound]."""
         raise NotImplementedError
 
-    def scales(self) -> tuple[str, ...]:
-        """The parameters that multiply stored fp16 scales (the others offset codes)."""
+    def groups(self) -> dict[str, str]:
+        """Each parameter's group, which sets its step: "fp16" (multiplies a stored fp16 scale), "sub"
+        (offsets a sub-block's scale or min code) or "weight" (offsets a weight's code or magnitude)."""
         raise NotImplementedError
 
 
@@ -139,8 +141,9 @@ class AffineRelaxation(Relaxation):
         return {f"p{i}": SCALE_RANGE if r == "fp16" else CODE_RANGE for i, r in enumerate(self.ranges())
                 if r is not None}
 
-    def scales(self):
-        return tuple(f"p{i}" for i, r in enumerate(self.ranges()) if r == "fp16")
+    def groups(self):
+        names = ("fp16", "fp16", "sub", "sub", "weight") if issubclass(self.cls, KQuant) else ("fp16", "weight")
+        return {f"p{i}": names[i] for i, r in enumerate(self.ranges()) if r is not None}
 
     def _relaxed(self, theta, const, hard: bool) -> tuple[jax.Array, ...]:
         out = []
@@ -181,8 +184,8 @@ class GridRelaxation(Relaxation):
     def bounds(self):
         return {"d": SCALE_RANGE, "idx": CODE_RANGE}
 
-    def scales(self):
-        return ("d",)
+    def groups(self):
+        return {"d": "fp16", "idx": "weight"}
 
     def _index(self, theta, const) -> tuple[jax.Array, jax.Array]:
         position = const["p1"].astype(jnp.float32) + theta["idx"]  # (n, B)
@@ -228,8 +231,8 @@ class CodebookRelaxation(Relaxation):
     def bounds(self):
         return {"d": SCALE_RANGE, "l": CODE_RANGE, "mag": CODE_RANGE}
 
-    def scales(self):
-        return ("d",)
+    def groups(self):
+        return {"d": "fp16", "l": "sub", "mag": "weight"}
 
     def _choice(self, theta, const) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Scale codes (n, J) (continuous, rounded), grid points (n, G) and magnitude targets (n, G, g)."""
@@ -294,13 +297,15 @@ class LearnedTensor:
 
 @dataclass(frozen=True)
 class Settings:
-    """The optimisation: steps of ``batch_tokens`` tokens each, signed gradient descent with step ``lr``
-    (decaying linearly to 0), the held-out loss measured every ``eval_every`` steps."""
+    """The optimisation: steps of ``batch_tokens`` tokens each; the step of a weight's code offset
+    ``lr``, of a sub-block scale code's ``sub_lr``, of an fp16 scale's multiplier ``scale_lr``, each
+    decaying linearly to 0; the held-out loss measured every ``eval_every`` steps."""
 
     steps: int
     batch_tokens: int
     lr: float
     eval_every: int
+    sub_lr: float = 0.0
     scale_lr: float = 0.0
     optimizer: str = "sign"  # "sign" (AutoRound's signed gradient) or "adam"
     seed: int = 0
@@ -429,7 +434,8 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
     shapes = {name: t.shape for name, t in tensors.items()}
     theta0 = {name: relax[name].init(consts[name]) for name in tensors}
     bounds = {name: relax[name].bounds() for name in tensors}
-    rates = {name: {k: settings.scale_lr if k in relax[name].scales() else 1.0 for k in bounds[name]} for name in tensors}
+    group_lr = {"weight": settings.lr, "sub": settings.sub_lr, "fp16": settings.scale_lr}
+    rates = {name: {k: group_lr[g] for k, g in relax[name].groups().items()} for name in tensors}
     fixed_dev = {k: jnp.asarray(v, jnp.float32) for k, v in fixed.items()}
     n_expert = tensors["ffn_gate_exps"].shape[0]
     batch = settings.batch_tokens
@@ -451,12 +457,13 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
     norm = {name: max(s.energy(), 1e-30) for name, s in sets.items()}
     train_norm = max(train.energy() / len(train) * batch, 1e-30)  # a batch's expected energy
 
-    def weights(theta):
-        return _weights(theta, consts, shapes, relax, fixed_dev)
+    # the stored parts travel as arguments: closed over, XLA would fold them into the program as constants
+    def weights(theta, consts, fixed):
+        return _weights(theta, consts, shapes, relax, fixed)
 
     @jax.jit
-    def step(theta, moments, b, lr, t):
-        loss, grad = jax.value_and_grad(lambda th: layer_error(weights(th), b))(theta)
+    def step(theta, moments, consts, fixed, b, lr, t):
+        loss, grad = jax.value_and_grad(lambda th: layer_error(weights(th, consts, fixed), b))(theta)
         if settings.optimizer == "adam":
             m = jax.tree.map(lambda m0, g: ADAM_B1 * m0 + (1 - ADAM_B1) * g, moments[0], grad)
             v = jax.tree.map(lambda v0, g: ADAM_B2 * v0 + (1 - ADAM_B2) * g * g, moments[1], grad)
@@ -470,12 +477,12 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
         return theta, moments, loss
 
     @jax.jit
-    def set_error(theta, stacked):
-        w = weights(theta)
+    def set_error(theta, consts, fixed, stacked):
+        w = weights(theta, consts, fixed)
         return jax.lax.map(lambda b: layer_error(w, b), stacked).sum()
 
     def measure(theta, names) -> dict[str, float]:
-        return {name: float(set_error(theta, eval_batches[name])) / norm[name] for name in names}
+        return {name: float(set_error(theta, consts, fixed_dev, eval_batches[name])) / norm[name] for name in names}
 
     rows: list[dict[str, Any]] = []
     first = measure(theta0, sets)
@@ -484,9 +491,9 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
     zeros = jax.tree.map(jnp.zeros_like, theta0)
     moments = (zeros, zeros) if settings.optimizer == "adam" else ()
     for i in range(settings.steps):
-        lr = settings.lr * (1.0 - i / settings.steps)
+        decay = 1.0 - i / settings.steps
         b = {k: v[0] for k, v in _pack_batches(train, [order[i]], n_expert, capacity, batch).items()}
-        theta, moments, loss = step(theta, moments, b, jnp.float32(lr), jnp.float32(i + 1))
+        theta, moments, loss = step(theta, moments, consts, fixed_dev, b, jnp.float32(decay), jnp.float32(i + 1))
         rows.append({"step": i + 1, "split": "train", "loss": float(loss) / train_norm})
         if (i + 1) % settings.eval_every == 0 or i + 1 == settings.steps:
             now = measure(theta, sets if measure_extra else ["heldout"])

@@ -21,9 +21,9 @@ ROUNDINGS = ("ls", "gptq")
 # `round = "learned"`: GPTQ's codes and scales (least squares' where a format has no GPTQ) tuned on the
 # MoE layer's output (kernels/learned.py); a budget's sensitivity is still measured with "ls" or "gptq".
 LEARNED = "learned"
-# The default `learned_steps`: the held-out error of the demo's layers stops improving at about this many
-# steps of 256 tokens (docs/learned-rounding.md).
-LEARNED_STEPS = 64
+# The default `learned_steps`: on the demo's layers the unseen dump's error stops improving within this
+# many steps of 256 tokens (docs/learned-rounding.md).
+LEARNED_STEPS = 32
 # `budget_roles`: which tensors a `budget_bpw` covers and the allocation chooses formats for: "routed"
 # the routed experts; "all" every tensor of the file, the formats chosen for the routed experts', the
 # shared expert's and attention's (`pipeline.roles`), the rest counted as the source stores it.

@@ -17,6 +17,7 @@ import pytest
 from moeheal import kernels
 from moeheal.kernels import FORMATS
 from moeheal.kernels import learned as L
+from moeheal.kernels.gptq import damp_hessian
 
 
 def _random_theta(relax: L.Relaxation, theta0: L.Params, rng: np.random.Generator) -> L.Params:
@@ -84,3 +85,66 @@ def test_learned_params_carry_gptq_and_steps(tmp_path):
     assert params.round == "learned" and params.learned_steps == 7 and params.gptq_damp == 0.5
     assert QuantizeParams.of(gptq_v).learned_steps is None and "learned_steps" not in gptq_v.knobs()
     assert learned_v.knobs()["learned_steps"] == 7 and learned_v.measured_round == "gptq"
+
+
+# --------------------------------------------------------------------------- a small layer
+
+
+def _small_layer(n_expert: int = 4, d: int = 256, f: int = 256, k: int = 2, tokens: int = 3072, seed: int = 0):
+    """Float experts, correlated inputs, a random top-k routing with softmax weights, the float output."""
+    from moeheal.pipeline.model import moe_forward
+
+    rng = np.random.default_rng(seed)
+    w = {"ffn_gate_exps": rng.standard_t(4, (n_expert, f, d)), "ffn_up_exps": rng.standard_t(4, (n_expert, f, d)),
+         "ffn_down_exps": rng.standard_t(4, (n_expert, d, f))}
+    w = {name: (0.05 * v).astype(np.float32) for name, v in w.items()}
+    x = (rng.normal(size=(tokens, d)) @ (rng.normal(size=(d, d)) / np.sqrt(d)) * 2.0).astype(np.float32)  # (T, d)
+    logits = rng.normal(size=(tokens, n_expert)) * 2.0  # (T, E)
+    experts = np.argsort(-logits, axis=1)[:, :k].astype(np.int32)  # (T, k)
+    top = np.exp(np.take_along_axis(logits, experts, axis=1))
+    weights = (top / top.sum(axis=1, keepdims=True)).astype(np.float32)  # (T, k)
+    yr = np.asarray(moe_forward({"gate_exps": w["ffn_gate_exps"], "up_exps": w["ffn_up_exps"],
+                                 "down_exps": w["ffn_down_exps"]}, x, experts, weights))  # (T, d)
+    return w, L.TokenSet(x, experts, weights, yr, yr)
+
+
+def _held_out_error(tensors: dict[str, L.LearnedTensor], data: L.TokenSet) -> float:
+    """sum ||MoE output - yr||^2 / sum ||yr||^2 with gguf-py's decoding of the bytes, float64."""
+    from moeheal.pipeline.model import moe_forward
+
+    deq = {name: gguf.quants.dequantize(np.asarray(t.raw), kernels.format_of(t.fmt).ggml_type).reshape(t.shape)
+           for name, t in tensors.items()}
+    y = np.asarray(moe_forward({"gate_exps": deq["ffn_gate_exps"], "up_exps": deq["ffn_up_exps"],
+                                "down_exps": deq["ffn_down_exps"]}, data.x, data.experts, data.weights), np.float64)
+    return float(np.sum((y - data.yr) ** 2) / np.sum(np.square(data.yr, dtype=np.float64)))
+
+
+@pytest.mark.parametrize("fmt", ["q2_k", "tq2_0", "iq2_xxs", "q8_0"])
+def test_learning_lowers_the_held_out_moe_output_error_below_gptq(fmt):
+    from moeheal.kernels import importance as imp
+
+    w, data = _small_layer()
+    n = len(data)
+    train, held, test = data.take(np.arange(n // 2)), data.take(np.arange(n // 2, 3 * n // 4)), \
+        data.take(np.arange(3 * n // 4, n))
+    cls = kernels.format_of(fmt)
+    stats = imp.expert_hidden_stats(w["ffn_gate_exps"], w["ffn_up_exps"], train.x, train.experts)
+    mass, _ = imp.hessian_mass(stats, 0.0)
+    hess = {"ffn_gate_exps": stats.sum_xx_t, "ffn_up_exps": stats.sum_xx_t, "ffn_down_exps": stats.sum_hh_t}
+    start = {}
+    for name, v in w.items():
+        h = None
+        if cls.supports_gptq:  # q8_0 has no GPTQ: least squares starts it
+            h = np.stack([np.asarray(damp_hessian(hess[name][e] / max(mass[e], 1), 0.01))
+                          for e in range(v.shape[0])])
+        start[name] = L.LearnedTensor(fmt, v.shape, kernels.quantize_experts(v, fmt, None, h))
+    settings = L.Settings(steps=24, batch_tokens=512, lr=0.02, eval_every=4, sub_lr=0.02, scale_lr=0.002,
+                          optimizer="adam")
+    raw, curve = L.learn_layer(start, {}, train, held, settings, {"test": test})
+    learned = {name: L.LearnedTensor(fmt, t.shape, raw[name]) for name, t in start.items()}
+    before, after = _held_out_error(start, test), _held_out_error(learned, test)
+    chosen = next(r for r in curve if r["split"] == "chosen")
+    assert chosen["step"] > 0 and after < before, (before, after)
+    # the curve's figures are the bytes' (gguf-py's decoding, float64 here)
+    test_rows = {r["step"]: r["loss"] for r in curve if r["split"] == "test"}
+    assert test_rows[0] == pytest.approx(before, rel=1e-4) and test_rows[chosen["step"]] == pytest.approx(after, rel=1e-4)

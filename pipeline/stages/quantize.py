@@ -22,7 +22,7 @@ inconsistencies fixed and both exponents explicit):
   MoE output (the routed experts; the shared expert's matrices where a
   recipe chose their formats) has its codes and scales tuned together on
   the layer's output error over the calibration rows (`kernels.learned`):
-  `learned_steps` signed-gradient steps on batches of LEARNED_BATCH_TOKENS
+  `learned_steps` Adam steps on batches of LEARNED_BATCH_TOKENS
   tokens, the best step by the last 1/LEARNED_HOLDOUT of the rows (held out
   from the steps; step 0, GPTQ's bytes, is a candidate, so the result is
   never worse there). Attention's matrices (a recipe's) stay as GPTQ left
@@ -84,8 +84,10 @@ OUTPUTS = ("layer_<i>.npz", "learned_curve.parquet")
 LEARNED = "learned"
 LEARNED_BATCH_TOKENS = 256  # tokens per step of learned rounding
 LEARNED_HOLDOUT = 8  # the last 1/8 of the calibration rows pick the best step
-LEARNED_LR = 0.02  # signed-gradient step of a code offset (in codes), decaying linearly to 0
-LEARNED_SCALE_LR = 0.1  # an fp16 scale multiplier's step, relative to a code's
+LEARNED_OPTIMIZER = "adam"  # chosen over AutoRound's signed steps by the unseen dump (docs/learned-rounding.md)
+LEARNED_LR = 0.01  # step of a weight's code offset (in codes), decaying linearly to 0
+LEARNED_SUB_LR = 0.01  # step of a sub-block scale (min) code's offset
+LEARNED_SCALE_LR = 0.001  # step of an fp16 scale's multiplier
 LEARNED_EVALS = 8  # held-out measurements per run (the best step is chosen among them and step 0)
 CURVE_SCHEMA = pa.schema([("layer", pa.int64()), ("step", pa.int64()), ("split", pa.string()), ("loss", pa.float64())])
 
@@ -317,7 +319,8 @@ def learn_layer_rounding(arrays: dict[str, np.ndarray], source: GGUFModel, dump_
         extra["unseen"] = token_set(source, layer, read_layer(unseen_root[str(layer)], slice(None)), bool(shared_roles))
     steps = params.learned_steps
     settings = learned.Settings(steps=steps, batch_tokens=LEARNED_BATCH_TOKENS, lr=LEARNED_LR,
-                                eval_every=max(1, steps // LEARNED_EVALS), scale_lr=LEARNED_SCALE_LR)
+                                eval_every=max(1, steps // LEARNED_EVALS), sub_lr=LEARNED_SUB_LR,
+                                scale_lr=LEARNED_SCALE_LR, optimizer=LEARNED_OPTIMIZER)
     raw, curve = learned.learn_layer(tensors, fixed, cal.take(np.arange(cut)), cal.take(np.arange(cut, n)), settings,
                                      extra, lambda line: log(f"quantize layer {layer}: {line}"))
     for name, value in raw.items():
