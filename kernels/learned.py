@@ -37,11 +37,13 @@ writes; the backward pass goes straight through the rounding (the
 straight-through estimator). A level index moves along the piecewise linear
 interpolation of the levels, so a non-uniform grid (iq4_nl) gets its local slope.
 
-Optimiser: AutoRound's signed gradient descent, every parameter moved by
-lr * sign(gradient), lr decaying linearly to 0 (``learn_layer``). The best
-parameters by a held-out part of the calibration tokens are kept, the
-starting point (step 0) among them, so the result is never worse than its
-initialisation on held-out tokens.
+Optimiser: Adam on every parameter, each group (fp16 scales, sub-block codes,
+weight codes) with its own step, decaying linearly to 0 (``Settings``);
+AutoRound's signed gradient descent (every parameter moved by its step times
+the sign of its gradient) is the other choice. The best parameters by a
+held-out part of the calibration tokens are kept, the starting point (step 0)
+among them, so the result is never worse than its initialisation on held-out
+tokens.
 
 Every function here is a pure function of arrays: no files, no config.
 """
@@ -49,7 +51,6 @@ Every function here is a pure function of arrays: no files, no config.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable, ClassVar
 
 import jax
@@ -307,7 +308,7 @@ class Settings:
     eval_every: int
     sub_lr: float = 0.0
     scale_lr: float = 0.0
-    optimizer: str = "sign"  # "sign" (AutoRound's signed gradient) or "adam"
+    optimizer: str = "adam"  # "adam" or "sign" (AutoRound's signed gradient)
     seed: int = 0
 
 

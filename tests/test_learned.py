@@ -90,7 +90,7 @@ def test_learned_params_carry_gptq_and_steps(tmp_path):
 # --------------------------------------------------------------------------- a small layer
 
 
-def _small_layer(n_expert: int = 4, d: int = 256, f: int = 256, k: int = 2, tokens: int = 3072, seed: int = 0):
+def _small_layer(n_expert: int = 4, d: int = 256, f: int = 256, k: int = 2, tokens: int = 2048, seed: int = 0):
     """Float experts, correlated inputs, a random top-k routing with softmax weights, the float output."""
     from moeheal.pipeline.model import moe_forward
 
@@ -138,7 +138,7 @@ def test_learning_lowers_the_held_out_moe_output_error_below_gptq(fmt):
             h = np.stack([np.asarray(damp_hessian(hess[name][e] / max(mass[e], 1), 0.01))
                           for e in range(v.shape[0])])
         start[name] = L.LearnedTensor(fmt, v.shape, kernels.quantize_experts(v, fmt, None, h))
-    settings = L.Settings(steps=24, batch_tokens=512, lr=0.02, eval_every=4, sub_lr=0.02, scale_lr=0.002,
+    settings = L.Settings(steps=24, batch_tokens=256, lr=0.01, eval_every=4, sub_lr=0.01, scale_lr=0.001,
                           optimizer="adam")
     raw, curve = L.learn_layer(start, {}, train, held, settings, {"test": test})
     learned = {name: L.LearnedTensor(fmt, t.shape, raw[name]) for name, t in start.items()}
