@@ -341,14 +341,13 @@ class HealRun:
     def learned_curve_table(self) -> pa.Table:
         """`learned_curve`: every learned-rounding unit's curve, each row named by its variant."""
         parts = []
-        for variant in self.all_quantized_variants():
+        for variant in self.cfg.healed_variants:
             if variant.round != quantize.LEARNED:
                 continue
             for layer in self.source.moe_layers:
                 part = _read_parts(self.quantize(variant, layer), "learned_curve")
                 parts.append(part.add_column(0, "variant", pa.array([variant.name] * part.num_rows, pa.string())))
-        return pa.concat_tables(parts) if parts else quantize.CURVE_SCHEMA.insert(0, pa.field("variant", pa.string())
-                                                                                    ).empty_table()
+        return pa.concat_tables(parts)
 
     def assemble(self, variant: Variant) -> StageResult:
         units = self.calibrated_layers(variant)
@@ -474,7 +473,8 @@ class HealRun:
         quantized = self.all_quantized_variants()
         publication.write_table("layer_metrics", self.calibrated_table(quantized, "layer_metrics"))
         publication.write_table("ridge_cv", self.calibrated_table(quantized, "ridge_cv"))
-        publication.write_table("learned_curve", self.learned_curve_table())
+        if any(v.round == quantize.LEARNED for v in quantized):
+            publication.write_table("learned_curve", self.learned_curve_table())
         evaluations = [self.evaluate_variant(v) for v in self.evaluated_variants()]
         publication.write_table("variants", self.variants_table())
         if self.budget_variants():
