@@ -31,7 +31,11 @@ def test_learned_bytes_decode_to_the_values_the_loss_saw(fmt):
     rng = np.random.default_rng(0)
     cls = kernels.format_of(fmt)
     x = (0.02 * rng.standard_t(4, (4, 512))).astype(np.float32)
-    raw = kernels.quantize(x, fmt)  # (4, bytes)
+    # random blocks: every byte pattern is a valid code of these formats; the fp16 scales set to small values
+    blocks = rng.integers(0, 256, (x.size // cls.block_size, cls.type_size), dtype=np.uint8)  # (n, type_size)
+    for off in cls.scale_offsets:
+        blocks[:, off:off + 2] = rng.uniform(0.001, 0.01, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
+    raw = blocks.reshape(x.shape[0], -1)  # (4, bytes)
     relax = L.relaxation(fmt)
     const = relax.const(jnp.asarray(raw.reshape(-1, cls.type_size)))
     theta0 = relax.init(const)
@@ -119,32 +123,32 @@ def _held_out_error(tensors: dict[str, L.LearnedTensor], data: L.TokenSet) -> fl
     return float(np.sum((y - data.yr) ** 2) / np.sum(np.square(data.yr, dtype=np.float64)))
 
 
-@pytest.mark.parametrize("fmt", ["q2_k", "tq2_0", "iq2_xxs", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q2_k", "tq2_0", "iq2_xxs"])  # one per relaxation family
 def test_learning_lowers_the_held_out_moe_output_error_below_gptq(fmt):
+    """GPTQ's bytes (per-expert Hessians of the training rows), then learning on the layer's output:
+    the rows held out from the steps score the written bytes (gguf-py's decoding, float64) below
+    GPTQ's. A third split, only measured, shows the curve's figures are the bytes' own."""
     from moeheal.kernels import importance as imp
 
     w, data = _small_layer()
     n = len(data)
     train, held, test = data.take(np.arange(n // 2)), data.take(np.arange(n // 2, 3 * n // 4)), \
         data.take(np.arange(3 * n // 4, n))
-    cls = kernels.format_of(fmt)
     stats = imp.expert_hidden_stats(w["ffn_gate_exps"], w["ffn_up_exps"], train.x, train.experts)
     mass, _ = imp.hessian_mass(stats, 0.0)
     hess = {"ffn_gate_exps": stats.sum_xx_t, "ffn_up_exps": stats.sum_xx_t, "ffn_down_exps": stats.sum_hh_t}
     start = {}
     for name, v in w.items():
-        h = None
-        if cls.supports_gptq:  # q8_0 has no GPTQ: least squares starts it
-            h = np.stack([np.asarray(damp_hessian(hess[name][e] / max(mass[e], 1), 0.01))
-                          for e in range(v.shape[0])])
+        h = np.stack([np.asarray(damp_hessian(hess[name][e] / max(mass[e], 1), 0.01)) for e in range(v.shape[0])])
         start[name] = L.LearnedTensor(fmt, v.shape, kernels.quantize_experts(v, fmt, None, h))
     settings = L.Settings(steps=24, batch_tokens=256, lr=0.01, eval_every=4, sub_lr=0.01, scale_lr=0.001,
                           optimizer="adam")
     raw, curve = L.learn_layer(start, {}, train, held, settings, {"test": test})
     learned = {name: L.LearnedTensor(fmt, t.shape, raw[name]) for name, t in start.items()}
-    before, after = _held_out_error(start, test), _held_out_error(learned, test)
     chosen = next(r for r in curve if r["split"] == "chosen")
+    before, after = _held_out_error(start, held), _held_out_error(learned, held)
     assert chosen["step"] > 0 and after < before, (before, after)
-    # the curve's figures are the bytes' (gguf-py's decoding, float64 here)
+    assert chosen["loss"] == pytest.approx(after, rel=1e-4)
     test_rows = {r["step"]: r["loss"] for r in curve if r["split"] == "test"}
-    assert test_rows[0] == pytest.approx(before, rel=1e-4) and test_rows[chosen["step"]] == pytest.approx(after, rel=1e-4)
+    assert test_rows[0] == pytest.approx(_held_out_error(start, test), rel=1e-4)
+    assert test_rows[chosen["step"]] == pytest.approx(_held_out_error(learned, test), rel=1e-4)
