@@ -283,7 +283,7 @@ def quantize_layer(out: Path, source: GGUFModel, dump_root, params: QuantizePara
     if others:
         arrays |= quantize_matrices(source, layer, others, dump_root, params)
     if params.round == LEARNED:
-        del weights
+        del weights, plan  # the float experts and the Hessians: one layer's learning state takes their place
         curve = learn_layer_rounding(arrays, source, dump_root, unseen_root, params, layer, log)
         write_parquet(out / "learned_curve.parquet", pa.Table.from_pylist(curve, schema=CURVE_SCHEMA))
     np.savez(out / f"layer_{layer}.npz", **arrays)
