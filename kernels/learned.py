@@ -355,7 +355,7 @@ def _batch_layout(experts: np.ndarray, weights: np.ndarray, n_expert: int, rows:
     return tok, wt
 
 
-def _capacity(experts: np.ndarray, batch: int, n_expert: int, batches: list[np.ndarray]) -> int:
+def _capacity(experts: np.ndarray, n_expert: int, batches: list[np.ndarray]) -> int:
     """Largest count of one expert's pairs in any batch, rounded up to 8 (one compiled shape)."""
     most = max(int(np.bincount(experts[b].reshape(-1), minlength=n_expert).max()) for b in batches)
     return max(8, -(-most // 8) * 8)
@@ -452,8 +452,8 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
     order = order[:settings.steps]
     sets = {"heldout": heldout, **(extra or {})}
     eval_rows = {name: chunks(len(s)) for name, s in sets.items()}
-    capacity = max([_capacity(s.experts, batch, n_expert, eval_rows[name]) for name, s in sets.items()]
-                   + ([_capacity(train.experts, batch, n_expert, order)] if order else []))
+    capacity = max([_capacity(s.experts, n_expert, eval_rows[name]) for name, s in sets.items()]
+                   + ([_capacity(train.experts, n_expert, order)] if order else []))
     eval_batches = {name: _pack_batches(s, eval_rows[name], n_expert, capacity, batch) for name, s in sets.items()}
     norm = {name: max(s.energy(), 1e-30) for name, s in sets.items()}
     train_norm = max(train.energy() / len(train) * batch, 1e-30)  # a batch's expected energy

@@ -152,3 +152,28 @@ def test_learning_lowers_the_held_out_moe_output_error_below_gptq(fmt):
     test_rows = {r["step"]: r["loss"] for r in curve if r["split"] == "test"}
     assert test_rows[0] == pytest.approx(_held_out_error(start, test), rel=1e-4)
     assert test_rows[chosen["step"]] == pytest.approx(_held_out_error(learned, test), rel=1e-4)
+
+
+def test_the_loss_is_the_layers_output_error_with_the_shared_expert():
+    """layer_error on float weights against the project's routed forward and the shared expert's
+    output: zero at the reference weights, and the summed squared difference elsewhere."""
+    from moeheal.pipeline.model import swiglu
+
+    w, data = _small_layer(tokens=300)
+    rng = np.random.default_rng(1)
+    shared = {"ffn_gate_shexp": rng.normal(size=(128, 256)) * 0.05, "ffn_up_shexp": rng.normal(size=(128, 256)) * 0.05,
+              "ffn_down_shexp": rng.normal(size=(256, 128)) * 0.05}
+    shared = {k: v.astype(np.float32) for k, v in shared.items()}
+    gate = (1 / (1 + np.exp(-data.x[:, 0]))).astype(np.float32)  # (T,) any per-token multiplier
+    hh = np.asarray(swiglu(data.x, shared["ffn_gate_shexp"], shared["ffn_up_shexp"]))  # (T, f_s)
+    target = data.yr + (hh @ shared["ffn_down_shexp"].T) * gate[:, None]  # (T, d)
+    full = L.TokenSet(data.x, data.experts, data.weights, target, data.yr, gate)
+    rows = [np.arange(0, 256), np.arange(256, 300)]
+    cap = L._capacity(full.experts, 4, rows)
+    batches = L._pack_batches(full, rows, 4, cap, 256)
+    weights = {k: jnp.asarray(v) for k, v in {**w, **shared}.items()}
+    exact = sum(float(L.layer_error(weights, {k: v[i] for k, v in batches.items()})) for i in range(2))
+    assert exact < 1e-6 * full.energy()
+    moved = dict(weights, ffn_down_exps=weights["ffn_down_exps"] * 1.1)  # the routed output times 1.1
+    error = sum(float(L.layer_error(moved, {k: v[i] for k, v in batches.items()})) for i in range(2))
+    assert error == pytest.approx(0.01 * full.energy(), rel=1e-3)
