@@ -71,7 +71,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # forward where its inputs did not change: HealRun.publish).
 AUDIT_TABLES = ("overlap", "docs", "cal_trace", "windows")
 DUMP_TABLES = AUDIT_TABLES + ("routing",)
-CALIBRATE_TABLES = DUMP_TABLES + ("sensitivity", "layer_metrics", "ridge_cv", "variants", "recipe", "sizes")
+CALIBRATE_TABLES = DUMP_TABLES + ("sensitivity", "learned_curve", "layer_metrics", "ridge_cv", "variants", "recipe", "sizes")
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -95,7 +95,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     for variant in run.all_quantized_variants():  # one unit per layer: `quantize:<variant>:<layer>`
         for layer in run.source.moe_layers:
             print(f"{variant.name}:{layer}: {run.quantize(variant, layer).path}")
-    run.publish(only=DUMP_TABLES + ("sensitivity",))
+    run.publish(only=DUMP_TABLES + ("sensitivity", "learned_curve"))
     return 0
 
 

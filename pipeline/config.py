@@ -18,6 +18,12 @@ from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.stages.dump import DUMP_DTYPES
 
 ROUNDINGS = ("ls", "gptq")
+# `round = "learned"`: GPTQ's codes and scales (least squares' where a format has no GPTQ) tuned on the
+# MoE layer's output (kernels/learned.py); a budget's sensitivity is still measured with "ls" or "gptq".
+LEARNED = "learned"
+# The default `learned_steps`: on the demo's layers the unseen dump's error stops improving within this
+# many steps of 256 tokens (docs/learned-rounding.md).
+LEARNED_STEPS = 32
 # `budget_roles`: which tensors a `budget_bpw` covers and the allocation chooses formats for: "routed"
 # the routed experts; "all" every tensor of the file, the formats chosen for the routed experts', the
 # shared expert's and attention's (`pipeline.roles`), the rest counted as the source stores it.
@@ -44,6 +50,7 @@ class Variant:
     gptq_damp: float = 1.0
     gptq_shrink: float = 64.0
     gptq_router_weighted: bool = False  # weight each token's share of an expert's H by its routing weight
+    learned_steps: int = LEARNED_STEPS  # round = "learned": signed-gradient steps on the layer's output
     importance: bool = True
     cal_tokens: int = 0  # 0 = the whole calibration dump; else its first cal_tokens rows
     budget_bpw: float | None = None  # set: one format per (layer, role) chosen from `candidates` under this budget
@@ -54,8 +61,14 @@ class Variant:
 
     @property
     def measured_round(self) -> str:
-        """The rounding the sensitivity table measures a budget variant's candidates with."""
-        return self.sensitivity_round or self.round
+        """The rounding the sensitivity table measures a budget variant's candidates with (learned
+        rounding's is its GPTQ start: tuning every candidate of every tensor would cost the most)."""
+        return self.sensitivity_round or ("gptq" if self.round == LEARNED else self.round)
+
+    @property
+    def uses_gptq(self) -> bool:
+        """Whether GPTQ rounds the variant's tensors: round = "gptq", or "learned" (its start)."""
+        return self.round in ("gptq", LEARNED)
 
     @property
     def budgeted(self) -> bool:
@@ -89,6 +102,7 @@ class Variant:
             "round": self.round, "gptq_damp": self.gptq_damp, "gptq_shrink": self.gptq_shrink,
             "gptq_router_weighted": self.gptq_router_weighted,
             "importance": self.importance, "cal_tokens": self.cal_tokens,
+            **({"learned_steps": self.learned_steps} if self.round == LEARNED else {}),
         }
 
 
@@ -152,7 +166,7 @@ _SCHEMA: dict[str, set[str]] = {
     "variant": {"name", "quant", "beta_gate_up", "beta_down", "down_blend_tokens", "alpha",
                 "ridge_rho", "ridge_eta", "shexp_down", "round", "gptq_damp", "gptq_shrink",
                 "gptq_router_weighted", "importance", "cal_tokens", "budget_bpw", "formats", "budget_roles",
-                "sensitivity_round", "gguf"},
+                "sensitivity_round", "gguf", "learned_steps"},
 }
 
 
@@ -220,12 +234,13 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any], peers_ma
         ridge_rho=r.number("ridge_rho", float, 6.0, 0.0),
         ridge_eta=r.number("ridge_eta", float, 0.15, 0.0, 1.0),
         shexp_down=r.choice("shexp_down", tuple(sorted(FORMATS)), "iq4_nl"),
-        round=r.choice("round", ROUNDINGS, "ls"),
+        round=r.choice("round", (*ROUNDINGS, LEARNED), "ls"),
         gptq_damp=r.number("gptq_damp", float, 1.0, 0.0),
         gptq_shrink=r.number("gptq_shrink", float, 64.0, 0.0),
         gptq_router_weighted=r.get("gptq_router_weighted", bool, False),
         importance=r.get("importance", bool, True),
         cal_tokens=r.number("cal_tokens", int, 0, 0, 1 << 26),
+        learned_steps=r.number("learned_steps", int, LEARNED_STEPS, 1, 1 << 20),
     )
     _refuse_knobs_without_effect(r, variant)
     return variant
@@ -280,9 +295,10 @@ def _budget(r: _Reader) -> dict[str, Any]:
 
 # Knobs that only reach the computation under a condition, and that condition.
 _CONDITIONAL_KNOBS = {
-    "gptq_damp": (lambda v: v.round == "gptq", 'is only used with round = "gptq"'),
-    "gptq_shrink": (lambda v: v.round == "gptq", 'is only used with round = "gptq"'),
-    "gptq_router_weighted": (lambda v: v.round == "gptq", 'is only used with round = "gptq"'),
+    "gptq_damp": (lambda v: v.uses_gptq, 'is only used with round = "gptq" or "learned"'),
+    "gptq_shrink": (lambda v: v.uses_gptq, 'is only used with round = "gptq" or "learned"'),
+    "gptq_router_weighted": (lambda v: v.uses_gptq, 'is only used with round = "gptq" or "learned"'),
+    "learned_steps": (lambda v: v.round == LEARNED, 'is only used with round = "learned"'),
     "beta_gate_up": (lambda v: v.importance, "has no effect with importance = false"),
     "beta_down": (lambda v: v.importance, "has no effect with importance = false"),
     "down_blend_tokens": (lambda v: v.importance, "has no effect with importance = false"),
@@ -294,19 +310,21 @@ _CONDITIONAL_KNOBS = {
 
 def _refuse_knobs_without_effect(r: _Reader, variant: Variant) -> None:
     """A knob set in the file that cannot change the output is an error, never silently ignored."""
-    if variant.round == "gptq" and not variant.importance:
-        r.fail("round", '"gptq" needs calibration statistics (H = E[x x^T]), but importance = false')
+    if variant.uses_gptq and not variant.importance:
+        r.fail("round", f'"{variant.round}" needs calibration statistics (H = E[x x^T]), but importance = false')
     for fmt in variant.candidate_formats():
         if variant.round == "gptq" and not FORMATS[fmt].supports_gptq:
             r.fail("round", f'"gptq" is not defined for {fmt} (no per-block scales to fix as columns go)')
-    if variant.round == "gptq" and variant.gptq_damp <= 0:
+    if variant.uses_gptq and variant.gptq_damp <= 0:
         r.fail("gptq_damp", f"{variant.gptq_damp!r} must be > 0: an undamped H can be singular")
     for key, (applies, why) in _CONDITIONAL_KNOBS.items():
         if key in r.table and not applies(variant):
             r.fail(key, why)
     if "sensitivity_round" in r.table and variant.sensitivity_round == variant.round:
         r.fail("sensitivity_round", f'has no effect: the variant\'s round is "{variant.round}" already')
-    if variant.sensitivity_round == "gptq":
+    if variant.round == LEARNED and variant.sensitivity_round == "gptq":
+        r.fail("sensitivity_round", 'has no effect: round = "learned" measures with "gptq", its start, already')
+    if variant.sensitivity_round == "gptq" and variant.round != LEARNED:
         r.fail("sensitivity_round", '"gptq" is only measured with the variant\'s own GPTQ knobs: set round = "gptq"')
 
 

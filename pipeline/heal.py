@@ -297,11 +297,14 @@ class HealRun:
         up = {"dump": self.dump("calibration")} if params.importance else {}  # no statistics: no dump
         if variant.budgeted:
             up["recipe"] = self.allocation(variant)
+        if params.round == quantize.LEARNED and self.cfg.unseen_tokens:  # measured there, never fitted
+            up["unseen"] = self.dump("unseen")
         return self._stage(f"quantize:{variant.name}:{layer}", QUANTIZE, layer_params(params, layer),
                            {"source": self.cfg.source}, up,
                            lambda out: quantize.build_quantize(
                                out, self.cfg.source, up["dump"].path if "dump" in up else None, params, layer,
-                               up["recipe"].path if "recipe" in up else None))
+                               up["recipe"].path if "recipe" in up else None,
+                               up["unseen"].path if "unseen" in up else None, self.log))
 
     def calibrate(self, variant: Variant, layer: int) -> StageResult:
         """The (variant, layer) unit of healing: alpha and ridge on the quantize unit of the same layer."""
@@ -341,6 +344,17 @@ class HealRun:
     def calibrated_table(self, variants: list[Variant], name: str) -> pa.Table:
         """`layer_metrics` or `ridge_cv`: the rows every (variant, layer) unit wrote, in that order."""
         return pa.concat_tables([_read_parts(unit, name) for v in variants for unit in self.calibrated_layers(v)])
+
+    def learned_curve_table(self) -> pa.Table:
+        """`learned_curve`: every learned-rounding unit's curve, each row named by its variant."""
+        parts = []
+        for variant in self.cfg.healed_variants:
+            if variant.round != quantize.LEARNED:
+                continue
+            for layer in self.source.moe_layers:
+                part = _read_parts(self.quantize(variant, layer), "learned_curve")
+                parts.append(part.add_column(0, "variant", pa.array([variant.name] * part.num_rows, pa.string())))
+        return pa.concat_tables(parts)
 
     def assemble(self, variant: Variant) -> StageResult:
         units = self.calibrated_layers(variant)
@@ -497,6 +511,10 @@ class HealRun:
         if self.budget_variants():
             declared["sensitivity"] = (lambda: [self.sensitivity(v) for v in self.budget_variants()],
                                        self.sensitivity_table)
+        learners = [v for v in quantized if v.round == quantize.LEARNED]
+        if learners:
+            declared["learned_curve"] = (lambda: [self.quantize(v, layer) for v in learners
+                                                  for layer in self.source.moe_layers], self.learned_curve_table)
         return declared
 
     def publish(self, with_report: bool = True, only: tuple[str, ...] | None = None) -> Path:

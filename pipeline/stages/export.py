@@ -42,6 +42,7 @@ TABLE_DOCS: dict[str, str] = {
     "window_kld": "Per window: mean KLD and top-1 agreement of its scored tokens.",
     "layer_metrics": "Per layer: relative residual of the routed-expert output before and after healing.",
     "ridge_cv": "Per layer and rho: cross-validated gain of the shared-expert ridge correction.",
+    "learned_curve": "Per learned-rounding unit and step: the MoE layer's relative output error (round = \"learned\").",
     "comparisons": "Paired comparisons of pooled KLD and top-1, with window-bootstrap 95% CIs.",
     "hitrate": "Expert-cache simulation per prompt: hit rates with cache-aware routing and references.",
     "sensitivity": "Per layer, routed-expert tensor and candidate format: bytes and the routed-output error it "
@@ -145,6 +146,14 @@ COLUMN_DOCS: dict[str, dict[str, str]] = {
         "resid_oracle": "relative residual with alpha_oracle",
         "resid_ridge": "relative residual with the fitted alpha and the requantized ridge-corrected "
                        "shared-expert down projection",
+    },
+    "learned_curve": {
+        "variant": _VARIANT,
+        "layer": _LAYER,
+        "step": "optimiser step (0 = GPTQ's bytes, the start)",
+        "split": "train (that step's batch), heldout (the calibration rows held out to pick the step), unseen "
+                 "(the unseen trace, at step 0 and at the chosen step) or chosen (the kept step's held-out loss)",
+        "loss": "relative error ||MoE output - reference||^2 / ||yr||^2 over the split's tokens",
     },
     "ridge_cv": {
         "variant": _VARIANT,

@@ -21,6 +21,22 @@ inconsistencies fixed and both exponents explicit):
   With `gptq_router_weighted`, each token's x x^T (and h h^T) counts with its
   routing weight for e, H_e is the weighted mean, and the shrink pseudo-count
   is in tokens of the layer's mean routing weight (`importance.hessian_mass`).
+- round = "learned": GPTQ as above (least squares where a format has no
+  GPTQ), then every quantized tensor of the layer whose effect reaches the
+  MoE output (the routed experts; the shared expert's matrices where a
+  recipe chose their formats) has its codes and scales tuned together on
+  the layer's output error over the calibration rows (`kernels.learned`):
+  `learned_steps` Adam steps on batches of LEARNED_BATCH_TOKENS
+  tokens, the best step by the last 1/LEARNED_HOLDOUT of the rows (held out
+  from the steps; step 0, GPTQ's bytes, is a candidate, so the result is
+  never worse there). Attention's matrices (a recipe's) stay as GPTQ left
+  them: the dump's MoE inputs cannot see them. The inputs are the
+  reference's (the dump), not those of the already quantized layers before:
+  that keeps every (variant, layer) unit independent of the others (a
+  quantized-input dump would be one more dump per variant, rebuilt whenever
+  an earlier layer changes, and the layers could no longer be built apart).
+  The unit also writes `learned_curve.parquet` (step, split, loss), with the
+  unseen dump's error at step 0 and at the chosen step when there is one.
 
 The shared expert's and attention's matrices (`pipeline.roles`) take the same
 tempered importance of their own inputs, E[x_j^2]^beta (beta_down for the
@@ -50,21 +66,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
+import pyarrow as pa
 
 from moeheal import kernels
 from moeheal.kernels import importance as imp
+from moeheal.kernels import learned
 from moeheal.kernels.gptq import damp_hessian
 from moeheal.pipeline import roles
-from moeheal.pipeline.files import read_part
+from moeheal.pipeline.files import read_part, write_parquet
 from moeheal.pipeline.gguf_model import GGUFModel, open_model
 from moeheal.pipeline.stages.dump import open_dump, read_layer
 
 EXPERT_TENSORS = roles.ROUTED
-OUTPUTS = ("layer_<i>.npz",)  # the unit's layer: each quantized tensor's block bytes, its shape and the importance used
+# the unit's layer: each quantized tensor's block bytes, its shape and the importance used; with learned
+# rounding, its learning curve
+OUTPUTS = ("layer_<i>.npz", "learned_curve.parquet")
+LEARNED = "learned"
+LEARNED_BATCH_TOKENS = 256  # tokens per step of learned rounding
+LEARNED_HOLDOUT = 8  # the last 1/8 of the calibration rows pick the best step
+LEARNED_OPTIMIZER = "adam"  # chosen over AutoRound's signed steps by the unseen dump (docs/learned-rounding.md)
+LEARNED_LR = 0.01  # step of a weight's code offset (in codes), decaying linearly to 0
+LEARNED_SUB_LR = 0.01  # step of a sub-block scale (min) code's offset
+LEARNED_SCALE_LR = 0.001  # step of an fp16 scale's multiplier
+LEARNED_EVALS = 8  # held-out measurements per run (the best step is chosen among them and step 0)
+CURVE_SCHEMA = pa.schema([("layer", pa.int64()), ("step", pa.int64()), ("split", pa.string()), ("loss", pa.float64())])
 
 
 @dataclass(frozen=True)
@@ -89,6 +118,12 @@ class QuantizeParams:
     gptq_shrink: float | None = None
     gptq_router_weighted: bool | None = None
     budget: dict[str, Any] | None = None  # {"budget_bpw", "formats", "budget_roles"} of a budget variant
+    learned_steps: int | None = None  # round = "learned" only
+
+    @property
+    def uses_gptq(self) -> bool:
+        """GPTQ rounds the tensors (it is learned rounding's start)."""
+        return self.round in ("gptq", LEARNED)
 
     @classmethod
     def of(cls, variant) -> "QuantizeParams":
@@ -107,12 +142,13 @@ class QuantizeParams:
         base = cls(quant=quant, round=variant.round, importance=variant.importance, budget=budget)
         if not variant.importance:
             return base
-        gptq = variant.round == "gptq"
+        gptq = variant.round in ("gptq", LEARNED)
         return cls(quant=quant, round=variant.round, importance=True,
                    beta_gate_up=variant.beta_gate_up, beta_down=variant.beta_down,
                    down_blend_tokens=variant.down_blend_tokens, cal_tokens=variant.cal_tokens,
                    gptq_damp=variant.gptq_damp if gptq else None, gptq_shrink=variant.gptq_shrink if gptq else None,
-                   gptq_router_weighted=variant.gptq_router_weighted if gptq else None, budget=budget)
+                   gptq_router_weighted=variant.gptq_router_weighted if gptq else None, budget=budget,
+                   learned_steps=variant.learned_steps if variant.round == LEARNED else None)
 
 
 def expert_weights(model: GGUFModel, layer: int) -> dict[str, jax.Array]:
@@ -130,7 +166,7 @@ def layer_importance(weights: dict[str, jax.Array], mixed: np.ndarray, experts: 
     `gptq_router_weighted`; importance never uses them.
     """
     gate, up = weights["ffn_gate_exps"], weights["ffn_up_exps"]
-    gptq = params.round == "gptq"
+    gptq = params.uses_gptq
     stats = imp.expert_hidden_stats(gate, up, mixed, experts, with_hessians=gptq,
                                     routing_weights=routing_weights if params.gptq_router_weighted else None)
     mean_sq_x = np.mean(np.square(mixed, dtype=np.float64), axis=0)  # (d,)
@@ -175,7 +211,7 @@ def matrix_plan(role: str, matrices: dict[str, np.ndarray], data: dict[str, np.n
         return None, None
     x = roles.matrix_input(role, matrices, data, sequences, hp, arch)  # (N, cols)
     importance = roles.matrix_importance(role, x, params.beta_gate_up, params.beta_down)  # (cols,)
-    if params.round != "gptq":
+    if not params.uses_gptq:
         return importance, None
     x64 = x.astype(np.float64)
     hessian = (x64.T @ x64 / max(1, x.shape[0])).astype(np.float32)  # (cols, cols) E[x x^T]
@@ -204,6 +240,7 @@ def quantize_matrices(source: GGUFModel, layer: int, formats: dict[str, str], du
         w = matrices[f"{role}.weight"]  # (rows, cols)
         stored = source.raw(f"blk.{layer}.{role}.weight")
         importance, hessian = matrix_plan(role, matrices, data, seqs, source.hp, source.arch, params)
+        hessian = hessian if kernels.format_of(fmt).supports_gptq else None  # learned: least squares starts it
         if stored.ggml_type.name.lower() == fmt:  # kept as the source stores it: its bytes, exactly
             arrays[role] = np.array(stored.data)  # (rows, bytes)
         else:
@@ -225,11 +262,12 @@ def layer_formats(params: QuantizeParams, layer: int, recipe: dict[tuple[int, st
 
 
 def quantize_layer(out: Path, source: GGUFModel, dump_root, params: QuantizeParams, layer: int,
-                   formats: dict[str, str]) -> None:
+                   formats: dict[str, str], unseen_root=None, log: Callable[[str], None] = print) -> None:
     """Write `out/layer_<layer>.npz`: each quantized tensor's block bytes, format and the importance used.
 
     `formats` maps each tensor role of the layer to quantize (the routed experts, and whichever
-    other roles a recipe chose) to its format.
+    other roles a recipe chose) to its format. With learned rounding, `learned_curve.parquet` too
+    (the unseen dump `unseen_root`, if any, measured at its start and end).
     """
     out.mkdir(parents=True, exist_ok=True)
     weights = expert_weights(source, layer)
@@ -238,6 +276,7 @@ def quantize_layer(out: Path, source: GGUFModel, dump_root, params: QuantizePara
     for name, w in weights.items():
         importance, hessians = plan[name]
         fmt = formats[name]
+        hessians = hessians if kernels.format_of(fmt).supports_gptq else None  # learned: least squares starts it
         arrays[name] = kernels.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
         arrays[f"{name}.shape"] = np.asarray(w.shape)
         arrays[f"{name}.format"] = np.asarray(fmt)
@@ -246,7 +285,50 @@ def quantize_layer(out: Path, source: GGUFModel, dump_root, params: QuantizePara
     others = {role: fmt for role, fmt in formats.items() if role not in EXPERT_TENSORS}
     if others:
         arrays |= quantize_matrices(source, layer, others, dump_root, params)
+    if params.round == LEARNED:
+        del weights, plan  # the float experts and the Hessians: one layer's learning state takes their place
+        curve = learn_layer_rounding(arrays, source, dump_root, unseen_root, params, layer, log)
+        write_parquet(out / "learned_curve.parquet", pa.Table.from_pylist(curve, schema=CURVE_SCHEMA))
     np.savez(out / f"layer_{layer}.npz", **arrays)
+
+
+def token_set(source: GGUFModel, layer: int, data: dict[str, np.ndarray], shared: bool) -> learned.TokenSet:
+    """Dumped rows as learned rounding's tokens: the target is the reference's routed output, plus,
+    when the shared expert is in the loss, its output from the source's matrices (gate(x) hh Wd^T)."""
+    if not shared:
+        return learned.TokenSet(data["mixed"], data["experts"], data["weights"], data["yr"], data["yr"])
+    gate_params = {name: source.tensor(f"blk.{layer}.{name}") for name in source.arch.shared_gate_tensors}
+    gate = np.asarray(source.arch.shared_expert_gate(gate_params, data["mixed"]), np.float32)  # (T,)
+    w_down = source.tensor(f"blk.{layer}.ffn_down_shexp.weight")  # (d, f_s)
+    target = data["yr"] + (data["hh"] @ w_down.T) * gate[:, None]  # (T, d)
+    return learned.TokenSet(data["mixed"], data["experts"], data["weights"], target, data["yr"], gate)
+
+
+def learn_layer_rounding(arrays: dict[str, np.ndarray], source: GGUFModel, dump_root, unseen_root,
+                         params: QuantizeParams, layer: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Replace, in `arrays`, the bytes of every tensor whose effect reaches the MoE output by their
+    learned rounding (`kernels.learned.learn_layer`); return the curve's rows."""
+    shared_roles = [r for r in roles.SHARED if r in arrays] if source.arch.has_shared_expert else []
+    names = [*EXPERT_TENSORS, *shared_roles]
+    tensors = {name: learned.LearnedTensor(str(arrays[f"{name}.format"]), tuple(int(n) for n in arrays[f"{name}.shape"]),
+                                           arrays[name]) for name in names}
+    fixed = {r: source.tensor(f"blk.{layer}.{r}.weight") for r in roles.SHARED if shared_roles and r not in arrays}
+    rows = read_layer(dump_root[str(layer)], slice(0, params.cal_tokens or None))
+    n = len(rows["mixed"])
+    cut = n - max(1, n // LEARNED_HOLDOUT)
+    cal = token_set(source, layer, rows, bool(shared_roles))
+    extra = {}
+    if unseen_root is not None:
+        extra["unseen"] = token_set(source, layer, read_layer(unseen_root[str(layer)], slice(None)), bool(shared_roles))
+    steps = params.learned_steps
+    settings = learned.Settings(steps=steps, batch_tokens=LEARNED_BATCH_TOKENS, lr=LEARNED_LR,
+                                eval_every=max(1, steps // LEARNED_EVALS), sub_lr=LEARNED_SUB_LR,
+                                scale_lr=LEARNED_SCALE_LR, optimizer=LEARNED_OPTIMIZER)
+    raw, curve = learned.learn_layer(tensors, fixed, cal.take(np.arange(cut)), cal.take(np.arange(cut, n)), settings,
+                                     extra, lambda line: log(f"quantize layer {layer}: {line}"))
+    for name, value in raw.items():
+        arrays[name] = value
+    return [{"layer": layer, **row} for row in curve]
 
 
 def read_recipe(allocation: Path) -> dict[tuple[int, str], str]:
@@ -303,11 +385,12 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
 
 
 def build_quantize(out: Path, source: Path, dump: Path | None, params: QuantizeParams, layer: int,
-                   recipe: Path | None = None) -> None:
+                   recipe: Path | None = None, unseen: Path | None = None,
+                   log: Callable[[str], None] = print) -> None:
     """One unit of the quantize stage: layer `layer` of the source's routed experts, with the
     calibration dump's statistics if any, in the formats of the allocation stage's output `recipe`
-    when given."""
+    when given (learned rounding also measures itself on the `unseen` dump, if given)."""
     model = open_model(source)
     formats = layer_formats(params, layer, read_recipe(recipe) if recipe is not None else None)
     quantize_layer(out, model, open_dump(dump, model.hp, model.moe_layers) if dump is not None else None, params,
-                   layer, formats)
+                   layer, formats, open_dump(unseen, model.hp, model.moe_layers) if unseen is not None else None, log)

@@ -1,0 +1,515 @@
+"""Learned rounding: tune a quantized MoE layer's codes and scales on the layer's output.
+
+GPTQ minimises each matrix's own output error, one column at a time; what the
+model feels is the MoE layer's output, every routed expert's output weighted by
+its routing weight and summed (plus the shared expert's). Here the codes and
+scales that GPTQ chose are the starting point of a gradient descent on that
+output, as AutoRound (Cheng et al., 2023) does on a transformer block's:
+
+    loss = sum_t || sum_k w_tk E_{e_tk}^q(x_t) + S^q(x_t) - y_t ||^2 / sum_t || yr_t ||^2
+
+with x_t the dumped MoE input, (e_tk, w_tk) the routing the dump recorded, y_t
+its reference routed output yr_t (plus the shared expert's reference output
+where the shared expert's matrices are quantized too), so it reads as the
+relative error of the layer's output.
+
+Each tensor's blocks are split into their parts (``BlockFormat.unpack``), and
+each part is made continuous (``Relaxation``, one per format family):
+
+- every stored fp16 scale (``fp16_parts``: d, dmin) is the stored value times
+  (1 + m), m learned in [-SCALE_RANGE, SCALE_RANGE], rounded to fp16;
+- every integer code (k-quant and q8_0 weight codes, the k-quants' 4/6-bit
+  sub-block scale and min codes, the i-quants' 4-bit sub-block scale codes,
+  the grid formats' level indices) is the stored code plus a learned offset
+  V in [-CODE_RANGE, CODE_RANGE], rounded to the nearest integer in the
+  format's range;
+- an i-quant's grid point per 8 (iq3_xxs: 4) weights: each weight's magnitude
+  target is the stored point's value plus a learned offset (V grid steps),
+  and the group takes the grid point nearest to its target among the
+  ``NEIGHBOURS`` grid points nearest to the stored one (the straight-through
+  re-assignment); the signs stay as stored (a sign flip would move the
+  parity bit of another weight).
+
+The forward pass uses the rounded parts, decoded with the same float32
+products as gguf-py (``dequantize_parts``, or the family's own formula where
+the parts are indices), so the loss is the loss of the bytes that ``harden``
+writes; the backward pass goes straight through the rounding (the
+straight-through estimator). A level index moves along the piecewise linear
+interpolation of the levels, so a non-uniform grid (iq4_nl) gets its local slope.
+
+Optimiser: Adam on every parameter, each group (fp16 scales, sub-block codes,
+weight codes) with its own step, decaying linearly to 0 (``Settings``);
+AutoRound's signed gradient descent (every parameter moved by its step times
+the sign of its gradient) is the other choice. The best parameters by a
+held-out part of the calibration tokens are kept, the starting point (step 0)
+among them, so the result is never worse than its initialisation on held-out
+tokens.
+
+Every function here is a pure function of arrays: no files, no config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moeheal.kernels.formats import FORMATS, BlockFormat, GridFormat, Q8_0, fp16_round, format_of
+from moeheal.kernels.iquants import HIGHEST, IQuant, gguf_grid
+from moeheal.kernels.kquants import QK_K, KQuant
+
+SCALE_RANGE = 0.5  # an fp16 scale moves within (1 +- 0.5) times its stored value
+CODE_RANGE = 1.0  # a code moves at most one step from the stored one
+ADAM_B1, ADAM_B2, ADAM_EPS = 0.9, 0.999, 1e-12
+NEIGHBOURS = 8  # an i-quant group chooses among the grid points nearest to its stored point (itself included)
+
+Params = dict[str, jax.Array]
+
+
+def ste(continuous: jax.Array, rounded: jax.Array) -> jax.Array:
+    """``rounded`` in the forward pass (bit for bit: ``c - stop_gradient(c)`` is exactly 0), the identity's
+    gradient into ``continuous`` in the backward pass: the straight-through estimator."""
+    # the rounding itself passes no gradient (an fp16 cast would pass one, in fp16: it overflows)
+    return jax.lax.stop_gradient(rounded) + (continuous - jax.lax.stop_gradient(continuous))
+
+
+def round_code(c: jax.Array, lo: float, hi: float) -> jax.Array:
+    """Nearest integer in [lo, hi], as float32."""
+    return jnp.clip(jnp.round(c), lo, hi)
+
+
+def fp16_scale(stored: jax.Array, m: jax.Array) -> jax.Array:
+    """stored * (1 + m), rounded to fp16 in the forward pass; the product's gradient in the backward."""
+    c = stored * (1.0 + m)  # (n, 1)
+    return ste(c, fp16_round(c))
+
+
+class Relaxation:
+    """A format family's continuous parameters: ``init`` (all zero: the stored parts), ``values`` (the
+    decoded weights of the rounded parts, with straight-through gradients) and ``parts`` (the rounded
+    parts, for ``pack``). ``const`` holds the stored parts and whatever the family precomputes."""
+
+    family: ClassVar[type[BlockFormat]]
+
+    def __init__(self, cls: type[BlockFormat]):
+        self.cls = cls
+
+    def const(self, blocks: jax.Array) -> dict[str, jax.Array]:
+        """The stored parts of (n, type_size) blocks."""
+        return {f"p{i}": p for i, p in enumerate(self.cls.unpack(blocks))}
+
+    def init(self, const: dict[str, jax.Array]) -> Params:
+        raise NotImplementedError
+
+    def parts(self, theta: Params, const: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
+        raise NotImplementedError
+
+    def values(self, theta: Params, const: dict[str, jax.Array]) -> jax.Array:
+        raise NotImplementedError
+
+    def bounds(self) -> dict[str, float]:
+        """Each parameter's bound: it stays in [-bound, bound]."""
+        raise NotImplementedError
+
+    def groups(self) -> dict[str, str]:
+        """Each parameter's group, which sets its step: "fp16" (multiplies a stored fp16 scale), "sub"
+        (offsets a sub-block's scale or min code) or "weight" (offsets a weight's code or magnitude)."""
+        raise NotImplementedError
+
+
+class AffineRelaxation(Relaxation):
+    """Formats whose values are float products of their parts (k-quants, q8_0): every part continuous.
+
+    ``ranges`` per part: "fp16" (a stored scale), (lo, hi) (an integer code) or None (fixed: a
+    k-quant without mins has dmin = lm = 0).
+    """
+
+    def ranges(self) -> tuple[Any, ...]:
+        cls = self.cls
+        if issubclass(cls, KQuant):
+            s_lo, s_hi = cls.scale_range
+            return ("fp16", "fp16" if cls.has_min else None, (s_lo, s_hi), (0, s_hi) if cls.has_min else None,
+                    cls.code_range)
+        return ("fp16", (-128, 127))  # q8_0
+
+    def init(self, const):
+        return {f"p{i}": jnp.zeros_like(const[f"p{i}"]) for i, r in enumerate(self.ranges()) if r is not None}
+
+    def bounds(self):
+        return {f"p{i}": SCALE_RANGE if r == "fp16" else CODE_RANGE for i, r in enumerate(self.ranges())
+                if r is not None}
+
+    def groups(self):
+        names = ("fp16", "fp16", "sub", "sub", "weight") if issubclass(self.cls, KQuant) else ("fp16", "weight")
+        return {f"p{i}": names[i] for i, r in enumerate(self.ranges()) if r is not None}
+
+    def _relaxed(self, theta, const, hard: bool) -> tuple[jax.Array, ...]:
+        out = []
+        for i, r in enumerate(self.ranges()):
+            p = const[f"p{i}"]
+            if r is None:
+                out.append(p)
+            elif r == "fp16":
+                out.append(fp16_scale(p, theta[f"p{i}"]))
+            else:
+                c = p + theta[f"p{i}"]
+                out.append(ste(c, round_code(c, *r)))
+        return tuple(jax.lax.stop_gradient(v) for v in out) if hard else tuple(out)
+
+    def parts(self, theta, const):
+        return self._relaxed(theta, const, hard=True)
+
+    def values(self, theta, const):
+        return self.cls.dequantize_parts(self._relaxed(theta, const, hard=False))  # (n, B)
+
+
+def _interp_levels(levels: jax.Array, position: jax.Array) -> jax.Array:
+    """The levels (K,) linearly interpolated at continuous indices ``position``: a level index's
+    gradient is the grid's local slope."""
+    k = levels.shape[0]
+    lo = jnp.clip(jnp.floor(position), 0, k - 2)  # (...,)
+    frac = position - lo
+    lo_i = lo.astype(jnp.int32)
+    return levels[lo_i] + frac * (levels[lo_i + 1] - levels[lo_i])
+
+
+class GridRelaxation(Relaxation):
+    """tq2_0, iq4_nl: d = stored d (1 + m), each weight's level index the stored one plus V."""
+
+    def init(self, const):
+        return {"d": jnp.zeros_like(const["p0"]), "idx": jnp.zeros(const["p1"].shape, jnp.float32)}
+
+    def bounds(self):
+        return {"d": SCALE_RANGE, "idx": CODE_RANGE}
+
+    def groups(self):
+        return {"d": "fp16", "idx": "weight"}
+
+    def _index(self, theta, const) -> tuple[jax.Array, jax.Array]:
+        position = const["p1"].astype(jnp.float32) + theta["idx"]  # (n, B)
+        return position, round_code(position, 0, len(self.cls.levels) - 1).astype(jnp.int32)
+
+    def parts(self, theta, const):
+        _, idx = self._index(theta, const)
+        return jax.lax.stop_gradient(fp16_scale(const["p0"], theta["d"])), idx
+
+    def values(self, theta, const):
+        position, idx = self._index(theta, const)
+        levels = self.cls.level_grid()  # (K,)
+        level = ste(_interp_levels(levels, position), levels[idx])  # (n, B)
+        return fp16_scale(const["p0"], theta["d"]) * level  # (n, B): d * grid[idx], as gguf-py
+
+
+def grid_neighbours(grid: np.ndarray, count: int) -> np.ndarray:
+    """(K, count) indices of each grid point's nearest grid points, itself first."""
+    dist = np.sum((grid[:, None, :] - grid[None, :, :]) ** 2, axis=-1)  # (K, K)
+    return np.argsort(dist, axis=1, kind="stable")[:, :count].astype(np.int32)  # (K, count)
+
+
+def grid_step(grid: np.ndarray) -> float:
+    """The grid's typical step between neighbouring magnitudes (the unit of a magnitude offset)."""
+    return float(np.median(np.diff(np.unique(grid))))
+
+
+class CodebookRelaxation(Relaxation):
+    """i-quants: d = stored d (1 + m); the sub-block scale codes l plus V; per weight a magnitude target,
+    the stored grid value plus V grid steps, each group re-assigned to the nearest of its stored point's
+    ``NEIGHBOURS`` grid points (straight-through); signs as stored."""
+
+    def const(self, blocks):
+        d, l, idx, neg = self.cls.unpack(blocks)
+        grid = gguf_grid(self.cls.quant)  # (K, g)
+        nbrs = jnp.asarray(grid_neighbours(grid, min(NEIGHBOURS, grid.shape[0])))[idx]  # (n, G, N)
+        return {"d": d, "l": l, "idx": idx, "neg": neg, "nbrs": nbrs}
+
+    def init(self, const):
+        return {"d": jnp.zeros_like(const["d"]), "l": jnp.zeros_like(const["l"]),
+                "mag": jnp.zeros(const["neg"].shape, jnp.float32)}
+
+    def bounds(self):
+        return {"d": SCALE_RANGE, "l": CODE_RANGE, "mag": CODE_RANGE}
+
+    def groups(self):
+        return {"d": "fp16", "l": "sub", "mag": "weight"}
+
+    def _choice(self, theta, const) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Scale codes (n, J) (continuous, rounded), grid points (n, G) and magnitude targets (n, G, g)."""
+        cls = self.cls
+        n = const["idx"].shape[0]
+        grid = cls.grid()  # (K, g)
+        step = grid_step(gguf_grid(cls.quant))
+        target = grid[const["idx"]] + step * theta["mag"].reshape(n, -1, cls.group)  # (n, G, g)
+        cand = grid[const["nbrs"]]  # (n, G, N, g)
+        dist = jnp.sum((cand - target[:, :, None, :]) ** 2, axis=-1)  # (n, G, N)
+        pick = jnp.argmin(dist, axis=-1)  # (n, G); the stored point first: ties keep it
+        idx = jnp.take_along_axis(const["nbrs"], pick[..., None], axis=-1)[..., 0]  # (n, G)
+        l_c = const["l"] + theta["l"]  # (n, J)
+        return ste(l_c, round_code(l_c, 0, 15)), idx, target
+
+    def parts(self, theta, const):
+        l, idx, _ = self._choice(theta, const)
+        return (jax.lax.stop_gradient(fp16_scale(const["d"], theta["d"])), jax.lax.stop_gradient(l), idx,
+                const["neg"])
+
+    def values(self, theta, const):
+        cls = self.cls
+        l, idx, target = self._choice(theta, const)
+        n = idx.shape[0]
+        db = fp16_scale(const["d"], theta["d"]) * (0.5 + l) * jnp.float32(cls.unit)  # (n, J), gguf-py's order
+        per_weight = jnp.repeat(db, cls.sub_block, axis=1)  # (n, 256)
+        mag = ste(target, cls.grid()[idx]).reshape(n, QK_K)  # (n, 256)
+        values = per_weight * mag  # (n, 256)
+        return jnp.where(const["neg"] & ~jnp.isnan(values), -values, values)  # (n, 256), as dequantize_parts
+
+
+RELAXATIONS: tuple[tuple[type[BlockFormat], type[Relaxation]], ...] = (
+    (KQuant, AffineRelaxation), (Q8_0, AffineRelaxation), (GridFormat, GridRelaxation), (IQuant, CodebookRelaxation))
+
+
+def relaxation(fmt: str) -> Relaxation:
+    """The relaxation of a registered format (every one has a family here)."""
+    cls = format_of(fmt)
+    for family, relax in RELAXATIONS:
+        if issubclass(cls, family):
+            return relax(cls)
+    raise ValueError(f"learned rounding: no relaxation for {fmt}")
+
+
+assert all(any(issubclass(c, f) for f, _ in RELAXATIONS) for c in FORMATS.values()), "a format without a relaxation"
+
+
+# ---------------------------------------------------------------------------
+# A layer: tensors, the MoE output, the optimisation
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LearnedTensor:
+    """One tensor to learn: its format, its weights' shape (experts, rows, cols) or (rows, cols), and
+    the stored bytes it starts from (..., rows, bytes)."""
+
+    fmt: str
+    shape: tuple[int, ...]
+    raw: np.ndarray | jax.Array
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The optimisation: steps of ``batch_tokens`` tokens each; the step of a weight's code offset
+    ``lr``, of a sub-block scale code's ``sub_lr``, of an fp16 scale's multiplier ``scale_lr``, each
+    decaying linearly to 0; the held-out loss measured every ``eval_every`` steps."""
+
+    steps: int
+    batch_tokens: int
+    lr: float
+    eval_every: int
+    sub_lr: float = 0.0
+    scale_lr: float = 0.0
+    optimizer: str = "adam"  # "adam" or "sign" (AutoRound's signed gradient)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TokenSet:
+    """Calibration rows: MoE inputs x (T, d), routing experts/weights (T, k), target (T, d) (the
+    reference output the quantized layer should give), yr (T, d) (the reference routed output, whose
+    energy the error is relative to) and shared_gate (T,) (the shared expert's output multiplier;
+    None when no shared matrix is learned)."""
+
+    x: np.ndarray
+    experts: np.ndarray
+    weights: np.ndarray
+    target: np.ndarray
+    yr: np.ndarray
+    shared_gate: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def take(self, rows: np.ndarray) -> "TokenSet":
+        gate = None if self.shared_gate is None else self.shared_gate[rows]
+        return TokenSet(self.x[rows], self.experts[rows], self.weights[rows], self.target[rows], self.yr[rows], gate)
+
+    def energy(self) -> float:
+        """sum_t ||yr_t||^2."""
+        return float(np.sum(np.square(self.yr, dtype=np.float64)))
+
+
+def _batch_layout(experts: np.ndarray, weights: np.ndarray, n_expert: int, rows: int, capacity: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Per expert the batch rows routed to it and their routing weights, padded to ``capacity`` with row
+    ``rows`` (a zero input) and weight 0: tok, wt (E, capacity)."""
+    tok = np.full((n_expert, capacity), rows, np.int32)  # (E, C)
+    wt = np.zeros((n_expert, capacity), np.float32)  # (E, C)
+    flat_e = experts.reshape(-1)  # (B*k,)
+    order = np.argsort(flat_e, kind="stable")
+    counts = np.bincount(flat_e, minlength=n_expert)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    slot = np.arange(flat_e.size) - np.repeat(starts, counts)  # position of each sorted pair in its expert
+    e_sorted = flat_e[order]
+    tok[e_sorted, slot] = order // experts.shape[1]
+    wt[e_sorted, slot] = weights.reshape(-1)[order]
+    return tok, wt
+
+
+def _capacity(experts: np.ndarray, n_expert: int, batches: list[np.ndarray]) -> int:
+    """Largest count of one expert's pairs in any batch, rounded up to 8 (one compiled shape)."""
+    most = max(int(np.bincount(experts[b].reshape(-1), minlength=n_expert).max()) for b in batches)
+    return max(8, -(-most // 8) * 8)
+
+
+def _pack_batches(data: TokenSet, batches: list[np.ndarray], n_expert: int, capacity: int, batch: int
+                  ) -> dict[str, np.ndarray]:
+    """Stack batches (each <= ``batch`` rows) as (S, ...) arrays, short ones padded with zero rows."""
+    d = data.x.shape[1]
+    out: dict[str, list[np.ndarray]] = {"x": [], "target": [], "tok": [], "wt": [], "gate": []}
+    for rows in batches:
+        pad = batch - rows.size
+        part = data.take(rows)
+        tok, wt = _batch_layout(part.experts, part.weights, n_expert, batch, capacity)
+        out["x"].append(np.concatenate([part.x, np.zeros((pad, d), np.float32)]))
+        out["target"].append(np.concatenate([part.target, np.zeros((pad, d), np.float32)]))
+        out["tok"].append(tok)
+        out["wt"].append(wt)
+        gate = part.shared_gate if part.shared_gate is not None else np.zeros(rows.size, np.float32)
+        out["gate"].append(np.concatenate([gate, np.zeros(pad, np.float32)]))
+    return {k: np.stack(v) for k, v in out.items()}
+
+
+def _silu_glu(x: jax.Array, gate: jax.Array, up: jax.Array, spec: str) -> jax.Array:
+    """silu(x Wg^T) * (x Wu^T) for expert-batched (``spec`` 'ecd,efd->ecf') or plain matrices."""
+    return jax.nn.silu(jnp.einsum(spec, x, gate, precision=HIGHEST)) * jnp.einsum(spec, x, up, precision=HIGHEST)
+
+
+def layer_error(w: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
+    """Summed squared error of the layer's output on one batch: ().
+
+    w: the routed experts gate/up (E, f, d), down (E, d, f) and, when the shared expert is in the
+    loss, its gate/up (f_s, d), down (d, f_s); batch: x (B, d), target (B, d), tok/wt (E, C), gate (B,).
+    Grouped by expert: each expert's rows gathered (padded to C), its output computed for all
+    experts at once and scatter-added to its tokens with their routing weights.
+    """
+    x, tok, wt = batch["x"], batch["tok"], batch["wt"]
+    b, d = x.shape
+    x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])  # (B+1, d): row B is the padding
+    xe = x_pad[tok]  # (E, C, d)
+    h = _silu_glu(xe, w["ffn_gate_exps"], w["ffn_up_exps"], "ecd,efd->ecf")  # (E, C, f)
+    y = jnp.einsum("ecf,edf->ecd", h, w["ffn_down_exps"], precision=HIGHEST) * wt[..., None]  # (E, C, d)
+    out = jnp.zeros((b + 1, d), jnp.float32).at[tok].add(y)[:b]  # (B, d)
+    if "ffn_down_shexp" in w:
+        hs = _silu_glu(x, w["ffn_gate_shexp"], w["ffn_up_shexp"], "bd,fd->bf")  # (B, f_s)
+        out = out + jnp.einsum("bf,df->bd", hs, w["ffn_down_shexp"], precision=HIGHEST) * batch["gate"][:, None]
+    r = out - batch["target"]  # (B, d)
+    return jnp.sum(r * r)
+
+
+def _weights(theta: dict[str, Params], consts: dict[str, Any], shapes: dict[str, tuple[int, ...]],
+             relax: dict[str, Relaxation], fixed: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Every matrix of the loss: the learned ones decoded from their parameters, the others as given."""
+    out = dict(fixed)
+    for name, r in relax.items():
+        out[name] = r.values(theta[name], consts[name]).reshape(shapes[name])  # (..., rows, cols)
+    return out
+
+
+def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray], train: TokenSet,
+                heldout: TokenSet, settings: Settings, extra: dict[str, TokenSet] | None = None,
+                log: Callable[[str], None] | None = None, measure_extra: bool = False
+                ) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    """Learn the rounding of one layer's ``tensors`` on its output error; return their bytes and the curve.
+
+    ``tensors``: the routed experts' (``ROUTED`` names) and any shared expert matrix to learn;
+    ``fixed``: float weights of the shared expert's other matrices (when a shared one is learned).
+    ``train`` feeds the steps, ``heldout`` picks the best step (step 0, the stored bytes, included),
+    ``extra`` sets are only measured: at step 0 and at the chosen step (``measure_extra``: at every
+    held-out measurement too). The curve: one row per step (split
+    "train", that step's batch) and per measurement (split "heldout" and each extra's name), with
+    the relative error sum ||out - target||^2 / sum ||yr||^2 of the set (the batch's for "train").
+    """
+    relax = {name: relaxation(t.fmt) for name, t in tensors.items()}
+    consts = {name: relax[name].const(jnp.asarray(t.raw).reshape(-1, format_of(t.fmt).type_size))
+              for name, t in tensors.items()}
+    shapes = {name: t.shape for name, t in tensors.items()}
+    theta0 = {name: relax[name].init(consts[name]) for name in tensors}
+    bounds = {name: relax[name].bounds() for name in tensors}
+    group_lr = {"weight": settings.lr, "sub": settings.sub_lr, "fp16": settings.scale_lr}
+    rates = {name: {k: group_lr[g] for k, g in relax[name].groups().items()} for name in tensors}
+    fixed_dev = {k: jnp.asarray(v, jnp.float32) for k, v in fixed.items()}
+    n_expert = tensors["ffn_gate_exps"].shape[0]
+    batch = settings.batch_tokens
+    rng = np.random.default_rng(settings.seed)
+
+    def chunks(n: int) -> list[np.ndarray]:
+        return [np.arange(s, min(n, s + batch)) for s in range(0, n, batch)]
+
+    order: list[np.ndarray] = []
+    while len(order) < settings.steps:  # epochs of shuffled full batches
+        perm = rng.permutation(len(train))
+        order += [perm[s:s + batch] for s in range(0, len(perm) - batch + 1, batch)] or [perm]
+    order = order[:settings.steps]
+    sets = {"heldout": heldout, **(extra or {})}
+    eval_rows = {name: chunks(len(s)) for name, s in sets.items()}
+    capacity = max([_capacity(s.experts, n_expert, eval_rows[name]) for name, s in sets.items()]
+                   + ([_capacity(train.experts, n_expert, order)] if order else []))
+    eval_batches = {name: _pack_batches(s, eval_rows[name], n_expert, capacity, batch) for name, s in sets.items()}
+    norm = {name: max(s.energy(), 1e-30) for name, s in sets.items()}
+    train_norm = max(train.energy() / len(train) * batch, 1e-30)  # a batch's expected energy
+
+    # the stored parts travel as arguments: closed over, XLA would fold them into the program as constants
+    def weights(theta, consts, fixed):
+        return _weights(theta, consts, shapes, relax, fixed)
+
+    @jax.jit
+    def step(theta, moments, consts, fixed, b, lr, t):
+        loss, grad = jax.value_and_grad(lambda th: layer_error(weights(th, consts, fixed), b))(theta)
+        if settings.optimizer == "adam":
+            m = jax.tree.map(lambda m0, g: ADAM_B1 * m0 + (1 - ADAM_B1) * g, moments[0], grad)
+            v = jax.tree.map(lambda v0, g: ADAM_B2 * v0 + (1 - ADAM_B2) * g * g, moments[1], grad)
+            direction = jax.tree.map(lambda mi, vi: (mi / (1 - ADAM_B1 ** t)) / (jnp.sqrt(vi / (1 - ADAM_B2 ** t))
+                                                                               + ADAM_EPS), m, v)
+            moments = (m, v)
+        else:
+            direction = jax.tree.map(jnp.sign, grad)
+        theta = jax.tree.map(lambda p, g, lim, rate: jnp.clip(p - rate * lr * g, -lim, lim),
+                             theta, direction, bounds, rates)
+        return theta, moments, loss
+
+    @jax.jit
+    def set_error(theta, consts, fixed, stacked):
+        w = weights(theta, consts, fixed)
+        return jax.lax.map(lambda b: layer_error(w, b), stacked).sum()
+
+    def measure(theta, names) -> dict[str, float]:
+        return {name: float(set_error(theta, consts, fixed_dev, eval_batches[name])) / norm[name] for name in names}
+
+    rows: list[dict[str, Any]] = []
+    first = measure(theta0, sets)
+    rows += [{"step": 0, "split": name, "loss": v} for name, v in first.items()]
+    best, best_loss, best_step, theta = theta0, first["heldout"], 0, theta0
+    zeros = jax.tree.map(jnp.zeros_like, theta0)
+    moments = (zeros, zeros) if settings.optimizer == "adam" else ()
+    for i in range(settings.steps):
+        decay = 1.0 - i / settings.steps
+        b = {k: v[0] for k, v in _pack_batches(train, [order[i]], n_expert, capacity, batch).items()}
+        theta, moments, loss = step(theta, moments, consts, fixed_dev, b, jnp.float32(decay), jnp.float32(i + 1))
+        rows.append({"step": i + 1, "split": "train", "loss": float(loss) / train_norm})
+        if (i + 1) % settings.eval_every == 0 or i + 1 == settings.steps:
+            now = measure(theta, sets if measure_extra else ["heldout"])
+            rows += [{"step": i + 1, "split": name, "loss": v} for name, v in now.items()]
+            if now["heldout"] < best_loss:
+                best, best_loss, best_step = theta, now["heldout"], i + 1
+    if log is not None:
+        log(f"learned rounding: {settings.steps} steps, held-out relative error {first['heldout']:.5f} -> "
+            f"{best_loss:.5f} (step {best_step})")
+    rows.append({"step": best_step, "split": "chosen", "loss": best_loss})
+    if extra and not measure_extra and best_step > 0:
+        rows += [{"step": best_step, "split": name, "loss": v} for name, v in measure(best, extra).items()]
+    raw = {}
+    for name, t in tensors.items():
+        cls = format_of(t.fmt)
+        parts = relax[name].parts(best[name], consts[name])
+        raw[name] = np.asarray(jax.jit(cls.pack)(*parts)).reshape(np.shape(t.raw))  # (..., rows, bytes)
+    return raw, rows
