@@ -214,6 +214,7 @@ class KQuant(BlockFormat):
     """
 
     supports_gptq = True
+    llama_activation = "q8_k"
     has_min: ClassVar[bool]
     code_range: ClassVar[tuple[int, int]]
     scale_range: ClassVar[tuple[int, int]]
