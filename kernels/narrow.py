@@ -8,6 +8,9 @@ to its `vec_dot_type` for the weight's type (ggml-cpu.c, `type_traits_cpu`):
   d = max|x| / 127 stored in **fp16** (`quantize_row_q8_0`). Once d rounds to
   fp16 inf (d >= 65520, max|x| >= about 8.32e6) every dot product with that block
   is inf, or NaN where the codes sum to 0 (0 * inf).
+- `q8_1` (Q4_1, Q5_1): as q8_0, plus s = d * sum(codes) in fp16, which can
+  overflow from 2048 on when a block's values share a sign; only d is checked
+  here (no format of ours is Q4_1/Q5_1; an outside GGUF's is caught by llama-check).
 - `q8_k` (k-quants, i-quants but IQ4_NL, TQ1_0/TQ2_0): 256 values, int8 codes,
   scale in float32 (`quantize_row_q8_K_ref`): finite for every finite input.
 - `f16` (F16 weights, and the K and V caches at llama.cpp's default `f16`
@@ -23,23 +26,30 @@ of these is monotone in |x| (and a block's scale depends only on its largest
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 from gguf import GGMLQuantizationType
 
 from moeheal.kernels.formats import FORMATS_BY_TYPE
 
-# The activation types of the weight types that are no block format of ours.
-PLAIN_ACTIVATION = {GGMLQuantizationType.F32: "f32", GGMLQuantizationType.F16: "f16",
-                    GGMLQuantizationType.BF16: "bf16"}
-ACTIVATIONS = ("f32", "bf16", "f16", "q8_0", "q8_k")
+T = GGMLQuantizationType
+# The activation types of the weight types that are no block format of ours (ggml-cpu.c's
+# `type_traits_cpu`): plain floats, and what an outside GGUF may hold.
+OTHER_ACTIVATION = {T.F32: "f32", T.F16: "f16", T.BF16: "bf16",
+                    T.Q4_0: "q8_0", T.Q5_0: "q8_0", T.MXFP4: "q8_0", T.Q4_1: "q8_1", T.Q5_1: "q8_1",
+                    T.IQ4_XS: "q8_k", T.IQ3_S: "q8_k", T.IQ1_S: "q8_k", T.IQ1_M: "q8_k", T.TQ1_0: "q8_k"}
+ACTIVATIONS = ("f32", "bf16", "f16", "q8_0", "q8_1", "q8_k")
 
 
 def llama_activation(ggml_type: GGMLQuantizationType) -> str:
     """The type llama.cpp's CPU backend converts activations to before multiplying them by a
     weight of `ggml_type` (its `vec_dot_type`)."""
-    if ggml_type in PLAIN_ACTIVATION:
-        return PLAIN_ACTIVATION[ggml_type]
-    return FORMATS_BY_TYPE[ggml_type].llama_activation
+    if ggml_type in FORMATS_BY_TYPE:
+        return FORMATS_BY_TYPE[ggml_type].llama_activation
+    if ggml_type in OTHER_ACTIVATION:
+        return OTHER_ACTIVATION[ggml_type]
+    raise ValueError(f"no llama.cpp activation type known for weights of type {ggml_type.name}")
 
 
 def _bf16_rounds_to_inf(peak: np.ndarray) -> np.ndarray:
@@ -55,7 +65,7 @@ def overflows(activation: str, peak: np.ndarray | float) -> np.ndarray:
     peak = np.atleast_1d(np.asarray(peak, np.float32))  # (n,)
     bad = ~np.isfinite(peak)  # (n,)
     with np.errstate(over="ignore"):
-        if activation == "q8_0":
+        if activation in ("q8_0", "q8_1"):  # q8_1's fp16 sum s = d * sum(codes) is not modelled
             return bad | ~np.isfinite((peak / np.float32(127)).astype(np.float16))  # its fp16 scale d
         if activation == "f16":
             return bad | ~np.isfinite(peak.astype(np.float16))
@@ -66,6 +76,7 @@ def overflows(activation: str, peak: np.ndarray | float) -> np.ndarray:
     raise ValueError(f"unknown activation type {activation!r}; known: {', '.join(ACTIVATIONS)}")
 
 
+@lru_cache(maxsize=None)
 def overflow_limit(activation: str) -> float:
     """The smallest float32 |activation| whose conversion to `activation` overflows (inf where
     only a non-finite value does): what a report prints beside a peak."""

@@ -40,7 +40,7 @@ KV_CACHE_TYPE = "f16"  # llama.cpp's default cache type (-ctk / -ctv)
 OUTPUT_LAYER = -1  # the layer index recorded for the output projection
 PEAKS_SCHEMA = pa.schema([("variant", pa.string()), ("layer", pa.int32()), ("site", pa.string()),
                           ("tensor", pa.string()), ("ggml_type", pa.string()), ("activation", pa.string()),
-                          ("peak", pa.float64()), ("limit", pa.float64()), ("overflow", pa.bool_())])
+                          ("peak", pa.float64()), ("overflow_at", pa.float64()), ("overflow", pa.bool_())])
 
 
 class ActivationPeaks:
@@ -100,7 +100,7 @@ def peak_rows(model: GGUFModel, variant: str, peaks: ActivationPeaks,
         ggml_type = types[tensor].name if tensor is not None else kv_cache.upper()
         activation = llama_activation(types[tensor]) if tensor is not None else kv_cache
         rows.append({"variant": variant, "layer": layer, "site": site, "tensor": tensor, "ggml_type": ggml_type,
-                     "activation": activation, "peak": peak, "limit": overflow_limit(activation),
+                     "activation": activation, "peak": peak, "overflow_at": overflow_limit(activation),
                      "overflow": bool(overflows(activation, peak)[0])})
     return rows
 
@@ -112,6 +112,7 @@ def overflow_message(variant: str, gguf: str, rows: list[dict]) -> str | None:
         return None
     r = bad[0]
     where = "the output projection" if r["layer"] == OUTPUT_LAYER else f"layer {r['layer']}"
+    more = f" (and {len(bad) - 1} more sites)" if len(bad) > 1 else ""
     return (f"variant {variant}: {gguf}: llama.cpp's CPU backend would turn activations into inf/NaN: {where} "
             f"{r['site']} ({r['ggml_type']}, activations converted to {r['activation']}): max |x| "
-            f"{r['peak']:.4g} >= {r['limit']:.4g}" + (f" (and {len(bad) - 1} more sites)" if len(bad) > 1 else ""))
+            f"{r['peak']:.4g} >= {r['overflow_at']:.4g}{more}")

@@ -12,16 +12,19 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from gguf import GGUFReader
+
+from moeheal.pipeline import model as M
 
 from moeheal.kernels.narrow import overflow_limit, overflows
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.numerics import ActivationPeaks, overflow_message, peak_rows
+from moeheal.pipeline.numerics import PEAK_LAYER, ActivationPeaks, overflow_message, peak_rows
 from moeheal.pipeline.runner import Runner
 from moeheal.pipeline.stages import llamacheck
 from tests.ggufs import make_tiny_gguf
@@ -68,6 +71,22 @@ def test_narrow_conversions_match_ggml_limits():
     assert list(overflows("bf16", [3.3e38, 3.4e38])) == [False, True]
 
 
+def test_probes_are_traced_only_into_a_probing_pass():
+    """The normal path's graph has no callback; a layer whose params carry PEAK_LAYER has one per site."""
+    rng = np.random.default_rng(0)
+    E, f, d, N, k = 4, 8, 16, 6, 2
+    params = {"ffn_gate_exps.weight": rng.normal(size=(E, f, d)).astype(np.float32),
+              "ffn_up_exps.weight": rng.normal(size=(E, f, d)).astype(np.float32),
+              "ffn_down_exps.weight": rng.normal(size=(E, d, f)).astype(np.float32)}
+    mixed = rng.normal(size=(N, d)).astype(np.float32)  # (N, d)
+    experts = rng.integers(0, E, size=(N, k)).astype(np.int32)  # (N, k)
+    weights = np.full((N, k), 0.5, np.float32)  # (N, k)
+    plain = str(jax.make_jaxpr(M.moe_forward)(params, mixed, experts, weights))
+    probed = str(jax.make_jaxpr(M.moe_forward)({**params, PEAK_LAYER: np.int32(0)}, mixed, experts, weights))
+    assert "callback" not in plain
+    assert probed.count("debug_callback[") == 3  # gate, up (all of mixed), down (the routed hidden)
+
+
 def test_probes_leave_the_forward_pass_unchanged_and_see_the_plant(world):
     tokens = (np.arange(128).reshape(2, 64) * 7) % GGUFModel(world.parent / "ref.gguf").hp.vocab_size
     for name, overflowing in (("copy.gguf", False), ("planted.gguf", True)):
@@ -84,7 +103,7 @@ def test_probes_leave_the_forward_pass_unchanged_and_see_the_plant(world):
         if overflowing:
             assert bad == {(0, "ffn_down_exps.weight"), (0, "ffn_down_shexp.weight")}
             hidden = next(r for r in rows if r["site"] == "ffn_down_shexp.weight" and r["layer"] == 0)
-            assert hidden["activation"] == "q8_0" and hidden["peak"] > hidden["limit"]
+            assert hidden["activation"] == "q8_0" and hidden["peak"] > hidden["overflow_at"]
             assert "variant planted" in overflow_message("planted", name, rows)
         else:
             assert not bad and overflow_message("copy", name, rows) is None
