@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pyarrow as pa
 import pytest
 from gguf import GGUFReader
 
@@ -24,9 +25,11 @@ from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.numerics import PEAK_LAYER, ActivationPeaks, overflow_message, peak_rows
+from moeheal.pipeline.lake import Lake
+from moeheal.pipeline.numerics import PEAK_LAYER, PEAKS_SCHEMA, ActivationPeaks, overflow_message, peak_rows
 from moeheal.pipeline.runner import Runner
 from moeheal.pipeline.stages import llamacheck
+from moeheal.pipeline.stages.report import write_report
 from tests.ggufs import make_tiny_gguf
 from tests.healworld import write_world
 
@@ -137,3 +140,19 @@ def test_llama_check_fails_the_planted_variant(world):
     with pytest.raises(InputError, match=r"variant planted: .*planted\.gguf: llama.cpp's llama-perplexity printed "
                                          r"-?nan"):
         run.llama_check(planted)
+
+
+def test_report_gives_the_headroom_and_says_llama_perplexity_was_skipped(tmp_path):
+    lake = Lake(tmp_path / "lake")
+    site = {"variant": "v", "layer": 0, "tensor": "blk.0.x", "overflow": False}
+    lake.write_table("activation_peaks", pa.Table.from_pylist([
+        {**site, "site": "ffn_down_shexp.weight", "ggml_type": "IQ4_NL", "activation": "q8_0", "peak": 1e6,
+         "overflow_at": overflow_limit("q8_0")},
+        {**site, "site": "ffn_down_exps.weight", "ggml_type": "TQ2_0", "activation": "q8_k", "peak": 1e9,
+         "overflow_at": overflow_limit("q8_k")}], schema=PEAKS_SCHEMA))
+    lake.write_table("llama_check", llamacheck.SCHEMA.empty_table())
+    text = (write_report(lake, tmp_path / "report") / "report.md").read_text(encoding="utf-8")
+    block = text[text.index("## 7. Does llama.cpp run every file?"):]
+    assert "llama-perplexity: skipped (llama.cpp is not installed" in block
+    # the q8_k site never overflows: the closest is the q8_0 one, 8.32e6 / 1e6 away
+    assert "| v | layer 0 ffn_down_shexp.weight | IQ4_NL | q8_0 | 1e+06 | 8.32x | 0 of 2 | skipped |" in block

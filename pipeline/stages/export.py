@@ -239,6 +239,26 @@ COLUMN_DOCS: dict[str, dict[str, str]] = {
         "hit_rate_belady": "hit rate of optimal (Belady) eviction on the model's bonus-0 routing",
         "same_as_rep0": "true when logits and routing are bit-identical to repetition 0; NULL on repetition 0",
     },
+    "activation_peaks": {
+        "variant": _VARIANT,
+        "layer": "layer index; -1 for the output projection",
+        "site": "where llama.cpp narrows the activation: the weight it meets (GGUF short name), or cache_k / "
+                "cache_v for the KV cache",
+        "tensor": "the GGUF tensor of that weight; NULL for the KV cache",
+        "ggml_type": "that tensor's ggml type; the cache type (F16) for the KV cache",
+        "activation": "what llama.cpp's CPU backend converts the activation to (q8_0, q8_k, f16, ...)",
+        "peak": "largest |activation| at the site over the evaluation windows (plain routing)",
+        "overflow_at": "smallest |activation| that conversion turns into inf (inf: none)",
+        "overflow": "true when the peak would overflow there (the run fails)",
+    },
+    "llama_check": {
+        "variant": _VARIANT,
+        "gguf": "the GGUF llama-perplexity ran",
+        "chunk": "chunk of the unseen trace's documents, from 1",
+        "ctx": "tokens per chunk",
+        "ppl": "llama-perplexity's running perplexity after the chunk",
+        "finite": "true when finite (a non-finite one fails the run)",
+    },
 }
 
 
