@@ -37,9 +37,9 @@ from moeheal.pipeline.config import UNHEALED, Config, Variant
 from moeheal.pipeline.dag import PlannedStage, Stage, layer_params, plan_stage, run_stage
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import read_part
+from moeheal.pipeline.fingerprint import content_digest
 from moeheal.pipeline.gguf_model import GGUFModel, open_model
 from moeheal.pipeline.lake import Lake, Publication, StageResult
-from moeheal.pipeline.fingerprint import content_digest
 from moeheal.pipeline.numerics import overflow_message
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.stages import calibrate, corpus, dump, evaluate, llamacheck, quantize, sensitivity

@@ -32,8 +32,8 @@ from moeheal.kernels.kld import token_kld
 from moeheal.kernels.moce import belady_hits, lru_hits, make_routing_hook
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import GGUFModel, open_model
-from moeheal.pipeline.numerics import PEAKS_SCHEMA, ActivationPeaks, peak_rows
 from moeheal.pipeline.files import read_part, write_parquet
+from moeheal.pipeline.numerics import PEAKS_SCHEMA, ActivationPeaks, peak_rows
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.runner import Runner
 from moeheal.pipeline.stages.corpus import window_tokens
