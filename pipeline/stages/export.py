@@ -49,6 +49,10 @@ TABLE_DOCS: dict[str, str] = {
     "recipe": "Per variant and routed-expert tensor: its format as the variant's GGUF stores it, and for a "
               "budget variant the allocation's predicted error.",
     "sizes": "Per model: weights and bytes of the routed experts and of the whole file, from its GGUF's tensor table.",
+    "activation_peaks": "Per variant, layer and site where llama.cpp's CPU backend narrows activations: the largest "
+                        "|activation| on the evaluation windows and whether it would overflow there.",
+    "llama_check": "Per variant: llama.cpp's llama-perplexity on the unseen trace's documents, chunk by chunk "
+                   "(empty where llama.cpp is not installed).",
 }
 
 _VARIANT = "variant name (see `variants`)"
