@@ -34,8 +34,11 @@ CTX = 512  # tokens per chunk (llama-perplexity -c), at most; fewer when the tex
 CHUNKS = 4  # chunks scored
 MIN_CTX = 64
 THREADS = 2
-ATTEMPTS = 5  # llama-perplexity's log thread can drop the last lines at exit; then it runs again
-RUNNING = re.compile(r"\[(\d+)\]([-+]?(?:nan|inf|[0-9.]+(?:e[-+]?\d+)?)),", re.IGNORECASE)
+ATTEMPTS = 10  # llama-perplexity's log thread can drop the last lines at exit; then it runs again
+NUMBER = r"([-+]?(?:nan|inf|[0-9.]+(?:e[-+]?\d+)?))"
+RUNNING = re.compile(r"\[(\d+)\]" + NUMBER + ",", re.IGNORECASE)
+FINAL = re.compile(r"Final estimate: PPL = " + NUMBER, re.IGNORECASE)
+SCORING = re.compile(r"calculating perplexity over (\d+) chunks")
 SCHEMA = pa.schema([("variant", pa.string()), ("gguf", pa.string()), ("chunk", pa.int32()),
                     ("ctx", pa.int32()), ("ppl", pa.float64()), ("finite", pa.bool_())])
 
@@ -70,25 +73,36 @@ def chunk_length(n_tokens: int) -> int:
     return ctx
 
 
-def running_perplexity(log: str) -> list[tuple[int, float]]:
-    """(chunk, running perplexity) pairs from llama-perplexity's log, in order (nan and inf kept)."""
-    return [(int(i), float(v)) for i, v in RUNNING.findall(log)]
+def running_perplexity(log: str, chunks: int) -> list[tuple[int, float]]:
+    """(chunk, running perplexity) pairs from llama-perplexity's log, in order (nan and inf kept); its
+    final estimate stands for the last chunk's when that line was lost and the summary was not."""
+    values = [(int(i), float(v)) for i, v in RUNNING.findall(log)]
+    final = FINAL.search(log)
+    if final and (not values or values[-1][0] < chunks):
+        values.append((chunks, float(final.group(1))))
+    return values
+
+
+def finite(value: float) -> bool:
+    return abs(value) < float("inf")  # False for nan too
 
 
 def run_perplexity(binary: Path, gguf: Path, text: Path, ctx: int, chunks: int) -> tuple[list[tuple[int, float]], int]:
-    """llama-perplexity on `gguf` over `text`: the running estimates and the chunks it scored."""
+    """llama-perplexity on `gguf` over `text`: the running estimates and the chunks it scored. Its log
+    is written by a background thread that can lose the last lines at exit (about every other run
+    on small models): a run is repeated until every chunk's estimate, or a non-finite one, is read."""
     cmd = [str(binary), "-m", str(gguf), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "--chunks", str(chunks),
            "-t", str(THREADS), "-ngl", "0"]
     for _ in range(ATTEMPTS):
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
         log = proc.stdout + proc.stderr
         if proc.returncode != 0:
             raise InputError(f"llama-check: llama-perplexity failed on {gguf} (exit {proc.returncode}): "
                              f"{log.strip().splitlines()[-1] if log.strip() else 'no output'}")
-        done = re.search(r"calculating perplexity over (\d+) chunks", log)
-        expected = int(done.group(1)) if done else chunks
-        values = running_perplexity(log)
-        if values and values[-1][0] == expected:
+        scoring = SCORING.search(log)
+        expected = int(scoring.group(1)) if scoring else chunks
+        values = running_perplexity(log, expected)
+        if values and (values[-1][0] == expected or not all(finite(v) for _, v in values)):
             return values, expected
     raise InputError(f"llama-check: llama-perplexity printed no estimate for every chunk of {gguf} in "
                      f"{ATTEMPTS} runs")
@@ -105,7 +119,7 @@ def build_llama_check(out: Path, binary: Path, gguf: Path, variant: str, docs: P
     text.write_text("\n\n".join(texts[d] for d in doc_ids), encoding="utf-8")
     values, scored = run_perplexity(binary, gguf, text, ctx, chunks)
     text.unlink()
-    bad = [(i, v) for i, v in values if v != v or v in (float("inf"), float("-inf"))]
+    bad = [(i, v) for i, v in values if not finite(v)]
     if bad:
         raise InputError(f"variant {variant}: {gguf}: llama.cpp's llama-perplexity printed {bad[0][1]} from chunk "
                          f"{bad[0][0]} of {scored} ({ctx} tokens each) of the unseen trace's documents: the file "
