@@ -61,7 +61,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         todo = sum(p.status == "compute" for p in planned)
         skipped = sum(p.status == "skipped" for p in planned)
         print(f"{len(planned)} stage invocations: {len(planned) - todo - skipped} cached, {todo} to compute"
-              + (f", {skipped} skipped (llama.cpp not installed)" if skipped else ""))
+              + (f", {skipped} skipped (llama-check: llama.cpp not installed, or no unseen trace)" if skipped else ""))
     return 0
 
 
