@@ -1,10 +1,11 @@
 """llama.cpp's narrower arithmetic: a planted GGUF that llama.cpp turns into NaN while our float32
 forward pass stays finite, seen by our evaluation's activation peaks and by the llama-check stage.
 
-The plant: blk.0.ffn_norm.weight times 1000 in a copy of the test world's model. The MoE input then
-reaches about 5e3 (fine everywhere), but the SwiGLU hidden that the Q8_0 down projections multiply
-reaches about 1e8, beyond 8.32e6, where llama.cpp's Q8_0 activation scale (max|x| / 127 in fp16)
-is inf. Our residual stream stays finite; llama.cpp's dot products are inf or NaN.
+The plant: blk.0.ffn_norm.weight times 1000 in a copy of the test world's model. The MoE input
+grows a thousandfold and stays far below every limit, but the SwiGLU hidden that the Q8_0 down
+projections multiply, quadratic in it, passes 8.32e6, where llama.cpp's Q8_0 activation scale
+(max|x| / 127 in fp16) is inf. Our residual stream stays finite; llama.cpp's dot products are inf
+or NaN.
 """
 
 from __future__ import annotations
