@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import re
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from scipy.stats import spearmanr
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.lake import Lake
 from moeheal.pipeline.stages.corpus import read_documents, read_split
+from moeheal.pipeline.stages.llamacheck import perplexity_binary
 
 CTX = 256  # llama.cpp's chunk length, also its batch: tokens per forward pass
 THREADS = 2
@@ -47,13 +47,6 @@ ATTEMPTS = 8  # llama.cpp's log thread can drop the last lines at exit; the summ
 
 MEAN_KLD = re.compile(r"^Mean\s+KLD:\s+(\S+)\s+±\s+(\S+)", re.MULTILINE)
 SAME_TOP = re.compile(r"^Same top p:\s+(\S+)\s+±\s+(\S+)\s+%", re.MULTILINE)
-
-
-def perplexity_binary() -> Path | None:
-    """$LLAMA_CPP_DIR/bin/llama-perplexity, or None where it is not built."""
-    llama_dir = os.environ.get("LLAMA_CPP_DIR")
-    binary = Path(llama_dir, "bin", "llama-perplexity") if llama_dir else None
-    return binary if binary is not None and binary.exists() else None
 
 
 def held_out_text(docs: Path, split: Path) -> str:

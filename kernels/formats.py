@@ -228,6 +228,11 @@ class BlockFormat:
     fp16_parts: ClassVar[tuple[int, ...]] = (0,)  # positions in ``unpack``'s parts of the stored fp16 scales
     supports_gptq: ClassVar[bool] = False
     sub_block: ClassVar[int]
+    # What llama.cpp's CPU backend converts the other operand (the activations) of a matrix product
+    # with this format to before the dot products (ggml-cpu.c type_traits_cpu[...].vec_dot_type):
+    # "q8_0" (an fp16 scale per 32) or "q8_k" (a float32 scale per 256); `kernels.narrow` says when
+    # that conversion overflows.
+    llama_activation: ClassVar[str]
     gptq_group: ClassVar[int] = 1
 
     def __init_subclass__(cls, ggml_type: GGMLQuantizationType | None = None, **kwargs: Any) -> None:
@@ -429,6 +434,7 @@ class TQ2_0(GridFormat, ggml_type=GGMLQuantizationType.TQ2_0):
     """
 
     scale_offsets = (64,)
+    llama_activation = "q8_k"
     levels = (-1, 0, 1, 2)
     divisors = _tq2_0_divisors()
 
@@ -475,6 +481,7 @@ class IQ4_NL(GridFormat, ggml_type=GGMLQuantizationType.IQ4_NL):
     """
 
     scale_offsets = (0,)
+    llama_activation = "q8_0"
     levels = KVALUES_IQ4NL
     divisors = _iq4_nl_divisors()
 
@@ -507,6 +514,7 @@ class Q8_0(BlockFormat, ggml_type=GGMLQuantizationType.Q8_0):
     """
 
     scale_offsets = (0,)
+    llama_activation = "q8_0"
 
     @classmethod
     def quantize_blocks(cls, x: jax.Array, importance: jax.Array | None = None) -> jax.Array:

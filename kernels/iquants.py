@@ -138,6 +138,7 @@ class IQuant(BlockFormat):
     """
 
     supports_gptq = True
+    llama_activation = "q8_k"
     gptq_group = 8  # one sign group: the parity couples its weights
     scale_offsets = (0,)
     quant: ClassVar[type]

@@ -215,6 +215,7 @@ class KQuant(BlockFormat):
 
     supports_gptq = True
     fp16_parts = (0, 1)  # d, dmin (dmin is 0 where the format has no mins)
+    llama_activation = "q8_k"
     has_min: ClassVar[bool]
     code_range: ClassVar[tuple[int, int]]
     scale_range: ClassVar[tuple[int, int]]

@@ -63,7 +63,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for p in planned:
             print(f"{p.stage:<{width}}  {p.fingerprint}  {p.status}")
         todo = sum(p.status == "compute" for p in planned)
-        print(f"{len(planned)} stage invocations: {len(planned) - todo} cached, {todo} to compute")
+        skipped = sum(p.status == "skipped" for p in planned)
+        print(f"{len(planned)} stage invocations: {len(planned) - todo - skipped} cached, {todo} to compute"
+              + (f", {skipped} skipped (llama-check: llama.cpp not installed, or no unseen trace)" if skipped else ""))
     return 0
 
 

@@ -44,7 +44,7 @@ class PlannedStage:
 
     stage: str  # "dump:calibration", "assemble:v2", "quantize:v2:3" (a per-layer unit)
     fingerprint: str
-    status: str  # "cached" or "compute"
+    status: str  # "cached", "compute" or "skipped" (a check whose tool is not installed: llama-check)
     upstream: tuple[str, ...] = ()  # the `stage` labels this invocation reads
 
 

@@ -39,10 +39,12 @@ from moeheal.pipeline.config import UNHEALED, Config, Variant
 from moeheal.pipeline.dag import PlannedStage, Stage, layer_params, plan_stage, run_stage
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import read_part
+from moeheal.pipeline.fingerprint import content_digest
 from moeheal.pipeline.gguf_model import GGUFModel, open_model
 from moeheal.pipeline.lake import Lake, Publication, StageResult, read_sources
+from moeheal.pipeline.numerics import overflow_message
 from moeheal.pipeline.progress import progress
-from moeheal.pipeline.stages import calibrate, corpus, dump, evaluate, quantize, sensitivity
+from moeheal.pipeline.stages import calibrate, corpus, dump, evaluate, llamacheck, quantize, sensitivity
 from moeheal.pipeline.tokenizer import build_tokenizer
 
 _STAGES = "moeheal.pipeline.stages"
@@ -60,8 +62,9 @@ ASSEMBLE = Stage("assemble", "models", ".gguf", f"{_STAGES}.calibrate")
 REFERENCE = Stage("reference-logits", "parts", "", f"{_STAGES}.evaluate")
 EVALUATE = Stage("evaluate", "parts", "", f"{_STAGES}.evaluate")
 COMPARISONS = Stage("comparisons", "parts", "", "moeheal.pipeline.stats")
+LLAMA_CHECK = Stage("llama-check", "parts", "", f"{_STAGES}.llamacheck")
 STAGES = (CORPUS, TRACES, WINDOWS, AUDIT, DUMP, IMPORT_DUMP, SENSITIVITY, ALLOCATE, QUANTIZE, CALIBRATE, ASSEMBLE,
-          REFERENCE, EVALUATE, COMPARISONS)
+          REFERENCE, EVALUATE, COMPARISONS, LLAMA_CHECK)
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
                   "tokenizer.ggml.token_type")
 
@@ -90,6 +93,7 @@ class HealRun:
         self.planned: list[PlannedStage] = []
         self._memo: dict[str, StageResult] = {}
         self._labels: dict[StageResult, str] = {}
+        self._skipped: set[str] = set()  # stages that cannot run here (llama-check without llama.cpp), logged once
         self.validate_models()
         self.lake = Lake(config.lake_root)
 
@@ -387,6 +391,51 @@ class HealRun:
                                out, gguf, variant.name, up["reference"].path, up["windows"].path,
                                up["corpus"].path, cfg.moce_bonus, cfg.cache_experts, cfg.moce_reps, self.log))
 
+    def llama_check(self, variant: Variant) -> StageResult | None:
+        """`llamacheck`: the variant's GGUF through llama.cpp's llama-perplexity on the unseen trace's
+        documents (an input error if it prints a non-finite value). Where llama.cpp is not installed
+        (or there is no unseen trace) it is skipped, said once in the log, and `moeheal plan` lists
+        it as `skipped` under the fingerprint it would have without a binary: None."""
+        label = f"llama-check:{variant.name}"
+        cfg = self.cfg
+        binary = llamacheck.perplexity_binary()
+        params = {"variant": variant.name, "chunks": llamacheck.CHUNKS, "threads": llamacheck.THREADS,
+                  "llama_perplexity": content_digest(binary) if binary is not None else None}
+        up = {"traces": self.traces(), "corpus": self.corpus()}
+        inputs: dict[str, Path] = {"docs": cfg.docs}
+        if variant.kind == "external":
+            inputs["model"] = gguf = variant.gguf
+        else:
+            up["model"] = self.assemble(variant)
+            gguf = up["model"].path
+        if binary is None or not cfg.unseen_tokens:
+            if label not in self._skipped:
+                self._skipped.add(label)
+                if self.planning:
+                    fp = plan_stage(self.lake, LLAMA_CHECK, params, inputs, up).fingerprint
+                    self.planned.append(PlannedStage(label, fp, "skipped",
+                                                     tuple(sorted({self._labels[r] for r in up.values()}))))
+                else:
+                    why = "LLAMA_CPP_DIR/bin/llama-perplexity not found" if binary is None else "no unseen trace"
+                    self.log(f"[{label}] skipped: {why}")
+            return None
+        return self._stage(label, LLAMA_CHECK, params, inputs, up, lambda out: llamacheck.build_llama_check(
+            out, binary, gguf, variant.name, cfg.docs, up["traces"].path, up["corpus"].path, llamacheck.CHUNKS,
+            self.log))
+
+    def check_numerics(self, variants: list[Variant], evaluations: list[StageResult]) -> pa.Table:
+        """The `activation_peaks` of `variants` (their evaluations, in the same order); an input error
+        naming the first variant (and its GGUF) whose peaks would overflow where llama.cpp narrows
+        activations (`pipeline.numerics`)."""
+        tables = []
+        for variant, result in zip(variants, evaluations, strict=True):
+            table = _read_parts(result, "activation_peaks")
+            message = overflow_message(variant.name, str(self.variant_gguf(variant)), table.to_pylist())
+            if message is not None:
+                raise InputError(message)
+            tables.append(table)
+        return pa.concat_tables(tables)
+
     def evaluated_variants(self) -> list[Variant]:
         """The baseline, then every variant in config order (ours and outside GGUFs alike)."""
         return [UNHEALED, *self.cfg.variants]
@@ -489,6 +538,9 @@ class HealRun:
         def evaluations() -> list[StageResult]:
             return [self.evaluate_variant(v) for v in evaluated]
 
+        def llama_checks() -> list[StageResult]:
+            return [r for r in (self.llama_check(v) for v in evaluated) if r is not None]
+
         def evaluated_parts(name: str) -> Callable[[], pa.Table]:
             return lambda: pa.concat_tables([_read_parts(r, name) for r in evaluations()])
 
@@ -505,6 +557,9 @@ class HealRun:
             "sizes": (ggufs, self.sizes_table),
             "token_kld": (evaluations, evaluated_parts("token_kld")),
             "hitrate": (evaluations, evaluated_parts("hitrate")),
+            "activation_peaks": (evaluations, lambda: self.check_numerics(evaluated, evaluations())),
+            "llama_check": (llama_checks, lambda: pa.concat_tables(
+                [_read_parts(r, "llama_check") for r in llama_checks()] or [llamacheck.SCHEMA.empty_table()])),
             "window_kld": (lambda: [self.comparisons()], lambda: _read_parts(self.comparisons(), "window_kld")),
             "comparisons": (lambda: [self.comparisons()], lambda: _read_parts(self.comparisons(), "comparisons")),
         }
@@ -574,6 +629,8 @@ class HealRun:
         for variant in self.all_quantized_variants():
             self.assemble(variant)
         self.comparisons()
+        for variant in self.evaluated_variants():
+            self.llama_check(variant)
         return self.planned
 
     def summary_table(self) -> str:

@@ -6,6 +6,9 @@ short names (`attn_q.weight`, `ffn_gate_exps.weight`, ...), as
 `x @ W.T` everywhere. Every matmul asks for full float32 precision, so a GPU
 does not silently drop to TF32.
 
+Every matrix product's input passes `probe` under the name of the weight it
+meets: a no-op unless the runner records activation peaks (`pipeline.numerics`).
+
 How a family puts them together (its q/k projections and norms, routing,
 shared expert) is in its own file under `pipeline.arch`.
 """
@@ -17,6 +20,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from moeheal.pipeline.numerics import PEAK_LAYER, probe
 
 HIGHEST = jax.lax.Precision.HIGHEST
 einsum = partial(jnp.einsum, precision=HIGHEST)
@@ -60,6 +64,7 @@ def apply_rope_pairs(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def linear(params: dict, name: str, x: jax.Array) -> jax.Array:
     """x (..., d_in) @ W.T (+ bias when the layer has one) -> (..., d_out)."""
+    probe(params, f"{name}.weight", x)
     y = einsum("...i,oi->...o", x, params[f"{name}.weight"])  # (..., d_out)
     bias = params.get(f"{name}.bias")
     return y if bias is None else y + bias
@@ -84,6 +89,16 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
     """silu(x Wg^T) * (x Wu^T): x (n, d), W (f, d) -> hidden (n, f)."""
     return jax.nn.silu(einsum("nd,fd->nf", x, w_gate)) * einsum("nd,fd->nf", x, w_up)  # (n, f)
+
+
+def swiglu_ffn(params: dict, prefix: str, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A SwiGLU FFN stored as `ffn_{gate,up,down}{prefix}.weight` (a dense layer's, "", or the
+    shared expert's, "_shexp"): x (n, d) -> out (n, d), hidden (n, f); every input probed."""
+    for which in ("gate", "up"):
+        probe(params, f"ffn_{which}{prefix}.weight", x)
+    hidden = swiglu(x, params[f"ffn_gate{prefix}.weight"], params[f"ffn_up{prefix}.weight"])  # (n, f)
+    probe(params, f"ffn_down{prefix}.weight", hidden)
+    return einsum("nf,df->nd", hidden, params[f"ffn_down{prefix}.weight"]), hidden  # (n, d), (n, f)
 
 
 _EXPERT_KEYS = {
@@ -142,8 +157,12 @@ def moe_forward(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weig
     Only the routed (token, expert) pairs are computed: pairs are sorted by expert into blocks
     and a scan runs one block (block, d) x (d, f) at a time, indexing that expert's matrices in
     place, so the cost is about N*k/E of a dense pass and no (N, E, ...) tensor is formed.
+    With probes on (`expert_weights` holds PEAK_LAYER), gate/up see all of `mixed` (llama.cpp
+    converts the whole batch) and down the largest |hidden| over the routed pairs.
     """
     w_gate, w_up, w_down = (_expert_matrix(expert_weights, w) for w in ("gate", "up", "down"))
+    for which in ("gate", "up"):
+        probe(expert_weights, f"ffn_{which}_exps.weight", mixed)
     N, d = mixed.shape
     k = experts.shape[1]
     n_expert = w_gate.shape[0]
@@ -153,25 +172,34 @@ def moe_forward(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weig
     pair_weight = jnp.append(weights.reshape(-1).astype(jnp.float32), 0.0)[slot_pair]  # (nB*b,)
     x_pad = jnp.concatenate([mixed, jnp.zeros((1, d), mixed.dtype)])  # (N+1, d): row N is the empty slot
 
-    def one_block(yr: jax.Array, blk: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, None]:
+    probing = PEAK_LAYER in expert_weights  # static under jit: a dict key
+
+    def one_block(carry: tuple[jax.Array, jax.Array],
+                  blk: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[tuple[jax.Array, jax.Array], None]:
+        yr, peak = carry  # (N+1, d), () the largest |hidden| so far (only updated when probing)
         e, tok, w = blk  # (), (b,), (b,)
-        hidden = swiglu(x_pad[tok], w_gate[e], w_up[e])  # (b, f)
+        hidden = swiglu(x_pad[tok], w_gate[e], w_up[e])  # (b, f); empty slots read row N: zeros
         y = einsum("bf,df->bd", hidden, w_down[e])  # (b, d)
-        return yr.at[tok].add(y * w[:, None]), None  # (N+1, d)
+        if probing:
+            peak = jnp.maximum(peak, jnp.max(jnp.abs(hidden)))  # (); NaN propagates
+        return (yr.at[tok].add(y * w[:, None]), peak), None  # (N+1, d), ()
 
     n_blocks = block_expert.shape[0]
-    yr, _ = jax.lax.scan(one_block, jnp.zeros((N + 1, d), jnp.float32),
-                         (block_expert, pair_token.reshape(n_blocks, block), pair_weight.reshape(n_blocks, block)))
+    (yr, peak), _ = jax.lax.scan(one_block, (jnp.zeros((N + 1, d), jnp.float32), jnp.float32(0)),
+                                 (block_expert, pair_token.reshape(n_blocks, block),
+                                  pair_weight.reshape(n_blocks, block)))
+    probe(expert_weights, "ffn_down_exps.weight", peak)
     return yr[:N]  # (N, d)
 
 
 def sigmoid_gated_shared_expert(params: dict, mixed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Shared expert behind a sigmoid gate (Qwen2-MoE's): mixed (N, d) -> out (N, d),
-    hh (N, f_s) = silu(gate)*up, gate (N,) = sigmoid(g . mixed)."""
-    hh = swiglu(mixed, params["ffn_gate_shexp.weight"], params["ffn_up_shexp.weight"])  # (N, f_s)
+    hh (N, f_s) = silu(gate)*up, gate (N,) = sigmoid(g . mixed). As llama.cpp, the gate multiplies
+    the down projection's output, so hh is what that projection's input is."""
+    out, hh = swiglu_ffn(params, "_shexp", mixed)  # (N, d), (N, f_s)
+    probe(params, "ffn_gate_inp_shexp.weight", mixed)
     gate = jax.nn.sigmoid(einsum("nd,d->n", mixed, params["ffn_gate_inp_shexp.weight"]))  # (N,)
-    out = einsum("nf,df->nd", hh, params["ffn_down_shexp.weight"]) * gate[:, None]  # (N, d)
-    return out, hh, gate
+    return out * gate[:, None], hh, gate  # (N, d), (N, f_s), (N,)
 
 
 @partial(jax.jit, static_argnames="eps")

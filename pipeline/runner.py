@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import jax
@@ -26,6 +27,7 @@ import numpy as np
 from moeheal.pipeline import model as M
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.numerics import OUTPUT_LAYER, PEAK_LAYER, ActivationPeaks, probe, recording
 
 # Output-matrix rows dequantized at a time, bounding the logits step's extra memory.
 OUTPUT_ROWS_PER_CHUNK = 16384
@@ -154,7 +156,7 @@ class Runner:
 
     def forward(self, tokens: np.ndarray, capture: bool = False, routing_hook: RoutingHook | None = None,
                 on_layer: LayerCallback | None = None, logits: bool = True,
-                positions: slice = slice(None)) -> np.ndarray | None:
+                positions: slice = slice(None), peaks: ActivationPeaks | None = None) -> np.ndarray | None:
         """Logits (B, T', V) float32 at `positions` (all T by default) for sequences that each
         start at position 0; None with `logits=False`. A real vocabulary's output projection costs
         as much as several layers, so a dump (activations only) skips it and an evaluation, which
@@ -164,30 +166,40 @@ class Runner:
         layer, `Architecture.is_moe_layer`, has no experts to capture).
         `routing_hook(layer, router_logits)` returns `(experts, weights)` (B, T, k) that
         replace the family's top-k routing.
+
+        With `peaks`, the largest |activation| entering every matrix product and the KV cache is
+        recorded in it per layer (`pipeline.numerics`): what llama.cpp's narrower conversions
+        would overflow. The probes are compiled in only for such passes.
         """
         tokens = self._check_tokens(tokens)
         hp = self.hp
-        cos, sin = self.arch.rope_tables(tokens.shape[1], hp)  # (T, rotated dims / 2) each
-        h = self.embed(tokens)  # (B, T, d)
-        for i in range(hp.n_layer):
-            params = self.layer_params(i)  # the only layer resident
-            h_attn, attn_in, mixed, router_logits = self.arch.layer_attention_block(i, params, h, cos, sin, hp)  # (B,T,d) x3, (B,T,E)
-            if not self.arch.is_moe_layer(i, hp):
-                h = self.arch.dense_ffn_block(params, h_attn, mixed)  # (B, T, d)
-                continue
-            experts, weights = self._routing(i, params, router_logits, routing_hook)  # (B, T, k) each
-            h, yr, hh, gate = self.arch.moe_block(params, h_attn, mixed, experts, weights)  # (B,T,d) x2, (B,T,f_s), (B,T)
-            if capture and on_layer is not None:
-                on_layer(i, LayerCapture(
-                    attn_in=np.asarray(attn_in), mixed=np.asarray(mixed), router_logits=np.asarray(router_logits),
-                    experts=np.asarray(experts, np.int32), weights=np.asarray(weights, np.float32),
-                    yr=np.asarray(yr), hh=np.asarray(hh), shexp_gate=np.asarray(gate)))
-            del params
-        return self.logits(h[:, positions]) if logits else None  # (B, T', V)
+        with recording(peaks) if peaks is not None else nullcontext():
+            cos, sin = self.arch.rope_tables(tokens.shape[1], hp)  # (T, rotated dims / 2) each
+            h = self.embed(tokens)  # (B, T, d)
+            for i in range(hp.n_layer):
+                params = self.layer_params(i)  # the only layer resident
+                if peaks is not None:  # a dict key: static under jit, so only probing passes trace the probes
+                    params = {**params, PEAK_LAYER: jnp.int32(i)}
+                h_attn, attn_in, mixed, router_logits = self.arch.layer_attention_block(i, params, h, cos, sin, hp)  # (B,T,d) x3, (B,T,E)
+                if not self.arch.is_moe_layer(i, hp):
+                    h = self.arch.dense_ffn_block(params, h_attn, mixed)  # (B, T, d)
+                    continue
+                experts, weights = self._routing(i, params, router_logits, routing_hook)  # (B, T, k) each
+                h, yr, hh, gate = self.arch.moe_block(params, h_attn, mixed, experts, weights)  # (B,T,d) x2, (B,T,f_s), (B,T)
+                if capture and on_layer is not None:
+                    on_layer(i, LayerCapture(
+                        attn_in=np.asarray(attn_in), mixed=np.asarray(mixed), router_logits=np.asarray(router_logits),
+                        experts=np.asarray(experts, np.int32), weights=np.asarray(weights, np.float32),
+                        yr=np.asarray(yr), hh=np.asarray(hh), shexp_gate=np.asarray(gate)))
+                del params
+            return self.logits(h[:, positions], probing=peaks is not None) if logits else None  # (B, T', V)
 
-    def logits(self, h: jnp.ndarray) -> np.ndarray:
-        """Final norm and output projection, h (B, T, d) -> (B, T, V), a chunk of vocabulary rows at a time."""
+    def logits(self, h: jnp.ndarray, probing: bool = False) -> np.ndarray:
+        """Final norm and output projection, h (B, T, d) -> (B, T, V), a chunk of vocabulary rows at a time;
+        with `probing` (inside `numerics.recording`) the projection's input peak is reported."""
         x = M.final_norm(h, jnp.asarray(self._tensor("output_norm.weight")), self.hp.rms_eps)  # (B, T, d)
+        if probing:
+            probe({PEAK_LAYER: jnp.int32(OUTPUT_LAYER)}, self.output_name, x)
         B, T, _ = x.shape
         V = self.hp.vocab_size
         out = np.empty((B, T, V), np.float32)  # (B, T, V)

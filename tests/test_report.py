@@ -24,8 +24,10 @@ import pytest
 
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.lake import Lake
+from moeheal.pipeline.numerics import PEAKS_SCHEMA
 from moeheal.pipeline.stages.export import COLUMN_DOCS, UNDOCUMENTED, export_bundle, undocumented_columns
 from moeheal.pipeline.stages.evaluate import HITRATE_SCHEMA, hitrate_rows
+from moeheal.pipeline.stages.llamacheck import SCHEMA as LLAMA_CHECK_SCHEMA
 from moeheal.pipeline.stages.report import write_report
 
 STRATA = ("chat", "code", "ja")
@@ -243,6 +245,22 @@ def make_recipe() -> pa.Table:
     return pa.Table.from_pylist(rows)
 
 
+def make_activation_peaks() -> pa.Table:
+    """Two sites per variant: a Q8_0 attention input (fp16 scale) and a TQ2_0 expert input (float32 scale)."""
+    rows = [{"variant": v, "layer": 0, "site": site, "tensor": f"blk.0.{site}", "ggml_type": t, "activation": a,
+             "peak": peak, "overflow_at": limit, "overflow": False}
+            for v, scale in (("unhealed", 1.0), ("v1", 2.0), ("v2", 4.0))
+            for site, t, a, peak, limit in (("attn_q.weight", "Q8_0", "q8_0", 30.0 * scale, 8321040.0),
+                                            ("ffn_down_exps.weight", "TQ2_0", "q8_k", 500.0, float("inf")))]
+    return pa.Table.from_pylist(rows, schema=PEAKS_SCHEMA)
+
+
+def make_llama_check() -> pa.Table:
+    rows = [{"variant": v, "gguf": f"{v}.gguf", "chunk": c, "ctx": 512, "ppl": 20.0 + c, "finite": True}
+            for v in ("unhealed", "v1", "v2") for c in (1, 2)]
+    return pa.Table.from_pylist(rows, schema=LLAMA_CHECK_SCHEMA)
+
+
 def write_run(lake: Lake, fingerprint: str, upstream: dict[str, str]) -> None:
     record = {"stage": "assemble", "fingerprint": fingerprint,
               "upstream": {k: {"stage": k, "fingerprint": fp} for k, fp in upstream.items()}}
@@ -266,7 +284,8 @@ def lake(tmp_path_factory) -> tuple[Lake, dict[str, pa.Table]]:
                               "params": ["{}"] * 4, "gguf": ["ref.gguf", "u.gguf", "v1.gguf", "v2.gguf"]}),
         "window_kld": kld, "comparisons": with_isolated_moce(make_comparisons(rng, kld, clean)),
         "layer_metrics": make_layer_metrics(rng), "ridge_cv": make_ridge_cv(rng), "hitrate": make_hitrate(rng),
-        "sizes": make_sizes(), "recipe": make_recipe(),
+        "sizes": make_sizes(), "recipe": make_recipe(), "activation_peaks": make_activation_peaks(),
+        "llama_check": make_llama_check(),
     }
     for name, table in tables.items():
         lake.write_table(name, table)
@@ -304,10 +323,11 @@ def row_of(text: str, first_cell: str) -> str:
 def test_report_has_every_section_with_its_source(report):
     _, text = report
     for heading in ("## 0. Inputs", "## 1. Pooled comparisons", "## 2. Per stratum", "## 3. Per window",
-                    "## 4. Local MoE metrics", "## 5. Ridge cross-validation", "## 6. Expert-cache hit rates"):
+                    "## 4. Local MoE metrics", "## 5. Ridge cross-validation", "## 6. Expert-cache hit rates",
+                    "## 7. Does llama.cpp run every file?"):
         assert heading in text
     for stem in ("report_comparisons", "pooled", "report_windows", "report_layers", "report_ridge",
-                 "report_hitrate", "report_docs", "report_window_sets"):
+                 "report_hitrate", "report_docs", "report_window_sets", "report_llama_numerics"):
         assert f"`sql/{stem}.sql`" in text
     assert "Not computed" not in text
 
@@ -503,6 +523,14 @@ def test_ridge_and_hitrate_tables(lake, report):
     assert cells[4] == f"{100 * np.mean([r['hit_rate'] for r in hits]):.2f}%"
     assert cells[6] == f"{100 * np.mean([r['hit_rate_lru'] for r in hits]):.2f}%"
     assert cells[8] == "4 of 5"  # 5 prompts x 2 runs = 5 repeat runs; prompt 3's differs
+
+
+def test_llama_numerics_section_gives_headroom_and_llama_perplexity(report):
+    _, text = report
+    block = section(text, "## 7. Does llama.cpp run every file?")
+    # v2's Q8_0 peak is 120: headroom 8321040 / 120; the TQ2_0 site (float32 scale) never overflows
+    assert "| v2 | layer 0 attn_q.weight | Q8_0 | q8_0 | 120 | 6.93e+04x | 0 of 2 | 22.00 (2 x 512 tokens) |" in block
+    assert "skipped" not in block
 
 
 def test_determinism_counts_only_repeat_runs():

@@ -158,7 +158,7 @@ def test_plan_after_heal_is_all_cached(world, capsys):
     capsys.readouterr()
     assert main(["plan", "-c", str(world), "--format", "json"]) == 0
     planned = json.loads(capsys.readouterr().out)
-    assert {p["status"] for p in planned} == {"cached"}
+    assert {p["status"] for p in planned} <= {"cached", "skipped"}  # skipped: llama-check without llama.cpp
 
 
 # ---- knobs ----------------------------------------------------------------------------------

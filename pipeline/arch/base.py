@@ -34,6 +34,7 @@ import numpy as np
 from moeheal.kernels.moce import topk_route
 from moeheal.pipeline import model as M
 from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.numerics import CACHE_K, CACHE_V, probe
 
 if TYPE_CHECKING:
     from moeheal.pipeline.gguf_model import GGUFModel, HParams
@@ -180,6 +181,8 @@ class Architecture:
         `attn_output`. x (B, T, d) normed input -> (B, T, H*hd)."""
         q, k, v = self.project_qkv(params, x, hp)  # (B, T, H, hd), (B, T, Hkv, hd) x2
         q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)  # the family's rotation, shapes kept
+        probe(params, CACHE_K, k)  # llama.cpp's KV cache holds the rotated keys
+        probe(params, CACHE_V, v)
         return M.causal_attention(q, k, v)  # (B, T, H*hd)
 
     @partial(jax.jit, static_argnames=("self", "hp"))
@@ -200,6 +203,7 @@ class Architecture:
         mixed = M.rms_norm(h_attn, params["ffn_norm.weight"], hp.rms_eps)  # (B, T, d)
         if "ffn_gate_inp.weight" not in params:  # a dense layer: no router (static under jit: dict keys)
             return h_attn, attn_in, mixed, jnp.zeros(mixed.shape[:2] + (0,), jnp.float32)  # (B, T, 0)
+        probe(params, "ffn_gate_inp.weight", mixed)
         router_logits = M.einsum("btd,ed->bte", mixed, params["ffn_gate_inp.weight"])  # (B, T, E)
         return h_attn, attn_in, mixed, router_logits
 
@@ -207,8 +211,8 @@ class Architecture:
     def dense_ffn_block(self, params: dict, h_attn: jax.Array, mixed: jax.Array) -> jax.Array:
         """A dense layer's feed-forward half, a SwiGLU FFN: h_attn, mixed (B, T, d) -> h_out (B, T, d)."""
         B, T, d = mixed.shape
-        hidden = M.swiglu(mixed.reshape(B * T, d), params["ffn_gate.weight"], params["ffn_up.weight"])  # (N, f)
-        return h_attn + M.einsum("nf,df->nd", hidden, params["ffn_down.weight"]).reshape(B, T, d)  # (B, T, d)
+        out, _ = M.swiglu_ffn(params, "", mixed.reshape(B * T, d))  # (N, d), (N, f)
+        return h_attn + out.reshape(B, T, d)  # (B, T, d)
 
     # ---- routing and experts ----------------------------------------------
 
@@ -244,8 +248,8 @@ class Architecture:
         N, d = mixed.shape
         gate = jnp.ones((N,), jnp.float32)  # (N,)
         if self.shared_expert == "ungated":
-            hh = M.swiglu(mixed, params["ffn_gate_shexp.weight"], params["ffn_up_shexp.weight"])  # (N, f_s)
-            return M.einsum("nf,df->nd", hh, params["ffn_down_shexp.weight"]), hh, gate  # (N, d), (N, f_s), (N,)
+            out, hh = M.swiglu_ffn(params, "_shexp", mixed)  # (N, d), (N, f_s)
+            return out, hh, gate  # (N, d), (N, f_s), (N,)
         return jnp.zeros((N, d), jnp.float32), jnp.zeros((N, 0), jnp.float32), gate
 
     @partial(jax.jit, static_argnames="self")

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from moeheal.pipeline import model as M
 from moeheal.pipeline.arch.base import Architecture, Routing, register
 from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.numerics import CACHE_K, CACHE_V, probe
 
 if TYPE_CHECKING:
     from moeheal.pipeline.gguf_model import GGUFModel, HParams
@@ -159,6 +160,10 @@ class Deepseek2(Architecture):
         kv_a = M.linear(params, "attn_kv_a_mqa", x)  # (B, T, r_kv + rope)
         c = M.rms_norm(kv_a[..., :r_kv], params["attn_kv_a_norm.weight"], hp.rms_eps)  # (B, T, r_kv)
         k_pe = M.apply_rope_pairs(kv_a[..., None, r_kv:], cos, sin)  # (B, T, 1, rope): one key for all heads
+        probe(params, CACHE_K, jnp.concatenate([c, k_pe[:, :, 0]], axis=-1))  # (B, T, r_kv + rope): llama.cpp's MLA cache
+        probe(params, CACHE_V, c)  # its V is a view of the cached latent
+        probe(params, "attn_k_b.weight", q[..., :nope])  # absorbed MLA: attn_k_b meets q_nope (B, T, H, nope)
+        probe(params, "attn_v_b.weight", c)  # ... and attn_v_b the attention-weighted latent, bounded by max|c|
         k_nope = M.einsum("btc,hcn->bthn", c, params["attn_k_b.weight"])  # (B, T, H, nope)
         v = M.einsum("btc,hvc->bthv", c, params["attn_v_b.weight"])  # (B, T, H, v)
         q = jnp.concatenate([q[..., :nope], q_pe], axis=-1) * yarn_score_scale(hp)  # (B, T, H, hd)

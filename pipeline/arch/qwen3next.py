@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from moeheal.pipeline import model as M
 from moeheal.pipeline.arch.base import MOE_TENSORS, SHARED_EXPERT_TENSORS, Architecture, Routing, register
 from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.numerics import CACHE_K, CACHE_V, probe
 
 if TYPE_CHECKING:
     from moeheal.pipeline.gguf_model import GGUFModel, HParams
@@ -186,12 +187,15 @@ class Qwen3Next(Architecture):
         v = M.linear(params, "attn_v", x).reshape(B, T, Hkv, hd)  # (B, T, Hkv, hd)
         q = partial_rope(M.rms_norm(q, params["attn_q_norm.weight"], hp.rms_eps), cos, sin)  # (B, T, H, hd)
         k = partial_rope(M.rms_norm(k, params["attn_k_norm.weight"], hp.rms_eps), cos, sin)  # (B, T, Hkv, hd)
+        probe(params, CACHE_K, k)  # llama.cpp's KV cache holds the rotated keys
+        probe(params, CACHE_V, v)
         return M.causal_attention(q, k, v) * jax.nn.sigmoid(gate.reshape(B, T, H * hd))  # (B, T, H*hd)
 
     def _moe_input(self, params: dict, h_attn: jax.Array, attn_in: jax.Array,
                    hp: HParams) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """The block's outputs once h_attn (B, T, d) is known: post_attention_norm, then the router."""
         mixed = M.rms_norm(h_attn, params["post_attention_norm.weight"], hp.rms_eps)  # (B, T, d)
+        probe(params, "ffn_gate_inp.weight", mixed)
         router_logits = M.einsum("btd,ed->bte", mixed, params["ffn_gate_inp.weight"])  # (B, T, E)
         return h_attn, attn_in, mixed, router_logits
 

@@ -10,6 +10,11 @@ the whole window (every layer), against LRU and Belady on the plain (bonus 0)
 routing of the same model, and whether each repeat run (rep > 0) is
 bit-identical to the first (`hitrate`; NULL on rep 0).
 
+The first pass over each batch at the lowest bonus (plain routing, as llama.cpp
+routes) also records the largest |activation| at every site where llama.cpp's
+CPU backend narrows activations (`pipeline.numerics`): `activation_peaks`, with
+whether each would overflow there, which fails the variant (`HealRun`).
+
 Windows are padded at the end to a bucket length so a handful of shapes are
 compiled; causal attention and the in-order cache scan make padding invisible
 to every real position.
@@ -28,6 +33,7 @@ from moeheal.kernels.moce import belady_hits, lru_hits, make_routing_hook
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import GGUFModel, open_model
 from moeheal.pipeline.files import read_part, write_parquet
+from moeheal.pipeline.numerics import PEAKS_SCHEMA, ActivationPeaks, peak_rows
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.runner import Runner
 from moeheal.pipeline.stages.corpus import window_tokens
@@ -95,8 +101,10 @@ def reference_logits(out: Path, reference: GGUFModel, windows: pa.Table, tokens:
             np.save(out / f"{w['window_id']}.npy", np.asarray(logits[row, _within(_scored(w), union)], np.float32))
 
 
-def _forward_with_cache(runner: Runner, batch: np.ndarray, bonus: float, cache_experts: int, positions: slice):
-    """Logits (B, T', V) at `positions`, per MoE layer experts (B, T, k), hits (B, T) and misses (B, T).
+def _forward_with_cache(runner: Runner, batch: np.ndarray, bonus: float, cache_experts: int, positions: slice,
+                        peaks: ActivationPeaks | None = None):
+    """Logits (B, T', V) at `positions`, per MoE layer experts (B, T, k), hits (B, T) and misses (B, T);
+    with `peaks`, the pass's activation peaks recorded there.
 
     A family whose routing cache-aware routing does not reproduce (`Architecture.supports_moce`)
     runs its own routing, at bonus 0 only, and its hits are an LRU cache's replaying that routing,
@@ -111,7 +119,8 @@ def _forward_with_cache(runner: Runner, batch: np.ndarray, bonus: float, cache_e
     def on_layer(layer: int, cap) -> None:
         experts[layer] = np.asarray(cap.experts)
 
-    logits = runner.forward(batch, capture=True, routing_hook=hook, on_layer=on_layer, positions=positions)
+    logits = runner.forward(batch, capture=True, routing_hook=hook, on_layer=on_layer, positions=positions,
+                            peaks=peaks)
     if moce:
         return np.asarray(logits), experts, hook.stats
     stats = {}
@@ -124,17 +133,20 @@ def _forward_with_cache(runner: Runner, batch: np.ndarray, bonus: float, cache_e
 def evaluate_model(out: Path, model: GGUFModel, variant: str, ref_dir: Path, windows: pa.Table,
                    tokens: dict[str, np.ndarray], bonuses: tuple[float, ...], cache_experts: int, reps: int,
                    log: Callable[[str], None] = print) -> None:
-    """Write `token_kld.parquet` and `hitrate.parquet` for one model."""
+    """Write `token_kld.parquet`, `hitrate.parquet` and `activation_peaks.parquet` for one model."""
     out.mkdir(parents=True, exist_ok=True)
     runner = Runner(model)
     layers = model.moe_layers
     kld_parts, hit_rows = [], []
+    peaks = ActivationPeaks()  # over the plain-routing passes (the lowest bonus, repetition 0)
     plain_experts: dict[str, dict[int, np.ndarray]] = {}
     for bonus in sorted(bonuses):  # 0 first: its routing is the baselines' trace
         for chunk, batch in progress(_batches(windows.to_pylist(), tokens), desc=f"{variant}@{bonus}",
                                      unit="batch"):
             union = _scored_union(chunk)
-            runs = [_forward_with_cache(runner, batch, bonus, cache_experts, union) for _ in range(reps)]
+            runs = [_forward_with_cache(runner, batch, bonus, cache_experts, union,
+                                        peaks if rep == 0 and bonus == min(bonuses) else None)
+                    for rep in range(reps)]
             logits, experts, _ = runs[0]  # logits (B, scored span, V)
             for row, w in enumerate(chunk):
                 wid, n = w["window_id"], len(tokens[w["window_id"]])
@@ -162,6 +174,8 @@ def evaluate_model(out: Path, model: GGUFModel, variant: str, ref_dir: Path, win
                     "prompt_id": wid})
     write_parquet(out / "token_kld.parquet", pa.concat_tables(kld_parts))
     write_parquet(out / "hitrate.parquet", pa.Table.from_pylist(hit_rows, schema=HITRATE_SCHEMA))
+    write_parquet(out / "activation_peaks.parquet",
+                  pa.Table.from_pylist(peak_rows(model, variant, peaks), schema=PEAKS_SCHEMA))
 
 
 def hitrate_rows(runs: list, row: int, n: int, layers: tuple[int, ...], lru: int, belady: int,

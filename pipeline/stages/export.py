@@ -50,6 +50,10 @@ TABLE_DOCS: dict[str, str] = {
     "recipe": "Per variant and routed-expert tensor: its format as the variant's GGUF stores it, and for a "
               "budget variant the allocation's predicted error.",
     "sizes": "Per model: weights and bytes of the routed experts and of the whole file, from its GGUF's tensor table.",
+    "activation_peaks": "Per variant, layer and site where llama.cpp's CPU backend narrows activations: the largest "
+                        "|activation| on the evaluation windows and whether it would overflow there.",
+    "llama_check": "Per variant: llama.cpp's llama-perplexity on the unseen trace's documents, chunk by chunk "
+                   "(empty where llama.cpp is not installed).",
 }
 
 _VARIANT = "variant name (see `variants`)"
@@ -247,6 +251,26 @@ COLUMN_DOCS: dict[str, dict[str, str]] = {
         "hit_rate_lru": "hit rate of a plain LRU cache on the model's bonus-0 routing",
         "hit_rate_belady": "hit rate of optimal (Belady) eviction on the model's bonus-0 routing",
         "same_as_rep0": "true when logits and routing are bit-identical to repetition 0; NULL on repetition 0",
+    },
+    "activation_peaks": {
+        "variant": _VARIANT,
+        "layer": "layer index; -1 for the output projection",
+        "site": "where llama.cpp narrows the activation: the weight it meets (GGUF short name), or cache_k / "
+                "cache_v for the KV cache",
+        "tensor": "the GGUF tensor of that weight; NULL for the KV cache",
+        "ggml_type": "that tensor's ggml type; the cache type (F16) for the KV cache",
+        "activation": "what llama.cpp's CPU backend converts the activation to (q8_0, q8_k, f16, ...)",
+        "peak": "largest |activation| at the site over the evaluation windows (plain routing)",
+        "overflow_at": "smallest |activation| that conversion turns into inf (inf: none)",
+        "overflow": "true when the peak would overflow there (the run fails)",
+    },
+    "llama_check": {
+        "variant": _VARIANT,
+        "gguf": "the GGUF llama-perplexity ran",
+        "chunk": "chunk of the unseen trace's documents, from 1",
+        "ctx": "tokens per chunk",
+        "ppl": "llama-perplexity's running perplexity after the chunk",
+        "finite": "true when finite (a non-finite one fails the run)",
     },
 }
 

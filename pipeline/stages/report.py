@@ -45,6 +45,7 @@ QUERY_TABLES: dict[str, tuple[str, ...]] = {
     "report_rank_check": ("layer_metrics", "window_kld"),
     "report_sizes": ("sizes", "window_kld"),
     "report_budget_rank_check": ("recipe", "sensitivity", "window_kld"),
+    "report_llama_numerics": ("activation_peaks", "llama_check"),
 }
 
 KIND_ORDER = {"reference": 0, "unhealed": 1, "healed": 2, "external": 3}
@@ -720,7 +721,41 @@ def render_report(data: ReportData, plots: dict[str, dict[str, str]], order: dic
     lines += section_budget(data, order, plots["budget"].get("all"))
     lines += section_ridge(data, order)
     lines += section_hitrate(data, order, plots["hitrate"].get("all"))
+    lines += section_llama_numerics(data, order)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def section_llama_numerics(data: ReportData, order: dict[str, int]) -> list[str]:
+    """Per variant, how close its activations come to where llama.cpp's narrower arithmetic overflows,
+    and llama-perplexity's own run on the unseen trace's documents (or that it was skipped)."""
+    lines = ["## 7. Does llama.cpp run every file?", ""]
+    if data.missing("report_llama_numerics") or data.empty("report_llama_numerics"):
+        return lines + data.not_computed("report_llama_numerics")
+    rows = sorted(data.rows("report_llama_numerics"), key=lambda r: (order.get(r["variant"], len(order)), r["variant"]))
+    lines += ["llama.cpp's CPU backend converts the activations entering a matrix product to 8 bits with an fp16 "
+              "scale per 32 (Q8_0, IQ4_NL weights) or a float32 scale per 256 (k-, i- and TQ quants), and keeps "
+              "keys and values in an f16 cache: a value our float32 forward pass keeps finite can be inf there "
+              "(docs/llamacpp-numerics.md). Headroom: the smallest overflowing value over the largest |activation| "
+              "seen on the evaluation windows, at the closest site; a run fails below 1. llama-perplexity: its "
+              "perplexity on the unseen trace's documents (a run fails on a non-finite one).", ""]
+    if all(r["llama_chunks"] is None for r in rows):
+        lines += ["llama-perplexity: skipped (llama.cpp is not installed: set LLAMA_CPP_DIR to a build folder "
+                  "holding bin/llama-perplexity).", ""]
+
+    def llama(r: Row) -> str:
+        if r["llama_chunks"] is None:
+            return "skipped"
+        return f"{fmt_num(r['llama_ppl'], 2)} ({r['llama_chunks']} x {r['llama_ctx']} tokens)"
+
+    def where(r: Row) -> str:
+        return "output" if r["layer"] == -1 else f"layer {r['layer']}"
+
+    lines += markdown_table(["variant", "closest site", "weight type", "activations to", "max |x|", "headroom",
+                             "sites overflowing", "llama-perplexity"],
+                            ([r["variant"], f"{where(r)} {r['site']}", r["ggml_type"], r["activation"],
+                              f"{r['peak']:.4g}", f"{r['headroom']:.3g}x", f"{r['n_overflow']} of {r['n_sites']}",
+                              llama(r)] for r in rows))
+    return lines + ["", source_note("report_llama_numerics"), ""]
 
 
 def plot_files(report_dir: Path) -> list[Path]:
