@@ -18,6 +18,7 @@ from moeheal.pipeline.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf_write import copy_gguf
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.runner import Runner
 from moeheal.pipeline.stages import e2e
@@ -53,29 +54,24 @@ def _models(run: HealRun) -> tuple[GGUFModel, GGUFModel]:
     return GGUFModel(run.assemble(variant).path), GGUFModel(run.final_model(variant)[1])
 
 
-def test_written_file_changes_only_scales_norms_and_routers(tuned):
+def _changed_bytes(assembled: Path, written: Path, quantized: list[str], floats: list[str]) -> tuple[int, int]:
     """Decoded with gguf-py: the same keys and tensor table; every integer code of every quantized
-    tensor identical; bytes differ only at the fp16 scales and in the F32 norm/router tensors."""
-    _, run = tuned
-    assembled, written = _models(run)
-    a, w = GGUFReader(assembled.path), GGUFReader(written.path)
+    tensor identical and its bytes different only at the fp16 scales; every tensor neither
+    quantized nor tuned float byte-identical. Returns (quantized tensors changed, float tensors changed)."""
+    a, w = GGUFReader(assembled), GGUFReader(written)
     assert set(a.fields) == set(w.fields)
     for key, field in a.fields.items():
         assert [bytes(p) for p in field.parts] == [bytes(p) for p in w.fields[key].parts], key
-    quantized, floats = e2e.tuned_tensors(assembled, GGUFModel(run.cfg.source))
-    assert {n.split(".")[-2] for n in quantized} >= {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
-    assert {e2e.short_name(n) for n in floats} == {"attn_norm.weight", "ffn_norm.weight", "ffn_gate_inp.weight",
-                                                   "output_norm.weight"}
     changed_scales = changed_floats = 0
-    for ta, tw in zip(a.tensors, w.tensors):
+    for ta, tw in zip(a.tensors, w.tensors, strict=True):
         assert (ta.name, ta.tensor_type, list(ta.shape), ta.data_offset) == \
                (tw.name, tw.tensor_type, list(tw.shape), tw.data_offset)
         ra, rw = np.asarray(ta.data).view(np.uint8), np.asarray(tw.data).view(np.uint8)
         if ta.name in quantized:
             fmt = kernels.format_of(ta.tensor_type)
-            pa_, pw = fmt.unpack(jnp.asarray(ra.reshape(-1, fmt.type_size))), \
-                fmt.unpack(jnp.asarray(rw.reshape(-1, fmt.type_size)))
-            for i, (x, y) in enumerate(zip(pa_, pw)):
+            parts_a = fmt.unpack(jnp.asarray(ra.reshape(-1, fmt.type_size)))
+            parts_w = fmt.unpack(jnp.asarray(rw.reshape(-1, fmt.type_size)))
+            for i, (x, y) in enumerate(zip(parts_a, parts_w)):
                 if i not in fmt.fp16_parts:
                     np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{ta.name} part {i}")
             diff = np.flatnonzero((ra != rw).reshape(-1, fmt.type_size).any(axis=0))  # byte positions in a block
@@ -85,8 +81,32 @@ def test_written_file_changes_only_scales_norms_and_routers(tuned):
             changed_floats += int((ra != rw).any())
         else:
             np.testing.assert_array_equal(ra, rw, err_msg=ta.name)
-    assert changed_scales and changed_floats
-    assert assembled.path.stat().st_size == written.path.stat().st_size
+    assert assembled.stat().st_size == written.stat().st_size
+    return changed_scales, changed_floats
+
+
+def test_written_file_changes_only_scales_norms_and_routers(tuned, tmp_path):
+    """Scales, norms and routers moved by a relative change of a few percent, written as the stage
+    writes them: only those bytes differ; and the stage's own file passes the same check."""
+    _, run = tuned
+    assembled, written = _models(run)
+    source = GGUFModel(run.cfg.source)
+    quantized, floats = e2e.tuned_tensors(assembled, source)
+    assert {n.split(".")[-2] for n in quantized} >= {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
+    assert {e2e.short_name(n) for n in floats} == {"attn_norm.weight", "ffn_norm.weight", "ffn_gate_inp.weight",
+                                                   "output_norm.weight"}
+    tuner = e2e.Tuner(assembled, source)
+    rng = np.random.default_rng(0)
+    theta = jax.tree_util.tree_map(lambda u: jnp.asarray(0.03 * rng.standard_normal(u.shape), jnp.float32),
+                                   tuner.theta0)
+    moved = tmp_path / "moved.gguf"
+    copy_gguf(assembled, moved, tuner.replacements(theta))
+    assert _changed_bytes(assembled.path, moved, quantized, floats) == (len(quantized), len(floats))
+    # what the file decodes to (gguf-py) is what the tuner's forward used
+    name = quantized[0]
+    np.testing.assert_array_equal(GGUFModel(moved).tensor(name),
+                                  np.asarray(tuner.weights(theta, tuner.base)[name]))
+    _changed_bytes(assembled.path, written.path, quantized, floats)
 
 
 def test_tuned_file_is_no_worse_on_the_unseen_trace_and_the_curve_says_so(tuned):
