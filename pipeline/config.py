@@ -25,7 +25,7 @@ BUDGET_ROLES = ("routed", "all")
 # `quant = { gate = ..., up = ..., down = ... }`: the routed-expert tensor of each role.
 EXPERT_ROLES = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 # `e2e = true`'s defaults (docs/e2e-tuning.md: the demo's measured curve).
-E2E_STEPS = 40
+E2E_STEPS = 25
 E2E_LR = 2e-3
 
 

@@ -135,7 +135,7 @@ def test_gradient_wrt_a_scale_matches_float64_finite_differences(tuned):
     reference = Runner(GGUFModel(run.cfg.reference))
     trace = e2e.Trace(reference, *trace_tokens(run.traces().path, "calibration"), run.cfg.seq_tokens)
     name = f"blk.{assembled.hp.n_layer - 1}.ffn_down_exps.weight"
-    with jax.experimental.enable_x64():
+    with jax.enable_x64(True):
         tuner = e2e.Tuner(assembled, GGUFModel(run.cfg.source), round_scales=False)
         base = jax.tree_util.tree_map(
             lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x, tuner.base)
@@ -149,10 +149,10 @@ def test_gradient_wrt_a_scale_matches_float64_finite_differences(tuned):
             return tuner.mean_kl(theta, base, tokens, ref, mask)
 
         grad = float(jax.grad(loss)(jnp.float64(0.0)))
-        h = 1e-4
+        h = 1e-3  # relative change of every scale; float32 parts of the forward put noise of ~1e-4 on fd
         fd = float((loss(jnp.float64(h)) - loss(jnp.float64(-h))) / (2 * h))
     assert abs(grad) > 1e-6
-    assert grad == pytest.approx(fd, rel=2e-3)
+    assert grad == pytest.approx(fd, rel=5e-3)
 
 
 def test_fp16_ste_rounds_forward_and_passes_gradients():
