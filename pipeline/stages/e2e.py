@@ -14,8 +14,9 @@ differentiable function of those parameters: a quantized weight is
 ``dequantize_parts(frozen codes, tuned scales)``, the float32 products gguf-py decodes the
 written bytes to, so the loss sees exactly the file that will be written (`kernels.e2e`: the
 scales pass through a straight-through fp16 rounding). Steps are Adam on the relative change of
-each parameter, a few calibration sequences at a time. Every `EVAL_EVERY` steps the KL over the
-whole calibration trace and the whole unseen trace is recorded (`e2e_curve.parquet`), and the
+each parameter, `BATCH_SEQS` calibration sequences at a time. Every `EVAL_EVERY` steps the KL
+over the whole unseen trace and over a fixed probe of the calibration trace (its first
+`CAL_PROBE_SEQS` sequences, in-sample) is recorded (`e2e_curve.parquet`), and the
 written parameters are those of the step with the lowest unseen KL, step 0 (the assembled file
 as it is) included, so tuning never makes the held-out trace worse; the evaluation windows are
 never read.
