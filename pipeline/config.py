@@ -30,6 +30,9 @@ LEARNED_STEPS = 32
 BUDGET_ROLES = ("routed", "all")
 # `quant = { gate = ..., up = ..., down = ... }`: the routed-expert tensor of each role.
 EXPERT_ROLES = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
+# `e2e = true`'s defaults (docs/e2e-tuning.md: the demo's measured curve).
+E2E_STEPS = 25
+E2E_LR = 2e-3
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,9 @@ class Variant:
     candidates: tuple[str, ...] = ()  # `formats = [...]`: the formats the allocation may choose from
     budget_roles: str = "routed"  # which tensors the budget counts and chooses formats for (BUDGET_ROLES)
     sensitivity_round: str = ""  # rounding of the per-tensor sensitivity measurement; "" = the variant's `round`
+    e2e: bool = False  # tune the file's float parameters on the model's output after assembly (pipeline/stages/e2e.py)
+    e2e_steps: int = E2E_STEPS
+    e2e_lr: float = E2E_LR
     gguf: Path | None = None
 
     @property
@@ -104,6 +110,11 @@ class Variant:
             "importance": self.importance, "cal_tokens": self.cal_tokens,
             **({"learned_steps": self.learned_steps} if self.round == LEARNED else {}),
         }
+
+    def e2e_knobs(self) -> dict[str, Any]:
+        """The end-to-end tuning's knobs (empty without it): apart from `knobs`, which the assembled
+        GGUF depends on, so an e2e knob re-runs the tuning only."""
+        return {"e2e": True, "e2e_steps": self.e2e_steps, "e2e_lr": self.e2e_lr} if self.e2e else {}
 
 
 # The contract's baseline: same format, no calibration data, no alpha, no ridge.
@@ -166,7 +177,7 @@ _SCHEMA: dict[str, set[str]] = {
     "variant": {"name", "quant", "beta_gate_up", "beta_down", "down_blend_tokens", "alpha",
                 "ridge_rho", "ridge_eta", "shexp_down", "round", "gptq_damp", "gptq_shrink",
                 "gptq_router_weighted", "importance", "cal_tokens", "budget_bpw", "formats", "budget_roles",
-                "sensitivity_round", "gguf", "learned_steps"},
+                "sensitivity_round", "gguf", "learned_steps", "e2e", "e2e_steps", "e2e_lr"},
 }
 
 
@@ -241,6 +252,9 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any], peers_ma
         importance=r.get("importance", bool, True),
         cal_tokens=r.number("cal_tokens", int, 0, 0, 1 << 26),
         learned_steps=r.number("learned_steps", int, LEARNED_STEPS, 1, 1 << 20),
+        e2e=r.get("e2e", bool, False),
+        e2e_steps=r.number("e2e_steps", int, E2E_STEPS, 0, 1 << 20),
+        e2e_lr=r.number("e2e_lr", float, E2E_LR, 0.0, 1.0),
     )
     _refuse_knobs_without_effect(r, variant)
     return variant
@@ -303,6 +317,8 @@ _CONDITIONAL_KNOBS = {
     "beta_down": (lambda v: v.importance, "has no effect with importance = false"),
     "down_blend_tokens": (lambda v: v.importance, "has no effect with importance = false"),
     "ridge_eta": (lambda v: v.ridge_rho > 0, "has no effect with ridge_rho = 0 (no ridge)"),
+    "e2e_steps": (lambda v: v.e2e, "has no effect without e2e = true"),
+    "e2e_lr": (lambda v: v.e2e, "has no effect without e2e = true"),
     "shexp_down": (lambda v: not (v.budgeted and v.budget_roles == "all"),
                    'has no effect with budget_roles = "all": the allocation chooses the shared down projection\'s format'),
 }
@@ -385,6 +401,9 @@ def load_config(path: str | Path, peers_may_be_missing: bool = False) -> Config:
             if v.budgeted:
                 raise InputError(f"{file}: [variant[{i}]] budget_bpw: needs [calibration] unseen_tokens > 0 "
                                  "(the sensitivity of each tensor is measured on the unseen dump)")
+            if v.e2e:
+                raise InputError(f"{file}: [variant[{i}]] e2e: needs [calibration] unseen_tokens > 0 "
+                                 "(the tuning stops on the unseen trace's KL)")
     for name in names:
         if names.count(name) > 1 or name == UNHEALED.name:
             raise InputError(f"{file}: [[variant]] name: {name!r} is reserved or used twice")

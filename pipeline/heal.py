@@ -44,7 +44,7 @@ from moeheal.pipeline.gguf_model import GGUFModel, open_model
 from moeheal.pipeline.lake import Lake, Publication, StageResult, read_sources
 from moeheal.pipeline.numerics import overflow_message
 from moeheal.pipeline.progress import progress
-from moeheal.pipeline.stages import calibrate, corpus, dump, evaluate, llamacheck, quantize, sensitivity
+from moeheal.pipeline.stages import calibrate, corpus, dump, e2e, evaluate, llamacheck, quantize, sensitivity
 from moeheal.pipeline.tokenizer import build_tokenizer
 
 _STAGES = "moeheal.pipeline.stages"
@@ -59,12 +59,13 @@ ALLOCATE = Stage("allocate", "parts", "", f"{_STAGES}.sensitivity")
 QUANTIZE = Stage("quantize", "quant", "", f"{_STAGES}.quantize")
 CALIBRATE = Stage("calibrate", "quant", "", f"{_STAGES}.calibrate")
 ASSEMBLE = Stage("assemble", "models", ".gguf", f"{_STAGES}.calibrate")
+E2E = Stage("e2e", "models", "", f"{_STAGES}.e2e")
 REFERENCE = Stage("reference-logits", "parts", "", f"{_STAGES}.evaluate")
 EVALUATE = Stage("evaluate", "parts", "", f"{_STAGES}.evaluate")
 COMPARISONS = Stage("comparisons", "parts", "", "moeheal.pipeline.stats")
 LLAMA_CHECK = Stage("llama-check", "parts", "", f"{_STAGES}.llamacheck")
 STAGES = (CORPUS, TRACES, WINDOWS, AUDIT, DUMP, IMPORT_DUMP, SENSITIVITY, ALLOCATE, QUANTIZE, CALIBRATE, ASSEMBLE,
-          REFERENCE, EVALUATE, COMPARISONS, LLAMA_CHECK)
+          E2E, REFERENCE, EVALUATE, COMPARISONS, LLAMA_CHECK)
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
                   "tokenizer.ggml.token_type")
 
@@ -368,6 +369,23 @@ class HealRun:
                            lambda out: calibrate.build_assembly(out, self.cfg.source, [u.path for u in units],
                                                                 variant.name, params))
 
+    def e2e(self, variant: Variant) -> StageResult:
+        """The assembled GGUF with its float parameters tuned on the model's output (`e2e = true`)."""
+        params = e2e.E2EParams.of(variant, self.cfg.seq_tokens)
+        up = {"model": self.assemble(variant), "traces": self.traces()}
+        inputs = {"reference": self.cfg.reference, "source": self.cfg.source}
+        return self._stage(f"e2e:{variant.name}", E2E, params, inputs, up, lambda out: e2e.build_e2e(
+            out, up["model"].path, self.cfg.source, self.cfg.reference, up["traces"].path, params, self.log))
+
+    def final_model(self, variant: Variant) -> tuple[StageResult, Path]:
+        """The stage that writes one of our variants' GGUF, and the file: the tuned one with
+        `e2e = true`, else the assembled one."""
+        if variant.e2e:
+            result = self.e2e(variant)
+            return result, result.path / e2e.MODEL_FILE
+        result = self.assemble(variant)
+        return result, result.path
+
     # ---- evaluation ----------------------------------------------------------------
     def reference_logits(self) -> StageResult:
         up = {"windows": self.windows(), "corpus": self.corpus()}
@@ -384,8 +402,7 @@ class HealRun:
         if variant.kind == "external":
             inputs["model"] = gguf = variant.gguf
         else:
-            up["model"] = self.assemble(variant)
-            gguf = up["model"].path
+            up["model"], gguf = self.final_model(variant)
         return self._stage(f"evaluate:{variant.name}", EVALUATE, params, inputs, up,
                            lambda out: evaluate.build_evaluation(
                                out, gguf, variant.name, up["reference"].path, up["windows"].path,
@@ -406,8 +423,7 @@ class HealRun:
         if variant.kind == "external":
             inputs["model"] = gguf = variant.gguf
         else:
-            up["model"] = self.assemble(variant)
-            gguf = up["model"].path
+            up["model"], gguf = self.final_model(variant)
         if binary is None or not cfg.unseen_tokens:
             if label not in self._skipped:
                 self._skipped.add(label)
@@ -463,13 +479,14 @@ class HealRun:
                              "fingerprint": open_model(variant.gguf).digest()[:32],
                              "params": json.dumps(variant.knobs()), "gguf": str(variant.gguf)})
             else:
-                result = self.assemble(variant)
+                result, gguf = self.final_model(variant)
                 rows.append({"variant": variant.name, "kind": variant.kind, "fingerprint": result.fingerprint,
-                             "params": json.dumps(variant.knobs(), sort_keys=True), "gguf": str(result.path)})
+                             "params": json.dumps(variant.knobs() | variant.e2e_knobs(), sort_keys=True),
+                             "gguf": str(gguf)})
         return pa.Table.from_pylist(rows)
 
     def variant_gguf(self, variant: Variant) -> Path:
-        return variant.gguf if variant.kind == "external" else self.assemble(variant).path
+        return variant.gguf if variant.kind == "external" else self.final_model(variant)[1]
 
     def sensitivity_table(self) -> pa.Table:
         """Every distinct sensitivity measurement of the run (budget variants with the same knobs share
@@ -530,7 +547,7 @@ class HealRun:
             return [unit for v in quantized for unit in self.calibrated_layers(v)]
 
         def ggufs() -> list[Any]:
-            return [open_model(v.gguf).digest() if v.kind == "external" else self.assemble(v) for v in evaluated]
+            return [open_model(v.gguf).digest() if v.kind == "external" else self.final_model(v)[0] for v in evaluated]
 
         def measured() -> list[Any]:
             return ggufs() + [self.sensitivity(v) for v in self.budget_variants()]
@@ -566,6 +583,10 @@ class HealRun:
         if self.budget_variants():
             declared["sensitivity"] = (lambda: [self.sensitivity(v) for v in self.budget_variants()],
                                        self.sensitivity_table)
+        tuned = [v for v in self.cfg.healed_variants if v.e2e]
+        if tuned:
+            declared["e2e_curve"] = (lambda: [self.e2e(v) for v in tuned], lambda: pa.concat_tables(
+                [read_part(self.e2e(v).path / e2e.CURVE_FILE, ()) for v in tuned]))
         learners = [v for v in quantized if v.round == quantize.LEARNED]
         if learners:
             declared["learned_curve"] = (lambda: [self.quantize(v, layer) for v in learners
@@ -627,7 +648,7 @@ class HealRun:
         for trace in self.traces_present():
             self.dump(trace)
         for variant in self.all_quantized_variants():
-            self.assemble(variant)
+            self.final_model(variant)
         self.comparisons()
         for variant in self.evaluated_variants():
             self.llama_check(variant)

@@ -46,6 +46,8 @@ QUERY_TABLES: dict[str, tuple[str, ...]] = {
     "report_sizes": ("sizes", "window_kld"),
     "report_budget_rank_check": ("recipe", "sensitivity", "window_kld"),
     "report_llama_numerics": ("activation_peaks", "llama_check"),
+    "report_e2e": ("e2e_curve",),
+    "report_e2e_curve": ("e2e_curve",),
 }
 
 KIND_ORDER = {"reference": 0, "unhealed": 1, "healed": 2, "external": 3}
@@ -60,7 +62,7 @@ SPLIT_LABELS = {
 }
 BASELINE_KIND = "unhealed"
 # The plots this module writes; only these are replaced in, or exported from, a report folder.
-PLOT_PATTERNS = ("strata_kld_*.png", "window_deltas_*.png", "layers.png", "hitrate.png", "kld_size.png")
+PLOT_PATTERNS = ("strata_kld_*.png", "window_deltas_*.png", "layers.png", "hitrate.png", "kld_size.png", "e2e_curve.png")
 DAGGER = "\u2020"
 ZERO_WIDTH = "\u2021"
 ZERO_WIDTH_NOTE = (f"{ZERO_WIDTH} = the bootstrap CI has zero width: resampling within strata cannot vary "
@@ -677,7 +679,8 @@ def plot_hitrate(rows: list[Row], order: dict[str, int], out: Path) -> None:
 def draw_plots(data: ReportData, order: dict[str, int], baseline: str | None,
                out_dir: Path) -> dict[str, dict[str, str]]:
     """Write every plot the lake has data for; returns {section: {key: file name}}."""
-    plots: dict[str, dict[str, str]] = {"strata": {}, "windows": {}, "layers": {}, "hitrate": {}, "budget": {}}
+    plots: dict[str, dict[str, str]] = {"strata": {}, "windows": {}, "layers": {}, "hitrate": {}, "budget": {},
+                                        "e2e": {}}
     strata = data.rows("pooled")
     ci = data.rows("report_stratum_ci")
     for name in sorted_sets(r["set"] for r in strata):
@@ -699,6 +702,9 @@ def draw_plots(data: ReportData, order: dict[str, int], baseline: str | None,
     if sizes:
         plot_kld_size(sizes, order, out_dir / "kld_size.png")
         plots["budget"]["all"] = "kld_size.png"
+    if data.rows("report_e2e_curve"):
+        plot_e2e_curve(data.rows("report_e2e_curve"), order, out_dir / "e2e_curve.png")
+        plots["e2e"]["all"] = "e2e_curve.png"
     hits = data.rows("report_hitrate")
     if hits:
         plot_hitrate(hits, order, out_dir / "hitrate.png")
@@ -721,6 +727,7 @@ def render_report(data: ReportData, plots: dict[str, dict[str, str]], order: dic
     lines += section_budget(data, order, plots["budget"].get("all"))
     lines += section_ridge(data, order)
     lines += section_hitrate(data, order, plots["hitrate"].get("all"))
+    lines += section_e2e(data, order, plots["e2e"].get("all"))
     lines += section_llama_numerics(data, order)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -756,6 +763,49 @@ def section_llama_numerics(data: ReportData, order: dict[str, int]) -> list[str]
                               f"{r['peak']:.4g}", f"{r['headroom']:.3g}x", f"{r['n_overflow']} of {r['n_sites']}",
                               llama(r)] for r in rows))
     return lines + ["", source_note("report_llama_numerics"), ""]
+
+
+def section_e2e(data: ReportData, order: dict[str, int], plot: str | None) -> list[str]:
+    """The end-to-end tuning's KL before and after, for variants with `e2e = true` (none: no section)."""
+    if "e2e_curve" not in data.present:
+        return []
+    lines = ["## End-to-end tuning (`e2e = true`)", "",
+             "Mean KL(reference ‖ tuned model) per token, in nats, while the file's fp16 scales, norms and "
+             "routers are tuned on the calibration trace. Held-out: the whole unseen trace, which also chooses "
+             "the kept step (the lowest, step 0 included). In-sample: a fixed probe of calibration sequences "
+             "that are trained on. Seconds: the tuning's CPU time.", ""]
+    rows = sorted(data.rows("report_e2e"), key=lambda r: (order.get(r["variant"], 99), r["split"] != "unseen"))
+    label = {"unseen": "held-out (unseen trace)", "calibration": "in-sample (calibration probe)"}
+    lines += markdown_table(
+        ["variant", "data", "tokens", "KL step 0", "kept step", "KL kept", "change", "KL last step", "CPU s"],
+        ([r["variant"], label.get(r["split"], r["split"]), str(r["tokens"]), fmt_num(r["kl_start"], 5),
+          f"{r['kept_step']} of {r['steps']}", fmt_num(r["kl_kept"], 5),
+          fmt_signed(100 * (r["kl_kept"] / r["kl_start"] - 1), 2) + "%", fmt_num(r["kl_last"], 5),
+          fmt_num(r["seconds"], 0)] for r in rows))
+    lines += ["", source_note("report_e2e"), ""]
+    if plot:
+        lines += figure(plot, "e2e loss curves", "KL per measured step (`e2e_curve`): solid = held-out "
+                        "(unseen trace), dashed = in-sample (calibration probe); the dot marks the kept step.")
+    return lines
+
+
+def plot_e2e_curve(rows: list[Row], order: dict[str, int], out: Path) -> None:
+    """KL against step per variant, both splits, the kept step marked."""
+    variants = sorted({r["variant"] for r in rows}, key=lambda v: order.get(v, 99))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for color, variant in enumerate(variants):
+        for split, style in (("unseen", "-"), ("calibration", "--")):
+            pts = sorted((r["step"], r["kl"]) for r in rows if r["variant"] == variant and r["split"] == split)
+            if pts:
+                ax.plot(*zip(*pts), style, color=f"C{color}", label=f"{variant}, {split}")
+            if split == "unseen" and pts:
+                ax.plot(*min(pts, key=lambda p: p[1]), "o", color=f"C{color}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("KL per token (nats)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
 
 
 def plot_files(report_dir: Path) -> list[Path]:

@@ -1,0 +1,151 @@
+"""End-to-end tuning's cost per calibration token (`pipeline/stages/e2e.py`), at a real width.
+
+    python bench/bench_e2e.py [--like qwen3-30b-a3b] [--layers 1 2] [--seq 512] [--batch 1]
+    python bench/bench_e2e.py --gguf demo/model/demo-q8_0.gguf     # the demo model itself
+
+For each layer count, writes `moeheal synth --like ... --layers N` (the real model's shapes and
+vocabulary, random weights), quantizes its routed experts to Q2_K with our kernels (the
+"assembled" file: codes and fp16 scales as the e2e stage finds them) and times, on whatever
+backend JAX finds:
+- one tuning step (forward, KL against the reference's log-probabilities, gradient with respect
+  to every fp16 scale, norm and router, one Adam update) on `--batch` sequences of `--seq` tokens;
+- one forward-only KL pass on the same batch (what the curve's measurements cost per token);
+- the baseline in the same run: the runner's plain forward (`Runner.forward`, weights cached) on
+  the same tokens, so the ratio says what differentiating through the dequantization costs.
+With two layer counts the difference is one layer's cost, and a whole-model figure per token is
+extrapolated (labelled so): the fixed part (embedding, output projection, KL over the vocabulary)
+plus n_layer times the per-layer part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.timing import best_of  # noqa: E402
+
+
+def assembled_q2_k(source: Path, out: Path) -> Path:
+    """The source with every routed expert tensor quantized to Q2_K (plain rounding)."""
+    from gguf import GGMLQuantizationType
+
+    from moeheal import kernels
+    from moeheal.pipeline.gguf_model import GGUFModel
+    from moeheal.pipeline.gguf_write import copy_gguf
+
+    model = GGUFModel(source)
+    replace = {}
+    for name in model.tensor_names:
+        if name.endswith("_exps.weight"):
+            replace[name] = (kernels.quantize_experts(model.device_tensor(name), "q2_k"), GGMLQuantizationType.Q2_K)
+    copy_gguf(model, out, replace)
+    return out
+
+
+def bench_model(reference_path: Path, assembled_path: Path, batch: int, seq: int, reps: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from moeheal.kernels.e2e import adam_init, adam_step
+    from moeheal.pipeline.gguf_model import GGUFModel
+    from moeheal.pipeline.runner import Runner
+    from moeheal.pipeline.stages.e2e import Tuner
+
+    # CPU seconds on a CPU backend (a shared machine's wall clock counts other work), else wall seconds
+    clock = time.process_time if jax.default_backend() == "cpu" else time.perf_counter
+    timed = lambda fn: best_of(fn, reps, clock)  # noqa: E731
+    reference, assembled = GGUFModel(reference_path), GGUFModel(assembled_path)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, reference.hp.vocab_size, (batch, seq)).astype(np.int32)  # (B, T)
+    runner = Runner(reference)
+    logits = runner.forward(tokens)  # (B, T, V), compiles
+    ref_logp = jax.nn.log_softmax(jnp.asarray(logits), axis=-1)  # (B, T, V)
+    plain = timed(lambda: runner.forward(tokens))
+    del runner, logits
+    tuner = Tuner(assembled, reference)
+    args = (jnp.asarray(tokens), ref_logp, jnp.ones((batch, seq), jnp.float32))
+    state = adam_init(tuner.theta0)
+
+    def step() -> None:
+        _, grad = tuner._grad(tuner.theta0, tuner.base, *args)
+        jax.block_until_ready(adam_step(tuner.theta0, grad, state, jnp.float32(1e-3)))
+
+    def kl() -> None:
+        jax.block_until_ready(tuner._kl(tuner.theta0, tuner.base, *args))
+
+    start = clock()
+    step()
+    first = clock() - start
+    kl()
+    n = batch * seq
+    row = {"layers": reference.hp.n_layer, "d_model": reference.hp.d_model, "vocab": reference.hp.vocab_size,
+           "tokens": n, "backend": f"{jax.default_backend()} ({jax.devices()[0].device_kind})",
+           "clock": clock.__name__, "first_step_s": first, "step_s": timed(step), "kl_s": timed(kl),
+           "plain_forward_s": plain,
+           "tuned_params": sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tuner.theta0))}
+    row["step_ms_per_token"] = 1e3 * row["step_s"] / n
+    row["step_vs_plain_forward"] = row["step_s"] / plain
+    stats = jax.devices()[0].memory_stats() or {}
+    row["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--like", default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--gguf", type=Path, help="bench this GGUF instead of a synthetic one")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--jobs", type=int, default=8, help="synth's worker processes")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/moeheal-bench-e2e"))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    if args.gguf:
+        sources = [args.gguf]
+    else:
+        from moeheal.pipeline.synth import write_synth
+
+        sources = []
+        for n in args.layers:
+            path = args.work / f"{args.like}-{n}l.gguf"
+            if not path.exists():
+                write_synth(path, args.like, n_layer=n, jobs=args.jobs)
+            sources.append(path)
+    for source in sources:
+        assembled = assembled_q2_k(source, args.work / f"{source.stem}-q2_k.gguf")
+        rows.append(bench_model(source, assembled, args.batch, args.seq, args.reps))
+        print(json.dumps(rows[-1]), flush=True)
+    print("| layers | d | vocab | tokens | backend | step s | ms/token | KL pass s | plain forward s | step / forward |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['layers']} | {r['d_model']} | {r['vocab']} | {r['tokens']} | {r['backend']} | {r['step_s']:.3f} | "
+              f"{r['step_ms_per_token']:.3f} | {r['kl_s']:.3f} | {r['plain_forward_s']:.3f} | "
+              f"{r['step_vs_plain_forward']:.1f}x |")
+    if len(rows) == 2 and rows[1]["layers"] > rows[0]["layers"]:
+        from moeheal.pipeline.synth import LIKE
+
+        a, b = rows
+        per_layer = (b["step_s"] - a["step_s"]) / (b["layers"] - a["layers"])
+        fixed = a["step_s"] - a["layers"] * per_layer
+        n_layer = LIKE[args.like].hp.n_layer
+        whole = fixed + n_layer * per_layer
+        print(f"per layer {1e3 * per_layer / a['tokens']:.3f} ms/token, fixed {1e3 * fixed / a['tokens']:.3f} ms/token; "
+              f"extrapolated to {n_layer} layers: {1e3 * whole / a['tokens']:.2f} ms per calibration token per step")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

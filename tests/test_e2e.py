@@ -1,0 +1,192 @@
+"""End-to-end tuning (`e2e = true`): what the written file changes, that it never worsens the unseen
+trace, that its gradient is the forward's, its config, and its place in the DAG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from gguf import GGUFReader
+
+from moeheal import kernels
+from moeheal.kernels.e2e import fp16_ste
+from moeheal.pipeline.cli import main
+from moeheal.pipeline.config import load_config
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf_write import copy_gguf
+from moeheal.pipeline.heal import HealRun
+from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.stages import e2e
+from moeheal.pipeline.stages.corpus import trace_tokens
+from tests.healworld import write_world
+
+E2E_VARIANT = """
+[[variant]]
+name = "k_e2e"
+quant = "q2_k"
+round = "ls"
+e2e = true
+e2e_steps = 6
+e2e_lr = 0.01
+"""
+
+
+class Log(list):
+    def __call__(self, message: str) -> None:
+        self.append(message)
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory) -> tuple[Path, HealRun]:
+    config = write_world(tmp_path_factory.mktemp("e2e"), variants=E2E_VARIANT, moce_bonus=(0.0,))
+    run = HealRun(load_config(config), log=Log())
+    run.heal()
+    return config, run
+
+
+def _models(run: HealRun) -> tuple[GGUFModel, GGUFModel]:
+    variant = run.cfg.variants[0]
+    return GGUFModel(run.assemble(variant).path), GGUFModel(run.final_model(variant)[1])
+
+
+def _changed_bytes(assembled: Path, written: Path, quantized: list[str], floats: list[str]) -> tuple[int, int]:
+    """Decoded with gguf-py: the same keys and tensor table; every integer code of every quantized
+    tensor identical and its bytes different only at the fp16 scales; every tensor neither
+    quantized nor tuned float byte-identical. Returns (quantized tensors changed, float tensors changed)."""
+    a, w = GGUFReader(assembled), GGUFReader(written)
+    assert set(a.fields) == set(w.fields)
+    for key, field in a.fields.items():
+        assert [bytes(p) for p in field.parts] == [bytes(p) for p in w.fields[key].parts], key
+    changed_scales = changed_floats = 0
+    for ta, tw in zip(a.tensors, w.tensors, strict=True):
+        assert (ta.name, ta.tensor_type, list(ta.shape), ta.data_offset) == \
+               (tw.name, tw.tensor_type, list(tw.shape), tw.data_offset)
+        ra, rw = np.asarray(ta.data).view(np.uint8), np.asarray(tw.data).view(np.uint8)
+        if ta.name in quantized:
+            fmt = kernels.format_of(ta.tensor_type)
+            parts_a = fmt.unpack(jnp.asarray(ra.reshape(-1, fmt.type_size)))
+            parts_w = fmt.unpack(jnp.asarray(rw.reshape(-1, fmt.type_size)))
+            for i, (x, y) in enumerate(zip(parts_a, parts_w)):
+                if i not in fmt.fp16_parts:
+                    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{ta.name} part {i}")
+            diff = np.flatnonzero((ra != rw).reshape(-1, fmt.type_size).any(axis=0))  # byte positions in a block
+            assert set(diff) <= {o + j for o in fmt.scale_offsets for j in (0, 1)}, ta.name
+            changed_scales += int((ra != rw).any())
+        elif ta.name in floats:
+            changed_floats += int((ra != rw).any())
+        else:
+            np.testing.assert_array_equal(ra, rw, err_msg=ta.name)
+    assert assembled.stat().st_size == written.stat().st_size
+    return changed_scales, changed_floats
+
+
+def test_written_file_changes_only_scales_norms_and_routers(tuned, tmp_path):
+    """Scales, norms and routers moved by a relative change of a few percent, written as the stage
+    writes them: only those bytes differ; and the stage's own file passes the same check."""
+    _, run = tuned
+    assembled, written = _models(run)
+    source = GGUFModel(run.cfg.source)
+    quantized, floats = e2e.tuned_tensors(assembled, source)
+    assert {n.split(".")[-2] for n in quantized} >= {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
+    assert {e2e.short_name(n) for n in floats} == {"attn_norm.weight", "ffn_norm.weight", "ffn_gate_inp.weight",
+                                                   "output_norm.weight"}
+    tuner = e2e.Tuner(assembled, source)
+    rng = np.random.default_rng(0)
+    theta = jax.tree_util.tree_map(lambda u: jnp.asarray(0.03 * rng.standard_normal(u.shape), jnp.float32),
+                                   tuner.theta0)
+    moved = tmp_path / "moved.gguf"
+    copy_gguf(assembled, moved, tuner.replacements(theta))
+    assert _changed_bytes(assembled.path, moved, quantized, floats) == (len(quantized), len(floats))
+    # what the file decodes to (gguf-py) is what the tuner's forward used
+    name = quantized[0]
+    np.testing.assert_array_equal(GGUFModel(moved).tensor(name),
+                                  np.asarray(tuner.weights(theta, tuner.base)[name]))
+    _changed_bytes(assembled.path, written.path, quantized, floats)
+
+
+def test_tuned_file_is_no_worse_on_the_unseen_trace_and_the_curve_says_so(tuned):
+    """The written file's unseen KL, measured by a fresh forward on it, is at most the assembled
+    file's, and equals the curve's best unseen point (the loss saw exactly what was written)."""
+    _, run = tuned
+    assembled, written = _models(run)
+    curve = pq.read_table(run.final_model(run.cfg.variants[0])[0].path / e2e.CURVE_FILE).to_pylist()
+    unseen = {r["step"]: r["kl"] for r in curve if r["split"] == "unseen"}
+    assert sorted(unseen) == [0, 5, 6]
+    reference = Runner(GGUFModel(run.cfg.reference))
+    trace = e2e.Trace(reference, *trace_tokens(run.traces().path, "unseen"), run.cfg.seq_tokens)
+    source = GGUFModel(run.cfg.source)
+    kl_before, kl_after = (tuner.trace_kl(tuner.theta0, trace)[0]
+                           for tuner in (e2e.Tuner(assembled, source), e2e.Tuner(written, source)))
+    assert kl_before == pytest.approx(unseen[0], rel=1e-5)
+    assert kl_after <= kl_before
+    assert kl_after == pytest.approx(min(unseen.values()), rel=1e-4)
+
+
+def test_gradient_wrt_a_scale_matches_float64_finite_differences(tuned):
+    """d KL / d (the stored d of the last layer's down projection, along a random direction) by JAX
+    against a central difference of the same forward in float64."""
+    _, run = tuned
+    assembled, _ = _models(run)
+    reference = Runner(GGUFModel(run.cfg.reference))
+    trace = e2e.Trace(reference, *trace_tokens(run.traces().path, "calibration"), run.cfg.seq_tokens)
+    name = f"blk.{assembled.hp.n_layer - 1}.ffn_down_exps.weight"
+    with jax.enable_x64(True):
+        tuner = e2e.Tuner(assembled, GGUFModel(run.cfg.source), round_scales=False)
+        base = jax.tree_util.tree_map(
+            lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x, tuner.base)
+        tokens, ref, mask = (jnp.asarray(np.asarray(x), jnp.float64 if x.dtype == jnp.float32 else x.dtype)
+                             for x in trace.batch(0))
+        direction = jnp.asarray(np.random.default_rng(0).standard_normal(tuner.theta0["scales"][name][0].shape))
+
+        def loss(t: jax.Array) -> jax.Array:
+            theta = jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), tuner.theta0)
+            theta["scales"][name][0] = t * direction
+            return tuner.mean_kl(theta, base, tokens, ref, mask)
+
+        grad = float(jax.grad(loss)(jnp.float64(0.0)))
+        h = 1e-3  # relative change of every scale; float32 parts of the forward put noise of ~1e-4 on fd
+        fd = float((loss(jnp.float64(h)) - loss(jnp.float64(-h))) / (2 * h))
+    assert abs(grad) > 1e-6
+    assert grad == pytest.approx(fd, rel=5e-3)
+
+
+def test_fp16_ste_rounds_forward_and_passes_gradients():
+    x = jnp.asarray([1.0 + 2.0 ** -13, 3.14159, 1e-3], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(fp16_ste(x)), x.astype(jnp.float16).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(jax.grad(lambda v: jnp.sum(fp16_ste(v) * 3.0))(x)), [3.0, 3.0, 3.0])
+
+
+def test_plan_lists_the_e2e_stage_and_evaluation_reads_its_file(tuned, capsys):
+    config, run = tuned
+    assert main(["plan", "-c", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "e2e:k_e2e" in out
+    rows = {r["variant"]: r for r in pq.read_table(run.lake.table_path("variants")).to_pylist()}
+    assert rows["k_e2e"]["gguf"].endswith(e2e.MODEL_FILE)
+    curve = pq.read_table(run.lake.table_path("e2e_curve")).to_pylist()
+    assert {r["split"] for r in curve} == {"calibration", "unseen"}
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ("e2e_steps = 10", "[variant[0]] e2e_steps: has no effect without e2e = true"),
+    ("e2e_lr = 0.01", "[variant[0]] e2e_lr: has no effect without e2e = true"),
+    ("e2e = true\ne2e_lr = 2.0", "[variant[0]] e2e_lr: 2.0 out of range"),
+    ("e2e = 1", "[variant[0]] e2e: expected bool"),
+])
+def test_e2e_knobs_are_validated(tmp_path, knobs, message):
+    config = write_world(tmp_path, variants=f'[[variant]]\nname = "v"\n{knobs}\n')
+    with pytest.raises(InputError) as err:
+        load_config(config)
+    assert message in str(err.value)
+
+
+def test_e2e_needs_an_unseen_trace(tmp_path):
+    config = write_world(tmp_path, variants='[[variant]]\nname = "v"\ne2e = true\n')
+    config.write_text(config.read_text().replace("unseen_tokens = 512", "unseen_tokens = 0"))
+    with pytest.raises(InputError, match=r"e2e: needs \[calibration\] unseen_tokens > 0"):
+        load_config(config)
