@@ -47,7 +47,8 @@ def _caption(kind: str, count: Counter) -> str:
     total = sum(count.values())
     cached = count.get("cached", 0)
     units = f"{total} units" if total > 1 else "1 unit"
-    return f"{kind}\\n{units}, {cached} cached"
+    skipped = f", {count['skipped']} skipped" if count.get("skipped") else ""
+    return f"{kind}\\n{units}, {cached} cached{skipped}"
 
 
 def to_dot(planned: Iterable[Planned]) -> str:
