@@ -278,20 +278,42 @@ def test_what_we_cannot_convert_is_refused_in_one_line_naming_llama_cpp(small_ch
         assert "convert_hf_to_gguf.py" in line
 
 
+# Per family, the smallest widths our 256-weight formats quantize (every expert matrix's rows a
+# multiple of 256), as the parity tests' builders take them.
+HEAL_DIMS = {
+    "qwen2moe": {"d_model": 256, "d_expert": 256, "d_shexp": 256},
+    "qwen3moe": {"d_model": 256, "d_expert": 256},
+    "olmoe": {"d_model": 256, "d_expert": 256},
+    "mixtral": {"d_model": 256, "d_expert": 256},
+    "deepseek2": {"d_model": 256, "d_expert": 256, "kv_lora_rank": 64, "nope": 32, "rope": 16, "v_dim": 32,
+                  "q_lora_rank": 64},
+    "qwen3next": {"d_model": 256, "d_expert": 256, "d_shexp": 256},
+}
+
+
 @needs_converter
-def test_a_llama_cpp_converted_qwen2moe_heals(tmp_path):
-    """The issue's file, end to end: llama.cpp's qwen2moe conversion (2-D shared-expert gates) is the
-    reference of a heal with a ridge through the shared expert, and the healed file runs."""
-    hf, tokenizer = tiny_family("qwen2moe", seed=3, d_model=256, d_expert=256, d_shexp=256)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_llama_cpp_converted_model_heals(family, tmp_path):
+    """The issue's files, end to end, every family: llama.cpp's conversion (qwen2moe's and
+    Qwen3-Next's 2-D shared-expert gates included) is the reference of a heal (with a ridge through
+    the shared expert where there is one), and the healed file runs."""
+    if family == "mixtral":
+        pytest.importorskip("sentencepiece", reason="llama.cpp's converter reads Mixtral's vocabulary with it")
+    hf, tokenizer = tiny_family(family, seed=3, **HEAL_DIMS[family])
     reference = llama_cpp_convert(save_checkpoint(hf, tokenizer, tmp_path / "checkpoint"), tmp_path / "ref.gguf")
-    variant = '[[variant]]\nname = "v1"\nbeta_gate_up = 0.5\nbeta_down = 0.5\nridge_rho = 6.0\nround = "ls"\n'
+    shared = GGUFModel(reference).arch.has_shared_expert
+    variant = ('[[variant]]\nname = "v1"\nbeta_gate_up = 0.5\nbeta_down = 0.5\nround = "ls"\n'
+               + ("ridge_rho = 6.0\n" if shared else "ridge_rho = 0.0\n"))
     run = HealRun(load_config(write_world(tmp_path, model=reference, variants=variant, moce_bonus=(0.0,))),
                   log=lambda m: None)
     run.heal()
-    assert run.calibrated_table(run.cfg.variants, "ridge_cv").num_rows > 0
+    assert (run.calibrated_table(run.cfg.variants, "ridge_cv").num_rows > 0) == shared
     healed = GGUFModel(run.assemble(run.cfg.variants[0]).path)
-    assert healed.raw("blk.0.ffn_down_exps.weight").ggml_type.name == "TQ2_0"
-    assert healed.shape("blk.0.ffn_gate_inp_shexp.weight") == (256,)
+    layer = healed.moe_layers[0]
+    assert healed.raw(f"blk.{layer}.ffn_down_exps.weight").ggml_type.name == "TQ2_0"
+    if family in ("qwen2moe", "qwen3next"):
+        gate = f"blk.{layer}.ffn_gate_inp_shexp.weight"
+        assert healed.shape(gate) == (healed.hp.d_model,)
     assert np.all(np.isfinite(Runner(healed).forward(tokens_for(healed, batch=1, length=16))))
 
 

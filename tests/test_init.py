@@ -211,7 +211,7 @@ def test_init_on_every_family_gives_a_config_heal_accepts(family, texts, tmp_pat
     assert ("ridge_eta" in (folder / "heal.toml").read_text()) == has_ridge
 
 
-@pytest.mark.parametrize("family", ("qwen2moe", "mixtral"))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_init_converts_a_hugging_face_checkpoint_into_the_folder(family, texts, tmp_path, capsys):
     pytest.importorskip("moeheal.pipeline.hf_convert")
     hf, tokenizer = hf_model(family, seed=5)
