@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from bench import compare_runs, stage_times
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_SNAPSHOT = REPO / "demo" / "results" / "heal"
+# The CPU run the H200 run is compared with in RESULTS: the same code, before the demo's ladders.
+CPU_BEFORE_LADDERS = REPO / "bench" / "results" / "demo-cpu"
 H200_SNAPSHOT = REPO / "bench" / "results" / "demo-h200"
 
 
@@ -24,12 +27,12 @@ def test_a_snapshot_against_itself_agrees_everywhere(monkeypatch, capsys) -> Non
     assert run(compare_runs, [str(CPU_SNAPSHOT), str(CPU_SNAPSHOT)], monkeypatch) == 0
     out = capsys.readouterr().out
     assert "largest |shift| 0.00%" in out
-    assert "\n0 of 68 comparisons change conclusion" in out
+    assert re.search(r"\n0 of [1-9][0-9]* comparisons change conclusion", out)
 
 
 def test_the_h200_demo_against_the_cpu_demo_is_what_results_says(monkeypatch, capsys) -> None:
     """The figures bench/RESULTS.md quotes for the demo healed on the H200."""
-    assert run(compare_runs, [str(CPU_SNAPSHOT), str(H200_SNAPSHOT)], monkeypatch) == 1
+    assert run(compare_runs, [str(CPU_BEFORE_LADDERS), str(H200_SNAPSHOT)], monkeypatch) == 1
     out = capsys.readouterr().out
     assert "largest |shift| 0.64%, median 0.01% over 26 (set, variant) pairs" in out
     assert "\n1 of 68 comparisons change conclusion" in out
