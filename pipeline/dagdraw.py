@@ -52,11 +52,11 @@ def _caption(kind: str, count: Counter) -> str:
 
 
 def to_dot(planned: Iterable[Planned]) -> str:
-    """Graphviz source: one box per stage, filled when every invocation of it is cached."""
+    """Graphviz source: one box per stage, filled when every invocation of it is cached (none skipped)."""
     order, counts, edges = stage_graph(planned)
     lines = ["digraph moeheal {", "  rankdir=LR;", '  node [shape=box, fontname="Helvetica"];']
     for kind in order:
-        done = counts[kind].get("compute", 0) == 0
+        done = counts[kind].get("cached", 0) == sum(counts[kind].values())
         style = ', style=filled, fillcolor="#d9ead3"' if done else ""
         lines.append(f'  "{kind}" [label="{_caption(kind, counts[kind])}"{style}];')
     lines += [f'  "{a}" -> "{b}";' for a, b in edges]

@@ -86,11 +86,11 @@ def test_a_killed_quantize_resumes_at_the_layer_it_reached(world, tmp_path, monk
     real = quantize.quantize_layer
     built: list[int] = []
 
-    def killed_at_layer_2(out, source, dump_root, params, layer, formats):
+    def killed_at_layer_2(out, source, dump_root, params, layer, formats, *rest, **kw):
         if layer == 2:
             raise RuntimeError("killed")
         built.append(layer)
-        real(out, source, dump_root, params, layer, formats)
+        real(out, source, dump_root, params, layer, formats, *rest, **kw)
 
     monkeypatch.setattr(quantize, "quantize_layer", killed_at_layer_2)
     run = HealRun(load_config(config), log=Log())
@@ -102,9 +102,9 @@ def test_a_killed_quantize_resumes_at_the_layer_it_reached(world, tmp_path, monk
     assert [planned[u] for u in units("calibrate", "v1")] == ["cached", "cached", "compute"]
     assert planned["assemble:v1"] == "compute"
 
-    def recorded(out, source, dump_root, params, layer, formats):
+    def recorded(out, source, dump_root, params, layer, formats, *rest, **kw):
         built.append(layer)
-        real(out, source, dump_root, params, layer, formats)
+        real(out, source, dump_root, params, layer, formats, *rest, **kw)
 
     monkeypatch.setattr(quantize, "quantize_layer", recorded)
     built.clear()
