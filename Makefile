@@ -28,8 +28,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 heal: setup
 	$(BIN)/moeheal heal -c $(CONFIG)
 
+# Two workers (pytest-xdist), each test file on one of them: module fixtures (the small healed worlds)
+# are built once: the whole suite took 13 min 27 s on 2 cores, against 18 min 25 s in one process.
 test: setup-test
-	$(BIN)/python -m pytest -q -m "not gpu"
+	$(BIN)/python -m pytest -q -m "not gpu" -n 2 --dist loadfile
 
 # The edit-test loop: the formats (every registered one round-trips), importance, alpha/ridge,
 # allocation, KLD, n-grams and MoCE kernels, the SQL statistics and audit, config, the DAG's cache
