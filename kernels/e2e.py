@@ -43,6 +43,18 @@ def adam_init(params: Any) -> tuple[Any, Any, jax.Array]:
     return zeros, jax.tree_util.tree_map(jnp.zeros_like, params), jnp.zeros((), jnp.int32)
 
 
+def adam_direction(m: Any, v: Any, grads: Any, t: jax.Array, b1: float = 0.9, b2: float = 0.999,
+                   eps: float = 1e-12) -> tuple[Any, Any, Any]:
+    """Adam's moments updated by `grads` at step t (from 1) and its bias-corrected direction
+    m_hat / (sqrt(v_hat) + eps): (direction, m, v), pytrees like `grads`. Shared by the e2e stage's
+    update and learned rounding's, which clips its own step."""
+    m = jax.tree_util.tree_map(lambda m_, g: b1 * m_ + (1 - b1) * g, m, grads)
+    v = jax.tree_util.tree_map(lambda v_, g: b2 * v_ + (1 - b2) * g * g, v, grads)
+    c1, c2 = 1 - b1 ** t, 1 - b2 ** t  # () x2
+    direction = jax.tree_util.tree_map(lambda m_, v_: (m_ / c1) / (jnp.sqrt(v_ / c2) + eps), m, v)
+    return direction, m, v
+
+
 @jax.jit
 def adam_step(params: Any, grads: Any, state: tuple[Any, Any, jax.Array], lr: jax.Array,
               b1: float = 0.9, b2: float = 0.999, eps: float = 1e-12) -> tuple[Any, tuple[Any, Any, jax.Array]]:
@@ -55,8 +67,6 @@ def adam_step(params: Any, grads: Any, state: tuple[Any, Any, jax.Array], lr: ja
     """
     m, v, t = state
     t = t + 1
-    m = jax.tree_util.tree_map(lambda m_, g: b1 * m_ + (1 - b1) * g, m, grads)
-    v = jax.tree_util.tree_map(lambda v_, g: b2 * v_ + (1 - b2) * g * g, v, grads)
-    c1, c2 = 1 - b1 ** t.astype(jnp.float32), 1 - b2 ** t.astype(jnp.float32)  # () x2
-    params = jax.tree_util.tree_map(lambda p, m_, v_: p - lr * (m_ / c1) / (jnp.sqrt(v_ / c2) + eps), params, m, v)
+    direction, m, v = adam_direction(m, v, grads, t.astype(jnp.float32), b1, b2, eps)
+    params = jax.tree_util.tree_map(lambda p, d: p - lr * d, params, direction)
     return params, (m, v, t)

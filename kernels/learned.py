@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moeheal.kernels.e2e import adam_direction
 from moeheal.kernels.formats import FORMATS, BlockFormat, GridFormat, Q8_0, fp16_round, format_of
 from moeheal.kernels.iquants import HIGHEST, IQuant, gguf_grid
 from moeheal.kernels.kquants import QK_K, KQuant
@@ -466,10 +467,7 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
     def step(theta, moments, consts, fixed, b, lr, t):
         loss, grad = jax.value_and_grad(lambda th: layer_error(weights(th, consts, fixed), b))(theta)
         if settings.optimizer == "adam":
-            m = jax.tree.map(lambda m0, g: ADAM_B1 * m0 + (1 - ADAM_B1) * g, moments[0], grad)
-            v = jax.tree.map(lambda v0, g: ADAM_B2 * v0 + (1 - ADAM_B2) * g * g, moments[1], grad)
-            direction = jax.tree.map(lambda mi, vi: (mi / (1 - ADAM_B1 ** t)) / (jnp.sqrt(vi / (1 - ADAM_B2 ** t))
-                                                                               + ADAM_EPS), m, v)
+            direction, m, v = adam_direction(moments[0], moments[1], grad, t, ADAM_B1, ADAM_B2, ADAM_EPS)
             moments = (m, v)
         else:
             direction = jax.tree.map(jnp.sign, grad)
