@@ -17,14 +17,16 @@ from moeheal.pipeline.runner import Runner
 DEMO = Path(__file__).resolve().parents[1] / "demo"
 REFERENCE = DEMO / "model" / "demo-q8_0.gguf"
 LLAMA_Q2_K = DEMO / "peers" / "q2_k_imatrix.gguf"
-AUTOROUND = DEMO / "peers" / "q2_k_autoround.gguf"
+AUTOROUNDS = [DEMO / "peers" / name for name in ("q2_k_autoround.gguf", "q2_k_autoround_65k.gguf")]
 EXPERTS = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight")
 
-pytestmark = pytest.mark.skipif(not (AUTOROUND.exists() and LLAMA_Q2_K.exists()), reason="demo peers absent")
+pytestmark = [pytest.mark.skipif(not (all(p.exists() for p in AUTOROUNDS) and LLAMA_Q2_K.exists()),
+                                 reason="demo peers absent"),
+              pytest.mark.parametrize("autoround", AUTOROUNDS, ids=lambda p: p.stem)]
 
 
-def test_autoround_peer_is_llama_cpp_q2_k_with_other_routed_experts():
-    base, peer = GGUFReader(LLAMA_Q2_K), GGUFReader(AUTOROUND)
+def test_autoround_peer_is_llama_cpp_q2_k_with_other_routed_experts(autoround: Path):
+    base, peer = GGUFReader(LLAMA_Q2_K), GGUFReader(autoround)
     assert {k: f.contents() for k, f in base.fields.items()} == {k: f.contents() for k, f in peer.fields.items()}
     experts = 0
     for a, b in zip(base.tensors, peer.tensors, strict=True):
@@ -39,12 +41,12 @@ def test_autoround_peer_is_llama_cpp_q2_k_with_other_routed_experts():
     assert experts == 3 * sum(1 for t in base.tensors if t.name.endswith("ffn_gate_exps.weight")) > 0
 
 
-def test_autoround_experts_quantize_the_reference_as_closely_as_llama_cpp():
+def test_autoround_experts_quantize_the_reference_as_closely_as_llama_cpp(autoround: Path):
     """Decoded by gguf-py, each routed-expert tensor is near the reference's (Q8_0) weights: its relative
     error within 0.8x-1.25x of llama.cpp's Q2_K + imatrix of the same tensor (AutoRound minimises the
     block's output error, not the weights', so it need not be lower; a transposed, shifted or garbage
     tensor would be far off)."""
-    ref, base, peer = (GGUFReader(p) for p in (REFERENCE, LLAMA_Q2_K, AUTOROUND))
+    ref, base, peer = (GGUFReader(p) for p in (REFERENCE, LLAMA_Q2_K, autoround))
     ref_tensors = {t.name: t for t in ref.tensors}
     base_tensors = {t.name: t for t in base.tensors}
     for t in peer.tensors:
@@ -59,9 +61,9 @@ def test_autoround_experts_quantize_the_reference_as_closely_as_llama_cpp():
         assert 0.8 * llama < err < 1.25 * llama, (t.name, err, llama)
 
 
-def test_runner_reads_the_autoround_peer():
+def test_runner_reads_the_autoround_peer(autoround: Path):
     """Our reader decodes its experts as gguf-py does, and our runner's logits on real text are finite."""
-    peer = open_model(AUTOROUND)
+    peer = open_model(autoround)
     name = "blk.0.ffn_down_exps.weight"
     np.testing.assert_array_equal(peer.tensor(name), dequantize(peer.raw(name).data, GGMLQuantizationType.Q2_K))
     tokens = np.array([peer.tokenizer().encode("def add(a, b):\n    return a + b\n").ids[:24]], np.int32)  # (1, T)

@@ -14,10 +14,14 @@ auto-round; gguf-py from a llama.cpp checkout, below); moeheal never imports it.
 1. transformers loads the Q8_0 reference GGUF (its loader leaves out the expert widths, passed here
    from the GGUF's keys) and the weights are re-saved as a float32 checkpoint: AutoRound takes a
    model directory (with a bare model object its GGUF defaults look for a hub name).
-2. The calibration set: every `cal` document of `demo/split.csv` (text from `demo/docs.jsonl`,
-   tokens from `demo/tokenizer.json`, no BOS, `<|endoftext|>` between documents) concatenated in
-   doc-id order and cut into `seqlen`-token chunks, `nsamples` of them drawn with a seeded
-   permutation. No hub data.
+2. The calibration set. With `--trace` (the default peer): the very sequences our calibration dump
+   and llama.cpp's importance matrix are made from, read from the lake's published `cal_trace`
+   table (trace "calibration": 16 sequences of 512 tokens in the demo), so every quantizer in the
+   comparison sees the same tokens. Without it: every `cal` document of `demo/split.csv` (text from
+   `demo/docs.jsonl`, tokens from `demo/tokenizer.json`, no BOS, `<|endoftext|>` between documents)
+   concatenated in doc-id order and cut into `seqlen`-token chunks, `nsamples` of them drawn with a
+   seeded permutation (AutoRound's own default of 128 x 512 tokens makes `q2_k_autoround_65k`: eight
+   times the calibration tokens the others get). No hub data.
 3. AutoRound at `gguf:q2_k_s` with `enable_alg_ext`, attention, shared expert, router, lm_head and
    embeddings left alone (the peer keeps llama.cpp's tensors there anyway).
 4. Each tuned expert linear layer is packed by AutoRound's own Q2_K packer (`ggml_quant`, what its
@@ -106,6 +110,27 @@ def build_checkpoint(reference: Path, out: Path) -> tuple[Path, int, int]:
     return out, n_layers, n_experts
 
 
+def trace_sequences(cal_trace: Path) -> list[dict[str, torch.Tensor]]:
+    """The calibration trace's sequences (trace "calibration" of a published `cal_trace` table), in
+    order, as AutoRound's token dataset: the tokens our dump and llama.cpp's imatrix saw."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(cal_trace, columns=["trace", "seq", "pos", "token"]).to_pylist()
+    seqs: dict[int, list[tuple[int, int]]] = {}
+    for row in table:
+        if row["trace"] == "calibration":
+            seqs.setdefault(row["seq"], []).append((row["pos"], row["token"]))
+    assert seqs, f"{cal_trace}: no calibration trace"
+    out = []
+    for seq in sorted(seqs):
+        ids = torch.tensor([t for _, t in sorted(seqs[seq])], dtype=torch.int64)[None]  # (1, L)
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    lengths = {int(s["input_ids"].shape[1]) for s in out}
+    assert len(lengths) == 1, f"{cal_trace}: sequences of unequal lengths {sorted(lengths)}"
+    print(f"calibration: the lake's trace, {len(out)} sequences of {lengths.pop()} tokens")
+    return out
+
+
 def calibration_chunks(docs: Path, split: Path, tokenizer: Path, seqlen: int, nsamples: int,
                        seed: int) -> list[dict[str, torch.Tensor]]:
     """`nsamples` chunks of `seqlen` tokens of the `cal` documents, as AutoRound takes a token dataset."""
@@ -180,6 +205,9 @@ def main() -> None:
     parser.add_argument("--base", type=Path, default=DEMO / "peers" / "q2_k_imatrix.gguf",
                         help="llama.cpp's Q2_K peer whose routed experts are replaced")
     parser.add_argument("--out", type=Path, default=DEMO / "peers" / "q2_k_autoround.gguf")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="a published cal_trace.parquet (lake/current/tables/): calibrate on exactly "
+                             "its calibration sequences instead of nsamples x seqlen chunks of the cal documents")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--nsamples", type=int, default=128)
     parser.add_argument("--seqlen", type=int, default=512)
@@ -204,8 +232,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)  # AutoRound keeps its offload folder (ar_work_space) under the working directory
         ckpt, n_layers, n_experts = build_checkpoint(args.reference, Path(tmp))
-        dataset = calibration_chunks(DEMO / "docs.jsonl", DEMO / "split.csv", DEMO / "tokenizer.json",
-                                     args.seqlen, args.nsamples, args.seed)
+        if args.trace is not None:
+            dataset = trace_sequences(args.trace)
+            args.nsamples, args.seqlen = len(dataset), int(dataset[0]["input_ids"].shape[1])
+        else:
+            dataset = calibration_chunks(DEMO / "docs.jsonl", DEMO / "split.csv", DEMO / "tokenizer.json",
+                                         args.seqlen, args.nsamples, args.seed)
         start = time.perf_counter()
         ar = AutoRound(str(ckpt), AutoTokenizer.from_pretrained(ckpt), scheme="gguf:q2_k_s", iters=args.iters,
                        nsamples=args.nsamples, seqlen=args.seqlen, dataset=dataset, enable_alg_ext=True,
@@ -217,6 +249,7 @@ def main() -> None:
         summary = {"versions": {m: metadata.version(m) for m in ("auto-round", "torch", "transformers")},
                    "gguf_py": str(Path(gguf.__file__).parents[1]),
                    "settings": {k: getattr(args, k) for k in ("iters", "nsamples", "seqlen", "seed", "threads")},
+                   "calibration": "cal_trace" if args.trace is not None else "cal documents",
                    "wall_seconds": round(seconds), "autoround_log": said, "tensors": {}}
         tuned = pack_experts(model, load_file(ckpt / "model.safetensors"), n_layers, n_experts, summary["tensors"])
     write_peer(args.base, args.out, tuned)
