@@ -26,12 +26,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from moeheal.pipeline.convert import hf_to_gguf
 from moeheal.pipeline.hf_convert import convert_checkpoint
 from moeheal.pipeline.synth import LIKE, write_synth
-from moeheal.pipeline.tokenizer import QWEN2_SPLIT
+from tests.ggufs import qwen2_byte_level, tiny_hf_model
 
 RECORD = Path(__file__).with_name("gguf_metadata.json")
 SHORT = 16  # arrays up to this long are recorded whole
@@ -49,8 +49,6 @@ CASES = ([("convert", family) for family in FAMILIES] + [("hf_convert", family) 
          + [("synth", like) for like in LIKE])
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = ["the", "model", "routes", "every", "token", "to", "experts", "quantized", "weights", "healed"]
-V3_YARN = {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
-           "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
 def word_merges(words: list[str], space: str) -> list[tuple[str, str]]:
@@ -72,12 +70,7 @@ def byte_level_bpe() -> Tokenizer:
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     merges = word_merges(WORDS, "Ġ")
     tokens = alphabet + [left + right for left, right in merges]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
+    tok = qwen2_byte_level(Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)))
     tok.add_special_tokens(SPECIALS)
     return tok
 
@@ -107,8 +100,7 @@ def sentencepiece_bpe() -> Tokenizer:
 
 def tiny_family(family: str):
     """(transformers model, tokenizer) of a family, as small as the parity tests build them."""
-    from tests.ggufs import tiny_hf_model
-    from tests.test_arch_deepseek2 import tiny_deepseek_v3
+    from tests.test_arch_deepseek2 import V3_YARN, tiny_deepseek_v3
     from tests.test_arch_mixtral import tiny_mixtral
     from tests.test_arch_qwen3next import tiny_qwen3next
 
