@@ -9,6 +9,7 @@ wrote before they shared one (`pipeline.gguf_metadata`), but for synth's `genera
 which has since stopped calling its weights heavy-tailed; so a change to the writer that changes
 any file's metadata fails here. The order of the keys is not compared: it is the shared writer's
 (convert's files keep theirs byte for byte; synth's hold the same keys in that order now).
+With llama.cpp's source at hand, every key the shared writer can write must be one llama.cpp reads.
 
 The tokenizers are built from explicit vocabularies and merges rather than trained, so the record
 depends on no training algorithm; arrays longer than `SHORT` are recorded by length and SHA-256.
@@ -20,7 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +33,7 @@ from gguf import GGUFReader, GGUFValueType
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from moeheal.pipeline.convert import hf_to_gguf
+from moeheal.pipeline.gguf_metadata import ArchKeys, Vocabulary
 from moeheal.pipeline.hf_convert import convert_checkpoint
 from moeheal.pipeline.synth import LIKE, write_synth
 from tests.ggufs import qwen2_byte_level, tiny_hf_model
@@ -163,6 +168,25 @@ def test_metadata_is_the_recorded(case: tuple[str, str], tmp_path: Path) -> None
     assert sorted(got) == sorted(expected)
     for key, want in expected.items():
         assert got[key] == want, f"{case_id(case)}: {key}"
+
+
+def llama_arch_source() -> Path | None:
+    """llama.cpp's src/llama-arch.cpp (the key names it reads) from LLAMA_CPP_SRC, else next to the
+    LLAMA_CPP_DIR build folder."""
+    for folder in (os.environ.get("LLAMA_CPP_SRC"), os.environ.get("LLAMA_CPP_DIR")):
+        for candidate in (Path(folder), Path(folder).parent) if folder else ():
+            if (candidate / "src" / "llama-arch.cpp").is_file():
+                return candidate / "src" / "llama-arch.cpp"
+    return None
+
+
+@pytest.mark.skipif(llama_arch_source() is None, reason="llama.cpp's source not found (set LLAMA_CPP_SRC)")
+def test_every_key_the_writer_can_write_is_one_llama_cpp_reads() -> None:
+    """A misspelt key would be written, read by nothing, and llama.cpp would take its default."""
+    source = llama_arch_source().read_text(encoding="utf-8")
+    names = {name.replace("%s", "{arch}") for name in re.findall(r'"((?:%s|general|tokenizer)\.[a-z0-9_.]+)"', source)}
+    keys = [f.metadata["key"] for record in (ArchKeys, Vocabulary) for f in fields(record) if "key" in f.metadata]
+    assert len(keys) > 50 and [key for key in keys if key not in names] == []
 
 
 def write_record(folder: Path) -> None:
