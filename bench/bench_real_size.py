@@ -2,7 +2,7 @@
 
     python bench/bench_real_size.py --like qwen3-30b-a3b --layers 2 [--tokens 4096] [--work DIR]
 
-Writes `moeheal synth --like ... --layers N` (random heavy-tailed weights with the
+Writes `moeheal synth --like ... --layers N` (random, nearly Gaussian weights with the
 real tensor shapes: figures for time and memory, never for quality), a config
 over the demo's corpus, split and a few of its windows (the synthetic vocabulary starts
 with the demo's, so the demo text tokenizes the same), and runs every stage:

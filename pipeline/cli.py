@@ -209,8 +209,8 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "import-dump": (cmd_import_dump, "import raw float32 dumps made by another engine"),
     "sql": (cmd_sql, "query the lake's views"),
     "export": (cmd_export, "reviewer bundle: tables as Parquet + report + plots"),
-    "synth": (cmd_synth, "write a GGUF with a real model's shapes, types and metadata and random heavy-tailed "
-                         "weights"),
+    "synth": (cmd_synth, "write a GGUF with a real model's shapes, types and metadata and random weights "
+                         "(per role, the small demo model's spread and kurtosis)"),
 }
 
 

@@ -24,21 +24,16 @@ import json
 import os
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType
-from gguf.constants import GGML_QUANT_VERSION
-from gguf.quants import quantize
+from gguf import GGMLQuantizationType, LlamaFileType
 from tokenizers import Tokenizer
 
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_write import KV, TensorItem, write_gguf
+from moeheal.pipeline.gguf_metadata import KV, ArchKeys, Vocabulary, metadata_kv
+from moeheal.pipeline.gguf_write import MATRIX_TYPES, TensorItem, encode, write_gguf
 
-MATRIX_TYPES = {
-    "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
-    "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
-    "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
-}
 ARCH_BY_MODEL_TYPE = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama",
                       "qwen3_next": "qwen3next", "deepseek_v3": "deepseek2"}
 
@@ -106,15 +101,6 @@ def _tensor_type(short_name: str, data: np.ndarray, matrix_type: GGMLQuantizatio
     if data.ndim < 2 or short_name.endswith(KEEP_F32) or data.shape[-1] % 32 != 0:
         return GGMLQuantizationType.F32
     return matrix_type
-
-
-def _encode(data: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
-    """Float32 weights as stored: floats for F32/F16, block bytes otherwise."""
-    if ggml_type == GGMLQuantizationType.F32:
-        return data.astype(np.float32)
-    if ggml_type == GGMLQuantizationType.F16:
-        return data.astype(np.float16)
-    return quantize(data.astype(np.float32), ggml_type)  # (..., row_bytes) uint8
 
 
 def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -213,7 +199,7 @@ def _deepseek2_state(state: dict[str, np.ndarray], config) -> dict[str, np.ndarr
 
 
 # Per family: a check of the config, and the state dict rewritten as llama.cpp's converter rewrites it
-# (DeepSeek-V3's config is checked where its keys are written, `_deepseek2_kv`).
+# (DeepSeek-V3's config is checked where its keys are set, `_deepseek2_keys`).
 ARCH_STATE = {"qwen3next": (_qwen3next_check, _qwen3next_state), "llama": (_check_mixtral, _llama_state),
               "deepseek2": (lambda config: None, _deepseek2_state)}
 
@@ -247,31 +233,37 @@ def _gguf_tensors(state: dict[str, np.ndarray], n_layer: int, tied: bool,
         raise ValueError(f"no GGUF name for parameter {leftover[0]} (and {len(leftover) - 1} more)")
 
 
-def _vocab_kv(tokenizer: Tokenizer, bos: int | None, eos: int | None, pad: int | None,
-              pre: str = "qwen2") -> list[KV]:
-    """`tokenizer.ggml.*` for a byte-level BPE (llama.cpp's `_set_vocab_gpt2` keys), its words cut
-    by the `pipeline.tokenizer.PRE_TOKENIZERS` regexes named `pre`."""
+def id_ordered_tokens(tokenizer: Tokenizer) -> list[str]:
+    """The tokenizer's tokens (added ones included) in id order, the list a GGUF vocabulary holds."""
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     tokens = [""] * len(vocab)
     for token, index in vocab.items():
         tokens[index] = token
-    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
-    user = {t.content for t in tokenizer.get_added_tokens_decoder().values() if not t.special}
+    return tokens
+
+
+def merge_strings(tokenizer: Tokenizer) -> list[str]:
+    """The BPE's merges as GGUF holds them, "left right" (tokenizer.json has strings or pairs)."""
+    merges = json.loads(tokenizer.to_str())["model"].get("merges", [])
+    return [m if isinstance(m, str) else " ".join(m) for m in merges]
+
+
+def _int_or_none(value: int | None) -> int | None:
+    """A token id from a config (an int, or None for none) as a plain int."""
+    return None if value is None else int(value)
+
+
+def _byte_level_vocabulary(tokenizer: Tokenizer, bos: int | None, eos: int | None, pad: int | None,
+                           pre: str = "qwen2") -> Vocabulary:
+    """A byte-level BPE as llama.cpp's `_set_vocab_gpt2` writes it, its words cut by the
+    `pipeline.tokenizer.PRE_TOKENIZERS` regexes named `pre`; no BOS added at encode time."""
+    tokens = id_ordered_tokens(tokenizer)
+    added = tokenizer.get_added_tokens_decoder().values()
+    special = {t.content for t in added if t.special}
+    user = {t.content for t in added if not t.special}
     token_types = [3 if t in special else 4 if t in user else 1 for t in tokens]  # CONTROL / USER_DEFINED / NORMAL
-    merges = json.loads(tokenizer.to_str())["model"]["merges"]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
-    kv: list[KV] = [
-        ("tokenizer.ggml.model", "gpt2", GGUFValueType.STRING),
-        ("tokenizer.ggml.pre", pre, GGUFValueType.STRING),
-        ("tokenizer.ggml.tokens", tokens, None),
-        ("tokenizer.ggml.token_type", token_types, GGUFValueType.INT32),
-        ("tokenizer.ggml.merges", merges, None),
-    ]
-    for key, value in (("bos_token_id", bos), ("eos_token_id", eos), ("padding_token_id", pad)):
-        if value is not None:
-            kv.append((f"tokenizer.ggml.{key}", int(value), GGUFValueType.UINT32))
-    kv.append(("tokenizer.ggml.add_bos_token", False, GGUFValueType.BOOL))
-    return kv
+    return Vocabulary(model="gpt2", pre=pre, tokens=tokens, token_types=token_types, merges=merge_strings(tokenizer),
+                      bos=_int_or_none(bos), eos=_int_or_none(eos), padding=_int_or_none(pad), add_bos=False)
 
 
 def is_sentencepiece(tokenizer: Tokenizer) -> bool:
@@ -280,9 +272,9 @@ def is_sentencepiece(tokenizer: Tokenizer) -> bool:
     return model["type"] == "BPE" and bool(model.get("byte_fallback"))
 
 
-def _sentencepiece_vocab_kv(tokenizer: Tokenizer, bos: int | None, eos: int | None, pad: int | None) -> list[KV]:
-    """`tokenizer.ggml.*` for a SentencePiece BPE, as llama.cpp's `_set_vocab_sentencepiece` writes
-    them: model "llama", pre "default", token scores and types, no merges.
+def _sentencepiece_vocabulary(tokenizer: Tokenizer, bos: int | None, eos: int | None, pad: int | None) -> Vocabulary:
+    """A SentencePiece BPE as llama.cpp's `_set_vocab_sentencepiece` writes it: model "llama", pre
+    "default", token scores and types, no merges, a space prefix, no BOS added at encode time.
 
     SentencePiece's BPE scores a piece by when its merge was learnt (later, lower), and llama.cpp
     merges by those scores: a token made by merge number r scores -r here, the others 0 (single
@@ -291,9 +283,7 @@ def _sentencepiece_vocab_kv(tokenizer: Tokenizer, bos: int | None, eos: int | No
     """
     spec = json.loads(tokenizer.to_str())["model"]
     vocab = tokenizer.get_vocab(with_added_tokens=True)
-    tokens = [""] * len(vocab)
-    for token, index in vocab.items():
-        tokens[index] = token
+    tokens = id_ordered_tokens(tokenizer)
     scores = [0.0] * len(tokens)
     for rank, merge in enumerate(spec["merges"]):
         left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
@@ -304,72 +294,49 @@ def _sentencepiece_vocab_kv(tokenizer: Tokenizer, bos: int | None, eos: int | No
     unknown = spec.get("unk_token")
     token_types = [2 if t == unknown else 6 if re.fullmatch(r"<0x[0-9A-F]{2}>", t) else 3 if t in special
                    else 4 if t in user else 1 for t in tokens]  # gguf-py TokenType
-    kv: list[KV] = [
-        ("tokenizer.ggml.model", "llama", GGUFValueType.STRING),
-        ("tokenizer.ggml.pre", "default", GGUFValueType.STRING),
-        ("tokenizer.ggml.tokens", tokens, None),
-        ("tokenizer.ggml.scores", scores, GGUFValueType.FLOAT32),
-        ("tokenizer.ggml.token_type", token_types, GGUFValueType.INT32),
-    ]
-    special_ids = (("bos_token_id", bos), ("eos_token_id", eos), ("padding_token_id", pad),
-                   ("unknown_token_id", vocab.get(unknown) if unknown else None))
-    for key, value in special_ids:
-        if value is not None:
-            kv.append((f"tokenizer.ggml.{key}", int(value), GGUFValueType.UINT32))
-    kv += [("tokenizer.ggml.add_bos_token", False, GGUFValueType.BOOL),
-           ("tokenizer.ggml.add_space_prefix", True, GGUFValueType.BOOL)]
-    return kv
+    return Vocabulary(model="llama", pre="default", tokens=tokens, scores=scores, token_types=token_types,
+                      bos=_int_or_none(bos), eos=_int_or_none(eos), padding=_int_or_none(pad),
+                      unknown=vocab.get(unknown) if unknown else None, add_bos=False, add_space_prefix=True)
 
 
-def _hparams_kv(config, arch: str, file_type: LlamaFileType) -> list[KV]:
-    """The `<arch>.*` keys llama.cpp's converter writes for Qwen2-MoE / Qwen3-MoE / OLMoE."""
-    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+def _arch_keys(config, arch: str, file_type: LlamaFileType) -> ArchKeys:
+    """The `general.*` and `<arch>.*` keys llama.cpp's converter writes for the config's family:
+    the ones every family has, a key of an optional setting only where the config has it."""
     rope_theta = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
-    n_expert = getattr(config, "num_experts", None) or config.num_local_experts
-    kv: list[KV] = [
-        ("general.name", getattr(config, "name_or_path", "") or arch, GGUFValueType.STRING),
-        ("general.file_type", int(file_type), u32),
-        ("general.quantization_version", GGML_QUANT_VERSION, u32),
-        (f"{arch}.context_length", config.max_position_embeddings, u32),
-        (f"{arch}.embedding_length", config.hidden_size, u32),
-        (f"{arch}.block_count", config.num_hidden_layers, u32),
-        (f"{arch}.feed_forward_length", config.intermediate_size, u32),
-        (f"{arch}.attention.head_count", config.num_attention_heads, u32),
-        (f"{arch}.attention.head_count_kv", config.num_key_value_heads, u32),
-        (f"{arch}.rope.freq_base", float(rope_theta), f32),
-        (f"{arch}.attention.layer_norm_rms_epsilon", float(config.rms_norm_eps), f32),
-        (f"{arch}.expert_count", n_expert, u32),
-        (f"{arch}.expert_used_count", config.num_experts_per_tok, u32),
-    ]
-    if getattr(config, "moe_intermediate_size", None):
-        kv.append((f"{arch}.expert_feed_forward_length", config.moe_intermediate_size, u32))
-    if getattr(config, "head_dim", None):
-        kv += [(f"{arch}.attention.key_length", config.head_dim, u32),
-               (f"{arch}.attention.value_length", config.head_dim, u32)]
-    if getattr(config, "shared_expert_intermediate_size", None):
-        kv.append((f"{arch}.expert_shared_feed_forward_length", config.shared_expert_intermediate_size, u32))
+    head_dim = getattr(config, "head_dim", None) or None
+    keys = dict(
+        name=getattr(config, "name_or_path", "") or arch, file_type=int(file_type),
+        context_length=config.max_position_embeddings, embedding_length=config.hidden_size,
+        block_count=config.num_hidden_layers, feed_forward_length=config.intermediate_size,
+        head_count=config.num_attention_heads, head_count_kv=config.num_key_value_heads,
+        rope_freq_base=float(rope_theta), rms_eps=float(config.rms_norm_eps),
+        expert_count=getattr(config, "num_experts", None) or config.num_local_experts,
+        expert_used_count=config.num_experts_per_tok,
+        expert_feed_forward_length=getattr(config, "moe_intermediate_size", None) or None,
+        key_length=head_dim, value_length=head_dim,
+        expert_shared_feed_forward_length=getattr(config, "shared_expert_intermediate_size", None) or None,
+    )
     if arch == "llama":  # LlamaModel.set_gguf_parameters
-        rope_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv += [(f"{arch}.vocab_size", config.vocab_size, u32), (f"{arch}.rope.dimension_count", rope_dim, u32)]
+        keys.update(vocab_size=config.vocab_size,
+                    rope_dimension_count=head_dim or config.hidden_size // config.num_attention_heads)
     if arch == "qwen3next":  # Qwen3NextModel's keys: the gated DeltaNet's shapes and the layer pattern
-        kv += [(f"{arch}.ssm.conv_kernel", config.linear_conv_kernel_dim, u32),
-               (f"{arch}.ssm.state_size", config.linear_key_head_dim, u32),
-               (f"{arch}.ssm.group_count", config.linear_num_key_heads, u32),
-               (f"{arch}.ssm.time_step_rank", config.linear_num_value_heads, u32),
-               (f"{arch}.ssm.inner_size", config.linear_value_head_dim * config.linear_num_value_heads, u32),
-               (f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in config.layer_types],
-                GGUFValueType.BOOL),
-               (f"{arch}.full_attention_interval", getattr(config, "full_attention_interval", 4), u32),
-               (f"{arch}.rope.dimension_count",
-                int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 0.25)), u32)]
-    return kv
+        keys.update(ssm_conv_kernel=config.linear_conv_kernel_dim, ssm_state_size=config.linear_key_head_dim,
+                    ssm_group_count=config.linear_num_key_heads, ssm_time_step_rank=config.linear_num_value_heads,
+                    ssm_inner_size=config.linear_value_head_dim * config.linear_num_value_heads,
+                    recurrent_layers=tuple(t == "linear_attention" for t in config.layer_types),
+                    full_attention_interval=getattr(config, "full_attention_interval", 4),
+                    rope_dimension_count=int(config.head_dim
+                                             * config.rope_parameters.get("partial_rotary_factor", 0.25)))
+    if arch == "deepseek2":
+        keys.update(_deepseek2_keys(config))
+    return ArchKeys(arch=arch, **keys)
 
 
-def _deepseek2_kv(config) -> list[KV]:
-    """The keys llama.cpp's DeepseekV2Model converter writes beyond the common ones: MLA as MQA with one
-    KV head (key = latent + rope key, value = latent) and the decompressed head sizes, leading dense
-    layers, the routing's groups, gating, scale and norm. Refuses what our runner does not model."""
-    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+def _deepseek2_keys(config) -> dict[str, Any]:
+    """The `ArchKeys` llama.cpp's DeepseekV2Model converter sets beyond (or instead of) the common ones:
+    MLA as MQA with one KV head (key = latent + rope key, value = latent) and the decompressed head
+    sizes, leading dense layers, the routing's groups, gating, scale and norm. Refuses what our
+    runner does not model."""
     a = "deepseek2"
     rope = dict(getattr(config, "rope_parameters", None) or {})
     yarn = rope.get("rope_type", "default") == "yarn"
@@ -387,36 +354,23 @@ def _deepseek2_kv(config) -> list[KV]:
     if config.attention_bias:
         raise ValueError(f"attention_bias=True is not supported for {a}: llama.cpp loads no attention biases")
     kv_lora, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
-    kv: list[KV] = [
-        (f"{a}.attention.head_count_kv", 1, u32),
-        (f"{a}.expert_group_count", config.n_group, u32),
-        (f"{a}.expert_group_used_count", config.topk_group, u32),
-        (f"{a}.expert_gating_func", 2, u32),  # sigmoid: DeepSeek-V3's scoring_func
-        (f"{a}.leading_dense_block_count", config.first_k_dense_replace, u32),
-        (f"{a}.vocab_size", config.vocab_size, u32),
-    ]
-    if config.q_lora_rank is not None:
-        kv.append((f"{a}.attention.q_lora_rank", config.q_lora_rank, u32))
-    kv += [
-        (f"{a}.attention.kv_lora_rank", kv_lora, u32),
-        (f"{a}.attention.key_length", kv_lora + rope_dim, u32),
-        (f"{a}.attention.value_length", kv_lora, u32),
-        (f"{a}.attention.key_length_mla", config.qk_nope_head_dim + rope_dim, u32),
-        (f"{a}.attention.value_length_mla", config.v_head_dim, u32),
-        (f"{a}.expert_feed_forward_length", config.moe_intermediate_size, u32),
-        (f"{a}.expert_shared_count", config.n_shared_experts, u32),
-        (f"{a}.expert_weights_scale", float(config.routed_scaling_factor), f32),
-    ]
-    if config.norm_topk_prob:
-        kv.append((f"{a}.expert_weights_norm", True, GGUFValueType.BOOL))
+    keys = dict(
+        head_count_kv=1, expert_group_count=config.n_group, expert_group_used_count=config.topk_group,
+        expert_gating_func=2,  # sigmoid: DeepSeek-V3's scoring_func
+        leading_dense_block_count=config.first_k_dense_replace, vocab_size=config.vocab_size,
+        q_lora_rank=config.q_lora_rank, kv_lora_rank=kv_lora, key_length=kv_lora + rope_dim, value_length=kv_lora,
+        key_length_mla=config.qk_nope_head_dim + rope_dim, value_length_mla=config.v_head_dim,
+        expert_feed_forward_length=config.moe_intermediate_size, expert_shared_count=config.n_shared_experts,
+        expert_weights_scale=float(config.routed_scaling_factor),
+        expert_weights_norm=True if config.norm_topk_prob else None, rope_dimension_count=rope_dim,
+    )
     if yarn:  # the common rope-scaling keys, then DeepSeek's log multiplier with the converter's 0.1 factor
-        kv += [(f"{a}.rope.scaling.type", "yarn", GGUFValueType.STRING),
-               (f"{a}.rope.scaling.factor", float(rope["factor"]), f32),
-               (f"{a}.rope.scaling.original_context_length", rope["original_max_position_embeddings"], u32)]
-        kv += [(f"{a}.rope.scaling.yarn_{beta}", float(rope[beta]), f32) for beta in ("beta_fast", "beta_slow")
-               if beta in rope]
-        kv.append((f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * rope["mscale_all_dim"], f32))
-    return kv + [(f"{a}.rope.dimension_count", rope_dim, u32)]
+        keys.update(rope_scaling_type="yarn", rope_scaling_factor=float(rope["factor"]),
+                    rope_scaling_original_context_length=rope["original_max_position_embeddings"],
+                    yarn_beta_fast=float(rope["beta_fast"]) if "beta_fast" in rope else None,
+                    yarn_beta_slow=float(rope["beta_slow"]) if "beta_slow" in rope else None,
+                    yarn_log_multiplier=0.1 * rope["mscale_all_dim"])
+    return keys
 
 
 def _special_id(tokenizer: Tokenizer, config_id: int | None, fallback: str) -> int | None:
@@ -437,7 +391,7 @@ def state_to_gguf(state: dict[str, np.ndarray], config, tokenizer: Tokenizer, ou
     """Write a float32 state dict in transformers' names (experts fused, as its modules hold them)
     with `config` (anything with the config's attributes) and its tokenizer as one GGUF.
 
-    Matrices go to `matrix_type` ("q8_0", "f16" or "f32"); norms, biases, the
+    Matrices go to `matrix_type` (a `MATRIX_TYPES` name: "q8_0", "f16", "bf16" or "f32"); norms, biases, the
     router and the shared-expert gate stay F32. BOS/EOS/PAD ids come from the
     config, else (byte-level BPE) `<|endoftext|>`; no BOS is added at encode time
     (Qwen's way, and the pipeline's: it encodes without one for every family).
@@ -452,24 +406,21 @@ def state_to_gguf(state: dict[str, np.ndarray], config, tokenizer: Tokenizer, ou
         check(config)
         state = rewrite(state, config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    eos = _special_id(tokenizer, config.eos_token_id, "<|endoftext|>")
-    kv = _hparams_kv(config, arch, file_type)
-    if arch == "deepseek2":  # its keys overwrite the common ones in place, as gguf-py's writer does
-        family = {item[0]: item for item in _deepseek2_kv(config)}
-        kv = [family.pop(item[0], item) for item in kv] + list(family.values())
+    keys = _arch_keys(config, arch, file_type)
     if is_sentencepiece(tokenizer):  # its specials are <s>, </s>: ids only from the config
-        kv += _sentencepiece_vocab_kv(tokenizer, config.bos_token_id, config.eos_token_id, config.pad_token_id)
+        vocabulary = _sentencepiece_vocabulary(tokenizer, config.bos_token_id, config.eos_token_id,
+                                               config.pad_token_id)
     else:
-        kv += _vocab_kv(tokenizer,
-                        bos=_special_id(tokenizer, config.bos_token_id, "<|endoftext|>"),
-                        eos=eos,
-                        pad=_special_id(tokenizer, config.pad_token_id, "<|endoftext|>"), pre=pre)
-    kv += list(extra_kv or [])
+        vocabulary = _byte_level_vocabulary(tokenizer,
+                                            bos=_special_id(tokenizer, config.bos_token_id, "<|endoftext|>"),
+                                            eos=_special_id(tokenizer, config.eos_token_id, "<|endoftext|>"),
+                                            pad=_special_id(tokenizer, config.pad_token_id, "<|endoftext|>"), pre=pre)
+    kv = metadata_kv(keys) + metadata_kv(vocabulary) + list(extra_kv or [])
 
     def tensors() -> Iterator[TensorItem]:
         for name, data in _gguf_tensors(state, config.num_hidden_layers, tied,
                                         {**LAYER_NAMES, **ARCH_LAYER_NAMES.get(arch, {})}):
             ggml_type = _tensor_type(name, data, ggml_matrix)
-            yield name, _encode(data, ggml_type), ggml_type
+            yield name, encode(data, ggml_type), ggml_type
 
     write_gguf(out_path, arch, kv, tensors())

@@ -1,4 +1,5 @@
-"""Writing GGUF files atomically, and copying one with some tensors replaced.
+"""Writing GGUF files atomically, and copying one with some tensors replaced; the types a writer
+stores a model's matrices in, and float weights encoded as one of them.
 
 A half-written model in the lake would later be read as a (corrupt) healed
 model, so every file is written to a temporary name in the destination folder
@@ -16,17 +17,36 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf.quants import quantize
 
+from moeheal.pipeline.gguf_metadata import KV
 from moeheal.pipeline.gguf_model import GGUFModel
 
-KV = tuple[str, Any, GGUFValueType | None]
 TensorItem = tuple[str, np.ndarray, GGMLQuantizationType]
 
 # Fields the writer produces itself (header counts, architecture, alignment).
-_WRITER_OWNED_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture", "general.alignment")
+WRITER_OWNED_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture", "general.alignment")
 
 _FLOAT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+
+# A model's weight matrices by the name a user gives their type (`synth --type`, `convert_checkpoint`'s
+# outtype): the ggml type they are stored in and the `general.file_type` a file of them declares.
+MATRIX_TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
+    "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
+    "bf16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),
+    "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
+}
+
+
+def encode(data: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    """Float weights (..., cols) as stored: float32 for F32, float16 for F16, otherwise gguf-py's
+    block bytes (..., row_bytes) uint8 (Q8_0 and BF16 as llama.cpp's converter rounds them)."""
+    if ggml_type == GGMLQuantizationType.F16:
+        return data.astype(np.float16)
+    contiguous = np.ascontiguousarray(data, dtype=np.float32)  # (..., cols), no copy when it already is
+    return contiguous if ggml_type == GGMLQuantizationType.F32 else quantize(contiguous, ggml_type)
 
 
 def _scalar_type(value: Any) -> GGUFValueType:
@@ -42,8 +62,10 @@ def _scalar_type(value: Any) -> GGUFValueType:
     raise TypeError(f"no GGUF type for {type(value).__name__}")
 
 
-def _add_kv(writer: GGUFWriter, key: str, value: Any, vtype: GGUFValueType | None,
-            sub_type: GGUFValueType | None = None) -> None:
+def add_kv(writer: GGUFWriter, key: str, value: Any, vtype: GGUFValueType | None,
+           sub_type: GGUFValueType | None = None) -> None:
+    """One key on the writer: a list, tuple or array as an array of `sub_type`, else of `vtype` (the
+    item type, as `gguf_metadata.metadata_kv` gives it), else of its first item's inferred type."""
     if isinstance(value, (list, tuple, np.ndarray)):
         items = list(value)
         if sub_type is None and vtype not in (None, GGUFValueType.ARRAY):
@@ -106,7 +128,7 @@ def write_gguf(path: str | os.PathLike[str], arch: str, kv: Sequence[KV], tensor
 
     def fill(writer: GGUFWriter) -> None:
         for key, value, vtype in kv:
-            _add_kv(writer, key, value, vtype)
+            add_kv(writer, key, value, vtype)
         for name, data, ggml_type in tensors:
             _add_tensor(writer, name, data, ggml_type)
 
@@ -167,12 +189,12 @@ def copy_gguf(src: GGUFModel, path: str | os.PathLike[str],
     with _atomic_path(Path(path)) as tmp:
         writer = GGUFWriter(tmp, src.arch.name)
         for key, field in src.metadata_fields().items():
-            if key in _WRITER_OWNED_KEYS or key in extra_keys:
+            if key in WRITER_OWNED_KEYS or key in extra_keys:
                 continue
             sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-            _add_kv(writer, key, src.metadata(key), field.types[0], sub_type)
+            add_kv(writer, key, src.metadata(key), field.types[0], sub_type)
         for key, value, vtype in extra_kv:
-            _add_kv(writer, key, value, vtype)
+            add_kv(writer, key, value, vtype)
         for name in src.tensor_names:
             _add_info(writer, name, *tensor_of(name))
         writer.write_header_to_file()

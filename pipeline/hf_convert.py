@@ -30,8 +30,11 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from moeheal.pipeline.convert import ARCH_BY_MODEL_TYPE, MATRIX_TYPES, is_sentencepiece, state_to_gguf
+from moeheal.pipeline.convert import (
+    ARCH_BY_MODEL_TYPE, id_ordered_tokens, is_sentencepiece, merge_strings, state_to_gguf,
+)
 from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.gguf_write import MATRIX_TYPES
 
 ALTERNATIVE = "convert it with llama.cpp's convert_hf_to_gguf.py and pass the GGUF instead"
 
@@ -275,12 +278,7 @@ def pre_tokenizer_tag(tokenizer: Tokenizer, model_type: str, where: str) -> str:
     builds it, gives `tokenizer`'s own ids on `PRE_TOKENIZER_PROBE`; the family's usual tag first."""
     from moeheal.pipeline.tokenizer import PRE_TOKENIZERS, tokenizer_from_vocab
 
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    tokens = [""] * len(vocab)
-    for token, index in vocab.items():
-        tokens[index] = token
-    merges = json.loads(tokenizer.to_str())["model"].get("merges", [])
-    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    tokens, merges = id_ordered_tokens(tokenizer), merge_strings(tokenizer)
     added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
     types = [3 if t in added else 1 for t in tokens]
     want = tokenizer.encode(PRE_TOKENIZER_PROBE, add_special_tokens=False).ids
@@ -295,9 +293,10 @@ def pre_tokenizer_tag(tokenizer: Tokenizer, model_type: str, where: str) -> str:
 def convert_checkpoint(hf_dir: Path, out_gguf: Path, *, outtype: str = "f16") -> Path:
     """Write the checkpoint in `hf_dir` as the GGUF `out_gguf` (atomically) and return its path.
 
-    `outtype` is the weight matrices' type: "f16" (the default: half of float32's size, and
-    every bf16 or f16 weight's value within f16's rounding; values beyond f16's range are refused),
-    "f32" (exact), or "q8_0". Norms, biases and routers stay F32, as llama.cpp writes them.
+    `outtype` is the weight matrices' type (a `gguf_write.MATRIX_TYPES` name): "f16" (the default:
+    half of float32's size, and every bf16 or f16 weight's value within f16's rounding; values
+    beyond f16's range are refused), "bf16" (a bf16 checkpoint's exact values), "f32" (exact), or
+    "q8_0". Norms, biases and routers stay F32, as llama.cpp writes them.
     """
     hf_dir, out_gguf = Path(hf_dir), Path(out_gguf)
     if outtype not in MATRIX_TYPES:

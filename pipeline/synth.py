@@ -39,7 +39,11 @@ constant, so `synth` needs no demo file at run time; `tests/test_synth.py`
 refits it from the demo model and checks the constant. A role's standard
 deviation is rescaled by sqrt(demo fan-in / fan-in), as trained matrices' are
 (the token embedding, a lookup table, is not). Norm weights are 1 + N(0, 0.1^2),
-near 1 as trained models have them.
+near 1 as trained models have them. The demo model is small and nearly Gaussian,
+and so are these weights: `bench/synth_tails.py` measures kurtosis 2.98 to 4.00
+(a Gaussian's is 3) in every role but the shared expert's down projection and
+gate, in the demo and in synth's files alike. They give a real model's shapes
+and per-role spread, not a large trained model's heavy tails.
 
 Deterministic: a tensor is cut into fixed row chunks (`CHUNK_WEIGHTS` weights),
 and chunk k is drawn from the generator seeded by (seed, SHA-256 of the tensor
@@ -96,13 +100,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
-from gguf.constants import GGML_QUANT_SIZES, GGML_QUANT_VERSION
-from gguf.quants import quantize
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
+from gguf.constants import GGML_QUANT_SIZES
 
 from moeheal.pipeline.arch import ARCHITECTURES
 from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.gguf_metadata import KV, ArchKeys, Vocabulary, metadata_kv
 from moeheal.pipeline.gguf_model import HParams
+from moeheal.pipeline.gguf_write import MATRIX_TYPES, add_kv, encode
 from moeheal.pipeline.package_data import DATA
 from moeheal.pipeline.progress import progress
 
@@ -114,7 +119,6 @@ DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "model" / "demo-q8_0
 DEMO_VOCAB = DATA / "demo_vocab.json.gz"
 CHUNK_WEIGHTS = 1 << 22  # weights drawn at once: 16 MB of float32, the unit of memory and of seeding
 NORM_STD = 0.1
-TypedKV = tuple[str, Any, GGUFValueType]  # a key, its value, and the GGUF type (of the items, for a list)
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,11 @@ class LikeModel:
     description: str
 
 
-_QWEN3_NOTE = "random heavy-tailed weights and a filler vocabulary; made by moeheal synth, not a trained model"
+# What the weights are (bench/synth_tails.py measures them), in every file's general.description.
+_WEIGHTS = ("random weights with each role's spread and kurtosis from the small demo model (nearly Gaussian "
+            "routed experts)")
+_MADE = "made by moeheal synth, not a trained model"
+_QWEN3_NOTE = f"{_WEIGHTS} and a filler vocabulary; {_MADE}"
 LIKE: dict[str, LikeModel] = {
     "qwen3-30b-a3b": LikeModel(
         title="Qwen3-30B-A3B shapes (synthetic)", arch="qwen3moe", d_ff=6144,
@@ -156,8 +164,8 @@ LIKE: dict[str, LikeModel] = {
         hp=HParams(n_layer=32, d_model=4096, n_head=32, n_head_kv=8, head_dim=128, n_expert=8, n_expert_used=2,
                    d_expert=14336, d_shexp=0, rope_theta=1e6, rms_eps=1e-5, vocab_size=32000,
                    norm_topk_prob=True, context_length=32768),
-        description="Mixtral-8x7B's tensor shapes and metadata; random heavy-tailed weights and a filler "
-                    "SentencePiece vocabulary; made by moeheal synth, not a trained model"),
+        description=f"Mixtral-8x7B's tensor shapes and metadata; {_WEIGHTS} and a filler SentencePiece "
+                    f"vocabulary; {_MADE}"),
     "deepseek-v3": LikeModel(
         title="DeepSeek-V3 shapes (synthetic)", arch="deepseek2", d_ff=18432,
         hp=HParams(n_layer=61, d_model=7168, n_head=128, n_head_kv=1, head_dim=192, n_expert=256, n_expert_used=8,
@@ -167,14 +175,7 @@ LIKE: dict[str, LikeModel] = {
                    expert_weights_scale=2.5, rope_scaling_factor=40.0, rope_orig_ctx=4096, yarn_log_mul=1.0),
         description="DeepSeek-V3's tensor shapes and metadata (MLA with the q LoRA, YaRN rope scaling of factor "
                     "40, 3 dense leading layers, 256 experts in 8 groups, top-8 from 4 groups, one ungated "
-                    f"shared expert); a Qwen-style filler vocabulary of DeepSeek-V3's size; {_QWEN3_NOTE}"),
-}
-# Roles the demo model has no tensor of draw from the fit of the demo role they stand in for.
-MATRIX_TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
-    "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
-    "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
-    "bf16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),
-    "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
+                    f"shared expert); {_WEIGHTS} and a Qwen-style filler vocabulary of DeepSeek-V3's size; {_MADE}"),
 }
 
 
@@ -355,27 +356,21 @@ def _deepseek2_plan(hp: HParams, n_layer: int, n_expert: int, t) -> list[TensorP
     return plan
 
 
-def _deepseek2_kv(hp: HParams, n_layer: int, n_expert: int) -> list[TypedKV]:
-    """The keys llama.cpp's DeepseekV2Model converter writes beyond the common ones (YaRN's among them),
-    but no `vocab_size` (a shrunk vocabulary's size is its token list's, which llama.cpp counts)."""
-    a, u32, f32 = "deepseek2", GGUFValueType.UINT32, GGUFValueType.FLOAT32
+def _deepseek2_keys(hp: HParams, n_layer: int, n_expert: int) -> dict[str, Any]:
+    """The `ArchKeys` llama.cpp's DeepseekV2Model converter sets beyond (or instead of) the common ones,
+    YaRN's among them, but no `vocab_size` (a shrunk vocabulary's size is its token list's, which
+    llama.cpp counts) and the shared expert as a count, not a width."""
     n_dense, n_group, n_group_used, k = deepseek2_shape(hp, n_layer, n_expert)
-    return [
-        (f"{a}.expert_used_count", k, u32),
-        (f"{a}.attention.key_length", hp.kv_lora_rank + hp.rope_dim, u32),
-        (f"{a}.attention.value_length", hp.kv_lora_rank, u32),
-        (f"{a}.expert_group_count", n_group, u32), (f"{a}.expert_group_used_count", n_group_used, u32),
-        (f"{a}.expert_gating_func", 2, u32), (f"{a}.leading_dense_block_count", n_dense, u32),
-        (f"{a}.attention.q_lora_rank", hp.q_lora_rank, u32),
-        (f"{a}.attention.kv_lora_rank", hp.kv_lora_rank, u32),
-        (f"{a}.attention.key_length_mla", hp.head_dim, u32), (f"{a}.attention.value_length_mla", hp.v_head_dim, u32),
-        (f"{a}.expert_shared_count", hp.d_shexp // hp.d_expert, u32),
-        (f"{a}.expert_weights_scale", hp.expert_weights_scale, f32), (f"{a}.rope.dimension_count", hp.rope_dim, u32),
-        (f"{a}.rope.scaling.type", "yarn", GGUFValueType.STRING), (f"{a}.rope.scaling.factor", hp.rope_scaling_factor, f32),
-        (f"{a}.rope.scaling.original_context_length", hp.rope_orig_ctx, u32),
-        (f"{a}.rope.scaling.yarn_beta_fast", 32.0, f32), (f"{a}.rope.scaling.yarn_beta_slow", 1.0, f32),
-        (f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * hp.yarn_log_mul, f32),
-    ]
+    return dict(
+        expert_used_count=k, key_length=hp.kv_lora_rank + hp.rope_dim, value_length=hp.kv_lora_rank,
+        expert_group_count=n_group, expert_group_used_count=n_group_used, expert_gating_func=2,
+        leading_dense_block_count=n_dense, q_lora_rank=hp.q_lora_rank, kv_lora_rank=hp.kv_lora_rank,
+        key_length_mla=hp.head_dim, value_length_mla=hp.v_head_dim, expert_shared_count=hp.d_shexp // hp.d_expert,
+        expert_shared_feed_forward_length=None, expert_weights_scale=hp.expert_weights_scale,
+        rope_dimension_count=hp.rope_dim, rope_scaling_type="yarn", rope_scaling_factor=hp.rope_scaling_factor,
+        rope_scaling_original_context_length=hp.rope_orig_ctx, yarn_beta_fast=32.0, yarn_beta_slow=1.0,
+        yarn_log_multiplier=0.1 * hp.yarn_log_mul,
+    )
 
 
 def _qwen3next_attention(hp: HParams, layer: int) -> dict[str, tuple[int, ...]]:
@@ -390,52 +385,31 @@ def _qwen3next_attention(hp: HParams, layer: int) -> dict[str, tuple[int, ...]]:
     return {name: shapes[name] for name in names}
 
 
-def hparams_kv(like: LikeModel, n_layer: int, n_expert: int, file_type: LlamaFileType,
-               vocab_size: int | None = None) -> list[TypedKV]:
-    """`general.*` and `<arch>.*` keys, typed as llama.cpp reads them (`vocab_size`: a shrunk one)."""
-    a, u32, f32 = like.arch, GGUFValueType.UINT32, GGUFValueType.FLOAT32
-    kv = [
-        ("general.name", like.title, GGUFValueType.STRING),
-        ("general.description", like.description, GGUFValueType.STRING),
-        ("general.file_type", int(file_type), u32),
-        ("general.quantization_version", GGML_QUANT_VERSION, u32),
-        (f"{a}.context_length", like.hp.context_length, u32),
-        (f"{a}.embedding_length", like.hp.d_model, u32),
-        (f"{a}.block_count", n_layer, u32),
-        (f"{a}.feed_forward_length", like.d_ff, u32),
-        (f"{a}.attention.head_count", like.hp.n_head, u32),
-        (f"{a}.attention.head_count_kv", like.hp.n_head_kv, u32),
-        (f"{a}.attention.key_length", like.hp.head_dim, u32),
-        (f"{a}.attention.value_length", like.hp.head_dim, u32),
-        (f"{a}.rope.freq_base", like.hp.rope_theta, f32),
-        (f"{a}.attention.layer_norm_rms_epsilon", like.hp.rms_eps, f32),
-        (f"{a}.expert_count", n_expert, u32),
-        (f"{a}.expert_used_count", min(like.hp.n_expert_used, n_expert), u32),
-        (f"{a}.expert_feed_forward_length", like.hp.d_expert, u32),
-    ]
-    if a != "qwen3next":  # its converter writes no expert_weights_norm: llama.cpp always renormalises
-        kv.append((f"{a}.expert_weights_norm", like.hp.norm_topk_prob, GGUFValueType.BOOL))
-    if like.arch == "deepseek2":  # its keys overwrite the common ones in place; its shared width is a count
-        family = {item[0]: item for item in _deepseek2_kv(like.hp, n_layer, n_expert)}
-        return [family.pop(item[0], item) for item in kv] + list(family.values())
-    if like.hp.d_shexp:
-        kv.append((f"{a}.expert_shared_feed_forward_length", like.hp.d_shexp, u32))
-    if a == "llama":  # LlamaModel: no head-dim, expert-width or weights-norm keys (Mixtral's config has none)
-        dropped = {f"{a}.attention.key_length", f"{a}.attention.value_length", f"{a}.expert_feed_forward_length",
-                   f"{a}.expert_weights_norm"}
-        kv = [item for item in kv if item[0] not in dropped]
-        kv += [(f"{a}.vocab_size", vocab_size or like.hp.vocab_size, u32),
-               (f"{a}.rope.dimension_count", like.hp.head_dim, u32)]
-    if like.hp.recurrent_layers:
-        hp = like.hp
-        kv += [(f"{a}.ssm.conv_kernel", hp.ssm_conv_kernel, u32), (f"{a}.ssm.state_size", hp.ssm_state_size, u32),
-               (f"{a}.ssm.group_count", hp.ssm_group_count, u32),
-               (f"{a}.ssm.time_step_rank", hp.ssm_time_step_rank, u32),
-               (f"{a}.ssm.inner_size", hp.ssm_inner_size, u32),
-               (f"{a}.attention.recurrent_layers", list(hp.recurrent_layers[:n_layer]), GGUFValueType.BOOL),
-               (f"{a}.full_attention_interval", hp.recurrent_layers.index(False) + 1, u32),
-               (f"{a}.rope.dimension_count", hp.rope_dim, u32)]
-    return kv
+def arch_keys(like: LikeModel, n_layer: int, n_expert: int, file_type: LlamaFileType,
+              vocab_size: int | None = None) -> ArchKeys:
+    """`general.*` and `<arch>.*` keys of the model's file (`vocab_size`: a shrunk one)."""
+    hp = like.hp
+    keys: dict[str, Any] = dict(
+        name=like.title, description=like.description, file_type=int(file_type),
+        context_length=hp.context_length, embedding_length=hp.d_model, block_count=n_layer,
+        feed_forward_length=like.d_ff, head_count=hp.n_head, head_count_kv=hp.n_head_kv,
+        key_length=hp.head_dim, value_length=hp.head_dim, rope_freq_base=hp.rope_theta, rms_eps=hp.rms_eps,
+        expert_count=n_expert, expert_used_count=min(hp.n_expert_used, n_expert),
+        expert_feed_forward_length=hp.d_expert, expert_shared_feed_forward_length=hp.d_shexp or None,
+        # qwen3next's converter writes no expert_weights_norm: llama.cpp always renormalises
+        expert_weights_norm=None if like.arch == "qwen3next" else hp.norm_topk_prob,
+    )
+    if like.arch == "deepseek2":
+        keys.update(_deepseek2_keys(hp, n_layer, n_expert))
+    if like.arch == "llama":  # LlamaModel: no head-dim, expert-width or weights-norm keys (Mixtral's config has none)
+        keys.update(key_length=None, value_length=None, expert_feed_forward_length=None, expert_weights_norm=None,
+                    vocab_size=vocab_size or hp.vocab_size, rope_dimension_count=hp.head_dim)
+    if hp.recurrent_layers:
+        keys.update(ssm_conv_kernel=hp.ssm_conv_kernel, ssm_state_size=hp.ssm_state_size,
+                    ssm_group_count=hp.ssm_group_count, ssm_time_step_rank=hp.ssm_time_step_rank,
+                    ssm_inner_size=hp.ssm_inner_size, recurrent_layers=hp.recurrent_layers[:n_layer],
+                    full_attention_interval=hp.recurrent_layers.index(False) + 1, rope_dimension_count=hp.rope_dim)
+    return ArchKeys(arch=like.arch, **keys)
 
 
 # ---- the vocabulary -----------------------------------------------------------
@@ -457,6 +431,20 @@ def load_demo_vocabulary(path: Path) -> dict[str, list]:
         return json.load(f)
 
 
+def _fill(tokens: list[str], size: int, spelling: str) -> set[str]:
+    """Append filler tokens `spelling` of 0, 1, 2, ... (skipping any already there) until `tokens`
+    holds `size`; returns the set of its tokens."""
+    kept = set(tokens)
+    fill = 0
+    while len(tokens) < size:
+        candidate = spelling.format(fill)
+        fill += 1
+        if candidate not in kept:
+            tokens.append(candidate)
+            kept.add(candidate)
+    return kept
+
+
 def synth_vocabulary(vocab_size: int, demo: dict[str, list]) -> tuple[list[str], list[int], list[str]]:
     """Tokens, token types and merges of `vocab_size` entries laid out as Qwen's padded vocabulary.
 
@@ -469,14 +457,7 @@ def synth_vocabulary(vocab_size: int, demo: dict[str, list]) -> tuple[list[str],
     ordinary = [tok for tok, ty in zip(demo_tokens, demo_types) if ty == TOKEN_NORMAL]
     n_text = min(QWEN_TEXT_TOKENS, vocab_size - len(QWEN_SPECIALS))
     tokens = ordinary[:n_text]
-    kept = set(tokens)
-    fill = 0
-    while len(tokens) < n_text:
-        candidate = f"ĠĠfill{fill}"  # Ġ is byte-level BPE's space
-        fill += 1
-        if candidate not in kept:
-            tokens.append(candidate)
-            kept.add(candidate)
+    kept = _fill(tokens, n_text, "ĠĠfill{}")  # Ġ is byte-level BPE's space
     merges = []
     for merge in demo["tokenizer.ggml.merges"]:
         left, right = merge.split(" ", 1)
@@ -490,20 +471,11 @@ def synth_vocabulary(vocab_size: int, demo: dict[str, list]) -> tuple[list[str],
     return tokens, types, merges
 
 
-def vocab_kv(tokens: list[str], types: list[int], merges: list[str]) -> list[TypedKV]:
-    """`tokenizer.ggml.*` as llama.cpp's converter writes Qwen's (BOS = PAD = <|endoftext|>, EOS = <|im_end|>)."""
-    string, u32 = GGUFValueType.STRING, GGUFValueType.UINT32
-    return [
-        ("tokenizer.ggml.model", "gpt2", string),
-        ("tokenizer.ggml.pre", "qwen2", string),
-        ("tokenizer.ggml.tokens", tokens, string),
-        ("tokenizer.ggml.token_type", types, GGUFValueType.INT32),
-        ("tokenizer.ggml.merges", merges, string),
-        ("tokenizer.ggml.bos_token_id", tokens.index("<|endoftext|>"), u32),
-        ("tokenizer.ggml.eos_token_id", tokens.index("<|im_end|>"), u32),
-        ("tokenizer.ggml.padding_token_id", tokens.index("<|endoftext|>"), u32),
-        ("tokenizer.ggml.add_bos_token", False, GGUFValueType.BOOL),
-    ]
+def qwen_vocabulary(tokens: list[str], types: list[int], merges: list[str]) -> Vocabulary:
+    """The vocabulary as llama.cpp's converter writes Qwen's (BOS = PAD = <|endoftext|>, EOS = <|im_end|>)."""
+    return Vocabulary(model="gpt2", pre="qwen2", tokens=tokens, token_types=types, merges=merges,
+                      bos=tokens.index("<|endoftext|>"), eos=tokens.index("<|im_end|>"),
+                      padding=tokens.index("<|endoftext|>"), add_bos=False)
 
 
 SPM_SPECIALS = ("<unk>", "<s>", "</s>")  # Mixtral's ids 0, 1, 2
@@ -530,33 +502,17 @@ def sentencepiece_vocabulary(vocab_size: int, demo: dict[str, list]) -> tuple[li
         if ty == TOKEN_NORMAL and piece not in kept:
             tokens.append(piece)
             kept.add(piece)
-    fill = 0
-    while len(tokens) < vocab_size:
-        candidate = f"▁fill{fill}"
-        fill += 1
-        if candidate not in kept:
-            tokens.append(candidate)
-            kept.add(candidate)
+    _fill(tokens, vocab_size, "▁fill{}")
     types += [TOKEN_NORMAL] * (vocab_size - len(types))
     scores = [0.0 if ty != TOKEN_NORMAL else -float(i) for i, ty in enumerate(types)]
     return tokens, types, scores
 
 
-def sentencepiece_vocab_kv(tokens: list[str], types: list[int], scores: list[float]) -> list[TypedKV]:
-    """`tokenizer.ggml.*` as llama.cpp's converter writes Mixtral's (BOS <s>, EOS </s>, UNK <unk>)."""
-    string, u32 = GGUFValueType.STRING, GGUFValueType.UINT32
-    return [
-        ("tokenizer.ggml.model", "llama", string),
-        ("tokenizer.ggml.pre", "default", string),
-        ("tokenizer.ggml.tokens", tokens, string),
-        ("tokenizer.ggml.scores", scores, GGUFValueType.FLOAT32),
-        ("tokenizer.ggml.token_type", types, GGUFValueType.INT32),
-        ("tokenizer.ggml.bos_token_id", tokens.index("<s>"), u32),
-        ("tokenizer.ggml.eos_token_id", tokens.index("</s>"), u32),
-        ("tokenizer.ggml.unknown_token_id", tokens.index("<unk>"), u32),
-        ("tokenizer.ggml.add_bos_token", True, GGUFValueType.BOOL),
-        ("tokenizer.ggml.add_eos_token", False, GGUFValueType.BOOL),
-    ]
+def mixtral_vocabulary(tokens: list[str], types: list[int], scores: list[float]) -> Vocabulary:
+    """The vocabulary as llama.cpp's converter writes Mixtral's (BOS <s>, EOS </s>, UNK <unk>)."""
+    return Vocabulary(model="llama", pre="default", tokens=tokens, scores=scores, token_types=types,
+                      bos=tokens.index("<s>"), eos=tokens.index("</s>"), unknown=tokens.index("<unk>"),
+                      add_bos=True, add_eos=False)
 
 
 # ---- the weights --------------------------------------------------------------
@@ -612,22 +568,13 @@ def chunk_values(t: TensorPlan, seed: int, k: int) -> np.ndarray:
 
 
 def encoded_chunk(t: TensorPlan, seed: int, k: int) -> np.ndarray:
-    """Chunk k of the tensor as stored (`_encode`): what a worker process returns."""
-    return _encode(chunk_values(t, seed, k), t.ggml_type)
+    """Chunk k of the tensor as stored (`gguf_write.encode`): what a worker process returns."""
+    return encode(chunk_values(t, seed, k), t.ggml_type)
 
 
 def tensor_values(t: TensorPlan, seed: int) -> np.ndarray:
     """One whole tensor, float32 in its shape, regenerated alone (tests; small tensors)."""
     return np.concatenate(list(value_chunks(t, seed))).reshape(t.shape)
-
-
-def _encode(chunk: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
-    """A (rows, cols) float32 chunk as the bytes stored for `ggml_type`."""
-    if ggml_type == GGMLQuantizationType.F32:
-        return chunk
-    if ggml_type == GGMLQuantizationType.F16:
-        return chunk.astype(np.float16)
-    return quantize(chunk, ggml_type)  # (rows, row_bytes) uint8
 
 
 # ---- the file -----------------------------------------------------------------
@@ -643,15 +590,12 @@ def parse_size(text: str) -> int:
     return int(m[1]) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}[m[2]]
 
 
-def _writer(tmp: Path, like: LikeModel, plan: list[TensorPlan], kv: list[TypedKV], split_max_size: int) -> GGUFWriter:
+def _writer(tmp: Path, like: LikeModel, plan: list[TensorPlan], kv: list[KV], split_max_size: int) -> GGUFWriter:
     """gguf-py's writer with every key and tensor info added; it assigns tensors to shards and
     writes llama.cpp's split.* keys."""
     writer = GGUFWriter(tmp, like.arch, split_max_size=split_max_size)
     for key, value, vtype in kv:
-        if isinstance(value, list):
-            writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=vtype)
-        else:
-            writer.add_key_value(key, value, vtype)
+        add_kv(writer, key, value, vtype)
     for t in plan:
         writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.n_bytes, raw_dtype=t.ggml_type)
     return writer
@@ -678,10 +622,10 @@ def write_synth(out: str | os.PathLike[str], like_name: str, n_layer: int | None
     started = time.monotonic()
     plan = plan_tensors(like, n_layer, n_expert, vocab_size, ggml_type)
     if like.arch == "llama":  # Mixtral: SentencePiece
-        vocabulary = sentencepiece_vocab_kv(*sentencepiece_vocabulary(vocab_size, load_demo_vocabulary(demo_model)))
+        vocabulary = mixtral_vocabulary(*sentencepiece_vocabulary(vocab_size, load_demo_vocabulary(demo_model)))
     else:
-        vocabulary = vocab_kv(*synth_vocabulary(vocab_size, load_demo_vocabulary(demo_model)))
-    kv = hparams_kv(like, n_layer, n_expert, file_type, vocab_size) + vocabulary
+        vocabulary = qwen_vocabulary(*synth_vocabulary(vocab_size, load_demo_vocabulary(demo_model)))
+    kv = metadata_kv(arch_keys(like, n_layer, n_expert, file_type, vocab_size)) + metadata_kv(vocabulary)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")

@@ -44,14 +44,19 @@ def sample_texts(n_lines: int, seed: int) -> list[str]:
     return lines
 
 
-def train_tiny_bpe(vocab_size: int = 400, seed: int = 0) -> Tokenizer:
-    """A byte-level BPE with Qwen2's pre-tokenizer and Qwen's special tokens."""
-    tok = Tokenizer(models.BPE())
+def qwen2_byte_level(tok: Tokenizer) -> Tokenizer:
+    """`tok` with Qwen2's pre-tokenizer (its regex, then bytes as characters) and the byte-level decoder."""
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_tiny_bpe(vocab_size: int = 400, seed: int = 0) -> Tokenizer:
+    """A byte-level BPE with Qwen2's pre-tokenizer and Qwen's special tokens."""
+    tok = qwen2_byte_level(Tokenizer(models.BPE()))
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(sample_texts(400, seed), trainer=trainer)

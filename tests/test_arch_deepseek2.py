@@ -283,8 +283,8 @@ def test_a_file_without_sigmoid_gating_the_mla_sizes_or_yarn_mscale_is_refused(t
     each is an InputError naming the file and the key, not a guess."""
     from moeheal.pipeline import convert as C
 
-    written = C._deepseek2_kv
-    monkeypatch.setattr(C, "_deepseek2_kv", lambda config: [kv for kv in written(config) if kv[0] != drop])
+    written = C.metadata_kv
+    monkeypatch.setattr(C, "metadata_kv", lambda record: [kv for kv in written(record) if kv[0] != drop])
     tokenizer = train_tiny_bpe(seed=15)
     path = tmp_path / "dropped.gguf"
     hf = tiny_deepseek_v3(tokenizer.get_vocab_size(), 15, n_layer=2, yarn=V3_YARN)

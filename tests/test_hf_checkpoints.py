@@ -195,7 +195,8 @@ def test_llama_cpp_conversion_runs_within_1e4_and_matches_ours(checkpoints, conv
 def test_bf16_and_f16_checkpoints_convert_exactly(tmp_path):
     """bf16 weights widen to their exact float32 values; an f16 reference stores them rounded to f16
     (norms, biases and routers in F32 as llama.cpp keeps them), a Q8_0 one within half a step of its
-    block (plus the f16 scale's rounding); an f16 checkpoint converts to its exact values too."""
+    block (plus the f16 scale's rounding), a bf16 one exactly; an f16 checkpoint converts to its
+    exact values too."""
     hf, tokenizer = tiny_family("qwen2moe", seed=5)
     bf16 = save_checkpoint(hf, tokenizer, tmp_path / "bf16", torch.bfloat16)
     f16 = save_checkpoint(hf, tokenizer, tmp_path / "f16", torch.float16)
@@ -218,6 +219,10 @@ def test_bf16_and_f16_checkpoints_convert_exactly(tmp_path):
     step = np.abs(w).max(axis=1, keepdims=True) / 127  # (blocks, 1) Q8_0: one scale per 32 weights
     error = np.abs(stored_tensors(q8)["blk.0.ffn_up_exps.weight"].reshape(-1, 32) - w)  # (blocks, 32)
     assert np.all(error <= (0.5 + 127 * 2.0**-11) * step)  # half a step, and the scale's own f16 rounding
+    brain = convert_checkpoint(bf16, tmp_path / "bf16-bf16.gguf", outtype="bf16")
+    assert {t.name: t.tensor_type for t in GGUFReader(brain).tensors}["blk.0.ffn_up_exps.weight"] == \
+        GGMLQuantizationType.BF16
+    np.testing.assert_array_equal(stored_tensors(brain)["blk.0.ffn_up_exps.weight"], got["blk.0.ffn_up_exps.weight"])
     from_f16 = stored_tensors(convert_checkpoint(f16, tmp_path / "f16-f32.gguf", outtype="f32"))
     np.testing.assert_array_equal(from_f16["blk.0.attn_k.weight"],
                                   hf.state_dict()["model.layers.0.self_attn.k_proj.weight"].half().float().numpy())

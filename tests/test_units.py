@@ -21,7 +21,7 @@ from moeheal import kernels
 from moeheal.pipeline.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.gguf_write import _WRITER_OWNED_KEYS, _add_kv
+from moeheal.pipeline.gguf_write import WRITER_OWNED_KEYS, add_kv
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.stages import quantize
 from moeheal.pipeline.stages.dump import ARRAYS, open_dump
@@ -143,11 +143,11 @@ def reference_assembly(path: Path, source: GGUFModel, calibrated: list[Path], va
                 replaced[f"blk.{layer}.{name}.weight"] = (data[name], fmt.ggml_type)
     writer = GGUFWriter(path, source.arch.name)
     for key, field in source.metadata_fields().items():
-        if key not in _WRITER_OWNED_KEYS and key not in {k for k, _, _ in extra}:
+        if key not in WRITER_OWNED_KEYS and key not in {k for k, _, _ in extra}:
             sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-            _add_kv(writer, key, source.metadata(key), field.types[0], sub_type)
+            add_kv(writer, key, source.metadata(key), field.types[0], sub_type)
     for key, value, vtype in extra:
-        _add_kv(writer, key, value, vtype)
+        add_kv(writer, key, value, vtype)
     for name in source.tensor_names:
         data, ggml_type = replaced.get(name) or (source.raw(name).data, source.raw(name).ggml_type)
         writer.add_tensor(name, data, raw_dtype=ggml_type)
