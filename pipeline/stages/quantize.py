@@ -66,7 +66,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -119,6 +119,7 @@ class QuantizeParams:
     gptq_router_weighted: bool | None = None
     budget: dict[str, Any] | None = None  # {"budget_bpw", "formats", "budget_roles"} of a budget variant
     learned_steps: int | None = None  # round = "learned" only
+    layer: int | None = None  # the unit's layer (None: the knobs alone, as sensitivity measures them)
 
     @property
     def uses_gptq(self) -> bool:
@@ -384,13 +385,13 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
                   chunk_size=chunk_size)
 
 
-def build_quantize(out: Path, source: Path, dump: Path | None, params: QuantizeParams, layer: int,
-                   recipe: Path | None = None, unseen: Path | None = None,
-                   log: Callable[[str], None] = print) -> None:
-    """One unit of the quantize stage: layer `layer` of the source's routed experts, with the
-    calibration dump's statistics if any, in the formats of the allocation stage's output `recipe`
-    when given (learned rounding also measures itself on the `unseen` dump, if given)."""
-    model = open_model(source)
-    formats = layer_formats(params, layer, read_recipe(recipe) if recipe is not None else None)
-    quantize_layer(out, model, open_dump(dump, model.hp, model.moe_layers) if dump is not None else None, params,
-                   layer, formats, open_dump(unseen, model.hp, model.moe_layers) if unseen is not None else None, log)
+def build_quantize(out: Path, params: QuantizeParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+    """One unit of the quantize stage: layer `params.layer` of the `source`'s routed experts, with the
+    calibration dump's (`dump`) statistics if any, in the formats of the allocation stage's output
+    (`recipe`) when given (learned rounding also measures itself on the `unseen` dump, if given)."""
+    assert params.layer is not None, "a quantize unit is one layer"
+    model = open_model(inputs["source"])
+    recipe = read_recipe(inputs["recipe"]) if "recipe" in inputs else None
+    dump, unseen = (open_dump(inputs[key], model.hp, model.moe_layers) if key in inputs else None
+                    for key in ("dump", "unseen"))
+    quantize_layer(out, model, dump, params, params.layer, layer_formats(params, params.layer, recipe), unseen, log)
