@@ -121,6 +121,22 @@ def param_record(params: Any) -> dict[str, Any]:
     return dict(params)
 
 
+def recording(params: Any, read: set[str]) -> Any:
+    """A copy of a parameters dataclass that adds the name of every field read from it to `read`."""
+    if not dataclasses.is_dataclass(params):
+        return params
+    names = {f.name for f in dataclasses.fields(params)}
+
+    class Recorded(type(params)):  # type: ignore[misc]
+        def __getattribute__(self, name: str) -> Any:
+            if name in names:
+                read.add(name)
+            return object.__getattribute__(self, name)
+
+    Recorded.__name__ = Recorded.__qualname__ = type(params).__name__
+    return Recorded(**{name: getattr(params, name) for name in names})
+
+
 def stage_fingerprint(stage: Stage, params: Any, inputs: Mapping[str, Path],
                       upstream: Mapping[str, StageResult]) -> tuple[str, dict[str, Any]]:
     """The fingerprint and the provenance record of one stage invocation."""
@@ -200,9 +216,16 @@ class Executor:
         return result
 
     def build(self, node: Node, out: Path, paths: Mapping[str, Path]) -> None:
-        """The node's build, then a check that it wrote every file its stage declares."""
-        assert node.stage.build is not None, f"{node.label}: stage {node.stage.name} declares no build"
-        node.stage.build(out, node.params, paths, self.log)
+        """The node's build, then two checks: it read every hashed knob of its parameters (else the
+        fingerprint would move where the output cannot), and it wrote every file its stage declares."""
+        build = node.stage.build
+        assert build is not None, f"{node.label}: stage {node.stage.name} declares no build"
+        read: set[str] = set()
+        build(out, recording(node.params, read), paths, self.log)
+        unread = sorted(set(param_record(node.params)) - read)
+        if unread:
+            raise RuntimeError(f"{node.label}: {build.__name__} never read {', '.join(unread)} of its parameters, "
+                               "which are in its fingerprint")
         names = [name.format(**param_record(node.params)) for name in node.stage.outputs]
         missing = [name for name in names if not (out / name).exists()]
         if missing:

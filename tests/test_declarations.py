@@ -2,10 +2,12 @@
 
 A stage's build function receives one parameters object (besides the paths of
 its input files and upstream outputs); that object's hashed fields are the
-knobs part of its fingerprint. These tests check both directions on small
-worlds: every hashed field moves the fingerprint (so no knob the build reads
-is left out of the key), every hashed field is read by the build (so no knob
-that cannot change the output recomputes it), and a field left out of the key
+knobs part of its fingerprint. These tests check both directions: on a world
+with every kind of variant, every hashed field of every declared invocation
+moves the fingerprint (so no knob the build reads is left out of the key);
+every hashed field is read by the build (the executor checks that on every
+build of every heal, so no knob that cannot change the output recomputes it;
+tested here on a stage made to ignore one); and a setting left out of the key
 does not change the output.
 """
 
@@ -14,15 +16,16 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import numpy as np
 import pytest
 import zarr
 
 from moeheal.pipeline.config import load_config
-from moeheal.pipeline.dag import Executor, Node, hashed_fields, stage_fingerprint
+from moeheal.pipeline.dag import Executor, Node, Stage, hashed_fields, stage_fingerprint
 from moeheal.pipeline.heal import STAGES, HealRun
+from moeheal.pipeline.lake import Lake
 from tests.healworld import write_world
 
 # Every kind of variant a config can hold: least squares, GPTQ, learned rounding, a budget over every
@@ -116,7 +119,7 @@ def test_every_stage_is_declared_with_one_parameters_object(planned):
     for stage in STAGES:
         signature = inspect.signature(stage.build)
         assert list(signature.parameters) == ["out", "params", "inputs", "log"], stage.name
-        assert signature.parameters["params"].annotation == stage.params.__name__, stage.name
+        assert get_type_hints(stage.build)["params"] is stage.params, stage.name
         assert stage.build.__module__ == stage.module and dataclasses.is_dataclass(stage.params), stage.name
         assert stage.params.__dataclass_params__.frozen, stage.name
     assert {node.stage.name for node in planned.executor.nodes} == {stage.name for stage in STAGES}
@@ -138,66 +141,55 @@ def test_every_hashed_knob_moves_the_fingerprint(planned):
 
 # ---- what the builds read -------------------------------------------------------------------------
 
-def recorder(params: Any, seen: set[str]) -> Any:
-    """A copy of `params` whose class records every field read from it into `seen`."""
-    names = {f.name for f in dataclasses.fields(params)}
-
-    class Recorded(type(params)):  # type: ignore[misc]
-        def __getattribute__(self, name: str) -> Any:
-            if name in names:
-                seen.add(name)
-            return object.__getattribute__(self, name)
-
-    return Recorded(**{name: getattr(params, name) for name in names})
+@dataclasses.dataclass(frozen=True)
+class GainParams:
+    gain: float
+    offset: float | None = None  # None: not in the fingerprint, and not read
 
 
-@pytest.fixture(scope="module")
-def read_fields(tmp_path_factory) -> tuple[HealRun, dict[str, tuple[Node, set[str]]]]:
-    """A heal of a small world with a budget and an e2e variant, recording the fields each build reads."""
-    variants = '[[variant]]\nname = "b"\nbudget_bpw = 2.4\nformats = ["tq2_0", "q2_k"]\ne2e = true\ne2e_steps = 1\n'
-    config = write_world(tmp_path_factory.mktemp("reads"), variants=variants, moce_bonus=(0.0,))
-    config.write_text(config.read_text().replace("tokens = 1024", "tokens = 256"))  # one sequence: a fast dump
-    reads: dict[str, tuple[Node, set[str]]] = {}
-
-    def build(self: Executor, node: Node, out: Path, paths: dict[str, Path]) -> None:
-        seen: set[str] = set()
-        reads[node.label] = (node, seen)
-        node.stage.build(out, recorder(node.params, seen), paths, self.log)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Executor, "build", build)
-        run = HealRun(load_config(config), log=lambda m: None)
-        run.heal()
-    return run, reads
+def build_scaled(out: Path, params: GainParams, inputs: dict[str, Path], log) -> None:
+    out.mkdir(parents=True)
+    (out / "sum.txt").write_text(str(sum(inputs["data"].read_bytes()) * params.gain))
 
 
-def test_every_hashed_knob_is_read_by_its_build(read_fields):
-    """No hashed field is dead weight: each one set is read by the build it keys, so changing it
-    can change the output (a field read only to be passed on is read too)."""
-    _, reads = read_fields
-    assert {node.stage.name for node, _ in reads.values()} >= {
-        "corpus", "traces", "windows", "audit", "dump", "sensitivity", "allocate", "quantize", "calibrate",
-        "assemble", "e2e", "reference-logits", "evaluate", "comparisons"}
-    for label, (node, seen) in reads.items():
-        hashed = {name for name in hashed_fields(node.params) if getattr(node.params, name) is not None}
-        assert hashed <= seen, (label, hashed - seen)
+def build_ignoring_gain(out: Path, params: GainParams, inputs: dict[str, Path], log) -> None:
+    out.mkdir(parents=True)
+    (out / "sum.txt").write_text(str(sum(inputs["data"].read_bytes())))
 
 
-def test_unhashed_settings_do_not_change_the_output(read_fields, tmp_path):
-    """A field kept out of the fingerprint is one the output does not depend on: the dump with a
-    different chunk size holds the same arrays, the allocation named differently the same recipe."""
-    run, reads = read_fields
-    for label, setting in (("dump:unseen", {"chunk_tokens": 256}), ("allocate:b", {"where": "elsewhere"})):
-        node, _ = reads[label]
-        assert set(setting) == {f.name for f in dataclasses.fields(node.params)} - set(hashed_fields(node.params))
-        paths = {**node.inputs, **{k: use.path(run.executor.result(use.node)) for k, use in node.upstream.items()}}
-        out = tmp_path / label.replace(":", "_")
-        node.stage.build(out, dataclasses.replace(node.params, **setting), paths, lambda m: None)
-        built = run.executor.result(node).path
-        if node.stage.name == "dump":
-            ours, theirs = zarr.open_group(str(built), mode="r"), zarr.open_group(str(out), mode="r")
-            for layer in ("0", "1"):
-                for name in ("mixed", "yr", "hh", "experts", "weights"):
-                    np.testing.assert_array_equal(ours[layer][name][:], theirs[layer][name][:])
-        else:
-            assert (out / "recipe.parquet").read_bytes() == (built / "recipe.parquet").read_bytes()
+def test_a_build_must_read_every_hashed_knob(tmp_path):
+    """The executor records the fields a build reads: a hashed knob it never reads (the fingerprint
+    would move where the output cannot) fails the build and publishes nothing; a None one is not hashed."""
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"\x01\x02" * 10)
+    executor = Executor(Lake(tmp_path / "lake"), log=lambda m: None)
+    module = build_scaled.__module__
+    good = Stage("scaled", "parts", "", module, build=build_scaled, params=GainParams, outputs=("sum.txt",))
+    result = executor.result(Node("scaled", good, GainParams(2.0), inputs={"data": data}))
+    assert (result.path / "sum.txt").read_text() == "60.0"
+    bad = Stage("ignoring", "parts", "", module, build=build_ignoring_gain, params=GainParams)
+    with pytest.raises(RuntimeError, match="never read gain"):
+        executor.result(Node("ignoring", bad, GainParams(2.0), inputs={"data": data}))
+    assert not list((tmp_path / "lake" / "parts").glob(f"{stage_fingerprint(bad, GainParams(2.0), {'data': data}, {})[0]}*"))
+    with pytest.raises(TypeError, match="declared GainParams"):
+        Node("wrong", good, {"gain": 2.0})
+    with pytest.raises(ValueError, match="not in"):
+        Stage("elsewhere", "parts", "", "moeheal.pipeline.files", build=build_scaled)
+
+
+def test_unhashed_chunk_size_does_not_change_the_dump(tmp_path):
+    """`chunk_tokens`, kept out of the dump's fingerprint, only sets how many sequences a forward pass
+    holds: the unseen trace (two sequences) dumped one at a time holds the same arrays."""
+    config = write_world(tmp_path / "w", variants="", moce_bonus=(0.0,))
+    run = HealRun(load_config(config), log=lambda m: None)
+    node = run.dump.node("unseen")
+    assert node.params.chunk_tokens >= 2 * node.params.seq_tokens
+    paths = {**node.inputs, **{k: use.path(run.executor.result(use.node)) for k, use in node.upstream.items()}}
+    built = run.dump("unseen").path
+    one_by_one = tmp_path / "one_by_one.zarr"
+    node.stage.build(one_by_one, dataclasses.replace(node.params, chunk_tokens=node.params.seq_tokens), paths,
+                     lambda m: None)
+    ours, theirs = zarr.open_group(str(built), mode="r"), zarr.open_group(str(one_by_one), mode="r")
+    for layer in ("0", "1"):
+        for name in ("mixed", "yr", "hh", "experts", "weights"):
+            np.testing.assert_array_equal(ours[layer][name][:], theirs[layer][name][:])
