@@ -16,18 +16,16 @@ the dumps. A killed run resumes at the first layer not yet in the lake, a knob
 recomputes only the units that read it, and `assemble:<variant>` writes the
 GGUF from every layer's calibrate unit.
 
-Nothing a user reads changes until a run has succeeded: the tables, the
-DuckDB file and the report are staged in a `Publication` and published as one
-set at the end (`Lake.publish`). A rejected config or a crash leaves the
-published set exactly as it was.
+Nothing a user reads changes until a run has succeeded: the tables (declared
+in `pipeline/tables.py`), the DuckDB file and the report are staged in a
+`Publication` and published as one set at the end (`Lake.publish`). A
+rejected config or a crash leaves the published set exactly as it was. The
+config's checks against the models run first (`pipeline/validate.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import shutil
 from functools import cached_property, update_wrapper
 from pathlib import Path
 from typing import Any, Callable
@@ -37,15 +35,15 @@ import pyarrow as pa
 from moeheal.pipeline import audit as audit_mod
 from moeheal.pipeline import roles
 from moeheal.pipeline import stats as stats_mod
+from moeheal.pipeline import tables
 from moeheal.pipeline.config import UNHEALED, Config, Variant
 from moeheal.pipeline.dag import Executor, Node, PlannedStage, Stage, Use
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.files import read_part
 from moeheal.pipeline.gguf_model import GGUFModel, open_model
-from moeheal.pipeline.lake import Lake, Publication, StageResult, read_sources
-from moeheal.pipeline.numerics import overflow_message
+from moeheal.pipeline.lake import Lake, StageResult
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.stages import calibrate, corpus, dump, e2e, evaluate, llamacheck, quantize, sensitivity
+from moeheal.pipeline.tables import read_parts as _read_parts
 from moeheal.pipeline.tokenizer import tokenizer_metadata
 from moeheal.pipeline.validate import budget_fixed, chosen_roles, validate_models
 
@@ -86,15 +84,6 @@ LLAMA_CHECK = Stage("llama-check", "parts", "", f"{_STAGES}.llamacheck", build=l
                     params=llamacheck.LlamaCheckParams, outputs=("llama_check.parquet",))
 STAGES = (CORPUS, TRACES, WINDOWS, AUDIT, DUMP, IMPORT_DUMP, SENSITIVITY, ALLOCATE, QUANTIZE, CALIBRATE, ASSEMBLE,
           E2E, REFERENCE, EVALUATE, COMPARISONS, LLAMA_CHECK)
-
-
-def _identities(sources: list[Any]) -> list[str]:
-    """Stage results by fingerprint, outside GGUFs by digest: what a published table was computed from."""
-    return [s.fingerprint if isinstance(s, StageResult) else str(s) for s in sources]
-
-
-def _read_parts(result: StageResult, name: str) -> pa.Table:
-    return read_part(result.path / f"{name}.parquet", ())
 
 
 def audit_summary(overlap: pa.Table) -> str:
@@ -382,49 +371,9 @@ class HealRun:
         return Node("comparisons", COMPARISONS, params,
                     upstream=up | {"windows": self.windows.node(), "audit": self.audit_stage.node()})
 
-    def check_numerics(self, variants: list[Variant], evaluations: list[StageResult]) -> pa.Table:
-        """The `activation_peaks` of `variants` (their evaluations, in the same order); an input error
-        naming the first variant (and its GGUF) whose peaks would overflow where llama.cpp narrows
-        activations (`pipeline.numerics`)."""
-        tables = []
-        for variant, result in zip(variants, evaluations, strict=True):
-            table = _read_parts(result, "activation_peaks")
-            message = overflow_message(variant.name, str(self.variant_gguf(variant)), table.to_pylist())
-            if message is not None:
-                raise InputError(message)
-            tables.append(table)
-        return pa.concat_tables(tables)
-
-    # ---- what a run publishes ------------------------------------------------------
-    def variants_table(self) -> pa.Table:
-        rows = [{"variant": "reference", "kind": "reference", "fingerprint": self.reference.digest()[:32],
-                 "params": "{}", "gguf": str(self.cfg.reference)}]
-        for variant in self.evaluated_variants():  # config order: the ladder every table follows
-            if variant.kind == "external":
-                rows.append({"variant": variant.name, "kind": "external",
-                             "fingerprint": open_model(variant.gguf).digest()[:32],
-                             "params": json.dumps(variant.knobs()), "gguf": str(variant.gguf)})
-            else:
-                result, gguf = self.final_model(variant)
-                rows.append({"variant": variant.name, "kind": variant.kind, "fingerprint": result.fingerprint,
-                             "params": json.dumps(variant.knobs() | variant.e2e_knobs(), sort_keys=True),
-                             "gguf": str(gguf)})
-        return pa.Table.from_pylist(rows)
-
     def calibrated_table(self, variants: list[Variant], name: str) -> pa.Table:
         """`layer_metrics` or `ridge_cv`: the rows every (variant, layer) unit wrote, in that order."""
         return pa.concat_tables([_read_parts(unit, name) for v in variants for unit in self.calibrated_layers(v)])
-
-    def learned_curve_table(self) -> pa.Table:
-        """`learned_curve`: every learned-rounding unit's curve, each row named by its variant."""
-        parts = []
-        for variant in self.cfg.healed_variants:
-            if variant.round != quantize.LEARNED:
-                continue
-            for layer in self.source.moe_layers:
-                part = _read_parts(self.quantize(variant, layer), "learned_curve")
-                parts.append(part.add_column(0, "variant", pa.array([variant.name] * part.num_rows, pa.string())))
-        return pa.concat_tables(parts)
 
     def recipe_formats(self, variant: Variant) -> dict[str, str]:
         """{"blk.N.ffn_gate_exps.weight": format, ...}: the routed tensors' formats of one of our variants."""
@@ -434,155 +383,10 @@ class HealRun:
             chosen = {(layer, t): f for layer in self.source.moe_layers for t, f in variant.formats().items()}
         return {f"blk.{layer}.{t}.weight": f for (layer, t), f in sorted(chosen.items())}
 
-    def sensitivity_table(self) -> pa.Table:
-        """Every distinct sensitivity measurement of the run (budget variants with the same knobs share
-        one), its rows keyed by `sensitivity`, the stage's fingerprint prefix."""
-        parts, seen = [], set()
-        for variant in self.budget_variants():
-            result = self.sensitivity(variant)
-            if result.fingerprint not in seen:
-                seen.add(result.fingerprint)
-                part = _read_parts(result, "sensitivity")
-                parts.append(part.add_column(0, "sensitivity", pa.array([result.fingerprint[:16]] * part.num_rows)))
-        return pa.concat_tables(parts)
-
-    def recipe_table(self) -> pa.Table:
-        """The formats of every evaluated variant's tensors in a role a recipe may choose, read from its
-        GGUF. chosen_by: "allocation" (a budget's choice, with its predicted error and sensitivity,
-        which must match the GGUF), "config" (a routed tensor's configured format), "source" (a
-        tensor our variant left as the source stores it, or the shared down projection's
-        `shexp_down`), "gguf" (an outside GGUF's)."""
-        rows = []
-        for variant in self.evaluated_variants():
-            written = sensitivity.gguf_recipe(open_model(self.variant_gguf(variant)))
-            measured, predicted = None, {}
-            if variant.budgeted:
-                measured = self.sensitivity(variant).fingerprint[:16]
-                predicted = {r["tensor"]: r for r in _read_parts(self.allocation(variant), "recipe").to_pylist()}
-                if {r["tensor"]: r["format"] for r in written if r["tensor"] in predicted} != \
-                        {t: r["format"] for t, r in predicted.items()}:
-                    raise AssertionError(f"{variant.name}: the written GGUF's formats differ from its recipe")
-            for r in written:
-                mine = predicted.get(r["tensor"])
-                chosen_by = ("gguf" if variant.kind == "external" else "allocation" if mine
-                             else "config" if r["role"] in roles.ROUTED else "source")
-                rows.append({"variant": variant.name, **r, "chosen_by": chosen_by,
-                             "sensitivity": measured if mine else None, "pred_err": mine["pred_err"] if mine else None})
-        return pa.Table.from_pylist(rows, schema=sensitivity.GGUF_RECIPE_SCHEMA)
-
-    def sizes_table(self) -> pa.Table:
-        """Achieved sizes of every evaluated variant and the reference, summed from each GGUF's tensor table."""
-        rows = [{"variant": "reference", "kind": "reference", "budget_bpw": None, "budget_roles": None,
-                 **sensitivity.gguf_size(self.reference)}]
-        for variant in self.evaluated_variants():
-            rows.append({"variant": variant.name, "kind": variant.kind, "budget_bpw": variant.budget_bpw,
-                         "budget_roles": variant.budget_roles if variant.budgeted else None,
-                         **sensitivity.gguf_size(open_model(self.variant_gguf(variant)))})
-        return pa.Table.from_pylist(rows, schema=sensitivity.SIZES_SCHEMA)
-
-    def table_declarations(self) -> dict[str, tuple[Callable[[], list[Any]], Callable[[], pa.Table]]]:
-        """Every table of the contract: what it is computed from (the stage results and outside GGUFs,
-        in plan mode only their fingerprints) and how it is read from them; the audit's first, so that
-        a leak stops a run before anything else is read."""
-        quantized, evaluated = self.all_quantized_variants(), self.evaluated_variants()
-
-        def dumps() -> list[StageResult]:
-            return [self.dump(t) for t in self.traces_present()]
-
-        def calibrated() -> list[StageResult]:
-            return [unit for v in quantized for unit in self.calibrated_layers(v)]
-
-        def ggufs() -> list[Any]:
-            return [open_model(v.gguf).digest() if v.kind == "external" else self.final_model(v)[0] for v in evaluated]
-
-        def measured() -> list[Any]:
-            return ggufs() + [self.sensitivity(v) for v in self.budget_variants()]
-
-        def evaluations() -> list[StageResult]:
-            return [self.evaluate_variant(v) for v in evaluated]
-
-        def llama_checks() -> list[StageResult]:
-            return [r for r in (self.llama_check(v) for v in evaluated) if r is not None]
-
-        def evaluated_parts(name: str) -> Callable[[], pa.Table]:
-            return lambda: pa.concat_tables([_read_parts(r, name) for r in evaluations()])
-
-        declared: dict[str, tuple[Callable[[], list[Any]], Callable[[], pa.Table]]] = {
-            "overlap": (lambda: [self.audit_stage()], self.audit),
-            "docs": (lambda: [self.corpus()], lambda: _read_parts(self.corpus(), "docs")),
-            "cal_trace": (lambda: [self.traces()], lambda: _read_parts(self.traces(), "cal_trace")),
-            "windows": (lambda: [self.windows()], lambda: _read_parts(self.windows(), "windows")),
-            "routing": (dumps, lambda: pa.concat_tables([dump.read_routing(r.path) for r in dumps()])),
-            "layer_metrics": (calibrated, lambda: self.calibrated_table(quantized, "layer_metrics")),
-            "ridge_cv": (calibrated, lambda: self.calibrated_table(quantized, "ridge_cv")),
-            "variants": (ggufs, self.variants_table),
-            "recipe": (measured, self.recipe_table),
-            "sizes": (ggufs, self.sizes_table),
-            "token_kld": (evaluations, evaluated_parts("token_kld")),
-            "hitrate": (evaluations, evaluated_parts("hitrate")),
-            "activation_peaks": (evaluations, lambda: self.check_numerics(evaluated, evaluations())),
-            "llama_check": (llama_checks, lambda: pa.concat_tables(
-                [_read_parts(r, "llama_check") for r in llama_checks()] or [llamacheck.SCHEMA.empty_table()])),
-            "window_kld": (lambda: [self.comparisons()], lambda: _read_parts(self.comparisons(), "window_kld")),
-            "comparisons": (lambda: [self.comparisons()], lambda: _read_parts(self.comparisons(), "comparisons")),
-        }
-        if self.budget_variants():
-            declared["sensitivity"] = (lambda: [self.sensitivity(v) for v in self.budget_variants()],
-                                       self.sensitivity_table)
-        tuned = [v for v in self.cfg.healed_variants if v.e2e]
-        if tuned:
-            declared["e2e_curve"] = (lambda: [self.e2e(v) for v in tuned], lambda: pa.concat_tables(
-                [read_part(self.e2e(v).path / e2e.CURVE_FILE, ()) for v in tuned]))
-        learners = [v for v in quantized if v.round == quantize.LEARNED]
-        if learners:
-            declared["learned_curve"] = (lambda: [self.quantize(v, layer) for v in learners
-                                                  for layer in self.source.moe_layers], self.learned_curve_table)
-        return declared
-
     def publish(self, with_report: bool = True, only: tuple[str, ...] | None = None) -> Path:
-        """Run what the tables need, stage them (and the report), then publish them as one set.
+        """Run what the tables need and publish them as one set (`tables.publish`)."""
+        return tables.publish(self, with_report, only)
 
-        With `only`, just those tables are computed (what `moeheal audit`, `dump`, `quantize` and
-        `calibrate` produce); every other table of the current set is carried into the new set if
-        what it was computed from is what this config would compute it from now, and dropped
-        otherwise, so the published set stays consistent. The report is kept only when every table
-        it was rendered from is. A run that fails publishes nothing.
-        """
-        from moeheal.pipeline.stages.report import write_report
-
-        with self.lake.lock("run", on_wait=self.log):  # one publishing run per lake at a time
-            publication = self.lake.begin_publication()
-            try:
-                declared = self.table_declarations()
-                names = [name for name in declared if only is None or name in only]
-                for name in names:
-                    sources, read = declared[name]
-                    publication.write_table(name, read(), _identities(sources()))
-                if only is not None:
-                    self.carry_forward(publication, names)
-                elif with_report:
-                    write_report(publication, publication.report_dir)
-                return self.lake.publish(publication)
-            except BaseException as exc:
-                publication.discard()
-                if isinstance(exc, OSError):
-                    exc.filename = exc.filename or str(publication.folder)
-                raise
-
-    def carry_forward(self, publication: Publication, computed: list[str]) -> None:
-        """Into `publication`, the current set's tables other than `computed` whose sources are still
-        this config's; and the current report when the new set's tables are the old ones."""
-        previous = self.lake.sources()
-        if not previous:
-            return
-        planned = HealRun(self.cfg, log=self.log, plan=True).table_declarations()
-        for name, sources in previous.items():
-            if name not in computed and name in planned and _identities(planned[name][0]()) == sources:
-                publication.carry(name, self.lake.table_path(name), sources)
-        if read_sources(publication.folder) == previous and self.lake.report_dir.is_dir():
-            shutil.copytree(self.lake.report_dir, publication.report_dir, copy_function=os.link)
-
-    # ---- whole DAG, plan, commands --------------------------------------------------
     def heal(self) -> None:
         self.log(audit_summary(self.audit()))
         self.publish()

@@ -24,6 +24,7 @@ import zarr
 
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.dag import Executor, Node, Stage, hashed_fields, stage_fingerprint
+from moeheal.pipeline.dagdraw import to_dot, to_mermaid
 from moeheal.pipeline.heal import STAGES, HealRun
 from moeheal.pipeline.lake import Lake
 from tests.healworld import write_world
@@ -123,6 +124,17 @@ def test_every_stage_is_declared_with_one_parameters_object(planned):
         assert stage.build.__module__ == stage.module and dataclasses.is_dataclass(stage.params), stage.name
         assert stage.params.__dataclass_params__.frozen, stage.name
     assert {node.stage.name for node in planned.executor.nodes} == {stage.name for stage in STAGES}
+
+
+def test_the_drawn_dag_has_every_declared_stage(planned):
+    """`moeheal plan --format dot|mermaid` draws a node per declared stage (the imported unseen dump
+    as `import-dump`, though it is read as `dump:unseen`) and the edges its declarations name."""
+    dot, mermaid = to_dot(planned.executor.planned), to_mermaid(planned.executor.planned)
+    for stage in STAGES:
+        assert f'"{stage.name}" [label=' in dot and f'["{stage.name}<br/>' in mermaid, stage.name
+    for edge in ('"import-dump" -> "sensitivity"', '"dump" -> "sensitivity"', '"sensitivity" -> "allocate"',
+                 '"allocate" -> "quantize"', '"evaluate" -> "comparisons"', '"e2e" -> "evaluate"'):
+        assert edge in dot, edge
 
 
 def test_every_hashed_knob_moves_the_fingerprint(planned):
