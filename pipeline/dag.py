@@ -13,7 +13,9 @@ is hashed and the only thing of it the build function receives:
     build(out, params, inputs, log)
 
 where `inputs` maps each input file's and each upstream node's name to its
-path. So key and computation agree by construction, not by hand. A field
+path. So key and computation agree by construction, not by hand; and the
+executor records which fields a build reads and fails one that never read a
+hashed knob (which would recompute where the output cannot change). A field
 marked `metadata={"fingerprint": False}` is a setting that cannot change the
 output (how many tokens a forward pass holds, how an error names the
 variant): the build reads it, the fingerprint does not.

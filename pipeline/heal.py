@@ -135,7 +135,7 @@ class _Declared:
 
 
 class HealRun:
-    """One config's pipeline: the declarations of its stages, and the tables a run publishes.
+    """One config's pipeline: the declarations of its stages, and the commands that run them.
 
     With `plan=True` nothing is built or read: every stage returns the result
     it would have, and `plan()` lists each invocation with its fingerprint and
