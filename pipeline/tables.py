@@ -179,7 +179,7 @@ def table_declarations(run: HealRun) -> dict[str, tuple[Callable[[], list[Any]],
     }
     if run.budget_variants():
         declared["sensitivity"] = (lambda: [run.sensitivity(v) for v in run.budget_variants()],
-                                   run.sensitivity_table)
+                                   lambda: sensitivity_table(run))
     tuned = [v for v in run.cfg.healed_variants if v.e2e]
     if tuned:
         declared["e2e_curve"] = (lambda: [run.e2e(v) for v in tuned], lambda: pa.concat_tables(
