@@ -57,7 +57,8 @@ OUTPUTS = ("layer_<i>.npz", "layer_metrics.parquet", "ridge_cv.parquet")  # a un
 @dataclass(frozen=True)
 class CalibrateParams:
     """The knobs that reach healing. Without a shared expert there is no ridge and no requantized
-    shared down projection, so `ridge_rho`, `ridge_eta` and `shexp_down` are None (not fingerprinted)."""
+    shared down projection, so `ridge_rho`, `ridge_eta` and `shexp_down` are None (not fingerprinted);
+    `shexp_down` is None too where a budget's recipe chooses the shared down projection's format."""
 
     variant: str  # names the rows of layer_metrics and ridge_cv
     alpha: bool
@@ -72,8 +73,10 @@ class CalibrateParams:
         base = cls(variant=variant.name, alpha=variant.alpha, cal_tokens=variant.cal_tokens)
         if not shared_expert:
             return base
+        recipe_chooses = variant.budgeted and variant.budget_roles == "all"  # roles.chosen_roles: SHARED too
         return cls(variant=variant.name, alpha=variant.alpha, cal_tokens=variant.cal_tokens,
-                   ridge_rho=variant.ridge_rho, ridge_eta=variant.ridge_eta, shexp_down=variant.shexp_down)
+                   ridge_rho=variant.ridge_rho, ridge_eta=variant.ridge_eta,
+                   shexp_down=None if recipe_chooses else variant.shexp_down)
 # Each layer's unit writes its own rows; declared, so every unit's part concatenates with the others.
 METRICS_SCHEMA = pa.schema([("variant", pa.string()), ("layer", pa.int64()), ("split", pa.string()),
                             ("resid_alpha1", pa.float64()), ("alpha", pa.float64()), ("resid_alpha", pa.float64()),
