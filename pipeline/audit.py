@@ -15,6 +15,7 @@ scored span is a violation. Python here only moves arrays in and out.
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Mapping
 
 import duckdb
 import numpy as np
@@ -202,18 +203,27 @@ def audit(con: duckdb.DuckDBPyConnection, window_tokens: dict[str, np.ndarray], 
     return overlap
 
 
-def build_audit(out: Path, corpus_dir: Path, traces_dir: Path, windows_dir: Path, n: int) -> None:
+@dataclass(frozen=True)
+class AuditParams:
+    """The n of the n-grams a window's context may share with the calibration trace (counted) and
+    its scored span may not (a violation)."""
+
+    ngram: int
+
+
+def build_audit(out: Path, params: AuditParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
     """`overlap.parquet` and `violations.parquet` from the corpus, traces and windows stages' outputs.
 
     The checks read this run's stage outputs, never the published tables, so a
     rejected config's rows never reach `tables/`.
     """
+    corpus_dir, windows_dir = inputs["corpus"], inputs["windows"]
     con = duckdb.connect()
     try:
         con.register("docs", read_part(corpus_dir / "docs.parquet", ()))
-        con.register("cal_trace", read_part(traces_dir / "cal_trace.parquet", ()))
+        con.register("cal_trace", read_part(inputs["traces"] / "cal_trace.parquet", ()))
         con.register("windows", read_part(windows_dir / "windows.parquet", ()))
-        overlap, violations = find_violations(con, window_tokens(windows_dir, corpus_dir), n)
+        overlap, violations = find_violations(con, window_tokens(windows_dir, corpus_dir), params.ngram)
     finally:
         con.close()
     write_parquet(out / "overlap.parquet", overlap)
@@ -225,3 +235,8 @@ def build_audit(out: Path, corpus_dir: Path, traces_dir: Path, windows_dir: Path
 def read_violations(audit_dir: Path) -> list[Violation]:
     """The violations an audit stage found (empty when the split and windows are clean)."""
     return [Violation(**row) for row in read_part(audit_dir / "violations.parquet", ()).to_pylist()]
+
+
+def check_audit(audit_dir: Path) -> None:
+    """The audit stage's check: raise (exit 3) on any split violation or scored-span leak it found."""
+    raise_on(read_violations(audit_dir))

@@ -77,8 +77,10 @@ CALIBRATE_TABLES = DUMP_TABLES + ("sensitivity", "learned_curve", "layer_metrics
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    from moeheal.pipeline.heal import audit_summary
+
     run = _pipeline(args)
-    print(run.audit_summary(run.audit()))
+    print(audit_summary(run.audit()))
     run.publish(only=AUDIT_TABLES)
     return 0
 
@@ -117,8 +119,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    run = _pipeline(args)
-    print(run.report())
+    """Re-render the report of the published tables, published with them as a new set."""
+    from moeheal.pipeline.stages.report import write_report
+
+    lake = _pipeline(args).lake
+    lake.republish({}, report=write_report)
+    print(lake.report_dir)
     return 0
 
 

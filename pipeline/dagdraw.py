@@ -1,11 +1,14 @@
 """The DAG as a picture: `moeheal plan --format dot` (Graphviz) and `--format mermaid`.
 
-Drawn from the planned invocations themselves (each `PlannedStage` names the
-labels it reads), so the picture cannot drift from what `moeheal heal` runs.
-Invocations of one stage are one node: `quantize:v2:3` and `quantize:q2_k:0`
-are both `quantize`, labelled with how many units it has and how many are
-already in the lake, because a per-(variant, layer) graph of a real model has
-thousands of nodes and says nothing more about the shape of the pipeline.
+Drawn from the planned invocations of the stage declarations themselves (each
+`PlannedStage` names its stage and the labels it reads), so the picture cannot
+drift from what `moeheal heal` runs. Invocations of one stage are one node:
+`quantize:v2:3` and `quantize:q2_k:0` are both `quantize`, labelled with how
+many units it has and how many are already in the lake, because a
+per-(variant, layer) graph of a real model has thousands of nodes and says
+nothing more about the shape of the pipeline. A node is named by its stage,
+not its label: an imported dump is `import-dump` though it is read as
+`dump:calibration`.
 """
 
 from __future__ import annotations
@@ -15,14 +18,10 @@ from typing import Iterable, Protocol
 
 
 class Planned(Protocol):
-    stage: str
+    stage: str  # the invocation's label
+    name: str  # its stage's
     status: str
     upstream: tuple[str, ...]
-
-
-def stage_kind(label: str) -> str:
-    """`quantize:v2:3` -> `quantize`: the stage an invocation label belongs to."""
-    return label.split(":", 1)[0]
 
 
 def stage_graph(planned: Iterable[Planned]) -> tuple[list[str], dict[str, Counter], list[tuple[str, str]]]:
@@ -31,15 +30,16 @@ def stage_graph(planned: Iterable[Planned]) -> tuple[list[str], dict[str, Counte
     order: list[str] = []
     counts: dict[str, Counter] = {}
     edges: dict[tuple[str, str], None] = {}
+    stage_of: dict[str, str] = {}  # label -> stage; an invocation is planned after what it reads
     for p in planned:
-        kind = stage_kind(p.stage)
+        kind = stage_of[p.stage] = p.name
         if kind not in counts:
             order.append(kind)
             counts[kind] = Counter()
         counts[kind][p.status] += 1
         for up in p.upstream:
-            if stage_kind(up) != kind:
-                edges[(stage_kind(up), kind)] = None
+            if stage_of[up] != kind:
+                edges[(stage_of[up], kind)] = None
     return order, counts, list(edges)
 
 

@@ -14,7 +14,8 @@ costs a variant) is the variant against itself, `a == b`, with
 `moce_bonus_a = 0` and `moce_bonus = moce_bonus_b` the nonzero bonus.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
@@ -187,19 +188,33 @@ def summary_table(lake, order: Sequence[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-def build_comparisons(out: Path, evaluations: list[Path], windows_dir: Path, audit_dir: Path,
-                      variants: list[str], bonuses: list[float], extra: list[tuple[str, str]], n_boot: int,
-                      seed: int) -> None:
+@dataclass(frozen=True)
+class ComparisonsParams:
+    """The evaluated variants in config order (each `evaluate:<variant>` an input), the routing
+    bonuses, the configured extra pairs, and the bootstrap's resamples and seed. The n-gram length
+    is the audit's (an input) and reaches the clean/dirty split only through its overlap."""
+
+    variants: list[str]
+    bonus: list[float]
+    compare: list[list[str]]
+    bootstrap: int
+    seed: int
+
+
+def build_comparisons(out: Path, params: ComparisonsParams, inputs: Mapping[str, Path],
+                      log: Callable[[str], None]) -> None:
     """The comparisons stage: `window_kld.parquet` and `comparisons.parquet` from the evaluate,
     windows and audit stages' outputs (this run's, never the published tables)."""
+    evaluations = [inputs[f"evaluate:{name}"] for name in params.variants]
     con = duckdb.connect()
     try:
         con.register("token_kld", pa.concat_tables([read_part(e / "token_kld.parquet", ()) for e in evaluations]))
-        con.register("windows", read_part(windows_dir / "windows.parquet", ()))
-        con.register("overlap", read_part(audit_dir / "overlap.parquet", ()))
+        con.register("windows", read_part(inputs["windows"] / "windows.parquet", ()))
+        con.register("overlap", read_part(inputs["audit"] / "overlap.parquet", ()))
         per_window = window_kld(con)
         con.register("window_kld", per_window)
-        comparisons = compare(con, comparison_pairs(variants, bonuses, extra=extra), n_boot, seed)
+        pairs = comparison_pairs(params.variants, params.bonus, extra=[(a, b) for a, b in params.compare])
+        comparisons = compare(con, pairs, params.bootstrap, params.seed)
     finally:
         con.close()
     write_parquet(out / "window_kld.parquet", per_window)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from gguf import GGUFValueType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -342,18 +342,39 @@ def check_vocabulary(model: GGUFModel) -> None:
             raise InputError(f"{name}: key {key}: {token_id} is not a token id (vocabulary has {n})")
 
 
+# The keys a tokenizer is built from: a BPE vocabulary's, and a SentencePiece one's besides.
+TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                  "tokenizer.ggml.token_type")
+SENTENCEPIECE_KEYS = ("tokenizer.ggml.scores", "tokenizer.ggml.add_space_prefix")
+
+
+def tokenizer_metadata(model: GGUFModel) -> dict[str, Any]:
+    """Every metadata value the tokenizer is built from (and nothing else): the corpus stage's
+    parameters, so a GGUF whose weights change but whose vocabulary does not keeps its corpus."""
+    meta = {key: model.metadata(key) for key in TOKENIZER_KEYS}
+    if meta["tokenizer.ggml.model"] == SENTENCEPIECE:
+        meta |= {key: model.metadata(key) for key in SENTENCEPIECE_KEYS if model.metadata(key) is not None}
+    return meta
+
+
 def build_tokenizer(model: GGUFModel) -> Tokenizer:
     """The GGUF's tokenizer (its vocabulary was checked when the model was opened)."""
-    tokens = model.metadata("tokenizer.ggml.tokens")
-    token_types = model.metadata("tokenizer.ggml.token_type", [TOKEN_TYPE_NORMAL] * len(tokens))
+    return tokenizer_from_metadata(tokenizer_metadata(model), model.name)
+
+
+def tokenizer_from_metadata(meta: dict[str, Any], name: str) -> Tokenizer:
+    """The tokenizer of `tokenizer_metadata`'s values; `name` says whose in an error."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    token_types = meta["tokenizer.ggml.token_type"]
+    if token_types is None:
+        token_types = [TOKEN_TYPE_NORMAL] * len(tokens)
     try:
-        if model.metadata("tokenizer.ggml.model") == SENTENCEPIECE:
-            return sentencepiece_from_vocab(tokens, model.metadata("tokenizer.ggml.scores"), token_types,
-                                            model.metadata("tokenizer.ggml.add_space_prefix", True))
-        return tokenizer_from_vocab(tokens, model.metadata("tokenizer.ggml.merges"), token_types,
-                                    model.metadata("tokenizer.ggml.pre"))
+        if meta["tokenizer.ggml.model"] == SENTENCEPIECE:
+            return sentencepiece_from_vocab(tokens, meta.get("tokenizer.ggml.scores"), token_types,
+                                            meta.get("tokenizer.ggml.add_space_prefix", True))
+        return tokenizer_from_vocab(tokens, meta["tokenizer.ggml.merges"], token_types, meta["tokenizer.ggml.pre"])
     except Exception as exc:  # the tokenizers library's own errors are plain Exceptions
-        raise InputError(f"{model.name}: tokenizer.ggml.*: cannot build the tokenizer "
+        raise InputError(f"{name}: tokenizer.ggml.*: cannot build the tokenizer "
                          f"({' '.join(str(exc).split())[:200]})") from None
 
 

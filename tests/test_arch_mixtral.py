@@ -19,6 +19,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from moeheal import kernels
 from moeheal.kernels.importance import gate_up_importance
 from moeheal.pipeline import model as M
+from moeheal.pipeline import tables
 from moeheal.pipeline.arch import ARCHITECTURES
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.convert import hf_to_gguf, permute_rope_rows
@@ -354,7 +355,7 @@ def test_a_budget_over_every_tensor_measures_attention_through_the_familys_rope(
                if r["sensitivity"] == key and (r["layer"], r["role"], r["format"]) == (1, "attn_q", "q2_k"))
     assert row["rel_err"] == pytest.approx(expected, rel=1e-5)  # NEOX RoPE here would be 3e-3 off
     healed = GGUFModel(run.assemble(b_all).path)
-    chosen = {r["role"]: r["format"] for r in run.recipe_table().to_pylist()
+    chosen = {r["role"]: r["format"] for r in tables.recipe_table(run).to_pylist()
               if r["variant"] == "b_all" and r["layer"] == 1 and r["chosen_by"] == "allocation"}
     assert {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_down_exps"} <= set(chosen)
     assert healed.raw("blk.1.attn_q.weight").ggml_type.name == chosen["attn_q"].upper()

@@ -20,6 +20,7 @@ import pytest
 from gguf import GGUFReader
 
 from moeheal.pipeline import model as M
+from moeheal.pipeline import tables
 
 from moeheal.kernels.narrow import overflow_limit, overflows
 from moeheal.pipeline.config import load_config
@@ -116,10 +117,10 @@ def test_probes_leave_the_forward_pass_unchanged_and_see_the_plant(world):
 def test_evaluation_fails_the_planted_variant_without_llama_cpp(world):
     run = HealRun(load_config(world), log=lambda m: None)
     planted, copy = run.cfg.variants
-    table = run.check_numerics([copy], [run.evaluate_variant(copy)])
+    table = tables.check_numerics(run, [copy], [run.evaluate_variant(copy)])
     assert table.num_rows > 0 and not any(table.column("overflow").to_pylist())
     with pytest.raises(InputError, match=r"variant planted: .*planted\.gguf: .*layer 0 ffn_down"):
-        run.check_numerics([planted], [run.evaluate_variant(planted)])
+        tables.check_numerics(run, [planted], [run.evaluate_variant(planted)])
 
 
 def test_plan_lists_the_llama_check_of_every_variant(world, monkeypatch):

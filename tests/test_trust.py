@@ -271,8 +271,8 @@ def test_comparisons_provenance_records_its_knobs(world):
     assert main(["heal", "-c", str(world)]) == 0
     run = HealRun(load_config(world), log=lambda m: None)
     record = json.loads(run.lake.provenance_path(run.comparisons().fingerprint).read_text())
-    assert {"ngram": 16, "bootstrap": 200, "seed": 0}.items() <= record["params"].items()
-    assert record["stage"] == "comparisons" and "audit" in record["upstream"]
+    assert {"bootstrap": 200, "seed": 0}.items() <= record["params"].items()
+    assert record["stage"] == "comparisons" and "audit" in record["upstream"]  # the n-gram length is the audit's
 
 
 # ---- contract gaps --------------------------------------------------------------------------

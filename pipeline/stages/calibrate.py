@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -57,7 +57,8 @@ OUTPUTS = ("layer_<i>.npz", "layer_metrics.parquet", "ridge_cv.parquet")  # a un
 @dataclass(frozen=True)
 class CalibrateParams:
     """The knobs that reach healing. Without a shared expert there is no ridge and no requantized
-    shared down projection, so `ridge_rho`, `ridge_eta` and `shexp_down` are None (not fingerprinted)."""
+    shared down projection, so `ridge_rho`, `ridge_eta` and `shexp_down` are None (not fingerprinted);
+    `shexp_down` is None too where a budget's recipe chooses the shared down projection's format."""
 
     variant: str  # names the rows of layer_metrics and ridge_cv
     alpha: bool
@@ -65,14 +66,17 @@ class CalibrateParams:
     ridge_rho: float | None = None
     ridge_eta: float | None = None
     shexp_down: str | None = None
+    layer: int | None = None  # the unit's layer
 
     @classmethod
     def of(cls, variant, shared_expert: bool) -> "CalibrateParams":
         base = cls(variant=variant.name, alpha=variant.alpha, cal_tokens=variant.cal_tokens)
         if not shared_expert:
             return base
+        recipe_chooses = variant.budgeted and variant.budget_roles == "all"  # roles.chosen_roles: SHARED too
         return cls(variant=variant.name, alpha=variant.alpha, cal_tokens=variant.cal_tokens,
-                   ridge_rho=variant.ridge_rho, ridge_eta=variant.ridge_eta, shexp_down=variant.shexp_down)
+                   ridge_rho=variant.ridge_rho, ridge_eta=variant.ridge_eta,
+                   shexp_down=None if recipe_chooses else variant.shexp_down)
 # Each layer's unit writes its own rows; declared, so every unit's part concatenates with the others.
 METRICS_SCHEMA = pa.schema([("variant", pa.string()), ("layer", pa.int64()), ("split", pa.string()),
                             ("resid_alpha1", pa.float64()), ("alpha", pa.float64()), ("resid_alpha", pa.float64()),
@@ -276,16 +280,33 @@ def assemble_gguf(out: Path, source: GGUFModel, calibrated: list[Path], variant:
     ])
 
 
-def build_calibrate(out: Path, source: Path, quant_dir: Path, cal_dump: Path, unseen_dump: Path | None,
-                    params: CalibrateParams, layer: int) -> None:
-    """One unit of the calibrate stage: alpha and ridge for layer `layer` of one variant's quantized
-    experts (`quant_dir`, the quantize unit of that layer), on the dumps."""
-    model = open_model(source)
-    calibrate_layer(out, model, quant_dir, open_dump(cal_dump, model.hp, model.moe_layers),
-                    open_dump(unseen_dump, model.hp, model.moe_layers) if unseen_dump is not None else None,
-                    params, layer)
+def build_calibrate(out: Path, params: CalibrateParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+    """One unit of the calibrate stage: alpha and ridge for layer `params.layer` of one variant's
+    quantized experts (`quantized`, the quantize unit of that layer), on the dumps (`dump`, and
+    `unseen` if there is one), from the `source`."""
+    assert params.layer is not None, "a calibrate unit is one layer"
+    model = open_model(inputs["source"])
+    calibrate_layer(out, model, inputs["quantized"], open_dump(inputs["dump"], model.hp, model.moe_layers),
+                    open_dump(inputs["unseen"], model.hp, model.moe_layers) if "unseen" in inputs else None,
+                    params, params.layer)
 
 
-def build_assembly(out: Path, source: Path, calibrated: list[Path], variant: str, params: dict[str, Any]) -> None:
-    """The assemble stage: the healed GGUF from the source and every layer's calibrate unit."""
-    assemble_gguf(out, open_model(source), calibrated, variant, params)
+@dataclass(frozen=True)
+class AssembleParams:
+    """The variant's name and knobs, written into the GGUF's `moeheal.*` keys."""
+
+    variant: str
+    knobs: dict[str, Any]
+
+
+def calibrated_units(inputs: Mapping[str, Path]) -> list[Path]:
+    """The `calibrated.<layer>` inputs of an assembly, in layer order."""
+    keys = [key for key in inputs if key.startswith("calibrated.")]
+    return [inputs[key] for key in sorted(keys, key=lambda key: int(key.split(".")[1]))]
+
+
+def build_assembly(out: Path, params: AssembleParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+    """The assemble stage: the healed GGUF from the `source` and every layer's calibrate unit
+    (`calibrated.<layer>`)."""
+    assemble_gguf(out, open_model(inputs["source"]), calibrated_units(inputs), params.variant,
+                  {"variant": params.variant, "knobs": params.knobs})

@@ -11,8 +11,9 @@ import codecs
 import csv
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -21,8 +22,7 @@ import pyarrow.compute as pc
 from moeheal.kernels.ngram import ngram_hashes
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import read_part, write_parquet
-from moeheal.pipeline.gguf_model import open_model
-from moeheal.pipeline.tokenizer import build_tokenizer, encode
+from moeheal.pipeline.tokenizer import encode, tokenizer_from_metadata
 
 ROLES = ("cal", "eval", "canary", "unused")
 WINDOW_SETS = ("eval", "canary")
@@ -316,10 +316,19 @@ def generate_windows(docs: pa.Table, tokens: dict[str, np.ndarray], cal_hashes: 
 # ---- stage builds: everything a corpus-side output depends on lives in this module ----------
 
 
-def build_corpus(out: Path, reference: Path, docs: Path, split: Path) -> None:
-    """`docs.parquet` and `doc_tokens.parquet`: the documents, their roles and their tokens."""
-    tok = build_tokenizer(open_model(reference))
-    table, tokens = build_docs(read_documents(docs), read_split(split), lambda t: encode(tok, t))
+@dataclass(frozen=True)
+class CorpusParams:
+    """The reference's tokenizer metadata (`tokenizer.tokenizer_metadata`): the documents are
+    tokenized with it, and a change of the reference's weights alone keeps the corpus."""
+
+    tokenizer: dict[str, Any]
+
+
+def build_corpus(out: Path, params: CorpusParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+    """`docs.parquet` and `doc_tokens.parquet`: the documents (`docs`), their roles (`split`) and
+    their tokens."""
+    tok = tokenizer_from_metadata(params.tokenizer, "[model] reference")
+    table, tokens = build_docs(read_documents(inputs["docs"]), read_split(inputs["split"]), lambda t: encode(tok, t))
     write_parquet(out / "docs.parquet", table)
     write_parquet(out / "doc_tokens.parquet", tokens)
 
@@ -334,19 +343,33 @@ def doc_tokens(corpus_dir: Path) -> dict[str, np.ndarray]:
     return {doc_ids[s]: tokens[s:e] for s, e in zip(starts, ends)}
 
 
-def build_traces(out: Path, corpus_dir: Path, cal_tokens: int, seq_tokens: int, mix: dict[str, float],
-                 unseen_tokens: int, seed: int) -> None:
-    """`cal_trace.parquet`: the calibration trace from `cal` docs and the unseen one from `unused` docs."""
+@dataclass(frozen=True)
+class TracesParams:
+    """`[calibration]`: how many tokens each trace draws, in sequences of how many, the calibration
+    trace's per-stratum mix, and the seed."""
+
+    tokens: int
+    seq_tokens: int
+    mix: dict[str, float]
+    unseen_tokens: int
+    seed: int
+
+
+def build_traces(out: Path, params: TracesParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+    """`cal_trace.parquet`: the calibration trace from `cal` docs and the unseen one from `unused`
+    docs of the corpus stage's output (`corpus`)."""
+    corpus_dir = inputs["corpus"]
     docs = read_part(corpus_dir / "docs.parquet", ("doc_id", "stratum", "role")).to_pylist()
     by_role: dict[str, list[str]] = {}
     for row in docs:
         by_role.setdefault(row["role"], []).append(row["doc_id"])
     strata = {row["doc_id"]: row["stratum"] for row in docs}
     tokens = doc_tokens(corpus_dir)
-    parts = [draw_trace("calibration", by_role.get("cal", []), strata, tokens, cal_tokens, seq_tokens, mix, seed)]
-    if unseen_tokens:
-        parts.append(draw_trace("unseen", by_role.get("unused", []), strata, tokens, unseen_tokens, seq_tokens,
-                                {}, seed + 1))
+    parts = [draw_trace("calibration", by_role.get("cal", []), strata, tokens, params.tokens, params.seq_tokens,
+                        params.mix, params.seed)]
+    if params.unseen_tokens:
+        parts.append(draw_trace("unseen", by_role.get("unused", []), strata, tokens, params.unseen_tokens,
+                                params.seq_tokens, {}, params.seed + 1))
     write_parquet(out / "cal_trace.parquet", pa.concat_tables(parts))
 
 
@@ -370,18 +393,31 @@ def calibration_hashes(traces_dir: Path, n: int) -> np.ndarray:
     return np.unique(np.concatenate(parts)) if parts else np.array([], np.uint64)
 
 
-def build_windows(out: Path, corpus_dir: Path, windows_file: Path | None, traces_dir: Path | None,
-                  per_set: dict[str, int], ctx_tokens: int, scored_tokens: int, n: int, seed: int) -> None:
-    """`windows.parquet`: from the windows file, or generated clear of the calibration trace's n-grams."""
+@dataclass(frozen=True)
+class WindowsParams:
+    """None of these with a windows file (an input); else `[eval] generate` (per-stratum counts and
+    window lengths), the n of the n-grams scored spans are kept clear of, and the seed."""
+
+    generate: dict[str, int] | None = None  # eval_per_stratum, canary_per_stratum, ctx_tokens, scored_tokens
+    ngram: int | None = None
+    seed: int | None = None
+
+
+def build_windows(out: Path, params: WindowsParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+    """`windows.parquet`: from the windows file (`windows`), or generated from the corpus clear of
+    the calibration trace's (`traces`) n-grams."""
+    corpus_dir = inputs["corpus"]
     docs = read_part(corpus_dir / "docs.parquet", ("doc_id", "stratum", "role", "n_tokens"))
     rows = docs.to_pylist()
-    if windows_file is not None:
-        table = read_windows(windows_file, {r["doc_id"]: r["n_tokens"] for r in rows},
+    gen = params.generate
+    if gen is None:
+        table = read_windows(inputs["windows"], {r["doc_id"]: r["n_tokens"] for r in rows},
                              {r["doc_id"]: r["stratum"] for r in rows})
     else:
-        assert traces_dir is not None
-        table = generate_windows(docs, doc_tokens(corpus_dir), calibration_hashes(traces_dir, n), n,
-                                 per_set, ctx_tokens, scored_tokens, seed)
+        assert params.ngram is not None and params.seed is not None
+        per_set = {"eval": gen["eval_per_stratum"], "canary": gen["canary_per_stratum"]}
+        table = generate_windows(docs, doc_tokens(corpus_dir), calibration_hashes(inputs["traces"], params.ngram),
+                                 params.ngram, per_set, gen["ctx_tokens"], gen["scored_tokens"], params.seed)
     write_parquet(out / "windows.parquet", table)
 
 

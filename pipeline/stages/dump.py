@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -477,13 +478,35 @@ def import_raw_dump(spec_path: Path, out: Path) -> None:
     root.attrs["complete"] = True
 
 
-def build_dump(out: Path, reference: Path, traces_dir: Path, trace: str, chunk_tokens: int, seq_tokens: int,
-               log: Callable[[str], None] = print, attention_inputs: bool = False,
-               dump_dtype: str = "float32") -> None:
-    """The dump stage: the reference model run over one trace of the traces stage's output."""
-    tokens, seq = trace_tokens(traces_dir, trace)
-    dump_trace(out, Runner(open_model(reference)), tokens, seq, trace, chunk_tokens, seq_tokens, log,
-               attention_inputs, dump_dtype)
+@dataclass(frozen=True)
+class DumpParams:
+    """Which trace, in sequences of how many tokens; whether the attention inputs are captured and
+    the arrays' dtype (None: no and float32, so other configs' dumps keep their fingerprints).
+    `chunk_tokens` only sets how many tokens a forward pass holds: the dump is the same."""
+
+    trace: str
+    seq_tokens: int
+    chunk_tokens: int = field(metadata={"fingerprint": False})
+    attention_inputs: bool | None = None  # True or None
+    dump_dtype: str | None = None  # None: float32
+
+
+def build_dump(out: Path, params: DumpParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+    """The dump stage: the `reference` model run over one trace of the traces stage's output (`traces`)."""
+    tokens, seq = trace_tokens(inputs["traces"], params.trace)
+    dump_trace(out, Runner(open_model(inputs["reference"])), tokens, seq, params.trace, params.chunk_tokens,
+               params.seq_tokens, log, bool(params.attention_inputs), params.dump_dtype or "float32")
+
+
+@dataclass(frozen=True)
+class ImportDumpParams:
+    """Nothing: an imported dump is its spec and raw files (the inputs)."""
+
+
+def build_import_dump(out: Path, params: ImportDumpParams, inputs: Mapping[str, Path],
+                      log: Callable[[str], None]) -> None:
+    """The import-dump stage: `import_raw_dump` of the `spec` input (its raw files are inputs too)."""
+    import_raw_dump(inputs["spec"], out)
 
 
 def check_spec_fits(spec_path: Path, d: int, f: int, k: int, n_layer: int) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -272,7 +272,8 @@ def e2e_model(out: Path, assembled: GGUFModel, source: GGUFModel, reference: GGU
     write_parquet(out / CURVE_FILE, pa.Table.from_pylist(rows, schema=CURVE_SCHEMA))
 
 
-def build_e2e(out: Path, assembled: Path, source: Path, reference: Path, traces_dir: Path, params: E2EParams,
-              log: Callable[[str], None] = print) -> None:
-    """The e2e stage: `e2e_model` on one variant's assembled GGUF."""
-    e2e_model(out, open_model(assembled), open_model(source), open_model(reference), traces_dir, params, log)
+def build_e2e(out: Path, params: E2EParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+    """The e2e stage: `e2e_model` on one variant's assembled GGUF (`model`), against the `reference`
+    over the traces stage's output (`traces`)."""
+    e2e_model(out, open_model(inputs["model"]), open_model(inputs["source"]), open_model(inputs["reference"]),
+              inputs["traces"], params, log)

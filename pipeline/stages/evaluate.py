@@ -22,8 +22,9 @@ to every real position.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -202,16 +203,34 @@ def hitrate_rows(runs: list, row: int, n: int, layers: tuple[int, ...], lru: int
     return rows
 
 
-def build_reference_logits(out: Path, reference: Path, windows_dir: Path, corpus_dir: Path,
-                           log: Callable[[str], None] = print) -> None:
-    """The reference-logits stage: `reference_logits` over the windows stage's output."""
-    reference_logits(out, open_model(reference), read_part(windows_dir / "windows.parquet", ()),
-                     window_tokens(windows_dir, corpus_dir), log)
+@dataclass(frozen=True)
+class ReferenceParams:
+    """Nothing: the reference's logits are its file's and the windows' (inputs and upstream)."""
 
 
-def build_evaluation(out: Path, model: Path, variant: str, ref_dir: Path, windows_dir: Path, corpus_dir: Path,
-                     bonuses: tuple[float, ...], cache_experts: int, reps: int,
-                     log: Callable[[str], None] = print) -> None:
-    """The evaluate stage: `evaluate_model` for one variant's GGUF over the windows stage's output."""
-    evaluate_model(out, open_model(model), variant, ref_dir, read_part(windows_dir / "windows.parquet", ()),
-                   window_tokens(windows_dir, corpus_dir), bonuses, cache_experts, reps, log)
+def build_reference_logits(out: Path, params: ReferenceParams, inputs: Mapping[str, Path],
+                           log: Callable[[str], None]) -> None:
+    """The reference-logits stage: `reference_logits` of the `reference` over the windows stage's
+    output (`windows`, their tokens from `corpus`)."""
+    reference_logits(out, open_model(inputs["reference"]), read_part(inputs["windows"] / "windows.parquet", ()),
+                     window_tokens(inputs["windows"], inputs["corpus"]), log)
+
+
+@dataclass(frozen=True)
+class EvaluateParams:
+    """The variant (names the rows), the cache-aware routing bonuses, the expert cache's size and how
+    many times each window is rerun to check determinism."""
+
+    variant: str
+    bonus: list[float]
+    cache_experts: int
+    reps: int
+
+
+def build_evaluation(out: Path, params: EvaluateParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+    """The evaluate stage: `evaluate_model` for one variant's GGUF (`model`) over the windows stage's
+    output, against the reference-logits stage's (`reference`)."""
+    evaluate_model(out, open_model(inputs["model"]), params.variant, inputs["reference"],
+                   read_part(inputs["windows"] / "windows.parquet", ()),
+                   window_tokens(inputs["windows"], inputs["corpus"]), tuple(params.bonus), params.cache_experts,
+                   params.reps, log)

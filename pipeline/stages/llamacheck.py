@@ -12,7 +12,7 @@ perplexity is not finite: nothing is published then. Its output,
 
 Cached like any stage: the fingerprint covers the GGUF (its assembly's
 fingerprint, or an outside file's digest), the text's inputs and the
-`llama-perplexity` binary's digest, so rebuilding llama.cpp checks again.
+`llama-perplexity` binary's digest (an input), so rebuilding llama.cpp checks again.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -87,12 +88,13 @@ def finite(value: float) -> bool:
     return abs(value) < float("inf")  # False for nan too
 
 
-def run_perplexity(binary: Path, gguf: Path, text: Path, ctx: int, chunks: int) -> tuple[list[tuple[int, float]], int]:
+def run_perplexity(binary: Path, gguf: Path, text: Path, ctx: int, chunks: int,
+                   threads: int = THREADS) -> tuple[list[tuple[int, float]], int]:
     """llama-perplexity on `gguf` over `text`: the running estimates and the chunks it scored. Its log
     is written by a background thread that can lose the last lines at exit (about every other run
     on small models): a run is repeated until every chunk's estimate, or a non-finite one, is read."""
     cmd = [str(binary), "-m", str(gguf), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "--chunks", str(chunks),
-           "-t", str(THREADS), "-ngl", "0"]
+           "-t", str(threads), "-ngl", "0"]
     for _ in range(ATTEMPTS):
         proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
         log = proc.stdout + proc.stderr
@@ -108,16 +110,28 @@ def run_perplexity(binary: Path, gguf: Path, text: Path, ctx: int, chunks: int) 
                      f"{ATTEMPTS} runs")
 
 
-def build_llama_check(out: Path, binary: Path, gguf: Path, variant: str, docs: Path, traces_dir: Path,
-                      corpus_dir: Path, chunks: int = CHUNKS, log: Callable[[str], None] = print) -> None:
-    """`llama_check.parquet` for one variant's GGUF; an input error when a chunk is not finite."""
+@dataclass(frozen=True)
+class LlamaCheckParams:
+    """The variant (names the rows and the error), how many chunks are scored and on how many threads.
+    The `llama-perplexity` binary is an input: its digest is in the fingerprint."""
+
+    variant: str
+    chunks: int = CHUNKS
+    threads: int = THREADS
+
+
+def build_llama_check(out: Path, params: LlamaCheckParams, inputs: Mapping[str, Path],
+                      log: Callable[[str], None]) -> None:
+    """`llama_check.parquet` for one variant's GGUF (`model`), over the text of the documents (`docs`)
+    the unseen trace (`traces`, `corpus`) drew from; an input error when a chunk is not finite."""
     out.mkdir(parents=True, exist_ok=True)
-    doc_ids, n_tokens = unseen_documents(traces_dir, corpus_dir)
+    variant, gguf = params.variant, inputs["model"]
+    doc_ids, n_tokens = unseen_documents(inputs["traces"], inputs["corpus"])
     ctx = chunk_length(n_tokens)
-    texts = {d["doc_id"]: d["text"] for d in read_documents(docs)}
+    texts = {d["doc_id"]: d["text"] for d in read_documents(inputs["docs"])}
     text = out / "unseen.txt"
     text.write_text("\n\n".join(texts[d] for d in doc_ids), encoding="utf-8")
-    values, scored = run_perplexity(binary, gguf, text, ctx, chunks)
+    values, scored = run_perplexity(inputs["llama-perplexity"], gguf, text, ctx, params.chunks, params.threads)
     text.unlink()
     bad = [(i, v) for i, v in values if not finite(v)]
     if bad:

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -103,8 +103,8 @@ class QuantizeParams:
     Without importance no calibration statistic is read, so the importance and
     GPTQ knobs are None; with least-squares rounding the GPTQ knobs are None.
     A budget variant has no `quant`: its formats, one per (layer, tensor), are
-    its allocation's recipe (an upstream stage), and `budget` names the knobs
-    that chose it.
+    its allocation's recipe (an upstream stage, whose fingerprint carries the
+    budget).
     """
 
     quant: dict[str, str] | None  # routed-expert tensor -> format, the same in every layer
@@ -117,8 +117,8 @@ class QuantizeParams:
     gptq_damp: float | None = None
     gptq_shrink: float | None = None
     gptq_router_weighted: bool | None = None
-    budget: dict[str, Any] | None = None  # {"budget_bpw", "formats", "budget_roles"} of a budget variant
     learned_steps: int | None = None  # round = "learned" only
+    layer: int | None = None  # the unit's layer (None: the knobs alone, as sensitivity measures them)
 
     @property
     def uses_gptq(self) -> bool:
@@ -128,18 +128,12 @@ class QuantizeParams:
     @classmethod
     def of(cls, variant) -> "QuantizeParams":
         """The quantize parameters of a `Variant` (config validation already refused no-effect knobs)."""
-        if variant.budgeted:
-            quant, budget = None, {"budget_bpw": variant.budget_bpw, "formats": list(variant.candidates),
-                                   "budget_roles": variant.budget_roles}
-        else:
-            quant, budget = variant.formats(), None
-        return cls.knobs_of(variant, quant, budget)
+        return cls.knobs_of(variant, None if variant.budgeted else variant.formats())
 
     @classmethod
-    def knobs_of(cls, variant, quant: dict[str, str] | None, budget: dict[str, Any] | None = None
-                 ) -> "QuantizeParams":
+    def knobs_of(cls, variant, quant: dict[str, str] | None) -> "QuantizeParams":
         """The rounding and importance knobs of `variant`, with the given formats."""
-        base = cls(quant=quant, round=variant.round, importance=variant.importance, budget=budget)
+        base = cls(quant=quant, round=variant.round, importance=variant.importance)
         if not variant.importance:
             return base
         gptq = variant.round in ("gptq", LEARNED)
@@ -147,7 +141,7 @@ class QuantizeParams:
                    beta_gate_up=variant.beta_gate_up, beta_down=variant.beta_down,
                    down_blend_tokens=variant.down_blend_tokens, cal_tokens=variant.cal_tokens,
                    gptq_damp=variant.gptq_damp if gptq else None, gptq_shrink=variant.gptq_shrink if gptq else None,
-                   gptq_router_weighted=variant.gptq_router_weighted if gptq else None, budget=budget,
+                   gptq_router_weighted=variant.gptq_router_weighted if gptq else None,
                    learned_steps=variant.learned_steps if variant.round == LEARNED else None)
 
 
@@ -384,13 +378,13 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
                   chunk_size=chunk_size)
 
 
-def build_quantize(out: Path, source: Path, dump: Path | None, params: QuantizeParams, layer: int,
-                   recipe: Path | None = None, unseen: Path | None = None,
-                   log: Callable[[str], None] = print) -> None:
-    """One unit of the quantize stage: layer `layer` of the source's routed experts, with the
-    calibration dump's statistics if any, in the formats of the allocation stage's output `recipe`
-    when given (learned rounding also measures itself on the `unseen` dump, if given)."""
-    model = open_model(source)
-    formats = layer_formats(params, layer, read_recipe(recipe) if recipe is not None else None)
-    quantize_layer(out, model, open_dump(dump, model.hp, model.moe_layers) if dump is not None else None, params,
-                   layer, formats, open_dump(unseen, model.hp, model.moe_layers) if unseen is not None else None, log)
+def build_quantize(out: Path, params: QuantizeParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+    """One unit of the quantize stage: layer `params.layer` of the `source`'s routed experts, with the
+    calibration dump's (`dump`) statistics if any, in the formats of the allocation stage's output
+    (`recipe`) when given (learned rounding also measures itself on the `unseen` dump, if given)."""
+    assert params.layer is not None, "a quantize unit is one layer"
+    model = open_model(inputs["source"])
+    recipe = read_recipe(inputs["recipe"]) if "recipe" in inputs else None
+    dump = open_dump(inputs["dump"], model.hp, model.moe_layers) if params.importance else None
+    unseen = open_dump(inputs["unseen"], model.hp, model.moe_layers) if "unseen" in inputs else None
+    quantize_layer(out, model, dump, params, params.layer, layer_formats(params, params.layer, recipe), unseen, log)

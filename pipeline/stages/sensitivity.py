@@ -33,9 +33,9 @@ from __future__ import annotations
 
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -89,18 +89,20 @@ class SensitivityParams:
 class AllocateParams:
     """The budget: bits per covered weight, the formats to choose from (their order breaks ties), the
     roles it covers, and (budget_roles = "all") the weights and bytes of the tensors it covers whose
-    formats are fixed, as the written GGUF will hold them."""
+    formats are fixed, as the written GGUF will hold them. `where` names the variant in an error
+    and in the log: budget variants with the same budget share one allocation."""
 
     budget_bpw: float
     formats: tuple[str, ...]
     roles: str
     fixed_weights: int = 0
     fixed_bytes: int = 0
+    where: str = field(default="", metadata={"fingerprint": False})
 
     @classmethod
-    def of(cls, variant, fixed: tuple[int, int] = (0, 0)) -> "AllocateParams":
+    def of(cls, variant, fixed: tuple[int, int] = (0, 0), where: str = "") -> "AllocateParams":
         return cls(budget_bpw=variant.budget_bpw, formats=tuple(variant.candidates), roles=variant.budget_roles,
-                   fixed_weights=fixed[0], fixed_bytes=fixed[1])
+                   fixed_weights=fixed[0], fixed_bytes=fixed[1], where=where)
 
 
 def tensor_bytes(fmt: str, n_weights: int) -> int:
@@ -244,21 +246,24 @@ def choose_recipe(sensitivity: pa.Table, params: AllocateParams, where: str) -> 
     return pa.Table.from_pylist(recipe, schema=RECIPE_SCHEMA), summary
 
 
-def build_sensitivity(out: Path, source: Path, cal_dump: Path, unseen_dump: Path, params: SensitivityParams,
-                      log: Callable[[str], None] = print) -> None:
-    """The sensitivity stage: `sensitivity.parquet`."""
-    model = open_model(source)
-    table = measure_sensitivity(model, open_dump(cal_dump, model.hp, model.moe_layers),
-                                open_dump(unseen_dump, model.hp, model.moe_layers), params)
+def build_sensitivity(out: Path, params: SensitivityParams, inputs: Mapping[str, Path],
+                      log: Callable[[str], None]) -> None:
+    """The sensitivity stage: `sensitivity.parquet`, the `source`'s tensors measured on the
+    calibration (`dump`) and unseen (`unseen`) dumps."""
+    model = open_model(inputs["source"])
+    table = measure_sensitivity(model, open_dump(inputs["dump"], model.hp, model.moe_layers),
+                                open_dump(inputs["unseen"], model.hp, model.moe_layers), params)
     write_parquet(out / "sensitivity.parquet", table)
 
 
-def build_allocation(out: Path, sensitivity: Path, params: AllocateParams, where: str,
-                     log: Callable[[str], None] = print) -> None:
-    """The allocate stage: `recipe.parquet` and a one-row `allocation.parquet`."""
-    table = read_part(sensitivity / "sensitivity.parquet", ("layer", "role", "format", "n_weights", "bytes", "rel_err"))
-    recipe, summary = choose_recipe(table, params, where)
-    log(f"[allocate] {where}: {summary['bpw']:.4f} bits per weight of {params.budget_bpw:g} "
+def build_allocation(out: Path, params: AllocateParams, inputs: Mapping[str, Path],
+                     log: Callable[[str], None]) -> None:
+    """The allocate stage: `recipe.parquet` and a one-row `allocation.parquet` from the sensitivity
+    stage's output (`sensitivity`)."""
+    table = read_part(inputs["sensitivity"] / "sensitivity.parquet",
+                      ("layer", "role", "format", "n_weights", "bytes", "rel_err"))
+    recipe, summary = choose_recipe(table, params, params.where)
+    log(f"[allocate] {params.where}: {summary['bpw']:.4f} bits per weight of {params.budget_bpw:g} "
         f"({summary['n_items']} tensors x {summary['n_formats']} formats, {summary['seconds']:.2f} s)")
     write_parquet(out / "recipe.parquet", recipe)
     write_parquet(out / "allocation.parquet", pa.Table.from_pylist([summary]))

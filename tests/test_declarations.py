@@ -1,0 +1,207 @@
+"""Stages as declarations: every stage's parameters object is what its build function reads.
+
+A stage's build function receives one parameters object (besides the paths of
+its input files and upstream outputs); that object's hashed fields are the
+knobs part of its fingerprint. These tests check both directions: on a world
+with every kind of variant, every hashed field of every declared invocation
+moves the fingerprint (so no knob the build reads is left out of the key);
+every hashed field is read by the build (the executor checks that on every
+build of every heal, so no knob that cannot change the output recomputes it;
+tested here on a stage made to ignore one); and a setting left out of the key
+does not change the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import numpy as np
+import pytest
+import zarr
+
+from moeheal.pipeline.config import load_config
+from moeheal.pipeline.dag import Executor, Node, Stage, hashed_fields, stage_fingerprint
+from moeheal.pipeline.dagdraw import to_dot, to_mermaid
+from moeheal.pipeline.heal import STAGES, HealRun
+from moeheal.pipeline.lake import Lake
+from tests.healworld import write_world
+
+# Every kind of variant a config can hold: least squares, GPTQ, learned rounding, a budget over every
+# role, end-to-end tuning; windows generated, the unseen dump imported from another engine.
+VARIANTS = """
+[[variant]]
+name = "ls"
+round = "ls"
+ridge_rho = 6.0
+[[variant]]
+name = "gptq"
+round = "gptq"
+gptq_router_weighted = true
+[[variant]]
+name = "learned"
+round = "learned"
+learned_steps = 2
+[[variant]]
+name = "budget"
+budget_bpw = 3.8
+formats = ["tq2_0", "q2_k", "q3_k", "iq4_nl"]
+budget_roles = "all"
+[[variant]]
+name = "tuned"
+quant = "q2_k"
+e2e = true
+e2e_steps = 2
+"""
+
+
+def imported_unseen_dump(root: Path, model: Any, tokens: int) -> Path:
+    """A raw dump spec of the model's widths over `tokens` rows (zeros: planning reads no values)."""
+    hp = model.hp
+    widths = {"mixed": hp.d_model, "yr": hp.d_model, "hh": hp.d_shexp, "experts": hp.n_expert_used,
+              "weights": hp.n_expert_used}
+    layers = []
+    for layer in range(hp.n_layer):
+        for name, width in widths.items():
+            np.zeros((tokens, width), np.float32).tofile(root / f"{layer}.{name}.bin")
+        layers.append("[[layers]]\n" + "\n".join(f'{n} = "{layer}.{n}.bin"' for n in widths))
+    spec = root / "unseen.toml"
+    spec.write_text(f'trace = "unseen"\nT = {tokens}\nd = {hp.d_model}\nf = {hp.d_shexp}\nk = {hp.n_expert_used}\n'
+                    + "\n".join(layers) + "\n")
+    return spec
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> HealRun:
+    """Every stage declared by a config with every kind of variant, planned (nothing built)."""
+    root = tmp_path_factory.mktemp("declared")
+    config = write_world(root, variants=VARIANTS)
+    text = config.read_text().replace('windows = "windows.csv"\n', "")
+    text = text.replace("[moce]", "[eval.generate]\neval_per_stratum = 2\ncanary_per_stratum = 1\n"
+                                  "ctx_tokens = 32\nscored_tokens = 16\n[moce]")
+    run = HealRun(load_config(config), log=lambda m: None, plan=True)
+    spec = imported_unseen_dump(root, run.reference, 512)
+    config.write_text(text.replace("seed = 0\n[eval]", f'seed = 0\nimport_unseen_dump = "{spec}"\n[eval]', 1))
+    run = HealRun(load_config(config), log=lambda m: None, plan=True)
+    run.plan()
+    return run
+
+
+def changed(value: Any) -> Any:
+    """A value of the same kind that differs from `value` (None: a knob that now reaches the stage)."""
+    if value is None:
+        return 1
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value * 2 + 1
+    if isinstance(value, str):
+        return value + "x"
+    if isinstance(value, dict):
+        return {**value, "changed": 1}
+    if isinstance(value, (list, tuple)):
+        return type(value)([*value, "changed"])
+    if dataclasses.is_dataclass(value):
+        first = hashed_fields(value)[0]
+        return dataclasses.replace(value, **{first: changed(getattr(value, first))})
+    raise TypeError(f"no changed value for {value!r}")
+
+
+def fingerprint_of(run: HealRun, node: Node, params: Any) -> str:
+    upstream = {key: run.executor.result(use.node) for key, use in node.upstream.items()}
+    return stage_fingerprint(node.stage, params, node.inputs, upstream)[0]
+
+
+def test_every_stage_is_declared_with_one_parameters_object(planned):
+    """Each stage's build is a function of its own module taking (out, params, inputs, log), and the
+    config above reaches every stage."""
+    for stage in STAGES:
+        signature = inspect.signature(stage.build)
+        assert list(signature.parameters) == ["out", "params", "inputs", "log"], stage.name
+        assert get_type_hints(stage.build)["params"] is stage.params, stage.name
+        assert stage.build.__module__ == stage.module and dataclasses.is_dataclass(stage.params), stage.name
+        assert stage.params.__dataclass_params__.frozen, stage.name
+    assert {node.stage.name for node in planned.executor.nodes} == {stage.name for stage in STAGES}
+
+
+def test_the_drawn_dag_has_every_declared_stage(planned):
+    """`moeheal plan --format dot|mermaid` draws a node per declared stage (the imported unseen dump
+    as `import-dump`, though it is read as `dump:unseen`) and the edges its declarations name."""
+    dot, mermaid = to_dot(planned.executor.planned), to_mermaid(planned.executor.planned)
+    for stage in STAGES:
+        assert f'"{stage.name}" [label=' in dot and f'["{stage.name}<br/>' in mermaid, stage.name
+    for edge in ('"import-dump" -> "sensitivity"', '"dump" -> "sensitivity"', '"sensitivity" -> "allocate"',
+                 '"allocate" -> "quantize"', '"evaluate" -> "comparisons"', '"e2e" -> "evaluate"'):
+        assert edge in dot, edge
+
+
+def test_every_hashed_knob_moves_the_fingerprint(planned):
+    """For every declared invocation, each hashed field of its parameters changed alone gives a new
+    fingerprint; a field kept out of the key gives the same one."""
+    checked = 0
+    for node in planned.executor.nodes:
+        base = fingerprint_of(planned, node, node.params)
+        for f in dataclasses.fields(node.params):
+            moved = fingerprint_of(planned, node, dataclasses.replace(
+                node.params, **{f.name: changed(getattr(node.params, f.name))})) != base
+            assert moved == (f.name in hashed_fields(node.params)), (node.label, f.name)
+            checked += 1
+    assert checked > 200
+
+
+# ---- what the builds read -------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GainParams:
+    gain: float
+    offset: float | None = None  # None: not in the fingerprint, and not read
+
+
+def build_scaled(out: Path, params: GainParams, inputs: dict[str, Path], log) -> None:
+    out.mkdir(parents=True)
+    (out / "sum.txt").write_text(str(sum(inputs["data"].read_bytes()) * params.gain))
+
+
+def build_ignoring_gain(out: Path, params: GainParams, inputs: dict[str, Path], log) -> None:
+    out.mkdir(parents=True)
+    (out / "sum.txt").write_text(str(sum(inputs["data"].read_bytes())))
+
+
+def test_a_build_must_read_every_hashed_knob(tmp_path):
+    """The executor records the fields a build reads: a hashed knob it never reads (the fingerprint
+    would move where the output cannot) fails the build and publishes nothing; a None one is not hashed."""
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"\x01\x02" * 10)
+    executor = Executor(Lake(tmp_path / "lake"), log=lambda m: None)
+    module = build_scaled.__module__
+    good = Stage("scaled", "parts", "", module, build=build_scaled, params=GainParams, outputs=("sum.txt",))
+    result = executor.result(Node("scaled", good, GainParams(2.0), inputs={"data": data}))
+    assert (result.path / "sum.txt").read_text() == "60.0"
+    bad = Stage("ignoring", "parts", "", module, build=build_ignoring_gain, params=GainParams)
+    with pytest.raises(RuntimeError, match="never read gain"):
+        executor.result(Node("ignoring", bad, GainParams(2.0), inputs={"data": data}))
+    assert not list((tmp_path / "lake" / "parts").glob(f"{stage_fingerprint(bad, GainParams(2.0), {'data': data}, {})[0]}*"))
+    with pytest.raises(TypeError, match="declared GainParams"):
+        Node("wrong", good, {"gain": 2.0})
+    with pytest.raises(ValueError, match="not in"):
+        Stage("elsewhere", "parts", "", "moeheal.pipeline.files", build=build_scaled)
+
+
+def test_unhashed_chunk_size_does_not_change_the_dump(tmp_path):
+    """`chunk_tokens`, kept out of the dump's fingerprint, only sets how many sequences a forward pass
+    holds: the unseen trace (two sequences) dumped one at a time holds the same arrays."""
+    config = write_world(tmp_path / "w", variants="", moce_bonus=(0.0,))
+    run = HealRun(load_config(config), log=lambda m: None)
+    node = run.dump.node("unseen")
+    assert node.params.chunk_tokens >= 2 * node.params.seq_tokens
+    paths = {**node.inputs, **{k: use.path(run.executor.result(use.node)) for k, use in node.upstream.items()}}
+    built = run.dump("unseen").path
+    one_by_one = tmp_path / "one_by_one.zarr"
+    node.stage.build(one_by_one, dataclasses.replace(node.params, chunk_tokens=node.params.seq_tokens), paths,
+                     lambda m: None)
+    ours, theirs = zarr.open_group(str(built), mode="r"), zarr.open_group(str(one_by_one), mode="r")
+    for layer in ("0", "1"):
+        for name in ("mixed", "yr", "hh", "experts", "weights"):
+            np.testing.assert_array_equal(ours[layer][name][:], theirs[layer][name][:])
