@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from moeheal import kernels
+from moeheal.kernels.decode import format_of
 from moeheal.pipeline import audit as audit_mod
 from moeheal.pipeline import roles
 from moeheal.pipeline import stats as stats_mod
@@ -124,7 +124,7 @@ class HealRun:
             if self.source.arch.has_shared_expert and "ffn_down_shexp" not in chosen:
                 pairs.append(("ffn_down_shexp", variant.shexp_down))
             for tensor, fmt in pairs:
-                block, columns = kernels.format_of(fmt).block_size, roles.input_columns(tensor, src_hp)
+                block, columns = format_of(fmt).block_size, roles.input_columns(tensor, src_hp)
                 if columns % block:
                     raise InputError(f"{self.cfg.path}: [[variant]] {variant.name}: {fmt} needs rows that are "
                                      f"a multiple of {block} weights; {tensor} rows have {columns}")

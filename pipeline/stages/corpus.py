@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from moeheal.kernels.ngram import ngram_hashes
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import read_part, write_parquet
-from moeheal.pipeline.gguf_model import open_model
+from moeheal.pipeline.gguf_file import open_gguf
 from moeheal.pipeline.tokenizer import build_tokenizer, encode
 
 ROLES = ("cal", "eval", "canary", "unused")
@@ -318,7 +318,7 @@ def generate_windows(docs: pa.Table, tokens: dict[str, np.ndarray], cal_hashes: 
 
 def build_corpus(out: Path, reference: Path, docs: Path, split: Path) -> None:
     """`docs.parquet` and `doc_tokens.parquet`: the documents, their roles and their tokens."""
-    tok = build_tokenizer(open_model(reference))
+    tok = build_tokenizer(open_gguf(reference))
     table, tokens = build_docs(read_documents(docs), read_split(split), lambda t: encode(tok, t))
     write_parquet(out / "docs.parquet", table)
     write_parquet(out / "doc_tokens.parquet", tokens)
