@@ -31,24 +31,23 @@ from gguf import GGMLQuantizationType
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moeheal.kernels.chunks import ACCELERATOR_CHUNK_WEIGHTS, CHUNK_WEIGHTS, map_chunks, on_accelerator, platform
+from moeheal.kernels.decode import format_of
 from moeheal.kernels.formats_encode import Encoder, IQ4_NLEncoder, Q8_0Encoder, TQ2_0Encoder
 from moeheal.kernels.gptq import CPU_SCHEDULE, GptqSchedule, factor_is_finite, gptq_factor, gptq_round
 from moeheal.kernels.iquants_encode import IQ2_SEncoder, IQ2_XSEncoder, IQ2_XXSEncoder, IQ3_XXSEncoder
 from moeheal.kernels.kquants_encode import Q2_KEncoder, Q3_KEncoder, Q4_KEncoder, Q5_KEncoder, Q6_KEncoder
 
-ENCODERS_LIST: tuple[type[Encoder], ...] = (TQ2_0Encoder, IQ4_NLEncoder, Q8_0Encoder, Q2_KEncoder, Q3_KEncoder,
-                                            Q4_KEncoder, Q5_KEncoder, Q6_KEncoder, IQ2_XXSEncoder, IQ2_XSEncoder,
-                                            IQ2_SEncoder, IQ3_XXSEncoder)
-ENCODERS: dict[str, type[Encoder]] = {cls.name: cls for cls in ENCODERS_LIST}
-ENCODERS_BY_TYPE: dict[GGMLQuantizationType, type[Encoder]] = {cls.ggml_type: cls for cls in ENCODERS_LIST}
+# Every format's encoder, by name: the same names as ``decode.FORMATS``, each a subclass of its decoder.
+ENCODERS: dict[str, type[Encoder]] = {cls.name: cls for cls in (
+    TQ2_0Encoder, IQ4_NLEncoder, Q8_0Encoder, Q2_KEncoder, Q3_KEncoder, Q4_KEncoder, Q5_KEncoder, Q6_KEncoder,
+    IQ2_XXSEncoder, IQ2_XSEncoder, IQ2_SEncoder, IQ3_XXSEncoder)}
 
 
 def encoder_of(fmt: str | GGMLQuantizationType) -> type[Encoder]:
-    """The encoder registered under a name ("q2_k") or a ggml type; ValueError names the known ones."""
-    cls = ENCODERS_BY_TYPE.get(fmt) if isinstance(fmt, GGMLQuantizationType) else ENCODERS.get(fmt)
-    if cls is None:
-        raise ValueError(f"unknown format {fmt!r}; known: {sorted(ENCODERS)}")
-    return cls
+    """The encoder of the format registered under a name ("q2_k") or a ggml type (``decode.format_of``,
+    whose ValueError names the known ones)."""
+    return ENCODERS[format_of(fmt).name]
+
 
 # Columns per GPTQ rounding step on an accelerator (`gptq_schedule`).
 ACCELERATOR_GPTQ_UPDATE_WIDTH = 32

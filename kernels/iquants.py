@@ -66,6 +66,21 @@ def _parity_signs(s7: jax.Array) -> jax.Array:
     return _mask_signs(jnp.asarray(KSIGNS)[s7.astype(jnp.int32)])
 
 
+def _sign_scale_words(neg: jax.Array, l: jax.Array) -> jax.Array:
+    """(n, 256) negative flags, (n, 8) scale codes -> (n, 8) uint32: per 32 weights 4 x 7 sign bits, l << 28
+    (iq2_xxs, iq3_xxs)."""
+    n = neg.shape[0]
+    s7 = (_sign_masks(neg) & 127).reshape(n, 8, 4)  # (n, J, 4)
+    words = jnp.sum(s7 << jnp.array([0, 7, 14, 21], jnp.uint32), axis=-1, dtype=jnp.uint32)  # (n, J)
+    return words | (l.astype(jnp.uint32) << 28)
+
+
+def _word_scales_signs(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(n, 8) uint32 -> scale codes (n, 8) float32, negative flags (n, 256) (the inverse of ``_sign_scale_words``)."""
+    s7 = (words[..., None] >> jnp.array([0, 7, 14, 21], jnp.uint32)) & 127  # (n, J, 4)
+    return (words >> 28).astype(jnp.float32), _parity_signs(s7.reshape(words.shape[0], 32))
+
+
 def _pack_nibble_scales(l: jax.Array) -> jax.Array:
     """(n, 16) 4-bit codes -> (n, 8): byte j holds l[2j] low, l[2j+1] high (iq2_xs, iq2_s)."""
     l = l.astype(jnp.uint8)
@@ -132,9 +147,7 @@ class IQ2_XXS(IQuant, ggml_type=GGMLQuantizationType.IQ2_XXS):
     @classmethod
     def pack(cls, d, l, idx, neg):
         n = idx.shape[0]
-        s7 = (_sign_masks(neg) & 127).reshape(n, 8, 4)  # (n, J, 4)
-        words = jnp.sum(s7 << jnp.array([0, 7, 14, 21], jnp.uint32), axis=-1, dtype=jnp.uint32)  # (n, J)
-        words = words | (l.astype(jnp.uint32) << 28)
+        words = _sign_scale_words(neg, l)  # (n, J)
         qs = jnp.concatenate([idx.astype(jnp.uint8).reshape(n, 8, 4), _u32_bytes(words[..., None])], axis=-1)
         return jnp.concatenate([fp16_to_bytes(d), qs.reshape(n, 64)], axis=-1)  # (n, 66)
 
@@ -142,10 +155,8 @@ class IQ2_XXS(IQuant, ggml_type=GGMLQuantizationType.IQ2_XXS):
     def unpack(cls, blocks):
         n = blocks.shape[0]
         qs = blocks[:, 2:].reshape(n, 8, 8)  # (n, J, 8): 4 point bytes, one u32
-        words = _bytes_u32(qs[..., 4:])[..., 0]  # (n, J)
-        s7 = (words[..., None] >> jnp.array([0, 7, 14, 21], jnp.uint32)) & 127  # (n, J, 4)
-        return (bytes_to_fp16(blocks[:, :2]), (words >> 28).astype(jnp.float32),
-                qs[..., :4].reshape(n, 32).astype(jnp.int32), _parity_signs(s7.reshape(n, 32)))
+        l, neg = _word_scales_signs(_bytes_u32(qs[..., 4:])[..., 0])  # (n, J), (n, 256)
+        return bytes_to_fp16(blocks[:, :2]), l, qs[..., :4].reshape(n, 32).astype(jnp.int32), neg
 
 
 class IQ2_XS(IQuant, ggml_type=GGMLQuantizationType.IQ2_XS):
@@ -212,16 +223,10 @@ class IQ3_XXS(IQuant, ggml_type=GGMLQuantizationType.IQ3_XXS):
 
     @classmethod
     def pack(cls, d, l, idx, neg):
-        n = idx.shape[0]
-        s7 = (_sign_masks(neg) & 127).reshape(n, 8, 4)  # (n, J, 4)
-        words = jnp.sum(s7 << jnp.array([0, 7, 14, 21], jnp.uint32), axis=-1, dtype=jnp.uint32)  # (n, J)
-        words = words | (l.astype(jnp.uint32) << 28)
+        words = _sign_scale_words(neg, l)  # (n, J)
         return jnp.concatenate([fp16_to_bytes(d), idx.astype(jnp.uint8), _u32_bytes(words)], axis=-1)  # (n, 98)
 
     @classmethod
     def unpack(cls, blocks):
-        n = blocks.shape[0]
-        words = _bytes_u32(blocks[:, 66:98])  # (n, J)
-        s7 = (words[..., None] >> jnp.array([0, 7, 14, 21], jnp.uint32)) & 127  # (n, J, 4)
-        return (bytes_to_fp16(blocks[:, :2]), (words >> 28).astype(jnp.float32), blocks[:, 2:66].astype(jnp.int32),
-                _parity_signs(s7.reshape(n, 32)))
+        l, neg = _word_scales_signs(_bytes_u32(blocks[:, 66:98]))  # (n, J), (n, 256)
+        return bytes_to_fp16(blocks[:, :2]), l, blocks[:, 2:66].astype(jnp.int32), neg

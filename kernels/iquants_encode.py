@@ -1,17 +1,11 @@
 """ggml codebook i-quants, the writing half: how iq2_xxs, iq2_xs, iq2_s, iq3_xxs blocks are chosen
 (the layouts are ``iquants.py``'s).
 
-An i-quant super-block holds 256 weights and one fp16 scale d. Its weights
-come in groups (8, or 4 for iq3_xxs) whose magnitudes are one point of a
-fixed grid (gguf-py's tables: 256 to 1024 points of positive values), plus
-one sign per weight; sub-blocks of 32 or 16 weights carry a 4-bit scale code
-l. A weight's value is
-
-    (d * (0.5 + l) * unit) * grid[point][i] * sign,   unit = 1/4 (1/2 for iq3_xxs)
-
-iq2_xxs, iq2_xs and iq3_xxs store 7 sign bits per 8 weights; the eighth makes
-the count of negatives even (gguf-py's ``ksigns``), so a group of 8 with an
-odd count must flip one weight's sign. iq2_s stores all 8.
+The layout: per group of 8 (iq3_xxs: 4) weights a point of
+gguf-py's grid of magnitudes and the signs, per sub-block a 4-bit scale code l,
+per 256 weights an fp16 d. iq2_xxs, iq2_xs and iq3_xxs store 7 sign bits per 8
+weights, the eighth making the count of negatives even, so a group of 8 with
+an odd count must flip one weight's sign; iq2_s stores all 8.
 
 For a sub-block scale s, a group's weighted error against grid point k is
 ``sum_i w_i (|x_i| - s g_ki)^2 = A - 2 s B_k + s^2 C_k`` with B = (w |x|) G^T

@@ -1,12 +1,9 @@
 """ggml k-quants, the writing half: how q2_k, q3_k, q4_k, q5_k, q6_k blocks are chosen (the
 layouts are ``kquants.py``'s).
 
-A k-quant super-block holds 256 weights in sub-blocks of 16 or 32. Each
-sub-block has an integer scale code ls (and, for q2_k/q4_k/q5_k, a min code
-lm); the super-block has fp16 d (and dmin). A weight with code q is
-
-    affine (q2_k, q4_k, q5_k):  (d * ls) * q - dmin * lm,   q in [0, nmax]
-    symmetric (q3_k, q6_k):     (d * ls) * q,               q in [-n, n - 1]
+The layout: 256 weights in sub-blocks of 16 or 32, each with
+an integer scale code ls (and, for q2_k/q4_k/q5_k, a min code lm), and fp16 d
+(and dmin) per super-block; a weight with code q is (d * ls) * q (- dmin * lm).
 
 We choose all of it to minimise the weighted squared error of the bytes we
 write, in three vectorised stages (every block and sub-block at once):

@@ -18,8 +18,7 @@ import pytest
 
 from moeheal.kernels.decode import bits_per_weight, dequantize
 from moeheal.kernels.encode import ENCODERS, quantize, quantize_experts
-from moeheal.kernels.formats_encode import IQ4_NLEncoder as IQ4_NL
-from moeheal.kernels.formats_encode import TQ2_0Encoder as TQ2_0
+from moeheal.kernels.formats_encode import IQ4_NLEncoder, TQ2_0Encoder
 from tests import reference_quants as ref
 
 SPECIAL_FP16 = np.array(
@@ -151,10 +150,10 @@ def test_tq2_0_beats_gguf_py_quantizer(kind: str) -> None:
         assert err_ours < 0.7 * err_theirs  # not a tie: the search is far better than max-scaling
 
 
-@pytest.mark.parametrize("cls", [TQ2_0, IQ4_NL], ids=lambda c: c.name)
+@pytest.mark.parametrize("cls", [TQ2_0Encoder, IQ4_NLEncoder], ids=lambda c: c.name)
 def test_jax_search_equals_float64_reference(cls) -> None:
     rng = np.random.default_rng(3)
-    n = 400 if cls is TQ2_0 else 1600
+    n = 400 if cls is TQ2_0Encoder else 1600
     x = random_weights(rng, (n, cls.block_size), "t3")
     w = rng.gamma(0.7, 1.0, x.shape).astype(np.float32)
     raw = np.asarray(cls.quantize_blocks(x, w))
@@ -186,7 +185,7 @@ def test_iq4_nl_beats_ggml_search() -> None:
     rng = np.random.default_rng(5)
     x = random_weights(rng, (300, 32), "t3")
     w = rng.gamma(0.7, 1.0, x.shape).astype(np.float32)
-    ours = dequantize(np.asarray(IQ4_NL.quantize_blocks(x, w)), "iq4_nl", x.shape)
+    ours = dequantize(np.asarray(IQ4_NLEncoder.quantize_blocks(x, w)), "iq4_nl", x.shape)
     err_ours = ref.weighted_error(x, w, ours)  # (n,)
     err_ggml = ref.weighted_error(x, w, ref.ggml_iq4_nl(x, w))  # (n,)
     assert np.all(err_ours <= err_ggml * (1 + 1e-5))  # superset of ggml's candidates, block by block

@@ -20,9 +20,8 @@ import pytest
 
 from moeheal.kernels.decode import dequantize
 from moeheal.kernels.encode import ENCODERS, quantize, quantize_experts
-from moeheal.kernels.formats_encode import IQ4_NLEncoder as IQ4_NL
-from moeheal.kernels.formats_encode import TQ2_0Encoder as TQ2_0
-from moeheal.kernels.gptq import GptqSchedule, factor_is_finite, gptq_factor, gptq_quantize
+from moeheal.kernels.formats_encode import IQ4_NLEncoder, TQ2_0Encoder
+from moeheal.kernels.gptq import GptqSchedule, damp_hessian, factor_is_finite, gptq_factor, gptq_quantize
 from tests import reference_quants as ref
 
 
@@ -41,7 +40,8 @@ def test_damp_hessian_adds_a_fraction_of_the_mean_diagonal() -> None:
     np.testing.assert_allclose(np.asarray(damp_hessian(h, 0.1)), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("cls,cols", [(TQ2_0, 256), (TQ2_0, 512), (IQ4_NL, 256)], ids=["tq2_0-256", "tq2_0-512", "iq4_nl-256"])
+@pytest.mark.parametrize("cls,cols", [(TQ2_0Encoder, 256), (TQ2_0Encoder, 512), (IQ4_NLEncoder, 256)],
+                         ids=["tq2_0-256", "tq2_0-512", "iq4_nl-256"])
 def test_gptq_equals_float64_reference(cls, cols: int) -> None:
     rng = np.random.default_rng(cols)
     rows = 16
