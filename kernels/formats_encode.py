@@ -194,6 +194,9 @@ class Encoder(BlockFormat):
     def quantize_blocks(cls, x: jax.Array, importance: jax.Array | None = None) -> jax.Array:
         """(n, block_size) float32 [+ (n, block_size) importance] -> (n, type_size) uint8."""
         raise NotImplementedError
+
+    @classmethod
+    def gptq_block_plan(cls, x: jax.Array, importance: jax.Array) -> Any:
         """GPTQ: what a block fixes when it starts; x, importance (n, block_size)."""
         raise NotImplementedError
 
