@@ -37,7 +37,7 @@ def assembled_q2_k(source: Path, out: Path) -> Path:
     """The source with every routed expert tensor quantized to Q2_K (plain rounding)."""
     from gguf import GGMLQuantizationType
 
-    from moeheal import kernels
+    from moeheal.kernels import encode
     from moeheal.pipeline.gguf_model import GGUFModel
     from moeheal.pipeline.gguf_write import copy_gguf
 
@@ -45,7 +45,7 @@ def assembled_q2_k(source: Path, out: Path) -> Path:
     replace = {}
     for name in model.tensor_names:
         if name.endswith("_exps.weight"):
-            replace[name] = (kernels.quantize_experts(model.device_tensor(name), "q2_k"), GGMLQuantizationType.Q2_K)
+            replace[name] = (encode.quantize_experts(model.device_tensor(name), "q2_k"), GGMLQuantizationType.Q2_K)
     copy_gguf(model, out, replace)
     return out
 

@@ -54,10 +54,10 @@ H200_HBM_TB_PER_S = 4.8
 
 def least_squares_bytes(shape: tuple[int, int, int], fmt: str) -> float:
     """Bytes the least-squares search must move: float32 weights and importance in, block bytes out."""
-    from moeheal import kernels
+    from moeheal.kernels import encode
 
     n_expert, rows, cols = shape
-    cls = kernels.FORMATS[fmt]
+    cls = encode.ENCODERS[fmt]
     return 4.0 * n_expert * (rows * cols + cols) + n_expert * rows * cols / cls.block_size * cls.type_size
 
 
@@ -93,7 +93,7 @@ def main() -> None:
 
     import jax
 
-    from moeheal import kernels
+    from moeheal.kernels import encode
 
     device = jax.devices("gpu")[0] if args.gpu else jax.devices("cpu")[0]
     print(f"device: {device.device_kind}; best of {args.repeats} after a compiling call; roofs: H200 SXM FP32 "
@@ -106,14 +106,14 @@ def main() -> None:
             w, importance, h = (jax.device_put(a, device) for a in problem(shape))
             for fmt in args.formats:
                 def ls() -> None:
-                    kernels.quantize_experts(w, fmt, importance, devices=[device])
+                    encode.quantize_experts(w, fmt, importance, devices=[device])
 
                 def gptq() -> None:
-                    kernels.quantize_experts(w, fmt, importance, hessians=h, devices=[device])
+                    encode.quantize_experts(w, fmt, importance, hessians=h, devices=[device])
 
                 ls(), gptq()  # compile
                 t_ls, t_gptq = best_of(ls, args.repeats), best_of(gptq, args.repeats)
-                gflops = gptq_flops(shape, kernels.FORMATS[fmt].block_size) / t_gptq / 1e9
+                gflops = gptq_flops(shape, encode.ENCODERS[fmt].block_size) / t_gptq / 1e9
                 ls_gb = least_squares_bytes(shape, fmt) / t_ls / 1e9
                 print(f"| {fmt} | {'x'.join(map(str, shape))} | {t_ls:.3f} | {ls_gb:.3g} "
                       f"| {100 * ls_gb / 1e3 / H200_HBM_TB_PER_S:.3g} | {t_gptq:.3f} | {t_gptq / t_ls:.1f}x "

@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_gptq import problem  # noqa: E402
-from moeheal import kernels  # noqa: E402
+from moeheal.kernels import decode, encode  # noqa: E402
 from moeheal.kernels.gptq import (  # noqa: E402
     GptqSchedule,
     gptq_quantize,
@@ -69,7 +69,7 @@ def output_error(w: np.ndarray, raw: np.ndarray, fmt: str, h: np.ndarray, expert
     """tr((W - Q) H (W - Q)^T) summed over the first `experts` experts, float64."""
     total = 0.0
     for e in range(min(experts, w.shape[0])):
-        diff = w[e].astype(np.float64) - kernels.dequantize(raw[e], fmt, w.shape[1:]).astype(np.float64)  # (rows, cols)
+        diff = w[e].astype(np.float64) - decode.dequantize(raw[e], fmt, w.shape[1:]).astype(np.float64)  # (rows, cols)
         total += float(np.sum((diff @ h[e].astype(np.float64)) * diff))
     return total
 
@@ -99,7 +99,7 @@ def main() -> None:
           "output error vs baseline |")
     print("|---|---|---|---|---|---|---|---|")
     for fmt in args.formats:
-        cls = kernels.FORMATS[fmt]
+        cls = encode.ENCODERS[fmt]
         baseline = None
         for schedule, batch in SCHEDULES:
             batch = min(batch, n_expert)

@@ -41,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moeheal import kernels  # noqa: E402
+from moeheal.kernels import decode, encode  # noqa: E402
 from moeheal.kernels import importance as imp  # noqa: E402
 from moeheal.pipeline.config import load_config  # noqa: E402
 from moeheal.pipeline.gguf_model import open_model  # noqa: E402
@@ -180,7 +180,7 @@ def main() -> None:
                 quantized: dict[str, dict[str, np.ndarray]] = {}
                 for name in args.variants:
                     plan = IMPORTANCE[name](stats)
-                    quantized[name] = {r: kernels.dequantize(kernels.quantize_experts(weights[r], FORMAT, plan[r]),
+                    quantized[name] = {r: decode.dequantize(encode.quantize_experts(weights[r], FORMAT, plan[r]),
                                                              FORMAT, weights[r].shape) for r in ROLES}
                 if peer is not None:
                     quantized["llama.cpp"] = {r: np.asarray(peer.tensor(f"blk.{layer}.{r}.weight")) for r in ROLES}

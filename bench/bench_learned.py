@@ -71,7 +71,7 @@ def main() -> None:
 
     import jax
 
-    from moeheal import kernels
+    from moeheal.kernels import encode
     from moeheal.kernels import learned
     from moeheal.pipeline.config import LEARNED_STEPS
     from moeheal.pipeline.stages import quantize as Q
@@ -98,7 +98,7 @@ def main() -> None:
 
             def gptq() -> None:
                 plan = Q.layer_importance(w, x, experts, weights, params)
-                out["raw"] = {name: kernels.quantize_experts(w[name], fmt, *plan[name]) for name in w}
+                out["raw"] = {name: encode.quantize_experts(w[name], fmt, *plan[name]) for name in w}
 
             def learn() -> None:
                 tensors = {name: learned.LearnedTensor(fmt, tuple(w[name].shape), out["raw"][name]) for name in w}

@@ -84,7 +84,8 @@ def bench_cpu(repeats: int) -> list[str]:
     """Rows for the CPU run: gguf-py TQ2_0 first, then our kernels through the public API."""
     import gguf
 
-    from moeheal import kernels
+    from moeheal.kernels import encode
+    from moeheal.kernels.gptq import damp_hessian
 
     lines = []
     for shape in CPU_SHAPES:
@@ -94,14 +95,14 @@ def bench_cpu(repeats: int) -> list[str]:
         base = w.size / t_ref
         lines.append(row("gguf-py TQ2_0 (max-scale, numpy)", shape, t_ref, None, base))
         for fmt in CPU_FORMATS[shape]:
-            call = lambda: kernels.quantize_experts(w, fmt, importance)  # noqa: E731
+            call = lambda: encode.quantize_experts(w, fmt, importance)  # noqa: E731
             compile_s = timed_first_call(call)
             lines.append(row(f"moeheal {fmt} (weighted search, JAX)", shape, best_of(call, repeats), compile_s, base))
     shape = CPU_SHAPES[0]
     w = heavy_tailed_experts(shape)
     x = np.random.default_rng(2).standard_normal((4 * shape[2], shape[2])).astype(np.float32)
-    hessians = np.broadcast_to(np.asarray(kernels.damp_hessian(x.T @ x / x.shape[0], 0.01)), (shape[0], shape[2], shape[2]))
-    call = lambda: kernels.quantize_experts(w, "tq2_0", hessians=hessians)  # noqa: E731
+    hessians = np.broadcast_to(np.asarray(damp_hessian(x.T @ x / x.shape[0], 0.01)), (shape[0], shape[2], shape[2]))
+    call = lambda: encode.quantize_experts(w, "tq2_0", hessians=hessians)  # noqa: E731
     compile_s = timed_first_call(call)
     t_ref = best_of(lambda: gguf.quants.quantize(w, gguf.GGMLQuantizationType.TQ2_0), repeats)
     lines.append(row("moeheal tq2_0 GPTQ (JAX)", shape, best_of(call, 1), compile_s, w.size / t_ref))
@@ -112,7 +113,7 @@ def bench_gpu(repeats: int) -> list[str]:
     """Rows for the GPU run: device-resident jitted kernels, in GB/s of float32 weights."""
     import jax
 
-    from moeheal.kernels import _experts_batch_jit, expert_mesh, gptq_schedule
+    from moeheal.kernels.encode import experts_batch_jit, expert_mesh, gptq_schedule
 
     if jax.default_backend() == "cpu":
         raise SystemExit("--gpu: JAX has no GPU backend here (install jax[cuda12])")
@@ -121,7 +122,7 @@ def bench_gpu(repeats: int) -> list[str]:
     for shape in GPU_SHAPES:
         w = jax.device_put(heavy_tailed_experts(shape))
         for fmt in ("tq2_0", "iq4_nl", *KQUANTS, *IQUANTS):
-            call = lambda: _experts_batch_jit(fmt, schedule, mesh, w, None, None)[0].block_until_ready()  # noqa: E731
+            call = lambda: experts_batch_jit(fmt, schedule, mesh, w, None, None)[0].block_until_ready()  # noqa: E731
             compile_s = timed_first_call(call)
             seconds = best_of(call, repeats)
             gbps = w.size * 4 / seconds / 1e9
@@ -248,7 +249,7 @@ def bench_kquants_vs_llama(gguf_path: str, imatrix_path: str, threads: int, repe
     Q8_0 copy) first, then our q2_k/q3_k/q4_k on the same tensors and importance."""
     import gguf
 
-    from moeheal import kernels
+    from moeheal.kernels import encode
     from moeheal.pipeline.gguf_model import GGUFModel
 
     binary, tensors, n_weights, copy_args = llama_comparison_inputs(gguf_path, imatrix_path)
@@ -288,10 +289,10 @@ def bench_kquants_vs_llama(gguf_path: str, imatrix_path: str, threads: int, repe
     for fmt in KQUANTS:
         def quantize_all(fmt: str = fmt) -> None:
             for _, w, importance in tensors:
-                kernels.quantize_experts(w, fmt, importance)
+                encode.quantize_experts(w, fmt, importance)
 
         _, w0, imp0 = tensors[0]  # every expert tensor of the demo has one shape: one compilation
-        compile_s = timed_first_call(lambda: kernels.quantize_experts(w0, fmt, imp0))  # noqa: B023
+        compile_s = timed_first_call(lambda: encode.quantize_experts(w0, fmt, imp0))  # noqa: B023
         lines.append(kquant_row(f"moeheal {fmt} with importance (JAX, {on})",
                                 n_weights, *best_wall_and_cpu(quantize_all, repeats), base, compile_s))
     return lines
@@ -306,7 +307,7 @@ def weighted_error(tensors: list[tuple[str, np.ndarray, np.ndarray]], raws: dict
     """sum over the tensors of sum_j importance_j (w - deq)^2, deq by gguf-py from the bytes `raws`."""
     import gguf
 
-    from moeheal.kernels import format_of
+    from moeheal.kernels.decode import format_of
 
     cls = format_of(fmt)
     total = 0.0
@@ -331,7 +332,7 @@ def bench_iquants_vs_llama(gguf_path: str, imatrix_path: str, threads: int, repe
     it of the routed experts (less the copy) and our kernel on the same tensors and importance."""
     import gguf
 
-    from moeheal import kernels
+    from moeheal.kernels import decode, encode
 
     binary, tensors, n_weights, copy_args = llama_comparison_inputs(gguf_path, imatrix_path)
     on = f"{threads} threads"
@@ -350,7 +351,7 @@ def bench_iquants_vs_llama(gguf_path: str, imatrix_path: str, threads: int, repe
             args = [*copy_args[:3], *expert_args(fmt), *copy_args[3:]]
             wall, cpu = best_wall_and_cpu(lambda: quantize_file(args), max(repeats, 3), children_cpu_s)  # noqa: B023
             written = {t.name: t for t in gguf.GGUFReader(out).tensors}
-            if any(written[name].tensor_type != kernels.format_of(fmt).ggml_type for name, _, _ in tensors):
+            if any(written[name].tensor_type != decode.format_of(fmt).ggml_type for name, _, _ in tensors):
                 raise SystemExit(f"llama-quantize did not make the experts {fmt}: --tensor-type did not match")
             err_llama = weighted_error(tensors, {name: np.array(written[name].data) for name, _, _ in tensors}, fmt)
             base = n_weights / (wall - copy_wall)
@@ -360,10 +361,10 @@ def bench_iquants_vs_llama(gguf_path: str, imatrix_path: str, threads: int, repe
 
             def quantize_all(fmt: str = fmt, ours: dict[str, np.ndarray] = ours) -> None:
                 for name, w, importance in tensors:
-                    ours[name] = kernels.quantize_experts(w, fmt, importance)
+                    ours[name] = encode.quantize_experts(w, fmt, importance)
 
             _, w0, imp0 = tensors[0]  # every expert tensor of the demo has one shape: one compilation
-            compile_s = timed_first_call(lambda: kernels.quantize_experts(w0, fmt, imp0))  # noqa: B023
+            compile_s = timed_first_call(lambda: encode.quantize_experts(w0, fmt, imp0))  # noqa: B023
             wall, cpu = best_wall_and_cpu(quantize_all, repeats)
             lines.append(iquant_row(f"moeheal {fmt} with importance (JAX, {on})", n_weights, wall, cpu, base,
                                     weighted_error(tensors, ours, fmt) / err_llama, compile_s))

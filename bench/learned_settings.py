@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("settings", nargs="+", help="JSON objects of learned.Settings fields")
     args = parser.parse_args()
 
-    from moeheal import kernels
+    from moeheal.kernels import encode
     from moeheal.kernels import learned
     from moeheal.pipeline.config import load_config
     from moeheal.pipeline.heal import HealRun
@@ -54,7 +54,7 @@ def main() -> None:
     params = Q.QuantizeParams.of(variant)
     weights = Q.expert_weights(model, args.layer)
     plan = Q.importance_plan(weights, cal, args.layer, params)
-    raw = {name: kernels.quantize_experts(w, args.format, *plan[name]) for name, w in weights.items()}
+    raw = {name: encode.quantize_experts(w, args.format, *plan[name]) for name, w in weights.items()}
     tensors = {name: learned.LearnedTensor(args.format, tuple(w.shape), raw[name]) for name, w in weights.items()}
     rows = read_layer(cal[str(args.layer)], slice(None))
     cut = len(rows["mixed"]) - len(rows["mixed"]) // Q.LEARNED_HOLDOUT

@@ -16,7 +16,7 @@ on the weights as already updated by the errors so far. Within a block columns
 are rounded one by one with the error applied inside the block; the block's
 accumulated error is then applied to all later columns as one matrix product
 (GPTQ's lazy batch update, with the batch = the ggml block). The format
-supplies the plans, the rounding of a column and the packing (``BlockFormat``'s
+supplies the plans, the rounding of a column and the packing (its ``Encoder``'s
 ``gptq_*`` methods).
 
 Codebook formats (the i-quants) round ``gptq_group`` columns at once, since a
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from moeheal.kernels.formats import BlockFormat
+from moeheal.kernels.formats_encode import Encoder
 
 
 def damp_hessian(hessian: jax.Array, damp: float) -> jax.Array:
@@ -125,7 +125,7 @@ def gptq_factor(hessian: jax.Array, schedule: GptqSchedule = CPU_SCHEDULE) -> ja
 
 
 def gptq_quantize(
-    fmt: type[BlockFormat], w: jax.Array, hessian: jax.Array, importance: jax.Array | None = None,
+    fmt: type[Encoder], w: jax.Array, hessian: jax.Array, importance: jax.Array | None = None,
     schedule: GptqSchedule = CPU_SCHEDULE,
 ) -> jax.Array:
     """GPTQ-rounded ggml bytes of one matrix: (rows, cols) -> (rows, n_blocks * type_size) uint8.
@@ -141,7 +141,7 @@ def gptq_quantize(
 
 
 def gptq_round(
-    fmt: type[BlockFormat], w: jax.Array, upper: jax.Array, importance: jax.Array,
+    fmt: type[Encoder], w: jax.Array, upper: jax.Array, importance: jax.Array,
     schedule: GptqSchedule = CPU_SCHEDULE,
 ) -> jax.Array:
     """GPTQ-rounded ggml bytes of one matrix from H's factor: (rows, cols) -> (rows, n_blocks * type_size) uint8.

@@ -1,4 +1,5 @@
-"""ggml codebook i-quants in JAX: iq2_xxs, iq2_xs, iq2_s, iq3_xxs.
+"""ggml codebook i-quants, the reading half: the block layouts and values of iq2_xxs, iq2_xs,
+iq2_s, iq3_xxs.
 
 An i-quant super-block holds 256 weights and one fp16 scale d. Its weights
 come in groups (8, or 4 for iq3_xxs) whose magnitudes are one point of a
@@ -9,40 +10,8 @@ l. A weight's value is
     (d * (0.5 + l) * unit) * grid[point][i] * sign,   unit = 1/4 (1/2 for iq3_xxs)
 
 iq2_xxs, iq2_xs and iq3_xxs store 7 sign bits per 8 weights; the eighth makes
-the count of negatives even (gguf-py's ``ksigns``), so a group of 8 with an
-odd count must flip one weight's sign. iq2_s stores all 8.
-
-For a sub-block scale s, a group's weighted error against grid point k is
-``sum_i w_i (|x_i| - s g_ki)^2 = A - 2 s B_k + s^2 C_k`` with B = (w |x|) G^T
-and C = w (G*G)^T: two small matmuls per group, once, after which every
-candidate scale costs three flops per grid point, so the search over the whole
-grid is exhaustive. Flipping weight i adds ``4 s w_i |x_i| g_ki``: the best
-flip for point k is the smallest of those, which only lowers B, so the flip
-is chosen jointly with the point (ggml flips the least important weight
-first, whatever the point; iq3_xxs's sign group spans two grid groups, and
-which of them takes the flip is settled once, at the scale max|x| / max g).
-We minimise the weighted error of the bytes in three vectorised stages, like
-the k-quants:
-
-1. per sub-block, a float scale: candidate scales from the largest magnitude,
-   the best one refit by weighted least squares on the points it picks;
-2. the super-block d by the grid search of ``formats.py`` over those scales,
-   each weighted by how fast its error grows off the optimum (sum of C);
-3. per sub-block, the scale code nearest to the float scale and its
-   neighbours (+-2), each scored by the exact error of the fp16 d and the
-   float32 scale the dequantizer computes, the grid points re-chosen for it
-   (ggml keeps the points of the float scale).
-
-The weights w are ggml's (``quantize_row_iq*_impl`` with an imatrix):
-``qw * sqrt(sigma2 + x^2)``, sigma2 = f * sum(x^2) / 256, f = 1 for iq2_xxs and
-iq2_xs, 2 for iq2_s and iq3_xxs; qw = 1 without an importance.
-
-GPTQ (``gptq.py``) rounds one sign group of 8 columns at a time: d is fixed when
-the super-block starts and l when its sub-block starts (stages 1-2 and 3 on
-the updated weights); the group's point minimises the H-aware error of the
-group, ``|| (x - v) U^-1 ||^2`` with U the group's block of the Cholesky factor
-of H^-1 (for iq3_xxs, its two grid points one after the other, as GPTQ over
-4 columns would).
+the count of negatives even (gguf-py's ``ksigns``). iq2_s stores all 8. How
+the points, signs and scales are chosen is ``iquants_encode.py``.
 """
 
 from __future__ import annotations
@@ -55,30 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from moeheal.kernels.formats import BlockFormat, bytes_to_fp16, fp16_to_bytes, search_grid_scale, uniform_importance
-from moeheal.kernels.kquants import QK_K, ggml_weights, safe_div
+from moeheal.kernels.formats import BlockFormat, bytes_to_fp16, fp16_to_bytes
+from moeheal.kernels.kquants import QK_K
 
-HIGHEST = jax.lax.Precision.HIGHEST  # GPUs would otherwise multiply in TF32
-SCALE_LEVELS = tuple(0.5 + l for l in range(16))  # d * (0.5 + l): the 4-bit sub-block scale codes
-# Candidate max|x| / (s * max grid value) ratios of stage 1; above 1 the largest weight is clipped.
-# 6 come within 0.1% of 12 in the final error (stage 3 re-chooses every scale code).
-STAGE1_RATIOS = tuple(float(r) for r in np.geomspace(0.75, 1.5, 6))
-# Stage 3's scale codes: the stage-1 scale's nearest code and its neighbours; all 16 gain 0.2-0.4%
-# and cost 70% more time.
-CODE_MOVES = (0, -1, 1, -2, 2)
-# d = max(s / unit) / divisor: 15.5 gives the largest sub-block scale code 15 (ggml's choice).
-SUPER_DIVISORS = tuple(float(v) for v in 15.5 * np.geomspace(0.75, 1.1, 16))
-# Blocks searched per step (per expert under quantize_experts): the (groups, grid points) arrays
-# then stay in cache; 8 measured fastest on CPU, 64 took 1.5-2x as long.
-SEARCH_BLOCKS = 8
 KSIGNS = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, np.uint8)  # (128,): 7 stored bits -> 8 with even parity
-
-
-def first_argmin(e: jax.Array) -> jax.Array:
-    """argmin over the last axis, as two plain min reductions: XLA's CPU argmin (a variadic
-    reduction) is tens of times slower than a min over the same 256-1024 grid points."""
-    k = jnp.arange(e.shape[-1], dtype=jnp.int32)  # (K,)
-    return jnp.min(jnp.where(e == jnp.min(e, axis=-1, keepdims=True), k, e.shape[-1]), axis=-1)  # (...,)
 
 
 def gguf_grid(quant: type) -> np.ndarray:
@@ -117,6 +66,21 @@ def _parity_signs(s7: jax.Array) -> jax.Array:
     return _mask_signs(jnp.asarray(KSIGNS)[s7.astype(jnp.int32)])
 
 
+def _sign_scale_words(neg: jax.Array, l: jax.Array) -> jax.Array:
+    """(n, 256) negative flags, (n, 8) scale codes -> (n, 8) uint32: per 32 weights 4 x 7 sign bits, l << 28
+    (iq2_xxs, iq3_xxs)."""
+    n = neg.shape[0]
+    s7 = (_sign_masks(neg) & 127).reshape(n, 8, 4)  # (n, J, 4)
+    words = jnp.sum(s7 << jnp.array([0, 7, 14, 21], jnp.uint32), axis=-1, dtype=jnp.uint32)  # (n, J)
+    return words | (l.astype(jnp.uint32) << 28)
+
+
+def _word_scales_signs(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(n, 8) uint32 -> scale codes (n, 8) float32, negative flags (n, 256) (the inverse of ``_sign_scale_words``)."""
+    s7 = (words[..., None] >> jnp.array([0, 7, 14, 21], jnp.uint32)) & 127  # (n, J, 4)
+    return (words >> 28).astype(jnp.float32), _parity_signs(s7.reshape(words.shape[0], 32))
+
+
 def _pack_nibble_scales(l: jax.Array) -> jax.Array:
     """(n, 16) 4-bit codes -> (n, 8): byte j holds l[2j] low, l[2j+1] high (iq2_xs, iq2_s)."""
     l = l.astype(jnp.uint8)
@@ -133,19 +97,17 @@ class IQuant(BlockFormat):
 
     A subclass names its gguf-py class (``quant``, whose grid it uses), the
     weights per grid point (``group``) and per scale code (``sub_block``),
-    the ``unit`` of the scale codes, whether the signs have even parity, ggml's
-    ``sigma_factor``, and ``pack`` / ``unpack``.
+    the ``unit`` of the scale codes, whether the signs have even parity, and
+    ``pack`` / ``unpack``.
     """
 
-    supports_gptq = True
     llama_activation = "q8_k"
-    gptq_group = 8  # one sign group: the parity couples its weights
     scale_offsets = (0,)
     quant: ClassVar[type]
+    sub_block: ClassVar[int]
     group: ClassVar[int]
     unit: ClassVar[float]
     parity: ClassVar[bool]
-    sigma_factor: ClassVar[float]
 
     @classmethod
     def grid(cls) -> jax.Array:
@@ -172,210 +134,6 @@ class IQuant(BlockFormat):
         # gguf-py multiplies by -1, which leaves a NaN as it is; XLA would turn the product into a negation
         return jnp.where(neg & ~jnp.isnan(values), -values, values)  # (n, 256)
 
-    # ------------------------------------------------------------------ plain search
-
-    @classmethod
-    def _layout(cls, v: jax.Array) -> jax.Array:
-        """(n, J * S, ...) -> (n, J, P, h, group, ...): sub-blocks, sign groups of 8, grid groups."""
-        n, m = v.shape[:2]
-        return v.reshape(n, m // cls.sub_block, cls.sub_block // 8, 8 // cls.group, cls.group, *v.shape[2:])
-
-    @classmethod
-    def _odd(cls, neg: jax.Array) -> jax.Array:
-        """(n, J * S) -> (n, J, P): sign groups whose count of negatives the parity cannot store."""
-        n, m = neg.shape
-        count = jnp.sum(neg.reshape(n, m // cls.sub_block, cls.sub_block // 8, 8), axis=-1)  # (n, J, P)
-        return (count % 2 == 1) & cls.parity
-
-    @classmethod
-    def _terms(cls, a: jax.Array, w: jax.Array, odd: jax.Array) -> dict[str, jax.Array]:
-        """The scale-free parts of every group's error against every grid point.
-
-        a, w (n, J * S) magnitudes and search weights, odd (n, J, P) -> B, C
-        (n, J, P, h, K) and ``flip`` (n, J, P, h), the grid groups that hold
-        their sign group's flip; an odd group's B includes its best flip. With
-        two grid groups per sign group (iq3_xxs) the flip goes where it costs
-        least at the scale max|x| / max grid value, before any scale is
-        searched: placing it per candidate scale would double every score.
-        """
-        grid = cls.grid()  # (K, g)
-        a5, w5 = cls._layout(a), cls._layout(w)  # (n, J, P, h, g) x2
-        wa = w5 * a5
-        b = jnp.einsum("njphi,ki->njphk", wa, grid, precision=HIGHEST)  # (n, J, P, h, K)
-        c = jnp.einsum("njphi,ki->njphk", w5, grid * grid, precision=HIGHEST)  # (n, J, P, h, K)
-        flip = jnp.zeros(b.shape[:-1], bool)  # (n, J, P, h)
-        if not cls.parity:
-            return {"B": b, "C": c, "flip": flip}
-        bf = b - 2 * jnp.min(wa[..., None, :] * grid, axis=-1)  # (n, J, P, h, K)
-        flip = jnp.broadcast_to(odd[..., None], flip.shape)
-        if cls.group < 8:
-            s = jnp.max(a5, axis=(2, 3, 4)) / float(np.max(gguf_grid(cls.quant)))  # (n, J)
-            ss = s[:, :, None, None, None]
-            gain = jnp.min(ss * (ss * c - 2 * bf), axis=-1) - jnp.min(ss * (ss * c - 2 * b), axis=-1)  # (n, J, P, h)
-            flip = flip & (jnp.arange(gain.shape[-1]) == jnp.argmin(gain, axis=-1)[..., None])
-        return {"B": jnp.where(flip[..., None], bf, b), "C": c, "flip": flip}
-
-    @classmethod
-    def _scores(cls, terms: dict[str, jax.Array], s: jax.Array) -> jax.Array:
-        """Errors less their constant part for sub-block scales s (n, J): (n, J, P, h, K)."""
-        ss = s[:, :, None, None, None]  # (n, J, 1, 1, 1)
-        return ss * (ss * terms["C"] - 2 * terms["B"])
-
-    @classmethod
-    def _errors(cls, terms: dict[str, jax.Array], s: jax.Array) -> jax.Array:
-        """Weighted error less its constant part (n, J) of the best points for scales s (n, J)."""
-        return jnp.sum(jnp.min(cls._scores(terms, s), axis=-1), axis=(2, 3))
-
-    @classmethod
-    def _points(cls, terms: dict[str, jax.Array], s: jax.Array) -> jax.Array:
-        """The points of ``_errors``: grid indices (n, J, P, h)."""
-        return first_argmin(cls._scores(terms, s))
-
-    @classmethod
-    def _subblock_scales(cls, a: jax.Array, terms: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        """Stage 1: float scale s (n, J) per sub-block and the sum C (n, J) of its points (the error's curvature).
-
-        The candidates, max|x| / (ratio * max grid value), are scored with
-        their best points; the best one is refit by weighted least squares on
-        its points and the refit kept where it scores better.
-        """
-        n, m = a.shape
-        amax = jnp.max(a.reshape(n, m // cls.sub_block, cls.sub_block), axis=-1)  # (n, J)
-        s0 = amax / float(np.max(gguf_grid(cls.quant)))  # (n, J)
-
-        def step(best, ratio):
-            err_b, s_b = best
-            s = s0 / ratio
-            err = cls._errors(terms, s)  # (n, J)
-            better = err < err_b
-            return (jnp.where(better, err, err_b), jnp.where(better, s, s_b)), None
-
-        init = (jnp.full(s0.shape, jnp.inf, jnp.float32), s0)
-        (err, s), _ = jax.lax.scan(step, init, jnp.asarray(STAGE1_RATIOS, jnp.float32))
-        idx = cls._points(terms, s)[..., None]  # (n, J, P, h, 1)
-        b = jnp.sum(jnp.take_along_axis(terms["B"], idx, axis=-1), axis=(2, 3, 4))  # (n, J)
-        c = jnp.sum(jnp.take_along_axis(terms["C"], idx, axis=-1), axis=(2, 3, 4))  # (n, J)
-        s_fit = jnp.where(c > 0, safe_div(b, c), s)  # (n, J)
-        return jnp.where(cls._errors(terms, s_fit) < err, s_fit, s), c
-
-    @classmethod
-    def _super_scale(cls, s: jax.Array, c: jax.Array) -> jax.Array:
-        """Stage 2: fp16 d (n,) with d * (0.5 + l) * unit close to the scales s (n, J), weighted by c."""
-        d, _ = search_grid_scale(s / cls.unit, c, SCALE_LEVELS, jnp.asarray(SUPER_DIVISORS, jnp.float32))
-        return d  # (n,)
-
-    @classmethod
-    def _scale_codes(cls, terms: dict[str, jax.Array], d: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Stage 3: scale codes l (n, J) for fp16 d (n,) and stage-1 scales s (n, J), and their scales (n, J).
-
-        The code nearest to s and its neighbours are each scored with the
-        float32 scale the dequantizer computes, the grid points re-chosen.
-        """
-        l0 = jnp.clip(jnp.round(safe_div(s / cls.unit, d[:, None]) - 0.5), 0, 15)  # (n, J)
-
-        def scale(l: jax.Array) -> jax.Array:
-            return d[:, None] * (0.5 + l) * jnp.float32(cls.unit)  # (n, J), gguf-py's products
-
-        def step(best, move):
-            err_b, l_b = best
-            l = jnp.clip(l0 + move, 0, 15)  # (n, J)
-            err = cls._errors(terms, scale(l))
-            better = err < err_b
-            return (jnp.where(better, err, err_b), jnp.where(better, l, l_b)), None
-
-        init = (jnp.full(l0.shape, jnp.inf, jnp.float32), l0)
-        (_, l), _ = jax.lax.scan(step, init, jnp.asarray(CODE_MOVES, jnp.float32))
-        return l, scale(l)
-
-    @classmethod
-    def _flip_signs(cls, a: jax.Array, w: jax.Array, neg: jax.Array, idx: jax.Array, flip: jax.Array) -> jax.Array:
-        """Negative flags (n, J * S) with each flip on the weight where it costs least: min_i w_i |x_i| g_i."""
-        cost = cls._layout(w * a) * cls.grid()[idx]  # (n, J, P, h, g)
-        at = flip[..., None] & (jnp.arange(cls.group) == jnp.argmin(cost, axis=-1)[..., None])  # (n, J, P, h, g)
-        return neg ^ at.reshape(neg.shape)
-
-    @classmethod
-    def _quantize_some(cls, x: jax.Array, qw: jax.Array) -> jax.Array:
-        """Stages 1-3 and packing for x, qw (n, 256) -> (n, type_size)."""
-        n = x.shape[0]
-        w = ggml_weights(x, qw, cls.sigma_factor)  # (n, 256)
-        a, neg = jnp.abs(x), x < 0  # (n, 256) x2
-        terms = cls._terms(a, w, cls._odd(neg))
-        s, c = cls._subblock_scales(a, terms)  # (n, J) x2
-        d = cls._super_scale(s, c)  # (n,)
-        l, s = cls._scale_codes(terms, d, s)  # (n, J) x2
-        idx = cls._points(terms, s)  # (n, J, P, h)
-        return cls.pack(d, l, idx.reshape(n, -1), cls._flip_signs(a, w, neg, idx, terms["flip"]))
-
-    @classmethod
-    def quantize_blocks(cls, x: jax.Array, importance: jax.Array | None = None) -> jax.Array:
-        x = jnp.asarray(x, jnp.float32)  # (n, 256)
-        qw = uniform_importance(x, importance)  # (n, 256)
-        return jax.lax.map(lambda xq: cls._quantize_some(*xq), (x[:, None], qw[:, None]),
-                           batch_size=SEARCH_BLOCKS)[:, 0]  # (n, type_size)
-
-
-    # ------------------------------------------------------------------ GPTQ
-
-    @classmethod
-    def gptq_block_plan(cls, x: jax.Array, importance: jax.Array) -> dict[str, jax.Array]:
-        """d (n,) by stages 1-2 on the block as it stands, and its sigma2 (n, 1) for the sub-blocks' weights."""
-        sigma2 = cls.sigma_factor * jnp.sum(x * x, axis=-1, keepdims=True) / QK_K  # (n, 1)
-        a = jnp.abs(x)  # (n, 256)
-        terms = cls._terms(a, importance * jnp.sqrt(sigma2 + x * x), cls._odd(x < 0))
-        return {"d": cls._super_scale(*cls._subblock_scales(a, terms)), "sigma2": sigma2}
-
-    @classmethod
-    def gptq_sub_plan(cls, plan: dict[str, jax.Array], x: jax.Array, importance: jax.Array) -> dict[str, jax.Array]:
-        """Scale code l and scale s (n,) of one sub-block x (n, S) as it stands (stages 1 and 3)."""
-        a = jnp.abs(x)  # (n, S)
-        terms = cls._terms(a, importance * jnp.sqrt(plan["sigma2"] + x * x), cls._odd(x < 0))  # J = 1
-        s, _ = cls._subblock_scales(a, terms)  # (n, 1)
-        l, s = cls._scale_codes(terms, plan["d"], s)  # (n, 1) x2
-        return {"l": l[:, 0], "s": s[:, 0]}
-
-    @classmethod
-    def gptq_round_group(cls, sub: dict[str, jax.Array], cols: jax.Array,
-                         upper: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """One sign group (n, 8): signs from the weights, the parity's flip on the weight with the least
-        P_ii x_i^2 (ggml's rule under P = U^-1 U^-T), then each grid group's point minimising
-        ``|| e U_t^-1 ||^2`` over the whole grid, its error fed to the rest of the sign group.
-
-        Codes (n, 8): grid index << 1 | negative, per column.
-        """
-        n = cols.shape[0]
-        g = cls.group
-        grid = cls.grid()  # (K, g)
-        outer = (grid[:, :, None] * grid[:, None, :]).reshape(grid.shape[0], g * g)  # (K, g*g)
-        inv_u = jax.scipy.linalg.solve_triangular(upper, jnp.eye(8, dtype=upper.dtype))  # (8, 8) upper
-        neg = cols < 0  # (n, 8)
-        if cls.parity:
-            cost = jnp.sum(inv_u * inv_u, axis=1) * cols * cols  # (n, 8): P_ii x_i^2
-            odd = jnp.sum(neg, axis=-1) % 2 == 1  # (n,)
-            neg = neg ^ (odd[:, None] & (jnp.arange(8) == jnp.argmin(cost, axis=-1)[:, None]))
-        sign = jnp.where(neg, -1.0, 1.0).astype(jnp.float32)  # (n, 8)
-        s = sub["s"][:, None]  # (n, 1)
-        codes, values = [], []
-        for t in range(8 // g):
-            part = slice(t * g, (t + 1) * g)
-            v_t = jax.scipy.linalg.solve_triangular(upper[part, part], jnp.eye(g, dtype=upper.dtype))  # (g, g)
-            p_t = v_t @ v_t.T  # (g, g): the grid group's metric
-            lin = jnp.matmul((cols[:, part] @ p_t) * sign[:, part], grid.T, precision=HIGHEST)  # (n, K)
-            quad = jnp.matmul((p_t * sign[:, part, None] * sign[:, None, part]).reshape(n, g * g), outer.T,
-                              precision=HIGHEST)  # (n, K)
-            idx = first_argmin(s * (s * quad - 2 * lin))  # (n,)
-            mag = s * grid[idx]  # (n, g)
-            value = jnp.where(neg[:, part], -mag, mag)  # (n, g), the dequantizer's value
-            err = jnp.matmul(cols[:, part] - value, v_t, precision=HIGHEST)  # (n, g)
-            cols = cols.at[:, part.stop:].add(-jnp.matmul(err, upper[part, part.stop:], precision=HIGHEST))
-            codes.append(jnp.broadcast_to((idx << 1)[:, None], (n, g)) | neg[:, part].astype(jnp.int32))
-            values.append(value)
-        return jnp.concatenate(codes, axis=1), jnp.concatenate(values, axis=1)  # (n, 8) x2
-
-    @classmethod
-    def gptq_pack(cls, plan: dict[str, jax.Array], subs: dict[str, jax.Array], codes: jax.Array) -> jax.Array:
-        return cls.pack(plan["d"], subs["l"].T, (codes >> 1)[:, ::cls.group], (codes & 1).astype(bool))
-
 
 class IQ2_XXS(IQuant, ggml_type=GGMLQuantizationType.IQ2_XXS):
     """ggml IQ2_XXS: fp16 d, then per 32 weights 4 point bytes and a u32 of 4 x 7 sign bits and l << 28."""
@@ -385,14 +143,11 @@ class IQ2_XXS(IQuant, ggml_type=GGMLQuantizationType.IQ2_XXS):
     sub_block = 32
     unit = 0.25
     parity = True
-    sigma_factor = 1.0
 
     @classmethod
     def pack(cls, d, l, idx, neg):
         n = idx.shape[0]
-        s7 = (_sign_masks(neg) & 127).reshape(n, 8, 4)  # (n, J, 4)
-        words = jnp.sum(s7 << jnp.array([0, 7, 14, 21], jnp.uint32), axis=-1, dtype=jnp.uint32)  # (n, J)
-        words = words | (l.astype(jnp.uint32) << 28)
+        words = _sign_scale_words(neg, l)  # (n, J)
         qs = jnp.concatenate([idx.astype(jnp.uint8).reshape(n, 8, 4), _u32_bytes(words[..., None])], axis=-1)
         return jnp.concatenate([fp16_to_bytes(d), qs.reshape(n, 64)], axis=-1)  # (n, 66)
 
@@ -400,10 +155,8 @@ class IQ2_XXS(IQuant, ggml_type=GGMLQuantizationType.IQ2_XXS):
     def unpack(cls, blocks):
         n = blocks.shape[0]
         qs = blocks[:, 2:].reshape(n, 8, 8)  # (n, J, 8): 4 point bytes, one u32
-        words = _bytes_u32(qs[..., 4:])[..., 0]  # (n, J)
-        s7 = (words[..., None] >> jnp.array([0, 7, 14, 21], jnp.uint32)) & 127  # (n, J, 4)
-        return (bytes_to_fp16(blocks[:, :2]), (words >> 28).astype(jnp.float32),
-                qs[..., :4].reshape(n, 32).astype(jnp.int32), _parity_signs(s7.reshape(n, 32)))
+        l, neg = _word_scales_signs(_bytes_u32(qs[..., 4:])[..., 0])  # (n, J), (n, 256)
+        return bytes_to_fp16(blocks[:, :2]), l, qs[..., :4].reshape(n, 32).astype(jnp.int32), neg
 
 
 class IQ2_XS(IQuant, ggml_type=GGMLQuantizationType.IQ2_XS):
@@ -414,7 +167,6 @@ class IQ2_XS(IQuant, ggml_type=GGMLQuantizationType.IQ2_XS):
     sub_block = 16
     unit = 0.25
     parity = True
-    sigma_factor = 1.0
 
     @classmethod
     def pack(cls, d, l, idx, neg):
@@ -440,7 +192,6 @@ class IQ2_S(IQuant, ggml_type=GGMLQuantizationType.IQ2_S):
     sub_block = 16
     unit = 0.25
     parity = False
-    sigma_factor = 2.0
 
     @classmethod
     def pack(cls, d, l, idx, neg):
@@ -469,20 +220,13 @@ class IQ3_XXS(IQuant, ggml_type=GGMLQuantizationType.IQ3_XXS):
     sub_block = 32
     unit = 0.5
     parity = True
-    sigma_factor = 2.0
 
     @classmethod
     def pack(cls, d, l, idx, neg):
-        n = idx.shape[0]
-        s7 = (_sign_masks(neg) & 127).reshape(n, 8, 4)  # (n, J, 4)
-        words = jnp.sum(s7 << jnp.array([0, 7, 14, 21], jnp.uint32), axis=-1, dtype=jnp.uint32)  # (n, J)
-        words = words | (l.astype(jnp.uint32) << 28)
+        words = _sign_scale_words(neg, l)  # (n, J)
         return jnp.concatenate([fp16_to_bytes(d), idx.astype(jnp.uint8), _u32_bytes(words)], axis=-1)  # (n, 98)
 
     @classmethod
     def unpack(cls, blocks):
-        n = blocks.shape[0]
-        words = _bytes_u32(blocks[:, 66:98])  # (n, J)
-        s7 = (words[..., None] >> jnp.array([0, 7, 14, 21], jnp.uint32)) & 127  # (n, J, 4)
-        return (bytes_to_fp16(blocks[:, :2]), (words >> 28).astype(jnp.float32), blocks[:, 2:66].astype(jnp.int32),
-                _parity_signs(s7.reshape(n, 32)))
+        l, neg = _word_scales_signs(_bytes_u32(blocks[:, 66:98]))  # (n, J), (n, 256)
+        return bytes_to_fp16(blocks[:, :2]), l, blocks[:, 2:66].astype(jnp.int32), neg

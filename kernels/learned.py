@@ -58,8 +58,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from moeheal.kernels.e2e import adam_direction
-from moeheal.kernels.formats import FORMATS, BlockFormat, GridFormat, Q8_0, fp16_round, format_of
-from moeheal.kernels.iquants import HIGHEST, IQuant, gguf_grid
+from moeheal.kernels.decode import FORMATS, format_of
+from moeheal.kernels.formats import BlockFormat, GridFormat, Q8_0, fp16_round
+from moeheal.kernels.iquants import IQuant, gguf_grid
+from moeheal.kernels.iquants_encode import HIGHEST
 from moeheal.kernels.kquants import QK_K, KQuant
 
 SCALE_RANGE = 0.5  # an fp16 scale moves within (1 +- 0.5) times its stored value

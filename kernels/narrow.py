@@ -31,7 +31,7 @@ from functools import lru_cache
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from moeheal.kernels.formats import FORMATS_BY_TYPE
+from moeheal.kernels.decode import FORMATS_BY_TYPE
 
 T = GGMLQuantizationType
 # The activation types of the weight types that are no block format of ours (ggml-cpu.c's

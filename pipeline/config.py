@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moeheal.kernels import FORMATS
+from moeheal.kernels.encode import ENCODERS
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.stages.dump import DUMP_DTYPES
 
@@ -244,7 +244,7 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any], peers_ma
         alpha=r.get("alpha", bool, True),
         ridge_rho=r.number("ridge_rho", float, 6.0, 0.0),
         ridge_eta=r.number("ridge_eta", float, 0.15, 0.0, 1.0),
-        shexp_down=r.choice("shexp_down", tuple(sorted(FORMATS)), "iq4_nl"),
+        shexp_down=r.choice("shexp_down", tuple(sorted(ENCODERS)), "iq4_nl"),
         round=r.choice("round", (*ROUNDINGS, LEARNED), "ls"),
         gptq_damp=r.number("gptq_damp", float, 1.0, 0.0),
         gptq_shrink=r.number("gptq_shrink", float, 64.0, 0.0),
@@ -267,9 +267,9 @@ def _quant(r: _Reader) -> str | tuple[tuple[str, str], ...]:
     if not isinstance(value, (str, dict)) or set(per_role) != set(EXPERT_ROLES):
         r.fail("quant", f"expected a format name or a table with keys {', '.join(EXPERT_ROLES)}, got {value!r}")
     for role, fmt in per_role.items():
-        if fmt not in FORMATS:
+        if fmt not in ENCODERS:
             r.fail("quant" if isinstance(value, str) else f"quant.{role}",
-                   f"{fmt!r} is not one of {', '.join(sorted(FORMATS))}")
+                   f"{fmt!r} is not one of {', '.join(sorted(ENCODERS))}")
     return value if isinstance(value, str) else tuple((role, per_role[role]) for role in EXPERT_ROLES)
 
 
@@ -293,13 +293,13 @@ def _budget(r: _Reader) -> dict[str, Any]:
     if not candidates or not all(isinstance(f, str) for f in candidates) or len(set(candidates)) != len(candidates):
         r.fail("formats", f"expected a non-empty list of distinct format names, got {candidates!r}")
     for fmt in candidates:
-        if fmt not in FORMATS:
-            r.fail("formats", f"{fmt!r} is not one of {', '.join(sorted(FORMATS))}")
+        if fmt not in ENCODERS:
+            r.fail("formats", f"{fmt!r} is not one of {', '.join(sorted(ENCODERS))}")
     roles = r.choice("budget_roles", BUDGET_ROLES, "routed")
-    cheapest = min(candidates, key=lambda f: FORMATS[f].bits_per_weight)
-    if roles == "routed" and budget < FORMATS[cheapest].bits_per_weight:  # "all": checked against the model
+    cheapest = min(candidates, key=lambda f: ENCODERS[f].bits_per_weight)
+    if roles == "routed" and budget < ENCODERS[cheapest].bits_per_weight:  # "all": checked against the model
         r.fail("budget_bpw", f"{budget!r} bits per weight is infeasible: the cheapest of formats, {cheapest}, "
-                             f"takes {FORMATS[cheapest].bits_per_weight:g}")
+                             f"takes {ENCODERS[cheapest].bits_per_weight:g}")
     # The sensitivity table quantizes every candidate of every tensor; "ls" there keeps it cheap
     # while the chosen recipe is still quantized with the variant's own rounding.
     measured = r.choice("sensitivity_round", ROUNDINGS, "") if "sensitivity_round" in r.table else ""
@@ -329,7 +329,7 @@ def _refuse_knobs_without_effect(r: _Reader, variant: Variant) -> None:
     if variant.uses_gptq and not variant.importance:
         r.fail("round", f'"{variant.round}" needs calibration statistics (H = E[x x^T]), but importance = false')
     for fmt in variant.candidate_formats():
-        if variant.round == "gptq" and not FORMATS[fmt].supports_gptq:
+        if variant.round == "gptq" and not ENCODERS[fmt].supports_gptq:
             r.fail("round", f'"gptq" is not defined for {fmt} (no per-block scales to fix as columns go)')
     if variant.uses_gptq and variant.gptq_damp <= 0:
         r.fail("gptq_damp", f"{variant.gptq_damp!r} must be > 0: an undamped H can be singular")

@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from moeheal.kernels import format_of
+from moeheal.kernels.decode import format_of
 from moeheal.kernels.ngram import ngram_hashes
 from moeheal.pipeline import roles
 from moeheal.pipeline.errors import InputError

@@ -485,9 +485,9 @@ TOKEN_UNKNOWN, TOKEN_BYTE = 2, 6
 def sentencepiece_vocabulary(vocab_size: int, demo: dict[str, list]) -> tuple[list[str], list[int], list[float]]:
     """Tokens, token types and scores of `vocab_size` entries laid out as Mixtral's SentencePiece
     vocabulary (see the module docstring); the demo's byte-level tokens are spelled back to text."""
-    from moeheal.pipeline.tokenizer import _byte_spelling
+    from moeheal.pipeline.tokenizer import byte_spelling
 
-    unspell = {c: b for b, c in _byte_spelling().items()}
+    unspell = {c: b for b, c in byte_spelling().items()}
     tokens = list(SPM_SPECIALS) + [f"<0x{b:02X}>" for b in range(256)]
     types = [TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_CONTROL] + [TOKEN_BYTE] * 256
     kept = set(tokens)

@@ -34,7 +34,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from moeheal.pipeline.errors import InputError
 
 if TYPE_CHECKING:
-    from moeheal.pipeline.gguf_model import GGUFModel
+    from moeheal.pipeline.gguf_file import GGUFFile
 
 BYTE_LEVEL_BPE = "gpt2"
 SENTENCEPIECE = "llama"
@@ -120,7 +120,7 @@ SPECIAL_TOKEN_KEYS = ("bos", "eos", "eot", "eom", "unknown", "seperator", "separ
 SPACE_PIECE = "▁"  # SentencePiece's spelling of a space
 
 
-def _byte_spelling() -> dict[int, str]:
+def byte_spelling() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (what BPE tokens are spelled in)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
         range(ord("®"), ord("ÿ") + 1)
@@ -161,7 +161,7 @@ def tokenizer_from_vocab(tokens: list[str], merges: list[str], token_types: list
     """Byte-level BPE from GGUF vocabulary arrays (tokens by id, merges as "a b") and a `PRE_TOKENIZERS` tag."""
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"unsupported pre-tokenizer {pre!r} (supported: {', '.join(PRE_TOKENIZERS)})")
-    spelling = _byte_spelling()
+    spelling = byte_spelling()
     alphabet = set(spelling.values())
     vocab = {_byte_level_spelling(t, alphabet, spelling): i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
@@ -207,7 +207,7 @@ def sentencepiece_from_vocab(tokens: list[str], scores: list[float], token_types
     return tok
 
 
-def _array(model: GGUFModel, key: str, item_type: GGUFValueType) -> list | None:
+def _array(model: GGUFFile, key: str, item_type: GGUFValueType) -> list | None:
     """A key's array value, None when absent; InputError when it is not an array of `item_type`."""
     field = model.metadata_fields().get(key)
     if field is None:
@@ -218,7 +218,7 @@ def _array(model: GGUFModel, key: str, item_type: GGUFValueType) -> list | None:
     return model.metadata(key)
 
 
-def _scalar(model: GGUFModel, key: str, vtype: GGUFValueType):
+def _scalar(model: GGUFFile, key: str, vtype: GGUFValueType):
     field = model.metadata_fields().get(key)
     if field is None:
         return None
@@ -228,7 +228,7 @@ def _scalar(model: GGUFModel, key: str, vtype: GGUFValueType):
     return model.metadata(key)
 
 
-def _check_kind(model: GGUFModel) -> str:
+def _check_kind(model: GGUFFile) -> str:
     """The tokenizer model tag, refused unless we reproduce it (and, for byte-level BPE, its pre-tokenizer)."""
     name = model.name
     kind = _scalar(model, "tokenizer.ggml.model", GGUFValueType.STRING)
@@ -242,13 +242,13 @@ def _check_kind(model: GGUFModel) -> str:
     return kind
 
 
-def _check_byte_level(model: GGUFModel, tokens: list[str], types: list[int] | None) -> None:
+def _check_byte_level(model: GGUFFile, tokens: list[str], types: list[int] | None) -> None:
     """Ordinary tokens spelled in GPT-2's byte alphabet, all 256 byte tokens, merges of tokens into tokens."""
     name = model.name
     merges = _array(model, "tokenizer.ggml.merges", GGUFValueType.STRING)
     if merges is None:
         raise InputError(f"{name}: key tokenizer.ggml.merges: missing")
-    spelling = _byte_spelling()
+    spelling = byte_spelling()
     alphabet = set(spelling.values())
     vocab: dict[str, int] = {}
     for i, token in enumerate(tokens):
@@ -278,7 +278,7 @@ def _check_byte_level(model: GGUFModel, tokens: list[str], types: list[int] | No
         seen.add(merge)
 
 
-def _check_sentencepiece(model: GGUFModel, tokens: list[str]) -> None:
+def _check_sentencepiece(model: GGUFFile, tokens: list[str]) -> None:
     """A finite score per token (the merge order) and all 256 byte-fallback tokens <0x00>..<0xFF>."""
     name = model.name
     scores = _array(model, "tokenizer.ggml.scores", GGUFValueType.FLOAT32)
@@ -300,7 +300,7 @@ def _check_sentencepiece(model: GGUFModel, tokens: list[str]) -> None:
                          f"({len(missing)} of 256 byte tokens missing)")
 
 
-def check_vocabulary(model: GGUFModel) -> None:
+def check_vocabulary(model: GGUFFile, vocab_size: int) -> None:
     """Refuse a vocabulary that llama.cpp or the tokenizer built from it could not use as stored.
 
     Checked: the tokenizer model is byte-level BPE ("gpt2") with a
@@ -317,9 +317,9 @@ def check_vocabulary(model: GGUFModel) -> None:
     if not tokens:
         raise InputError(f"{name}: key tokenizer.ggml.tokens: missing")
     n = len(tokens)
-    if n != model.hp.vocab_size:
+    if n != vocab_size:
         raise InputError(f"{name}: key tokenizer.ggml.tokens: {n} tokens, but token_embd.weight has "
-                         f"{model.hp.vocab_size} rows")
+                         f"{vocab_size} rows")
     types = _array(model, "tokenizer.ggml.token_type", GGUFValueType.INT32)
     if types is not None:
         if len(types) != n:
@@ -348,7 +348,7 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.
 SENTENCEPIECE_KEYS = ("tokenizer.ggml.scores", "tokenizer.ggml.add_space_prefix")
 
 
-def tokenizer_metadata(model: GGUFModel) -> dict[str, Any]:
+def tokenizer_metadata(model: GGUFFile) -> dict[str, Any]:
     """Every metadata value the tokenizer is built from (and nothing else): the corpus stage's
     parameters, so a GGUF whose weights change but whose vocabulary does not keeps its corpus."""
     meta = {key: model.metadata(key) for key in TOKENIZER_KEYS}
@@ -357,7 +357,7 @@ def tokenizer_metadata(model: GGUFModel) -> dict[str, Any]:
     return meta
 
 
-def build_tokenizer(model: GGUFModel) -> Tokenizer:
+def build_tokenizer(model: GGUFFile) -> Tokenizer:
     """The GGUF's tokenizer (its vocabulary was checked when the model was opened)."""
     return tokenizer_from_metadata(tokenizer_metadata(model), model.name)
 

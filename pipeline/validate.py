@@ -9,7 +9,7 @@ roles whose formats it chooses, and the bytes its budget counts beyond them.
 
 from __future__ import annotations
 
-from moeheal import kernels
+from moeheal.kernels.decode import format_of
 from moeheal.pipeline import roles
 from moeheal.pipeline.config import Config, Variant
 from moeheal.pipeline.errors import InputError
@@ -58,7 +58,7 @@ def validate_models(cfg: Config, reference: GGUFModel, source: GGUFModel) -> Non
         if source.arch.has_shared_expert and "ffn_down_shexp" not in chosen:
             pairs.append(("ffn_down_shexp", variant.shexp_down))
         for tensor, fmt in pairs:
-            block, columns = kernels.format_of(fmt).block_size, roles.input_columns(tensor, src_hp)
+            block, columns = format_of(fmt).block_size, roles.input_columns(tensor, src_hp)
             if columns % block:
                 raise InputError(f"{cfg.path}: [[variant]] {variant.name}: {fmt} needs rows that are "
                                  f"a multiple of {block} weights; {tensor} rows have {columns}")

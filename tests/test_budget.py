@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy.stats import spearmanr
 
-from moeheal import kernels
+from moeheal.kernels import decode, encode
 from moeheal.pipeline.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
@@ -152,12 +152,12 @@ def test_sensitivity_rows_cover_every_tensor_and_format(budget_world):
     assert len(rows) == n_layer * len(EXPERT_TENSORS) * len(FORMATS)
     for r in rows:
         shape = run.source.shape(r["tensor"])
-        cls = kernels.format_of(r["format"])
+        cls = decode.format_of(r["format"])
         assert r["n_weights"] == int(np.prod(shape))
         assert r["bytes"] == r["n_weights"] // cls.block_size * cls.type_size
         assert r["bpw"] == cls.bits_per_weight and r["rel_err"] > 0
     mean_err = {fmt: np.mean([r["rel_err"] for r in rows if r["format"] == fmt]) for fmt in FORMATS}
-    by_bits = sorted(FORMATS, key=kernels.bits_per_weight)
+    by_bits = sorted(FORMATS, key=decode.bits_per_weight)
     assert [mean_err[f] for f in by_bits] == sorted(mean_err.values(), reverse=True)  # more bits, less error
 
 
@@ -176,8 +176,8 @@ def test_a_whole_file_measurement_covers_shared_expert_and_attention(budget_worl
         if r["format"] == "q8_0":
             assert r["rel_err"] == r["rel_err_in_sample"] == 0 and r["bytes"] == stored[2]
         else:
-            assert r["rel_err"] > 0 and r["bytes"] == r["n_weights"] // kernels.format_of(r["format"]).block_size * \
-                kernels.format_of(r["format"]).type_size
+            assert r["rel_err"] > 0 and r["bytes"] == r["n_weights"] // decode.format_of(r["format"]).block_size * \
+                decode.format_of(r["format"]).type_size
         assert (r["alpha"] is None) == (r["role"] not in ROUTED)
     routed = {(r["layer"], r["role"], r["format"]): r["rel_err"] for r in measured(run, "b_lo")}
     for r in rows:  # the routed rows are the routed measurement's (same knobs, same denominators)
@@ -200,7 +200,7 @@ def test_attention_sensitivity_is_the_attention_output_change(budget_world):
     x_cal = cal["1"]["attn_in"][:]  # (N, d)
     importance = gate_up_importance(np.mean(np.square(x_cal, dtype=np.float64), axis=0), 0.5)
     w = params["attn_v.weight"]
-    w_q = kernels.dequantize(kernels.quantize(w, "q2_k", importance), "q2_k", w.shape)
+    w_q = decode.dequantize(encode.quantize(w, "q2_k", importance), "q2_k", w.shape)
     x, change = unseen["1"]["attn_in"][:], 0.0
     starts = list(unseen.attrs["seq_starts"]) + [x.shape[0]]
     for s, e in zip(starts, starts[1:]):
@@ -228,7 +228,7 @@ def test_sensitivity_is_the_layer_output_error_with_one_tensor_quantized(budget_
     weights = expert_weights(run.source, 1)
     importance, _ = importance_plan(weights, cal, 1, QuantizeParams.knobs_of(lo, None))["ffn_up_exps"]
     w = weights["ffn_up_exps"]
-    quantized = kernels.dequantize(kernels.quantize_experts(w, "q2_k", importance), "q2_k", w.shape)
+    quantized = decode.dequantize(encode.quantize_experts(w, "q2_k", importance), "q2_k", w.shape)
     experts = {f"{k}.weight": v for k, v in {**weights, "ffn_up_exps": quantized}.items()}
 
     def routed(g):
@@ -256,7 +256,7 @@ def test_recipe_is_optimal_and_written_into_the_gguf(budget_world):
                    ["rel_err"] for r in mine)
         model = GGUFModel(run.assemble(variant(run, name)).path)
         for r in mine:  # the GGUF holds the recipe's types
-            assert model.raw(r["tensor"]).ggml_type == kernels.format_of(r["format"]).ggml_type
+            assert model.raw(r["tensor"]).ggml_type == decode.format_of(r["format"]).ggml_type
         # achieved size, from the GGUF's tensor table, within the budget
         routed = [(n, b) for t, (_, n, b) in model.tensor_sizes().items() if "_exps.weight" in t]
         assert sizes[name]["routed_bpw"] == 8 * sum(b for _, b in routed) / sum(n for n, _ in routed) <= budget
@@ -280,8 +280,8 @@ def test_recipe_is_optimal_and_written_into_the_gguf(budget_world):
     room = int(3.8 * sizes["b_all"]["total_weights"] / 8) - fixed_bytes
     assert sum(r["pred_err"] for r in mine) == pytest.approx(integer_program_optimum(cells, items, room), rel=1e-9)
     assert sizes["b_lo"]["budget_roles"] == "routed" and sizes["u_q2k"]["budget_roles"] is None
-    assert sizes["u_q2k"]["routed_bpw"] == kernels.bits_per_weight("q2_k")
-    assert sizes["unhealed"]["routed_bpw"] == kernels.bits_per_weight("tq2_0")
+    assert sizes["u_q2k"]["routed_bpw"] == decode.bits_per_weight("q2_k")
+    assert sizes["unhealed"]["routed_bpw"] == decode.bits_per_weight("tq2_0")
     assert {r["format"] for r in recipe if r["variant"] == "u_q2k" and r["chosen_by"] == "config"} == {"q2_k"}
     assert {(r["role"], r["format"]) for r in recipe if r["variant"] == "u_q2k" and r["chosen_by"] == "source"} == {
         *((role, "q8_0") for role in ("ffn_gate_shexp", "ffn_up_shexp", "attn_q", "attn_k", "attn_v", "attn_output")),

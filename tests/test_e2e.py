@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from gguf import GGUFReader
 
-from moeheal import kernels
+from moeheal.kernels import decode
 from moeheal.kernels.e2e import fp16_ste
 from moeheal.pipeline.cli import main
 from moeheal.pipeline.config import load_config
@@ -68,7 +68,7 @@ def _changed_bytes(assembled: Path, written: Path, quantized: list[str], floats:
                (tw.name, tw.tensor_type, list(tw.shape), tw.data_offset)
         ra, rw = np.asarray(ta.data).view(np.uint8), np.asarray(tw.data).view(np.uint8)
         if ta.name in quantized:
-            fmt = kernels.format_of(ta.tensor_type)
+            fmt = decode.format_of(ta.tensor_type)
             parts_a = fmt.unpack(jnp.asarray(ra.reshape(-1, fmt.type_size)))
             parts_w = fmt.unpack(jnp.asarray(rw.reshape(-1, fmt.type_size)))
             for i, (x, y) in enumerate(zip(parts_a, parts_w)):

@@ -16,9 +16,9 @@ import jax
 import numpy as np
 import pytest
 
-from moeheal import kernels
-from moeheal.kernels import FORMATS, bits_per_weight, dequantize, quantize, quantize_experts
-from moeheal.kernels.formats import IQ4_NL, TQ2_0
+from moeheal.kernels.decode import bits_per_weight, dequantize
+from moeheal.kernels.encode import ENCODERS, quantize, quantize_experts
+from moeheal.kernels.formats_encode import IQ4_NLEncoder, TQ2_0Encoder
 from tests import reference_quants as ref
 
 SPECIAL_FP16 = np.array(
@@ -51,16 +51,16 @@ PATH_FORMATS = ["iq4_nl", "q2_k", "q3_k", "q8_0", "tq2_0"]
 
 def weighted_error_of(x: np.ndarray, raw: np.ndarray, fmt: str, importance: np.ndarray) -> float:
     """sum_ij importance_j (x_ij - deq_ij)^2 with gguf-py's dequantizer, float64."""
-    deq = gguf.quants.dequantize(raw, FORMATS[fmt].ggml_type).reshape(x.shape)
+    deq = gguf.quants.dequantize(raw, ENCODERS[fmt].ggml_type).reshape(x.shape)
     return float(np.sum(ref.weighted_error(x, np.broadcast_to(importance, x.shape), deq)))
 
 
 # --------------------------------------------------------------------------- bytes
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", sorted(ENCODERS))
 def test_dequantize_is_bit_identical_to_gguf_py(fmt: str) -> None:
-    cls = FORMATS[fmt]
+    cls = ENCODERS[fmt]
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, (3072, cls.type_size), dtype=np.uint8)  # random codes and scales
     for off in cls.scale_offsets:  # d (and dmin)
@@ -101,11 +101,11 @@ def test_q8_0_quantize_is_byte_identical_to_gguf_py() -> None:
     assert np.array_equal(quantize(x, "q8_0"), gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0))
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", sorted(ENCODERS))
 def test_parts_round_trip_and_name_the_stored_scales(fmt: str) -> None:
     """pack(unpack(b)) == b for quantizer-made blocks, and ``fp16_parts`` are the fp16 numbers at ``scale_offsets``:
     what tunes parts and packs them (learned rounding, end-to-end tuning) writes the bytes it decoded."""
-    cls = FORMATS[fmt]
+    cls = ENCODERS[fmt]
     x = random_weights(np.random.default_rng(1), (64, 512), "t3")
     raw = quantize(x, fmt).reshape(-1, cls.type_size)  # (n, type_size)
     parts = cls.unpack(raw)
@@ -118,7 +118,7 @@ def test_parts_round_trip_and_name_the_stored_scales(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", PATH_FORMATS)
 def test_degenerate_blocks(fmt: str) -> None:
-    cls = FORMATS[fmt]
+    cls = ENCODERS[fmt]
     x = np.zeros((4, cls.block_size), np.float32)
     x[1] = 0.375  # constant, fp16-exact
     x[2] = -0.01  # constant, negative
@@ -150,10 +150,10 @@ def test_tq2_0_beats_gguf_py_quantizer(kind: str) -> None:
         assert err_ours < 0.7 * err_theirs  # not a tie: the search is far better than max-scaling
 
 
-@pytest.mark.parametrize("cls", [TQ2_0, IQ4_NL], ids=lambda c: c.name)
+@pytest.mark.parametrize("cls", [TQ2_0Encoder, IQ4_NLEncoder], ids=lambda c: c.name)
 def test_jax_search_equals_float64_reference(cls) -> None:
     rng = np.random.default_rng(3)
-    n = 400 if cls is TQ2_0 else 1600
+    n = 400 if cls is TQ2_0Encoder else 1600
     x = random_weights(rng, (n, cls.block_size), "t3")
     w = rng.gamma(0.7, 1.0, x.shape).astype(np.float32)
     raw = np.asarray(cls.quantize_blocks(x, w))
@@ -185,7 +185,7 @@ def test_iq4_nl_beats_ggml_search() -> None:
     rng = np.random.default_rng(5)
     x = random_weights(rng, (300, 32), "t3")
     w = rng.gamma(0.7, 1.0, x.shape).astype(np.float32)
-    ours = dequantize(np.asarray(IQ4_NL.quantize_blocks(x, w)), "iq4_nl", x.shape)
+    ours = dequantize(np.asarray(IQ4_NLEncoder.quantize_blocks(x, w)), "iq4_nl", x.shape)
     err_ours = ref.weighted_error(x, w, ours)  # (n,)
     err_ggml = ref.weighted_error(x, w, ref.ggml_iq4_nl(x, w))  # (n,)
     assert np.all(err_ours <= err_ggml * (1 + 1e-5))  # superset of ggml's candidates, block by block
@@ -202,7 +202,7 @@ def test_quantize_experts_equals_quantize_per_expert(fmt: str) -> None:
     importance = rng.gamma(1.0, 1.0, (5, 512)).astype(np.float32)
     # a batch of 2 experts: three batches, the last one padded
     stacked = quantize_experts(w, fmt, importance, batch_weights=2 * 8 * 512)
-    assert stacked.shape == (5, 8, 512 // FORMATS[fmt].block_size * FORMATS[fmt].type_size)
+    assert stacked.shape == (5, 8, 512 // ENCODERS[fmt].block_size * ENCODERS[fmt].type_size)
     for e in range(5):
         assert np.array_equal(stacked[e], quantize(w[e], fmt, importance[e]))
 
@@ -225,4 +225,3 @@ def test_bad_input_is_refused() -> None:
         quantize(np.zeros((2, 256), np.float32), "tq2_0", np.ones(128, np.float32))
     with pytest.raises(ValueError, match="bytes"):
         dequantize(np.zeros(65, np.uint8), "tq2_0", (1, 256))
-    assert kernels.FORMATS is FORMATS

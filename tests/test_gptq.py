@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moeheal.kernels import FORMATS, damp_hessian, dequantize, quantize, quantize_experts
-from moeheal.kernels.formats import IQ4_NL, TQ2_0
-from moeheal.kernels.gptq import GptqSchedule, factor_is_finite, gptq_factor, gptq_quantize
+from moeheal.kernels.decode import dequantize
+from moeheal.kernels.encode import ENCODERS, quantize, quantize_experts
+from moeheal.kernels.formats_encode import IQ4_NLEncoder, TQ2_0Encoder
+from moeheal.kernels.gptq import GptqSchedule, damp_hessian, factor_is_finite, gptq_factor, gptq_quantize
 from tests import reference_quants as ref
 
 
@@ -39,7 +40,8 @@ def test_damp_hessian_adds_a_fraction_of_the_mean_diagonal() -> None:
     np.testing.assert_allclose(np.asarray(damp_hessian(h, 0.1)), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("cls,cols", [(TQ2_0, 256), (TQ2_0, 512), (IQ4_NL, 256)], ids=["tq2_0-256", "tq2_0-512", "iq4_nl-256"])
+@pytest.mark.parametrize("cls,cols", [(TQ2_0Encoder, 256), (TQ2_0Encoder, 512), (IQ4_NLEncoder, 256)],
+                         ids=["tq2_0-256", "tq2_0-512", "iq4_nl-256"])
 def test_gptq_equals_float64_reference(cls, cols: int) -> None:
     rng = np.random.default_rng(cols)
     rows = 16
@@ -65,7 +67,7 @@ def test_kquant_gptq_equals_float64_reference(fmt: str, schedule: GptqSchedule) 
 
     48 rows: a near-tie flipped early in a q5_k row moves that row's error by a few percent either
     way (per-row spread 2-12%, measured), so fewer rows test the noise rather than the method."""
-    cls = FORMATS[fmt]
+    cls = ENCODERS[fmt]
     rng = np.random.default_rng(7)
     rows, cols = 48, 512
     h = np.asarray(damp_hessian(correlated_hessian(rng, cols, 2.0), 0.01), np.float64)  # (cols, cols)
@@ -159,7 +161,7 @@ ACCELERATOR_SCHEDULES = [GptqSchedule(update_width=32), GptqSchedule(float64_fac
 def test_accelerator_schedules_are_the_same_gptq(fmt: str, schedule: GptqSchedule) -> None:
     """An accelerator's schedules (32 columns per step, their errors pushed on as one product; the
     factor from float64) against the CPU's: the same method, so the same output error and most codes."""
-    cls = FORMATS[fmt]
+    cls = ENCODERS[fmt]
     rng = np.random.default_rng(11)
     rows, cols = 16, 512
     h = np.asarray(damp_hessian(correlated_hessian(rng, cols, 2.0), 0.01), np.float32)  # (cols, cols)
@@ -203,8 +205,8 @@ def test_a_singular_hessian_gives_a_factor_that_is_not_finite(schedule: GptqSche
 def test_update_width_must_divide_the_sub_block() -> None:
     w, h = np.ones((2, 256), np.float32), np.eye(256, dtype=np.float32)
     with pytest.raises(ValueError, match="divisor of its sub-block of 32"):
-        gptq_quantize(FORMATS["iq2_xxs"], w, h, schedule=GptqSchedule(update_width=12))
-    assert gptq_quantize(FORMATS["iq2_xxs"], w, h, schedule=GptqSchedule(update_width=64)).shape == (2, 66)  # wider: the sub-block
+        gptq_quantize(ENCODERS["iq2_xxs"], w, h, schedule=GptqSchedule(update_width=12))
+    assert gptq_quantize(ENCODERS["iq2_xxs"], w, h, schedule=GptqSchedule(update_width=64)).shape == (2, 66)  # wider: the sub-block
 
 
 def test_device_arrays_in_give_the_bytes_of_host_arrays() -> None:

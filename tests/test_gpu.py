@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from moeheal import kernels
+from moeheal.kernels import decode, encode
+from moeheal.kernels.gptq import GptqSchedule, damp_hessian
 
 pytestmark = pytest.mark.gpu
 DEMO_GGUF = Path(__file__).resolve().parents[1] / "demo" / "model" / "demo-q8_0.gguf"
@@ -23,9 +24,9 @@ def on_cpu(fn, *args):
 def test_dequantize_is_bit_identical_on_gpu(fmt):
     rng = np.random.default_rng(0)
     w = rng.standard_t(4, size=(64, 512)).astype(np.float32)
-    raw = on_cpu(kernels.quantize, w, fmt)
-    gpu = kernels.dequantize(raw, fmt, w.shape)
-    cpu = on_cpu(kernels.dequantize, raw, fmt, w.shape)
+    raw = on_cpu(encode.quantize, w, fmt)
+    gpu = decode.dequantize(raw, fmt, w.shape)
+    cpu = on_cpu(decode.dequantize, raw, fmt, w.shape)
     np.testing.assert_array_equal(gpu.view(np.uint32), cpu.view(np.uint32))
 
 
@@ -36,8 +37,8 @@ def test_quantize_on_gpu_matches_cpu_error(fmt):
     w = rng.standard_t(4, size=(128, 1024)).astype(np.float32)
     importance = rng.gamma(2.0, size=1024).astype(np.float32)
     errors = []
-    for raw in (kernels.quantize(w, fmt, importance), on_cpu(kernels.quantize, w, fmt, importance)):
-        w_hat = kernels.dequantize(raw, fmt, w.shape)
+    for raw in (encode.quantize(w, fmt, importance), on_cpu(encode.quantize, w, fmt, importance)):
+        w_hat = decode.dequantize(raw, fmt, w.shape)
         errors.append(float(np.sum(importance * (w - w_hat) ** 2)))
     assert errors[0] == pytest.approx(errors[1], rel=1e-4)
 
@@ -48,13 +49,13 @@ def test_gptq_on_gpu_reaches_the_cpu_error():
     rng = np.random.default_rng(3)
     cols = 512
     x = rng.standard_normal((4 * cols, cols)) @ (np.eye(cols) + rng.standard_normal((cols, cols)) / np.sqrt(cols))
-    h = np.asarray(kernels.damp_hessian(x.T @ x / len(x), 0.01), np.float32)  # (cols, cols)
+    h = np.asarray(damp_hessian(x.T @ x / len(x), 0.01), np.float32)  # (cols, cols)
     w = (0.02 * rng.standard_t(4, size=(64, cols))).astype(np.float32)
-    assert kernels.gptq_schedule() == kernels.GptqSchedule(kernels.ACCELERATOR_GPTQ_UPDATE_WIDTH, float64_factor=True)
-    assert on_cpu(kernels.gptq_schedule) == kernels.GptqSchedule()
+    assert encode.gptq_schedule() == GptqSchedule(encode.ACCELERATOR_GPTQ_UPDATE_WIDTH, float64_factor=True)
+    assert on_cpu(encode.gptq_schedule) == GptqSchedule()
     errors = []
-    for raw in (kernels.quantize(w, "q2_k", hessian=h), on_cpu(kernels.quantize, w, "q2_k", None, h)):
-        diff = (w - kernels.dequantize(raw, "q2_k", w.shape)).astype(np.float64)  # (rows, cols)
+    for raw in (encode.quantize(w, "q2_k", hessian=h), on_cpu(encode.quantize, w, "q2_k", None, h)):
+        diff = (w - decode.dequantize(raw, "q2_k", w.shape)).astype(np.float64)  # (rows, cols)
         errors.append(float(np.sum((diff @ h) * diff)))
     assert errors[0] == pytest.approx(errors[1], rel=2e-2)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from moeheal import kernels
+from moeheal.kernels import decode
 from moeheal.kernels.alpha import fit_alpha, relative_residual
 from moeheal.pipeline.cli import main
 from moeheal.pipeline.config import load_config
@@ -83,7 +83,7 @@ def test_alpha_is_fitted_from_the_unscaled_quantization_and_applied_to_the_scale
     variant = run.cfg.variants[0]
     quantized = np.load(run.quantize(variant, 0).path / "layer_0.npz")
     group = open_dump(run.dump("calibration").path)["0"]
-    experts = {f"{name}.weight": kernels.dequantize(quantized[name], "tq2_0", tuple(quantized[f"{name}.shape"]))
+    experts = {f"{name}.weight": decode.dequantize(quantized[name], "tq2_0", tuple(quantized[f"{name}.shape"]))
                for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
     y_q = np.asarray(moe_forward(experts, group["mixed"][:], group["experts"][:], group["weights"][:]))
     alpha = fit_alpha(group["yr"][:], y_q)
@@ -268,7 +268,7 @@ def test_cal_tokens_uses_a_prefix_of_the_calibration_dump(healed):
     calibrated = np.load(run.calibrate(short, 0).path / "layer_0.npz")
     quantized = np.load(run.quantize(short, 0).path / "layer_0.npz")
     group = open_dump(run.dump("calibration").path)["0"]
-    experts = {f"{n}.weight": kernels.dequantize(quantized[n], "tq2_0", tuple(quantized[f"{n}.shape"]))
+    experts = {f"{n}.weight": decode.dequantize(quantized[n], "tq2_0", tuple(quantized[f"{n}.shape"]))
                for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
     y_q = np.asarray(moe_forward(experts, group["mixed"][:512], group["experts"][:512], group["weights"][:512]))
     assert float(calibrated["alpha"]) == pytest.approx(alpha_of(group["yr"][:512], y_q), rel=1e-6)
@@ -297,7 +297,7 @@ round = "gptq"
     calibrated = np.load(run.calibrate(healed, 0).path / "layer_0.npz")
     quantized = np.load(run.quantize(healed, 0).path / "layer_0.npz")
     alpha = float(calibrated["alpha"])
-    expected = kernels.format_of("q3_k").scale_scales(quantized["ffn_down_exps"], alpha)
+    expected = decode.format_of("q3_k").scale_scales(quantized["ffn_down_exps"], alpha)
     np.testing.assert_array_equal(calibrated["ffn_down_exps"], expected)
     metrics = {r["variant"]: r for r in run.calibrated_table([healed], "layer_metrics").to_pylist()
                if r["split"] == "unseen" and r["layer"] == 0}

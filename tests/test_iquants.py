@@ -21,9 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moeheal.kernels import FORMATS, damp_hessian, dequantize, quantize, quantize_experts
+from moeheal.kernels.decode import dequantize
+from moeheal.kernels.encode import ENCODERS, quantize, quantize_experts
+from moeheal.kernels.gptq import damp_hessian
 from moeheal.kernels.iquants import IQuant, gguf_grid
-from moeheal.kernels.kquants import ggml_weights
+from moeheal.kernels.kquants_encode import ggml_weights
 from tests import reference_quants as ref
 from tests.test_gptq import correlated_hessian
 from tests.test_kquants import DEMO_MODEL, demo_experts, gguf_values, t3_weights
@@ -42,7 +44,7 @@ def block_scales(raw: np.ndarray, cls: type[IQuant]) -> np.ndarray:
 
 @pytest.mark.parametrize("fmt", IQUANTS)
 def test_our_bytes_read_back_as_gguf_py_reads_them(fmt: str) -> None:
-    cls = FORMATS[fmt]
+    cls = ENCODERS[fmt]
     x = t3_weights(np.random.default_rng(0), (64, 256))
     uniform = np.ones(256, np.float32)  # one compiled program for all three
     sources = [(x, uniform), (x, np.random.default_rng(1).gamma(0.7, 1.0, 256).astype(np.float32))]
@@ -64,7 +66,7 @@ def test_our_bytes_read_back_as_gguf_py_reads_them(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", IQUANTS)
 def test_signs_are_the_weights_but_for_the_parity_flip(fmt: str) -> None:
-    cls = FORMATS[fmt]
+    cls = ENCODERS[fmt]
     x = t3_weights(np.random.default_rng(2), (16, 256))
     values = dequantize(quantize(x, fmt), fmt, x.shape)
     wrong = ((values < 0) != (x < 0)).reshape(16, 32, 8).sum(axis=-1)  # (rows, sign groups)
@@ -90,7 +92,7 @@ def test_degenerate_blocks() -> None:
 @pytest.mark.parametrize("fmt", ["iq2_xxs", "iq2_xs", "iq2_s"])
 def test_grid_points_are_the_best_for_the_scales_written(fmt: str) -> None:
     """For the scales in our bytes, every group's point (and flip) is the brute-force optimum over the grid."""
-    cls = FORMATS[fmt]
+    cls = ENCODERS[fmt]
     rng = np.random.default_rng(3)
     x = t3_weights(rng, (24, 256))
     qw = rng.gamma(0.7, 1.0, (24, 256)).astype(np.float32)
@@ -113,7 +115,7 @@ def test_importance_changes_the_result_for_the_better(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", IQUANTS)
 def test_scale_scales_refuses_to_overflow_or_underflow_fp16(fmt: str) -> None:
-    cls = FORMATS[fmt]
+    cls = ENCODERS[fmt]
     raw = quantize(t3_weights(np.random.default_rng(5), (2, 256)), fmt)
     scaled = cls.scale_scales(raw, 0.8)
     np.testing.assert_allclose(dequantize(scaled, fmt, (2, 256)), 0.8 * dequantize(raw, fmt, (2, 256)), rtol=2e-3,
@@ -131,7 +133,7 @@ def test_scale_scales_refuses_to_overflow_or_underflow_fp16(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", IQUANTS)
 def test_gptq_equals_float64_reference(fmt: str) -> None:
-    cls = FORMATS[fmt]
+    cls = ENCODERS[fmt]
     rng = np.random.default_rng(7)
     rows, cols = 8, 512
     h = np.asarray(damp_hessian(correlated_hessian(rng, cols, 2.0), 0.01), np.float64)  # (cols, cols)
@@ -172,7 +174,7 @@ def test_our_bytes_beat_llama_quantize_with_the_same_imatrix(tmp_path: Path, fmt
     """
     from moeheal.pipeline.imatrix import write_imatrix
 
-    cls = FORMATS[fmt]
+    cls = ENCODERS[fmt]
     reader = gguf.GGUFReader(DEMO_MODEL)
     names = [t.name for t in reader.tensors if any(role in t.name for role in EXPERT_ROLES)]
     shapes = {t.name: (int(t.shape[2]), int(t.shape[0])) for t in reader.tensors if t.name in names}  # (E, cols)

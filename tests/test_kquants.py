@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moeheal import kernels
-from moeheal.kernels import FORMATS, dequantize, format_of, quantize, quantize_experts
-from moeheal.kernels.kquants import KQuant, ggml_weights, weighted_sse
+from moeheal.kernels.decode import FORMATS, bits_per_weight, dequantize, format_of
+from moeheal.kernels.encode import ENCODERS, encoder_of, quantize, quantize_experts
+from moeheal.kernels.kquants_encode import KQuantEncoder, ggml_weights, weighted_sse
 from tests import reference_quants as ref
 
 KQUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
@@ -37,21 +37,24 @@ def t3_weights(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
 
 def gguf_values(raw: np.ndarray, fmt: str, shape: tuple[int, ...]) -> np.ndarray:
     """gguf-py's dequantization of our bytes, float64."""
-    return gguf.quants.dequantize(np.asarray(raw).reshape(-1, FORMATS[fmt].type_size),
-                                  FORMATS[fmt].ggml_type).reshape(shape).astype(np.float64)
+    return gguf.quants.dequantize(np.asarray(raw).reshape(-1, ENCODERS[fmt].type_size),
+                                  ENCODERS[fmt].ggml_type).reshape(shape).astype(np.float64)
 
 
 # --------------------------------------------------------------------------- registry
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", sorted(ENCODERS))
 def test_registry_answers_what_the_pipeline_asks(fmt: str) -> None:
-    cls = FORMATS[fmt]
+    """Every format has a decoder and an encoder derived from it, found by name and by ggml type."""
+    assert sorted(ENCODERS) == sorted(FORMATS)
+    cls, enc = FORMATS[fmt], ENCODERS[fmt]
     assert format_of(fmt) is cls and format_of(cls.ggml_type) is cls
+    assert encoder_of(fmt) is enc and encoder_of(cls.ggml_type) is enc and issubclass(enc, cls)
     assert cls.name == cls.ggml_type.name.lower()
     assert (cls.block_size, cls.type_size) == gguf.GGML_QUANT_SIZES[cls.ggml_type]
-    assert cls.bits_per_weight == kernels.bits_per_weight(fmt) == cls.type_size * 8 / cls.block_size
-    assert cls.supports_gptq == (fmt != "q8_0")
+    assert cls.bits_per_weight == bits_per_weight(fmt) == cls.type_size * 8 / cls.block_size
+    assert enc.supports_gptq == (fmt != "q8_0")
     assert all(0 <= off <= cls.type_size - 2 for off in cls.scale_offsets)
 
 
@@ -60,15 +63,16 @@ def test_unknown_formats_are_refused() -> None:
         format_of("q9_k")
     with pytest.raises(ValueError, match="unknown format"):
         format_of(gguf.GGMLQuantizationType.IQ3_S)
-    assert "format_of" in kernels.__all__
+    with pytest.raises(ValueError, match="unknown format 'q9_k'"):
+        encoder_of("q9_k")
 
 
 # --------------------------------------------------------------------------- scale_scales
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", sorted(ENCODERS))
 def test_scale_scales_multiplies_every_value(fmt: str) -> None:
-    cls = FORMATS[fmt]
+    cls = ENCODERS[fmt]
     rng = np.random.default_rng(0)
     x = t3_weights(rng, (4, 512))
     raw = quantize(x, fmt)  # (4, bytes)
@@ -90,7 +94,7 @@ def test_scale_scales_multiplies_every_value(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", ["q2_k", "tq2_0"])
 def test_scale_scales_refuses_to_overflow_or_underflow_fp16(fmt: str) -> None:
-    cls = FORMATS[fmt]
+    cls = ENCODERS[fmt]
     raw = quantize(t3_weights(np.random.default_rng(1), (2, 256)), fmt)
     with pytest.raises(ValueError, match="not a finite fp16"):
         cls.scale_scales(raw, 1e7)
@@ -110,7 +114,7 @@ def test_scale_scales_refuses_to_overflow_or_underflow_fp16(fmt: str) -> None:
 @pytest.mark.parametrize("fmt,bound", [("q2_k", 0.11), ("q3_k", 0.04), ("q4_k", 0.01), ("q5_k", 0.0025),
                                        ("q6_k", 0.0007)])
 def test_round_trip_error_is_sane_and_bytes_are_stable(fmt: str, bound: float) -> None:
-    cls = FORMATS[fmt]
+    cls = ENCODERS[fmt]
     rng = np.random.default_rng(2)
     x = t3_weights(rng, (32, 512))
     raw = quantize(x, fmt)  # (32, bytes)
@@ -123,7 +127,7 @@ def test_round_trip_error_is_sane_and_bytes_are_stable(fmt: str, bound: float) -
 
 @pytest.mark.parametrize("fmt", ["q2_k", "q3_k", "q6_k"])  # sigma factors 1, 2 and none
 def test_weighted_error_equals_float64_reference(fmt: str) -> None:
-    cls: type[KQuant] = FORMATS[fmt]
+    cls: type[KQuantEncoder] = ENCODERS[fmt]
     rng = np.random.default_rng(3)
     x = t3_weights(rng, (8, 512))
     qw = rng.gamma(0.7, 1.0, (8, 512)).astype(np.float32)
@@ -168,7 +172,7 @@ def test_our_bytes_beat_llama_quantize_with_the_same_imatrix(tmp_path: Path, fmt
     """
     from moeheal.pipeline.imatrix import write_imatrix
 
-    cls = FORMATS[fmt]
+    cls = ENCODERS[fmt]
     experts = demo_experts(0)
     rng = np.random.default_rng(5)
     qw = {name: rng.gamma(0.7, 1.0, (w.shape[0], w.shape[2])).astype(np.float32) for name, w in experts.items()}

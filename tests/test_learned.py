@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moeheal import kernels
-from moeheal.kernels import FORMATS
+from moeheal.kernels import decode, encode
 from moeheal.kernels import learned as L
+from moeheal.kernels.decode import FORMATS
 from moeheal.kernels.gptq import damp_hessian
 
 
@@ -29,7 +29,7 @@ def _random_theta(relax: L.Relaxation, theta0: L.Params, rng: np.random.Generato
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_learned_bytes_decode_to_the_values_the_loss_saw(fmt):
     rng = np.random.default_rng(0)
-    cls = kernels.format_of(fmt)
+    cls = decode.format_of(fmt)
     x = (0.02 * rng.standard_t(4, (4, 512))).astype(np.float32)
     # random blocks: every byte pattern is a valid code of these formats; the fp16 scales set to small values
     blocks = rng.integers(0, 256, (x.size // cls.block_size, cls.type_size), dtype=np.uint8)  # (n, type_size)
@@ -116,7 +116,7 @@ def _held_out_error(tensors: dict[str, L.LearnedTensor], data: L.TokenSet) -> fl
     """sum ||MoE output - yr||^2 / sum ||yr||^2 with gguf-py's decoding of the bytes, float64."""
     from moeheal.pipeline.model import moe_forward
 
-    deq = {name: gguf.quants.dequantize(np.asarray(t.raw), kernels.format_of(t.fmt).ggml_type).reshape(t.shape)
+    deq = {name: gguf.quants.dequantize(np.asarray(t.raw), decode.format_of(t.fmt).ggml_type).reshape(t.shape)
            for name, t in tensors.items()}
     y = np.asarray(moe_forward({"gate_exps": deq["ffn_gate_exps"], "up_exps": deq["ffn_up_exps"],
                                 "down_exps": deq["ffn_down_exps"]}, data.x, data.experts, data.weights), np.float64)
@@ -140,7 +140,7 @@ def test_learning_lowers_the_held_out_moe_output_error_below_gptq(fmt):
     start = {}
     for name, v in w.items():
         h = np.stack([np.asarray(damp_hessian(hess[name][e] / max(mass[e], 1), 0.01)) for e in range(v.shape[0])])
-        start[name] = L.LearnedTensor(fmt, v.shape, kernels.quantize_experts(v, fmt, None, h))
+        start[name] = L.LearnedTensor(fmt, v.shape, encode.quantize_experts(v, fmt, None, h))
     settings = L.Settings(steps=24, batch_tokens=256, lr=0.01, eval_every=4, sub_lr=0.01, scale_lr=0.001,
                           optimizer="adam")
     raw, curve = L.learn_layer(start, {}, train, held, settings, {"test": test})

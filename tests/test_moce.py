@@ -26,8 +26,8 @@ from moeheal.kernels.moce import (
     lru_hit_rate,
     lru_hits,
     make_routing_hook,
-    topk_route,
 )
+from moeheal.kernels.routing import topk_route
 
 
 def reference_route(

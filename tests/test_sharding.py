@@ -19,39 +19,40 @@ SHARDED_EQUALS_ONE_DEVICE = textwrap.dedent('''
     import jax
     import numpy as np
 
-    from moeheal import kernels
+    from moeheal.kernels import encode
+    from moeheal.kernels.gptq import damp_hessian
 
     assert len(jax.devices()) == 4
     rng = np.random.default_rng(0)
     n_expert, rows, cols = 6, 64, 256
     w = (0.02 * rng.standard_t(4, (n_expert, rows, cols))).astype(np.float32)  # (E, rows, cols)
     x = rng.standard_normal((n_expert, 2 * cols, cols)).astype(np.float32)  # (E, N, cols)
-    hessians = np.stack([np.asarray(kernels.damp_hessian(xe.T @ xe / len(xe), 0.01)) for xe in x])  # (E, cols, cols)
+    hessians = np.stack([np.asarray(damp_hessian(xe.T @ xe / len(xe), 0.01)) for xe in x])  # (E, cols, cols)
     importance = np.einsum("ecc->ec", hessians)  # (E, cols)
     batch = rows * cols  # one expert per device per step
 
     devices_used = []
-    run_batch = kernels._experts_batch_jit
+    run_batch = encode.experts_batch_jit
 
     def recording_batch(*args):
         raw, ok = run_batch(*args)
         devices_used.append(len(raw.sharding.device_set))
         return raw, ok
 
-    kernels._experts_batch_jit = recording_batch
+    encode.experts_batch_jit = recording_batch
     for fmt in ("tq2_0", "q2_k", "iq2_xxs"):
         for h in (None, hessians):
             devices_used.clear()
-            sharded = kernels.quantize_experts(w, fmt, importance, h, batch_weights=batch)
+            sharded = encode.quantize_experts(w, fmt, importance, h, batch_weights=batch)
             assert devices_used == [4, 4], (fmt, devices_used)  # two steps of four experts, the second padded
-            one = kernels.quantize_experts(w, fmt, importance, h, batch_weights=batch, devices=jax.devices()[:1])
+            one = encode.quantize_experts(w, fmt, importance, h, batch_weights=batch, devices=jax.devices()[:1])
             assert devices_used[2:] == [1] * n_expert, (fmt, devices_used)
             assert sharded.shape == one.shape and np.array_equal(sharded, one), (fmt, h is None)
 
     singular = hessians.copy()
     singular[3] = 0.0
     try:
-        kernels.quantize_experts(w, "tq2_0", importance, singular, batch_weights=batch)
+        encode.quantize_experts(w, "tq2_0", importance, singular, batch_weights=batch)
     except ValueError as err:
         assert "not positive definite" in str(err)
     else:

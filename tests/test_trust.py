@@ -115,7 +115,7 @@ def test_named_holes_are_closed(tmp_path):
         finally:
             path.write_text(text)
 
-    assert {"dump", "evaluate"} <= changed_by("kernels/moce.py", "def topk_route", "def topk_route_")
+    assert {"dump", "evaluate"} <= changed_by("kernels/routing.py", "def topk_route", "def topk_route_")
     rho = changed_by("pipeline/stages/calibrate.py", "RHO_GRID = (", "RHO_GRID = (0.5, ")
     assert "calibrate" in rho and "quantize" not in rho and "dump" not in rho
     overlap = changed_by("sql/overlap.sql", "SELECT", "SELECT /* edited */")

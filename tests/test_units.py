@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType, GGUFWriter
 
-from moeheal import kernels
+from moeheal.kernels import decode
 from moeheal.pipeline.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.gguf_model import GGUFModel
@@ -139,7 +139,7 @@ def reference_assembly(path: Path, source: GGUFModel, calibrated: list[Path], va
     for layer, unit in enumerate(calibrated):
         with np.load(unit / f"layer_{layer}.npz") as data:
             for name in (k.removesuffix(".format") for k in data.files if k.endswith(".format")):
-                fmt = kernels.format_of(str(data[f"{name}.format"]))
+                fmt = decode.format_of(str(data[f"{name}.format"]))
                 replaced[f"blk.{layer}.{name}.weight"] = (data[name], fmt.ggml_type)
     writer = GGUFWriter(path, source.arch.name)
     for key, field in source.metadata_fields().items():

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moeheal.kernels.moce import topk_route
+from moeheal.kernels.routing import topk_route
 from moeheal.pipeline import model as M
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.numerics import CACHE_K, CACHE_V, probe

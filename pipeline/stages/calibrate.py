@@ -40,7 +40,7 @@ import jax
 import numpy as np
 import pyarrow as pa
 
-from moeheal import kernels
+from moeheal.kernels import decode, encode
 from moeheal.kernels.alpha import fit_alpha, oracle_alpha, relative_residual
 from moeheal.kernels.ridge import alpha_ridge_cv_sweep, effective_dof, matrix_rank, ridge_stats, solve_ridge
 from moeheal.pipeline.errors import InputError
@@ -102,7 +102,7 @@ def scale_expert_scales(arrays: dict[str, np.ndarray], name: str, factor: float,
     range is refused (an input error naming the layer), never written as inf or 0.
     """
     try:
-        return kernels.format_of(tensor_format(arrays, name)).scale_scales(arrays[name], factor)
+        return decode.format_of(tensor_format(arrays, name)).scale_scales(arrays[name], factor)
     except ValueError as exc:
         raise InputError(f"{where}: alpha {factor:.6g} on {name}: {exc}") from None
 
@@ -113,7 +113,9 @@ def dequantized_experts(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     return {name: dequantized_matrix(arrays, name, keep_on_device=True) for name in EXPERT_TENSORS}
 
 
-def _routed(experts_f32: dict[str, jax.Array], data: dict[str, np.ndarray]) -> np.ndarray:
+def routed_output(experts_f32: dict[str, jax.Array], data: dict[str, np.ndarray]) -> np.ndarray:
+    """The routed experts' output (T, d) for a group's rows, with the dump's routing: what alpha and
+    the sensitivity measure compare against the reference's."""
     return np.asarray(moe_forward(
         {"gate_exps": experts_f32["ffn_gate_exps"], "up_exps": experts_f32["ffn_up_exps"],
          "down_exps": experts_f32["ffn_down_exps"]},
@@ -138,7 +140,7 @@ def _gated_hidden(source: GGUFModel, layer: int, data: dict[str, np.ndarray],
 def dequantized_matrix(arrays: dict[str, np.ndarray], name: str, keep_on_device: bool = False
                        ) -> np.ndarray | jax.Array:
     """A quantized tensor of the layer's arrays back to float32, in the shape recorded beside it."""
-    return kernels.dequantize(arrays[name], tensor_format(arrays, name), tuple(arrays[f"{name}.shape"]),
+    return decode.dequantize(arrays[name], tensor_format(arrays, name), tuple(arrays[f"{name}.shape"]),
                               keep_on_device=keep_on_device)
 
 
@@ -158,11 +160,11 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
               for s, d in splits.items()}
     y_ref = {s: g["yr"] for s, g in groups.items()}  # (T, d) each
     experts_f32 = dequantized_experts(arrays)  # once: a real layer is hundreds of millions of weights
-    y_q = {s: _routed(experts_f32, g) for s, g in groups.items()}
+    y_q = {s: routed_output(experts_f32, g) for s, g in groups.items()}
     alpha = fit_alpha(y_ref["in_sample"], y_q["in_sample"]) if params.alpha else 1.0
     arrays["ffn_down_exps"] = scale_expert_scales(arrays, "ffn_down_exps", alpha, f"{variant}: layer {layer}")
     experts_f32["ffn_down_exps"] = dequantized_matrix(arrays, "ffn_down_exps", keep_on_device=True)  # alpha in its scales
-    y_healed = {s: _routed(experts_f32, g) for s, g in groups.items()}
+    y_healed = {s: routed_output(experts_f32, g) for s, g in groups.items()}
     del experts_f32
 
     shexp_delta = {s: np.zeros_like(y) for s, y in y_ref.items()}
@@ -183,7 +185,7 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
         chosen = "ffn_down_shexp.format" in arrays  # a recipe chose its format (and quantized it)
         if applied or not chosen:  # requantized by least squares (with its importance, if any)
             fmt = tensor_format(arrays, "ffn_down_shexp") if chosen else params.shexp_down
-            arrays["ffn_down_shexp"] = kernels.quantize(corrected, fmt, arrays.get("ffn_down_shexp.importance"))
+            arrays["ffn_down_shexp"] = encode.quantize(corrected, fmt, arrays.get("ffn_down_shexp.importance"))
             arrays["ffn_down_shexp.format"], arrays["ffn_down_shexp.shape"] = np.asarray(fmt), np.asarray(w_down.shape)
         w_requant = dequantized_matrix(arrays, "ffn_down_shexp")  # (d, f)
         shexp_delta = {s: z_q[s] @ w_requant.T - z[s] @ w_down.T for s in groups}  # (T, d)
@@ -246,7 +248,7 @@ def layer_replacements(calibrated: Path, layer: int) -> dict[str, Deferred]:
     with np.load(file) as data:
         names = [key.removesuffix(".format") for key in data.files if key.endswith(".format")]
         shapes = {name: tuple(int(n) for n in data[f"{name}.shape"]) for name in names}  # numpy order, weights
-        formats = {name: kernels.format_of(str(data[f"{name}.format"])) for name in names}
+        formats = {name: decode.format_of(str(data[f"{name}.format"])) for name in names}
     replace = {}
     for name in names:
         fmt, shape = formats[name], shapes[name]

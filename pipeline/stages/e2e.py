@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 from gguf import GGMLQuantizationType
 
-from moeheal.kernels import FORMATS, format_of
+from moeheal.kernels.decode import FORMATS, format_of
 from moeheal.kernels.e2e import adam_init, adam_step, fp16_ste, kl_sum, relative
 from moeheal.pipeline import model as M
 from moeheal.pipeline.arch.base import Architecture

@@ -72,7 +72,7 @@ import jax
 import numpy as np
 import pyarrow as pa
 
-from moeheal import kernels
+from moeheal.kernels import encode
 from moeheal.kernels import importance as imp
 from moeheal.kernels import learned
 from moeheal.kernels.gptq import damp_hessian
@@ -234,11 +234,11 @@ def quantize_matrices(source: GGUFModel, layer: int, formats: dict[str, str], du
         w = matrices[f"{role}.weight"]  # (rows, cols)
         stored = source.raw(f"blk.{layer}.{role}.weight")
         importance, hessian = matrix_plan(role, matrices, data, seqs, source.hp, source.arch, params)
-        hessian = hessian if kernels.format_of(fmt).supports_gptq else None  # learned: least squares starts it
+        hessian = hessian if encode.encoder_of(fmt).supports_gptq else None  # learned: least squares starts it
         if stored.ggml_type.name.lower() == fmt:  # kept as the source stores it: its bytes, exactly
             arrays[role] = np.array(stored.data)  # (rows, bytes)
         else:
-            arrays[role] = kernels.quantize(w, fmt, importance, hessian)  # (rows, bytes)
+            arrays[role] = encode.quantize(w, fmt, importance, hessian)  # (rows, bytes)
         arrays[f"{role}.shape"] = np.asarray(w.shape)
         arrays[f"{role}.format"] = np.asarray(fmt)
         if importance is not None:
@@ -270,8 +270,8 @@ def quantize_layer(out: Path, source: GGUFModel, dump_root, params: QuantizePara
     for name, w in weights.items():
         importance, hessians = plan[name]
         fmt = formats[name]
-        hessians = hessians if kernels.format_of(fmt).supports_gptq else None  # learned: least squares starts it
-        arrays[name] = kernels.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
+        hessians = hessians if encode.encoder_of(fmt).supports_gptq else None  # learned: least squares starts it
+        arrays[name] = encode.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
         arrays[f"{name}.shape"] = np.asarray(w.shape)
         arrays[f"{name}.format"] = np.asarray(fmt)
         if importance is not None:

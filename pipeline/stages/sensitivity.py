@@ -41,8 +41,7 @@ import jax
 import numpy as np
 import pyarrow as pa
 
-from moeheal import kernels
-from moeheal.kernels import FORMATS
+from moeheal.kernels import decode, encode
 from moeheal.kernels.allocate import allocate
 from moeheal.kernels.alpha import fit_alpha, relative_residual
 from moeheal.pipeline import roles
@@ -51,7 +50,7 @@ from moeheal.pipeline.files import read_part, write_parquet
 from moeheal.pipeline.gguf_model import GGUFModel, open_model
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.roles import ROLE_TENSOR, ROUTED_TENSOR
-from moeheal.pipeline.stages.calibrate import _routed
+from moeheal.pipeline.stages.calibrate import routed_output
 from moeheal.pipeline.stages.dump import open_dump, read_layer
 from moeheal.pipeline.stages.quantize import (EXPERT_TENSORS, QuantizeParams, expert_weights, importance_plan,
                                               layer_matrices, matrix_plan)
@@ -107,7 +106,7 @@ class AllocateParams:
 
 def tensor_bytes(fmt: str, n_weights: int) -> int:
     """Bytes of `n_weights` weights in `fmt` (whole blocks; the registry's geometry)."""
-    cls = kernels.format_of(fmt)
+    cls = decode.format_of(fmt)
     return n_weights // cls.block_size * cls.type_size
 
 
@@ -125,10 +124,10 @@ def _routed_rows(layer: int, role: str, weights: dict[str, jax.Array], plan, dat
     importance, hessians = plan[role]
     rows = []
     for fmt in params.formats:
-        raw = kernels.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
+        raw = encode.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
         assert raw.nbytes == tensor_bytes(fmt, w.size), (fmt, raw.shape)
-        w_q = kernels.dequantize(raw, fmt, w.shape, keep_on_device=True)  # (E, rows, cols)
-        y = {s: _routed({**weights, role: w_q}, d) for s, d in data.items()}
+        w_q = decode.dequantize(raw, fmt, w.shape, keep_on_device=True)  # (E, rows, cols)
+        y = {s: routed_output({**weights, role: w_q}, d) for s, d in data.items()}
         alpha = fit_alpha(data["in_sample"]["yr"], y["in_sample"]) if params.alpha else 1.0
         errors = {s: relative_residual(d["yr"], alpha * y[s]) for s, d in data.items()}
         rows.append(_row(layer, role, fmt, int(w.size), raw.nbytes, errors, float(alpha)))
@@ -147,13 +146,13 @@ def _matrix_rows(source: GGUFModel, layer: int, role: str, matrices: dict[str, n
     stored, _, stored_bytes = source.tensor_sizes()[f"blk.{layer}.{role}.weight"]
     rows = []
     for fmt in params.formats:
-        raw = kernels.quantize(w, fmt, importance, hessian)  # (rows, bytes)
-        w_q = kernels.dequantize(raw, fmt, w.shape)  # (rows, cols)
+        raw = encode.quantize(w, fmt, importance, hessian)  # (rows, bytes)
+        w_q = decode.dequantize(raw, fmt, w.shape)  # (rows, cols)
         errors = {s: float(np.sum(np.square(roles.output_change(role, w_q, matrices, d, seqs[s], hp, source.arch),
                                             dtype=np.float64)) / scale[s]) for s, d in data.items()}
         rows.append(_row(layer, role, fmt, int(w.size), raw.nbytes, errors, None))
     kept = stored.name.lower()
-    if kept in FORMATS and kept not in params.formats:
+    if kept in decode.FORMATS and kept not in params.formats:
         rows.append(_row(layer, role, kept, int(w.size), stored_bytes, {s: 0.0 for s in data}, None))
     return rows
 

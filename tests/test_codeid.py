@@ -1,0 +1,143 @@
+"""Code identity is as narrow as the code: a stage's fingerprint moves with the files it runs and
+with no other. Edits are made in a copy of the sources and the demo-shaped world is re-planned
+(`moeheal plan`'s fingerprints), so what is checked is the cache key a run would use."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+from moeheal import kernels
+from moeheal.pipeline import codeid
+from moeheal.pipeline.heal import STAGES
+from tests.healworld import write_world
+from tests.test_trust import REPO, SOURCE_FOLDERS, plan_fingerprints, source_copy
+
+PROBE = b"\nMUTATION_PROBE = 1  # a module-level constant nothing reads\n"
+CORPUS_STAGES = ("corpus", "traces", "windows", "audit")
+# What the corpus stage runs: reading the documents, the GGUF's keys and its tokenizer, and nothing
+# of the model, the kernels that quantize or the routing.
+CORPUS_CLOSURE = {
+    "moeheal", "moeheal.pipeline", "moeheal.pipeline.stages", "moeheal.pipeline.stages.corpus",
+    "moeheal.pipeline.errors", "moeheal.pipeline.files", "moeheal.pipeline.frames", "moeheal.pipeline.gguf_file",
+    "moeheal.pipeline.tokenizer", "moeheal.kernels", "moeheal.kernels.ngram",
+}
+DECODERS = {"moeheal.kernels.decode", "moeheal.kernels.formats", "moeheal.kernels.kquants", "moeheal.kernels.iquants"}
+ENCODERS = {"moeheal.kernels.encode", "moeheal.kernels.formats_encode", "moeheal.kernels.kquants_encode",
+            "moeheal.kernels.iquants_encode", "moeheal.kernels.gptq", "moeheal.kernels.learned"}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    return write_world(tmp_path_factory.mktemp("codeid_world"))
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> Path:
+    return source_copy(tmp_path_factory.mktemp("codeid_src"))
+
+
+@pytest.fixture(scope="module")
+def base(world, sources) -> dict[str, tuple[str, tuple[str, ...]]]:
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return plan_fingerprints(world, monkeypatch, sources)
+
+
+def changed_by(rel: str, edit: bytes, world: Path, sources: Path, base: dict, monkeypatch) -> set[str]:
+    """The plan labels whose fingerprint moves when `edit` is appended to `rel` in the copy."""
+    path = sources / rel
+    original = path.read_bytes()
+    path.write_bytes(original + edit)
+    try:
+        after = plan_fingerprints(world, monkeypatch, sources)
+    finally:
+        path.write_bytes(original)
+    assert after.keys() == base.keys()
+    return {label for label in base if after[label][0] != base[label][0]}
+
+
+def labels(base: dict, *stages: str) -> set[str]:
+    """The plan labels of these stages (`dump:calibration`, `quantize:v1:0`, ...)."""
+    return {label for label in base if label.split(":")[0] in stages}
+
+
+def test_cache_aware_routing_reaches_no_corpus_stage_nor_the_dumps(world, sources, base, monkeypatch):
+    changed = changed_by("kernels/moce.py", PROBE, world, sources, base, monkeypatch)
+    assert not changed & labels(base, *CORPUS_STAGES, "dump"), sorted(changed)
+    assert labels(base, "evaluate") <= changed  # it is what the evaluation routes with
+
+
+@pytest.mark.parametrize("encoder", ["kernels/gptq.py", "kernels/kquants_encode.py"])
+def test_an_encoder_reaches_quantize_and_not_what_reads_the_source(encoder, world, sources, base, monkeypatch):
+    changed = changed_by(encoder, PROBE, world, sources, base, monkeypatch)
+    assert not changed & labels(base, *CORPUS_STAGES, "dump", "reference-logits"), sorted(changed)
+    assert labels(base, "quantize") <= changed
+
+
+def test_the_overlap_query_reaches_what_reads_it(world, sources, base, monkeypatch):
+    changed = changed_by("sql/overlap.sql", b"\n-- edited\n", world, sources, base, monkeypatch)
+    reading = {stage.name for stage in STAGES if "sql:overlap" in codeid.closure(stage.module, sources)}
+    readers = labels(base, *reading)
+    assert labels(base, "audit") <= readers <= changed
+    for label in changed - readers:  # the rest read a stage that reads it
+        assert set(base[label][1]) & changed, label
+    assert not changed & labels(base, "corpus", "traces", "windows", "dump", "quantize", "calibrate"), sorted(changed)
+
+
+def test_the_corpus_stage_runs_only_what_it_reads():
+    closure = set(codeid.closure("moeheal.pipeline.stages.corpus"))
+    assert closure == CORPUS_CLOSURE
+    assert not closure & (ENCODERS | DECODERS | {"moeheal.kernels.moce", "moeheal.kernels.routing"})
+    assert not any(m.startswith("moeheal.pipeline.arch") or m == "moeheal.pipeline.gguf_model" for m in closure)
+
+
+@pytest.mark.parametrize("module", ["moeheal.pipeline.stages.dump", "moeheal.pipeline.stages.evaluate"])
+def test_what_reads_the_source_depends_on_decoders_only(module):
+    """The dumps and the reference logits (the evaluate module) dequantize any format the source
+    holds, and write none."""
+    closure = set(codeid.closure(module))
+    assert DECODERS <= closure
+    assert not closure & ENCODERS, sorted(closure & ENCODERS)
+
+
+def test_the_kernels_package_only_re_exports_lazily():
+    """Importing any kernels module runs kernels/__init__.py first, so whatever it imported would be in
+    every stage's code identity: it imports no module of ours, and its API comes from the modules."""
+    tree = ast.parse((REPO / "kernels" / "__init__.py").read_text())
+    imported = [node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+                for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    assert not [m for m in imported if m and m.startswith("moeheal")], imported
+    for name, module in kernels.API.items():
+        assert getattr(kernels, name) is getattr(importlib.import_module(f"moeheal.kernels.{module}"), name)
+    with pytest.raises(AttributeError):
+        kernels.no_such_name  # noqa: B018
+
+
+def test_project_code_names_the_kernel_module_it_uses():
+    """`from moeheal import kernels; kernels.quantize(...)` would put only kernels/__init__.py in the
+    code identity, not the module that runs: the package-level API is for notebooks."""
+    found = []
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.ImportFrom) and node.module == "moeheal":
+                    found += [f"{path.relative_to(REPO)}: from moeheal import {a.name}" for a in node.names
+                              if a.name == "kernels"]
+                elif isinstance(node, ast.Import):
+                    found += [f"{path.relative_to(REPO)}: import {a.name}" for a in node.names
+                              if a.name == "moeheal.kernels"]
+    assert not found
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = []
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("moeheal"):
+                    found += [f"{path.relative_to(REPO)}: {node.module}.{a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not found
