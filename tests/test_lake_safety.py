@@ -24,7 +24,7 @@ from moeheal.pipeline.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.lake import Lake
-from tests.healworld import write_world
+from tests.healworld import V1, write_world
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,7 +79,7 @@ def mount_point(tmp_path):
 
 
 def test_two_runs_on_one_lake_same_and_different_configs(tmp_path):
-    config = write_world(tmp_path / "a")
+    config = write_world(tmp_path / "a", variants=V1, moce_bonus=(0.0,))  # one variant: three processes heal it
     other = sibling_config(config, tmp_path / "b", 'name = "v1"\nbeta_gate_up = 0.5', 'name = "v1"\nbeta_gate_up = 0.8')
     procs = [heal_process(config), heal_process(config), heal_process(other)]
     outs = [p.communicate(timeout=900) for p in procs]
