@@ -33,15 +33,17 @@ heal: setup
 test: setup-test
 	$(BIN)/python -m pytest -q -m "not gpu" -n 2 --dist loadfile
 
-# The edit-test loop: the formats (every registered one round-trips), importance, alpha/ridge,
-# allocation, KLD, n-grams and MoCE kernels, the SQL statistics and audit, config, the DAG's cache
-# on small stages, the corpus and the card's blocks: the test files whose tests take seconds of CPU
-# each. The k-quant, i-quant and GPTQ numerics (test_kquants, test_iquants, test_gptq) take minutes.
+# The edit-test loop: the formats (every registered one: bytes, scales, importance), importance,
+# alpha/ridge, allocation, KLD, n-grams and MoCE kernels, the SQL statistics and audit, config, the
+# DAG's cache on small stages, the corpus, the card's blocks and the bench scripts' figures: the test
+# files whose tests take seconds of CPU each, on the same two workers as `make test`. The k-quant,
+# i-quant and GPTQ numerics (test_kquants, test_iquants, test_gptq) take minutes.
 FAST_TESTS ?= tests/test_formats.py tests/test_importance.py tests/test_alpha_ridge.py \
 	tests/test_allocate.py tests/test_kld.py tests/test_ngram.py tests/test_moce.py tests/test_stats.py \
-	tests/test_audit.py tests/test_config.py tests/test_corpus.py tests/test_dag.py tests/test_card.py
+	tests/test_audit.py tests/test_config.py tests/test_corpus.py tests/test_dag.py tests/test_card.py \
+	tests/test_bench_tools.py
 test-fast: setup-test
-	$(BIN)/python -m pytest -q -x -m "not gpu and not slow and not llamacpp" $(FAST_TESTS)
+	$(BIN)/python -m pytest -q -x -m "not gpu and not slow and not llamacpp" -n 2 --dist loadfile $(FAST_TESTS)
 
 # The GPU against the CPU, on a machine with JAX for CUDA (`pip install -e '.[cuda]'`); the tests
 # default JAX to the CPU, so the platforms are named here.

@@ -31,6 +31,22 @@ def tiny_qwen2moe_q8(tmp_path_factory) -> Path:
                           matrix_type="q8_0")
 
 
+@pytest.fixture(scope="session")
+def healed_world(tmp_path_factory):
+    """tests/healworld.py's default world, healed once per test process: (heal.toml, its HealRun).
+
+    Tests that only read it, or copy it before changing anything, share it (the end-to-end tests,
+    the published lake's trust and safety tests), so the whole suite heals this world once per worker."""
+    from moeheal.pipeline.config import load_config
+    from moeheal.pipeline.heal import HealRun
+    from tests.healworld import write_world
+
+    config = write_world(tmp_path_factory.mktemp("healed_world"))
+    run = HealRun(load_config(config), log=lambda message: None)
+    run.heal()
+    return config, run
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """`gpu` tests run only where JAX sees a GPU; `llamacpp` tests only with LLAMA_CPP_DIR set."""
     import jax

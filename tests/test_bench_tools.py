@@ -1,7 +1,14 @@
-"""The scripts that turn runs into RESULTS figures: bench/compare_runs.py and bench/stage_times.py."""
+"""The scripts that turn runs into RESULTS figures: bench/compare_runs.py and bench/stage_times.py.
+
+What is checked is what the scripts compute: every figure they print parses and equals a
+recomputation from the committed snapshots' CSVs, and the per-stage table in bench/RESULTS.md is
+the script's output for the two committed runs, line for line. The prose around the figures is
+not pinned.
+"""
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import sys
@@ -16,6 +23,7 @@ CPU_SNAPSHOT = REPO / "demo" / "results" / "heal"
 # The CPU run the H200 run is compared with in RESULTS: the same code, before the demo's ladders.
 CPU_BEFORE_LADDERS = REPO / "bench" / "results" / "demo-cpu"
 H200_SNAPSHOT = REPO / "bench" / "results" / "demo-h200"
+NUMBER = r"[-+]?[0-9]+(?:\.[0-9]+)?"
 
 
 def run(module, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
@@ -23,22 +31,83 @@ def run(module, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
     return module.main()
 
 
+def csv_rows(folder: Path, name: str) -> list[dict[str, str]]:
+    with (folder / f"{name}.csv").open(newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def table_rows(out: str, *header: str) -> list[list[str]]:
+    """The body of the Markdown table whose header starts with these cells: a list of cells per row."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|")
+                 and [c.strip() for c in line.strip("|").split("|")][:len(header)] == list(header))
+    rows = []
+    for line in lines[start + 2:]:  # past the header and its |---| line
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def compare(a: Path, b: Path, monkeypatch, capsys) -> tuple[int, str]:
+    code = run(compare_runs, [str(a), str(b)], monkeypatch)
+    return code, capsys.readouterr().out
+
+
+def check_against_snapshots(a: Path, b: Path, code: int, out: str) -> list[bool]:
+    """Every printed figure of ``compare_runs a b`` recomputed from the two snapshots; the per-pair
+    'same conclusion' flags."""
+    kld = [{(r["set"], r["variant"]): float(r["kld"]) for r in csv_rows(folder, "sizes")} for folder in (a, b)]
+    common = sorted(set(kld[0]) & set(kld[1]))
+    rows = table_rows(out, "set", "variant")
+    assert [(r[0], r[1]) for r in rows] == common
+    shifts = []
+    for (set_, variant, kld_a, kld_b, shift), key in zip(rows, common):
+        assert float(kld_a) == round(kld[0][key], 4) and float(kld_b) == round(kld[1][key], 4)
+        expected = 100 * (kld[1][key] / kld[0][key] - 1)
+        assert float(shift) == pytest.approx(expected, abs=0.005 + 1e-9)
+        shifts.append(abs(expected))
+    largest, median, pairs = re.search(rf"largest \|shift\| ({NUMBER})%, median ({NUMBER})% over ([0-9]+) ",
+                                       out).groups()
+    assert int(pairs) == len(common)
+    assert float(largest) == pytest.approx(max(shifts), abs=0.005 + 1e-9)
+    assert float(median) == pytest.approx(sorted(shifts)[len(shifts) // 2], abs=0.005 + 1e-9)
+
+    pairs_of = [{(r["set"], r["a"], r["b"]): r for r in csv_rows(folder, "comparisons")} for folder in (a, b)]
+    shared = sorted(set(pairs_of[0]) & set(pairs_of[1]))
+    rows = table_rows(out, "set", "a → b")
+    assert [(r[0], *r[1].split(" → ")) for r in rows] == shared
+    same = []
+    for row, key in zip(rows, shared):
+        verdicts = []
+        for cell, side in zip(row[2:4], pairs_of):
+            delta, lo, hi = (float(v) for v in re.fullmatch(rf"({NUMBER}) \[({NUMBER}), ({NUMBER})\]", cell).groups())
+            r = side[key]
+            assert (delta, lo, hi) == tuple(round(float(r[c]), 1) + 0.0 for c in ("delta_pct", "ci_lo", "ci_hi"))
+            verdicts.append(compare_runs.verdict(float(r["ci_lo"]), float(r["ci_hi"])))
+        same.append(verdicts[0] == verdicts[1])
+        assert row[4] == ("yes" if same[-1] else f"no: {verdicts[0]} / {verdicts[1]}")
+    differ, total = re.search(r"\n([0-9]+) of ([0-9]+) comparisons change conclusion", out).groups()
+    assert (int(differ), int(total)) == (same.count(False), len(pairs_of[0]))
+    assert code == (1 if False in same else 0)
+    return same
+
+
 def test_a_snapshot_against_itself_agrees_everywhere(monkeypatch, capsys) -> None:
-    assert run(compare_runs, [str(CPU_SNAPSHOT), str(CPU_SNAPSHOT)], monkeypatch) == 0
-    out = capsys.readouterr().out
-    assert "largest |shift| 0.00%" in out
-    assert re.search(r"\n0 of [1-9][0-9]* comparisons change conclusion", out)
+    code, out = compare(CPU_SNAPSHOT, CPU_SNAPSHOT, monkeypatch, capsys)
+    same = check_against_snapshots(CPU_SNAPSHOT, CPU_SNAPSHOT, code, out)
+    assert code == 0 and same and all(same)
+    assert all(float(row[4]) == 0 for row in table_rows(out, "set", "variant"))
 
 
-def test_the_h200_demo_against_the_cpu_demo_is_what_results_says(monkeypatch, capsys) -> None:
-    """The figures bench/RESULTS.md quotes for the demo healed on the H200."""
-    assert run(compare_runs, [str(CPU_BEFORE_LADDERS), str(H200_SNAPSHOT)], monkeypatch) == 1
-    out = capsys.readouterr().out
-    assert "largest |shift| 0.64%, median 0.01% over 26 (set, variant) pairs" in out
-    assert "\n1 of 68 comparisons change conclusion" in out
-    assert "| canary | iq2_xxs_importance → iq2_xxs_healed | -5.9 [-10.2, -0.0] | -5.3 [-9.6, +0.6] | no: better / unclear |" in out
-    results = (REPO / "bench" / "RESULTS.md").read_text(encoding="utf-8")
-    assert "largest |shift| 0.64%" in results and "1 of 68" in results
+def test_the_h200_demo_against_the_cpu_demo_is_recomputed_from_the_snapshots(monkeypatch, capsys) -> None:
+    """The run RESULTS compares: every figure follows from the committed CSVs, and some (not all)
+    conclusions of the canary set differ, so the script's exit status is 1."""
+    code, out = compare(CPU_BEFORE_LADDERS, H200_SNAPSHOT, monkeypatch, capsys)
+    same = check_against_snapshots(CPU_BEFORE_LADDERS, H200_SNAPSHOT, code, out)
+    rows = table_rows(out, "set", "a → b")
+    assert code == 1 and 0 < same.count(False) < len(same)
+    assert all(row[0] == "canary" for row, ok in zip(rows, same) if not ok)  # every eval-set conclusion holds
 
 
 def test_verdict_reads_the_interval() -> None:
@@ -56,7 +125,29 @@ def test_stage_times_sums_per_stage_and_round_trips(tmp_path, monkeypatch, capsy
     kept = tmp_path / "times.csv"
     assert run(stage_times, [str(runs), "--csv", str(kept)], monkeypatch) == 0
     assert stage_times.stage_seconds(kept) == {"quantize": (2, 5.5), "evaluate": (1, 10.0)}
+    capsys.readouterr()
     assert run(stage_times, [str(runs), str(kept)], monkeypatch) == 0
-    assert "| all | 3 | 15.5 | 3 | 15.5 | 1.00x |" in capsys.readouterr().out
+    rows = table_rows(capsys.readouterr().out, "stage")
+    assert rows == [["evaluate", "1", "10.0", "1", "10.0", "1.00x"], ["quantize", "2", "5.5", "2", "5.5", "1.00x"],
+                    ["all", "3", "15.5", "3", "15.5", "1.00x"]]  # the longest stage first
     with pytest.raises(SystemExit, match="no provenance records"):
         stage_times.stage_seconds(tmp_path)
+
+
+def test_results_stage_table_is_the_scripts_output(monkeypatch, capsys) -> None:
+    """bench/RESULTS.md's per-stage table (CPU against H200) is re-rendered identically from the two
+    committed stage_times.csv files, and its columns add up."""
+    sources = [CPU_BEFORE_LADDERS / "stage_times.csv", H200_SNAPSHOT / "stage_times.csv"]
+    assert run(stage_times, [str(s) for s in sources], monkeypatch) == 0
+    table = capsys.readouterr().out.strip()
+    assert table in (REPO / "bench" / "RESULTS.md").read_text(encoding="utf-8")
+    seconds = [{r["stage"]: (int(r["units"]), float(r["seconds"])) for r in csv.DictReader(s.open(newline=""))}
+               for s in sources]
+    *stages, total = table_rows(table, "stage", "demo-cpu units")
+    assert sorted(r[0] for r in stages) == sorted(set(seconds[0]) | set(seconds[1])) and total[0] == "all"
+    for row in stages:
+        (n_a, s_a), (n_b, s_b) = (side.get(row[0], (0, 0.0)) for side in seconds)
+        assert row[1:5] == [str(n_a), f"{s_a:.1f}", str(n_b), f"{s_b:.1f}"]
+        assert row[5] == (f"{s_b / s_a:.2f}x" if s_a else "")
+    for column in (1, 2, 3, 4):  # the totals add up (to the rounding of each cell)
+        assert float(total[column]) == pytest.approx(sum(float(r[column]) for r in stages), abs=0.05 * len(stages))

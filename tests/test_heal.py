@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -34,12 +35,10 @@ class Log(list):
         return [m.split("]")[0][1:] for m in self if "computing" in m]
 
 
-@pytest.fixture(scope="module")
-def healed(tmp_path_factory) -> tuple[Path, HealRun]:
-    config = write_world(tmp_path_factory.mktemp("world"))
-    run = HealRun(load_config(config), log=Log())
-    run.heal()
-    return config, run
+@pytest.fixture
+def healed(healed_world) -> tuple[Path, HealRun]:
+    """The default world healed (conftest.py: shared with the other files on this worker)."""
+    return healed_world
 
 
 def rerun(config: Path) -> tuple[HealRun, Log]:
@@ -60,8 +59,13 @@ def test_every_table_is_published_and_queryable(healed):
     assert (run.lake.root / "report" / "report.md").exists()
 
 
-def test_second_run_is_all_cache_hits(healed):
+def test_second_run_is_all_cache_hits(healed, capsys):
+    """After a heal, `moeheal plan` finds every stage cached and a second heal computes nothing."""
     config, _ = healed
+    assert main(["plan", "-c", str(config), "--format", "json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert {p["status"] for p in planned} <= {"cached", "skipped"}  # skipped: llama-check without llama.cpp
+    assert sum(p["status"] == "cached" for p in planned) >= 10
     _, log = rerun(config)
     assert log.computed() == []
     assert sum("cache hit" in m for m in log) >= 10

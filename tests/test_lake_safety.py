@@ -24,7 +24,7 @@ from moeheal.pipeline.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.lake import Lake
-from tests.healworld import write_world
+from tests.healworld import V1, write_world
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,7 +79,7 @@ def mount_point(tmp_path):
 
 
 def test_two_runs_on_one_lake_same_and_different_configs(tmp_path):
-    config = write_world(tmp_path / "a")
+    config = write_world(tmp_path / "a", variants=V1, moce_bonus=(0.0,))  # one variant: three processes heal it
     other = sibling_config(config, tmp_path / "b", 'name = "v1"\nbeta_gate_up = 0.5', 'name = "v1"\nbeta_gate_up = 0.8')
     procs = [heal_process(config), heal_process(config), heal_process(other)]
     outs = [p.communicate(timeout=900) for p in procs]
@@ -115,9 +115,8 @@ def test_a_killed_lock_holder_does_not_block(tmp_path):
     assert not (lake.root / "tmp" / "run.lock").exists()
 
 
-def test_full_disk_mid_stage_changes_nothing_published(tmp_path, mount_point, capsys):
-    config = write_world(tmp_path / "w")
-    assert main(["heal", "-c", str(config)]) == 0
+def test_full_disk_mid_stage_changes_nothing_published(healed_world, tmp_path, mount_point, capsys):
+    config, _ = healed_world  # its lake is copied onto the small disk, not written
     lake = load_config(config).lake_root
     used = sum(max(p.lstat().st_blocks * 512, 4096) for p in lake.rglob("*"))  # what tmpfs will charge
     disk = mount_point("-t", "tmpfs", "-o", f"size={used + (512 << 10)}", "tmpfs")
@@ -136,9 +135,8 @@ def test_full_disk_mid_stage_changes_nothing_published(tmp_path, mount_point, ca
     assert not [p for p in tmp.iterdir() if not p.name.startswith("dumps-")]  # no half-built output kept
 
 
-def test_read_only_lake_is_refused_with_the_path(tmp_path, mount_point, capsys):
-    config = write_world(tmp_path / "w")
-    assert main(["heal", "-c", str(config)]) == 0
+def test_read_only_lake_is_refused_with_the_path(healed_world, tmp_path, mount_point, capsys):
+    config, _ = healed_world  # mounted read-only at another folder; the original stays writable
     lake = load_config(config).lake_root
     before = published(lake)
     ro = mount_point("--bind", "-o", "ro", str(lake))

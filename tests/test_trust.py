@@ -157,14 +157,6 @@ def test_plan_draws_the_dag_it_would_run(world, capsys):
     assert mermaid.startswith("flowchart LR") and mermaid.count(" --> ") == len(edges)
 
 
-def test_plan_after_heal_is_all_cached(world, capsys):
-    assert main(["heal", "-c", str(world)]) == 0
-    capsys.readouterr()
-    assert main(["plan", "-c", str(world), "--format", "json"]) == 0
-    planned = json.loads(capsys.readouterr().out)
-    assert {p["status"] for p in planned} <= {"cached", "skipped"}  # skipped: llama-check without llama.cpp
-
-
 # ---- knobs ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("knobs, key", [
@@ -223,8 +215,8 @@ def published_digest(lake: Path) -> dict[str, str]:
     return {str(p.relative_to(lake.resolve())): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
-def test_rejected_config_leaves_the_published_lake_byte_identical(world, tmp_path, capsys):
-    assert main(["heal", "-c", str(world)]) == 0
+def test_rejected_config_leaves_the_published_lake_byte_identical(healed_world, tmp_path, capsys):
+    world, _ = healed_world
     lake = load_config(world).lake_root
     before = published_digest(lake)
     assert any(k.endswith("tables/comparisons.parquet") for k in before)  # a full set is published
@@ -253,8 +245,8 @@ def test_rejected_config_leaves_the_published_lake_byte_identical(world, tmp_pat
     assert not list((lake / "tmp").glob("*.lock")) and not list((lake / "tmp").glob("publish-*"))
 
 
-def test_lake_views_are_relative_and_the_lake_moves(world, tmp_path):
-    assert main(["heal", "-c", str(world)]) == 0
+def test_lake_views_are_relative_and_the_lake_moves(healed_world, tmp_path):
+    world, _ = healed_world
     lake = load_config(world).lake_root
     moved = tmp_path / "moved_lake"
     shutil.copytree(lake, moved, symlinks=True)
@@ -267,9 +259,8 @@ def test_lake_views_are_relative_and_the_lake_moves(world, tmp_path):
     assert os.readlink(moved / "tables") == "current/tables"
 
 
-def test_comparisons_provenance_records_its_knobs(world):
-    assert main(["heal", "-c", str(world)]) == 0
-    run = HealRun(load_config(world), log=lambda m: None)
+def test_comparisons_provenance_records_its_knobs(healed_world):
+    _, run = healed_world
     record = json.loads(run.lake.provenance_path(run.comparisons().fingerprint).read_text())
     assert {"bootstrap": 200, "seed": 0}.items() <= record["params"].items()
     assert record["stage"] == "comparisons" and "audit" in record["upstream"]  # the n-gram length is the audit's

@@ -63,6 +63,17 @@ def copy_world(config: Path, dest: Path) -> Path:
     return dest / config.name
 
 
+@pytest.fixture(scope="module")
+def assembled(world, tmp_path_factory) -> Path:
+    """A copy of the world whose lake also holds every variant's units and assembled GGUF, built in
+    one process: the single-process result the tests below compare with, or start from."""
+    config = copy_world(world, tmp_path_factory.mktemp("assembled") / "w")
+    run = HealRun(load_config(config), log=Log())
+    for variant in run.all_quantized_variants():
+        run.assemble(variant)
+    return config
+
+
 def statuses(config: Path) -> dict[str, str]:
     return {p.stage: p.status for p in HealRun(load_config(config), plan=True).plan()}
 
@@ -115,9 +126,8 @@ def test_a_killed_quantize_resumes_at_the_layer_it_reached(world, tmp_path, monk
     assert log.computed() == ["assemble:v1", "calibrate:v1:2", "quantize:v1:2"]
 
 
-def test_a_calibrate_knob_recomputes_calibrate_units_and_assembly_only(world, tmp_path):
-    config = copy_world(world, tmp_path / "w")
-    HealRun(load_config(config), log=Log()).assemble(load_config(config).variants[0])
+def test_a_calibrate_knob_recomputes_calibrate_units_and_assembly_only(assembled, tmp_path):
+    config = copy_world(assembled, tmp_path / "w")
     config.write_text(config.read_text().replace("ridge_rho = 6.0", "ridge_rho = 1.0"))
     planned = statuses(config)
     assert all(planned[u] == "cached" for u in units("quantize", "v1"))
@@ -157,9 +167,8 @@ def reference_assembly(path: Path, source: GGUFModel, calibrated: list[Path], va
     writer.close()
 
 
-def test_assembly_is_byte_identical_to_an_all_at_once_assembly(world, tmp_path):
-    config = copy_world(world, tmp_path / "w")
-    run = HealRun(load_config(config), log=Log())
+def test_assembly_is_byte_identical_to_an_all_at_once_assembly(assembled, tmp_path):
+    run = HealRun(load_config(assembled), log=Log())
     for variant in run.all_quantized_variants():
         ours = run.assemble(variant).path
         theirs = tmp_path / f"{variant.name}.gguf"
@@ -174,11 +183,11 @@ def shard_process(config: Path, shard: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
-def test_shard_workers_build_each_unit_once_and_the_same_gguf(world, tmp_path):
+def test_shard_workers_build_each_unit_once_and_the_same_gguf(world, assembled, tmp_path):
     """Two `heal --shard` processes at once on one lake (as two GPUs or hosts would run them) share
     the units between them, each built once; the plan then finds every unit cached, and the healed
     GGUFs are byte for byte those of one process."""
-    sharded, single = copy_world(world, tmp_path / "sharded"), copy_world(world, tmp_path / "single")
+    sharded, single = copy_world(world, tmp_path / "sharded"), assembled
     workers = [shard_process(sharded, f"{i}/2") for i in range(2)]
     outputs = [worker.communicate(timeout=600) for worker in workers]
     for worker, (out, err) in zip(workers, outputs):
@@ -205,9 +214,9 @@ def test_a_bad_shard_is_one_line_and_exit_2(world, shard, capsys):
 # ---- bfloat16 dumps -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def bf16_world(world, tmp_path_factory) -> Path:
-    """The world with `dump_dtype = "bfloat16"`, its lake holding the float32 dumps beside."""
-    config = copy_world(world, tmp_path_factory.mktemp("bf16") / "w")
+def bf16_world(assembled, tmp_path_factory) -> Path:
+    """The world with `dump_dtype = "bfloat16"`, its lake holding the float32 dumps and units beside."""
+    config = copy_world(assembled, tmp_path_factory.mktemp("bf16") / "w")
     config.write_text(config.read_text().replace("seed = 0\n[eval]", 'seed = 0\ndump_dtype = "bfloat16"\n[eval]', 1))
     return config
 
