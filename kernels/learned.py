@@ -418,6 +418,20 @@ def _weights(theta: dict[str, Params], consts: dict[str, Any], shapes: dict[str,
     return out
 
 
+def relative_error(weights: dict[str, np.ndarray], data: TokenSet, batch_tokens: int = 256) -> float:
+    """sum_t ||out_t - target_t||^2 / sum_t ||yr_t||^2 of the layer whose matrices are ``weights``
+    (float, the ``layer_error`` names) over the rows ``data``: the error learned rounding minimises,
+    for any rounding's decoded weights (a diagnostic: how well a layer fits the rows it saw against
+    rows it did not)."""
+    n_expert = weights["ffn_gate_exps"].shape[0]
+    rows = [np.arange(s, min(len(data), s + batch_tokens)) for s in range(0, len(data), batch_tokens)]
+    capacity = _capacity(data.experts, n_expert, rows)
+    stacked = _pack_batches(data, rows, n_expert, capacity, batch_tokens)
+    w = {name: jnp.asarray(v, jnp.float32) for name, v in weights.items()}
+    total = jax.jit(lambda w, s: jax.lax.map(lambda b: layer_error(w, b), s).sum())(w, stacked)
+    return float(total) / max(data.energy(), 1e-30)
+
+
 def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray], train: TokenSet,
                 heldout: TokenSet, settings: Settings, extra: dict[str, TokenSet] | None = None,
                 log: Callable[[str], None] | None = None, measure_extra: bool = False

@@ -177,3 +177,23 @@ def test_the_loss_is_the_layers_output_error_with_the_shared_expert():
     moved = dict(weights, ffn_down_exps=weights["ffn_down_exps"] * 1.1)  # the routed output times 1.1
     error = sum(float(L.layer_error(moved, {k: v[i] for k, v in batches.items()})) for i in range(2))
     assert error == pytest.approx(0.01 * full.energy(), rel=1e-3)
+
+
+def test_relative_error_is_the_layers_output_error_in_float64():
+    """`relative_error` of perturbed float experts against a float64 NumPy forward of the routed layer
+    (batches of uneven fill included: 2048 rows in batches of 300)."""
+    w, data = _small_layer(tokens=2048, seed=3)
+    rng = np.random.default_rng(4)
+    moved = {name: v + 0.01 * rng.normal(size=v.shape).astype(np.float32) for name, v in w.items()}
+    x = data.x.astype(np.float64)  # (T, d)
+    y = np.zeros_like(x)  # (T, d)
+    for slot in range(data.experts.shape[1]):
+        for e in np.unique(data.experts[:, slot]):
+            rows = data.experts[:, slot] == e
+            g = x[rows] @ moved["ffn_gate_exps"][e].astype(np.float64).T  # (n, f)
+            u = x[rows] @ moved["ffn_up_exps"][e].astype(np.float64).T  # (n, f)
+            h = g / (1.0 + np.exp(-g)) * u  # (n, f)
+            y[rows] += data.weights[rows, slot, None] * (h @ moved["ffn_down_exps"][e].astype(np.float64).T)  # (n, d)
+    expected = np.sum((y - data.target) ** 2) / np.sum(np.square(data.yr, dtype=np.float64))
+    assert expected > 1e-3  # the perturbation is visible
+    np.testing.assert_allclose(L.relative_error(moved, data, batch_tokens=300), expected, rtol=1e-4)
