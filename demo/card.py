@@ -462,7 +462,7 @@ def render_headline(snap: dict[str, list[Row]]) -> str:
     bits = {r["variant"]: r["routed_bpw"] for r in snap["sizes"]}
     index = {(r["set"], r["a"], r["b"]): r for r in snap["comparisons"]
              if r["moce_bonus_a"] == 0 and r["moce_bonus"] == 0}
-    lines = ["| bits per routed weight | llama.cpp, our imatrix | ours | KLD eval: llama.cpp → ours "
+    lines = ["| bits per routed weight | peer | ours | KLD eval: peer → ours "
              "| Δ KLD eval [95% CI] | Δ KLD canary [95% CI] |", "|---|---|---|---|---|---|"]
     for a, b in _compare_pairs(snap):
         if kinds.get(a) != "external" or kinds.get(b) != "healed" or abs(bits[a] - bits[b]) > 1e-9:
