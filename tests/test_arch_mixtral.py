@@ -16,7 +16,8 @@ from gguf import GGUFValueType
 from tokenizers import Tokenizer, trainers
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from moeheal.kernels import decode, encode
+from moeheal.kernels.decode import dequantize
+from moeheal.kernels.encode import quantize
 from moeheal.kernels.importance import gate_up_importance
 from moeheal.pipeline import model as M
 from moeheal.pipeline import tables
@@ -344,7 +345,7 @@ def test_a_budget_over_every_tensor_measures_attention_through_the_familys_rope(
     importance = gate_up_importance(np.mean(np.square(cal["1"]["attn_in"][:], dtype=np.float64), axis=0),
                                     b_all.beta_gate_up)
     w = params["attn_q.weight"]
-    w_q = decode.dequantize(encode.quantize(w, "q2_k", importance), "q2_k", w.shape)
+    w_q = dequantize(quantize(w, "q2_k", importance), "q2_k", w.shape)
     x = unseen["1"]["attn_in"][:].astype(np.float64)  # (N, d)
     starts = list(unseen.attrs["seq_starts"]) + [x.shape[0]]
     change = sum(float(np.sum((numpy_attention({**params, "attn_q.weight": w_q}, x[s:e], hp)

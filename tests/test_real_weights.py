@@ -9,7 +9,8 @@ import gguf
 import numpy as np
 import pytest
 
-from moeheal.kernels import decode, encode
+from moeheal.kernels.decode import dequantize
+from moeheal.kernels.encode import quantize_experts
 from moeheal.kernels import importance as imp
 from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.runner import Runner
@@ -52,8 +53,8 @@ def test_tq2_0_beats_gguf_py_on_every_real_tensor(real, layer):
     down = imp.down_importance(stats.sum_h_sq, stats.counts, imp.analytic_hidden_sq(gate, up, mean_sq), 16.0, 0.5)
     for name, importance in (("ffn_gate_exps", gate_up), ("ffn_up_exps", gate_up), ("ffn_down_exps", down)):
         w = model.tensor(f"blk.{layer}.{name}.weight")
-        ours = encode.quantize_experts(w, "tq2_0", importance)
-        ours_f = decode.dequantize(ours, "tq2_0", w.shape)
+        ours = quantize_experts(w, "tq2_0", importance)
+        ours_f = dequantize(ours, "tq2_0", w.shape)
         np.testing.assert_array_equal(  # our dequantizer is gguf-py's, bit for bit, on real bytes
             ours_f.view(np.uint32), gguf.quants.dequantize(ours, gguf.GGMLQuantizationType.TQ2_0).view(np.uint32))
         theirs = gguf.quants.quantize(w, gguf.GGMLQuantizationType.TQ2_0)
@@ -67,5 +68,5 @@ def test_real_q8_0_tensors_dequantize_bit_exact(real):
     model, _ = real
     for name in ("blk.1.attn_q.weight", "blk.2.ffn_down_exps.weight", "token_embd.weight"):
         raw = model.raw(name)
-        ours = decode.dequantize(raw.data, "q8_0", model.shape(name))
+        ours = dequantize(raw.data, "q8_0", model.shape(name))
         np.testing.assert_array_equal(ours.view(np.uint32), model.tensor(name).view(np.uint32))
