@@ -72,6 +72,14 @@ def _string_constants(tree: ast.AST) -> set[str]:
     return {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
 
 
+@lru_cache(maxsize=4096)
+def _references(source: str, filename: str, module: str, is_package: bool) -> tuple[frozenset[str], frozenset[str]]:
+    """(module names imported, string literals) of one file's source; keyed on the text, so a closure
+    re-parses only the files that changed since the last one (a plan computes one per stage module)."""
+    tree = ast.parse(source, filename=filename)
+    return frozenset(_imported_names(tree, module, is_package)), frozenset(_string_constants(tree))
+
+
 def closure(entry: str, root: Path = SOURCE_ROOT) -> dict[str, Path]:
     """Every project file `entry` (a module name) can reach, keyed by module name or `sql:<stem>`.
 
@@ -79,20 +87,22 @@ def closure(entry: str, root: Path = SOURCE_ROOT) -> dict[str, Path]:
     code have the same identity.
     """
     seen: dict[str, Path] = {}
+    files: set[Path] = set()
     todo = [entry]
     while todo:
         module = todo.pop()
         file = module_file(module, root)
-        if file is None or module in seen or file in seen.values():
+        if file is None or module in seen or file in files:
             continue
+        files.add(file)
         seen[module] = file
-        tree = ast.parse(file.read_text(encoding="utf-8"), filename=str(file))
-        for stem in _string_constants(tree):
+        imported, strings = _references(file.read_text(encoding="utf-8"), str(file), module, file.name == "__init__.py")
+        for stem in strings:
             sql = root / SUBPACKAGES["sql"] / f"{stem}.sql"
             if stem.isidentifier() and sql.is_file():
                 seen[f"sql:{stem}"] = sql
                 todo.append(f"{PACKAGE}.sql")  # the package the queries are read from
-        todo.extend(_imported_names(tree, module, file.name == "__init__.py"))
+        todo.extend(imported)
         todo.append(module.rpartition(".")[0])  # importing a module runs its package's __init__ first
     return seen
 
