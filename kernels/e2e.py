@@ -56,7 +56,7 @@ def adam_direction(m: Any, v: Any, grads: Any, t: jax.Array, b1: float = 0.9, b2
 
 
 @jax.jit
-def adam_step(params: Any, grads: Any, state: tuple[Any, Any, jax.Array], lr: jax.Array,
+def adam_step(params: Any, grads: Any, state: tuple[Any, Any, jax.Array], lr: Any,
               b1: float = 0.9, b2: float = 0.999, eps: float = 1e-12) -> tuple[Any, tuple[Any, Any, jax.Array]]:
     """One bias-corrected Adam update (Kingma & Ba) of every leaf; returns (params, state).
 
@@ -64,9 +64,13 @@ def adam_step(params: Any, grads: Any, state: tuple[Any, Any, jax.Array], lr: ja
     router row differ by orders of magnitude, and Adam's per-parameter normalisation gives each
     a step of about `lr` in its relative change (the sign-gradient steps AutoRound takes are the
     limit b2 -> b1 -> 0). eps is tiny because the gradients of rarely-routed experts' scales are.
+    `lr` is one learning rate, or a pytree like `params` of one per leaf (the e2e stage gives the
+    block scales their own).
     """
     m, v, t = state
     t = t + 1
     direction, m, v = adam_direction(m, v, grads, t.astype(jnp.float32), b1, b2, eps)
-    params = jax.tree_util.tree_map(lambda p, d: p - lr * d, params, direction)
+    if not isinstance(lr, (dict, list, tuple)):
+        lr = jax.tree_util.tree_map(lambda _: lr, params)
+    params = jax.tree_util.tree_map(lambda p, d, step: p - step * d, params, direction, lr)
     return params, (m, v, t)

@@ -33,6 +33,9 @@ EXPERT_ROLES = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_
 # `e2e = true`'s defaults (docs/e2e-tuning.md: the demo's measured curve).
 E2E_STEPS = 25
 E2E_LR = 2e-3
+# The fp16 block scales' own learning rate: the scales are most of the tuned values and fit the
+# calibration text fastest (docs/e2e-tuning.md, chosen on the unseen trace's KL).
+E2E_SCALE_LR = 2e-3
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,8 @@ class Variant:
     sensitivity_round: str = ""  # rounding of the per-tensor sensitivity measurement; "" = the variant's `round`
     e2e: bool = False  # tune the file's float parameters on the model's output after assembly (pipeline/stages/e2e.py)
     e2e_steps: int = E2E_STEPS
-    e2e_lr: float = E2E_LR
+    e2e_lr: float = E2E_LR  # the norms' and routers' learning rate
+    e2e_scale_lr: float = E2E_SCALE_LR  # the fp16 block scales'
     gguf: Path | None = None
 
     @property
@@ -114,7 +118,8 @@ class Variant:
     def e2e_knobs(self) -> dict[str, Any]:
         """The end-to-end tuning's knobs (empty without it): apart from `knobs`, which the assembled
         GGUF depends on, so an e2e knob re-runs the tuning only."""
-        return {"e2e": True, "e2e_steps": self.e2e_steps, "e2e_lr": self.e2e_lr} if self.e2e else {}
+        return ({"e2e": True, "e2e_steps": self.e2e_steps, "e2e_lr": self.e2e_lr,
+                 "e2e_scale_lr": self.e2e_scale_lr} if self.e2e else {})
 
 
 # The contract's baseline: same format, no calibration data, no alpha, no ridge.
@@ -177,7 +182,8 @@ _SCHEMA: dict[str, set[str]] = {
     "variant": {"name", "quant", "beta_gate_up", "beta_down", "down_blend_tokens", "alpha",
                 "ridge_rho", "ridge_eta", "shexp_down", "round", "gptq_damp", "gptq_shrink",
                 "gptq_router_weighted", "importance", "cal_tokens", "budget_bpw", "formats", "budget_roles",
-                "sensitivity_round", "gguf", "learned_steps", "e2e", "e2e_steps", "e2e_lr"},
+                "sensitivity_round", "gguf", "learned_steps", "e2e", "e2e_steps", "e2e_lr",
+                "e2e_scale_lr"},
 }
 
 
@@ -255,6 +261,7 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any], peers_ma
         e2e=r.get("e2e", bool, False),
         e2e_steps=r.number("e2e_steps", int, E2E_STEPS, 0, 1 << 20),
         e2e_lr=r.number("e2e_lr", float, E2E_LR, 0.0, 1.0),
+        e2e_scale_lr=r.number("e2e_scale_lr", float, E2E_SCALE_LR, 0.0, 1.0),
     )
     _refuse_knobs_without_effect(r, variant)
     return variant
@@ -319,6 +326,7 @@ _CONDITIONAL_KNOBS = {
     "ridge_eta": (lambda v: v.ridge_rho > 0, "has no effect with ridge_rho = 0 (no ridge)"),
     "e2e_steps": (lambda v: v.e2e, "has no effect without e2e = true"),
     "e2e_lr": (lambda v: v.e2e, "has no effect without e2e = true"),
+    "e2e_scale_lr": (lambda v: v.e2e, "has no effect without e2e = true"),
     "shexp_down": (lambda v: not (v.budgeted and v.budget_roles == "all"),
                    'has no effect with budget_roles = "all": the allocation chooses the shared down projection\'s format'),
 }

@@ -69,12 +69,14 @@ class E2EParams:
 
     variant: str  # names the curve's rows
     steps: int
-    lr: float
+    lr: float  # the norms' and routers' Adam step (relative)
+    scale_lr: float  # the fp16 block scales'
     seq_tokens: int
 
     @classmethod
     def of(cls, variant, seq_tokens: int) -> "E2EParams":
-        return cls(variant=variant.name, steps=variant.e2e_steps, lr=variant.e2e_lr, seq_tokens=seq_tokens)
+        return cls(variant=variant.name, steps=variant.e2e_steps, lr=variant.e2e_lr,
+                   scale_lr=variant.e2e_scale_lr, seq_tokens=seq_tokens)
 
 
 def short_name(name: str) -> str:
@@ -229,7 +231,8 @@ def tune(tuner: Tuner, calibration: Trace, unseen: Trace, params: E2EParams,
     step with the lowest unseen KL (step 0 included) and the curve's rows."""
     rng = np.random.default_rng(SEED)
     theta, state = tuner.theta0, adam_init(tuner.theta0)
-    lr = jnp.float32(params.lr)
+    lr = {"scales": jax.tree_util.tree_map(lambda _: jnp.float32(params.scale_lr), theta["scales"]),
+          "floats": jax.tree_util.tree_map(lambda _: jnp.float32(params.lr), theta["floats"])}  # like theta
     rows: list[dict[str, Any]] = []
     started = time.process_time()  # CPU seconds: a shared machine's wall clock says little
     best: tuple[float, int, dict] | None = None
