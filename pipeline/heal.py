@@ -147,6 +147,8 @@ class HealRun:
         self.log = log
         self.planning = plan
         self.nodes: dict[tuple[Any, ...], Node] = {}
+        for stage in STAGES:  # each code identity read now, next to the imports, not when the stage is
+            stage.code()      # reached: a file edited during a long run cannot key the old code's output
         validate_models(config, self.reference, self.source)
         self.lake = Lake(config.lake_root)
         self.executor = Executor(self.lake, log, plan)
@@ -392,16 +394,11 @@ class HealRun:
         self.publish()
 
     def plan(self) -> list[PlannedStage]:
-        """Every stage invocation of `heal`, in DAG order, with fingerprint and cache status."""
+        """Every stage invocation of `heal`, in DAG order, with fingerprint and cache status: what the
+        published tables are computed from (`tables.table_declarations`), which is what `heal` runs."""
         assert self.planning, "construct HealRun(config, plan=True)"
-        self.audit()
-        for trace in self.traces_present():
-            self.dump(trace)
-        for variant in self.all_quantized_variants():
-            self.final_model(variant)
-        self.comparisons()
-        for variant in self.evaluated_variants():
-            self.llama_check(variant)
+        for sources, _ in tables.table_declarations(self).values():
+            sources()
         return self.executor.planned
 
     def summary_table(self) -> str:

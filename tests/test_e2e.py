@@ -13,7 +13,7 @@ import pytest
 from gguf import GGUFReader
 
 from moeheal.kernels import decode
-from moeheal.kernels.e2e import fp16_ste
+from moeheal.kernels.e2e import adam_init, adam_step, fp16_ste
 from moeheal.pipeline.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
@@ -172,10 +172,28 @@ def test_plan_lists_the_e2e_stage_and_evaluation_reads_its_file(tuned, capsys):
     assert {r["split"] for r in curve} == {"calibration", "unseen"}
 
 
+def test_the_scales_and_the_other_floats_step_at_their_own_learning_rates(tuned):
+    """One Adam step with the stage's learning rates: with e2e_scale_lr = 0 no fp16 scale moves and
+    every norm and router does, by the step a single learning rate gives them; and the other way round."""
+    _, run = tuned
+    assembled, _ = _models(run)
+    tuner = e2e.Tuner(assembled, GGUFModel(run.cfg.source))
+    grad = jax.tree_util.tree_map(lambda u: jnp.ones_like(u), tuner.theta0)
+    for lr, scale_lr in ((0.01, 0.0), (0.0, 0.01)):
+        params = e2e.E2EParams("k", steps=1, lr=lr, scale_lr=scale_lr, seq_tokens=run.cfg.seq_tokens)
+        theta, _ = adam_step(tuner.theta0, grad, adam_init(tuner.theta0), e2e.learning_rates(tuner.theta0, params))
+        single, _ = adam_step(tuner.theta0, grad, adam_init(tuner.theta0), jnp.float32(0.01))
+        for group, rate in (("scales", scale_lr), ("floats", lr)):
+            for got, one in zip(jax.tree_util.tree_leaves(theta[group]), jax.tree_util.tree_leaves(single[group])):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(one) if rate else 0.0)
+
+
 @pytest.mark.parametrize("knobs, message", [
     ("e2e_steps = 10", "[variant[0]] e2e_steps: has no effect without e2e = true"),
     ("e2e_lr = 0.01", "[variant[0]] e2e_lr: has no effect without e2e = true"),
     ("e2e = true\ne2e_lr = 2.0", "[variant[0]] e2e_lr: 2.0 out of range"),
+    ("e2e_scale_lr = 0.001", "[variant[0]] e2e_scale_lr: has no effect without e2e = true"),
+    ("e2e = true\ne2e_scale_lr = -1.0", "[variant[0]] e2e_scale_lr: -1.0 out of range"),
     ("e2e = 1", "[variant[0]] e2e: expected bool"),
 ])
 def test_e2e_knobs_are_validated(tmp_path, knobs, message):

@@ -96,6 +96,29 @@ def test_every_source_file_mutation_changes_exactly_the_dependent_stages(world, 
     assert reached >= 25  # most of the code base computes something
 
 
+def test_code_identities_are_read_when_a_run_starts(world, tmp_path, monkeypatch):
+    """A stage module edited while a run is under way keys nothing of that run (its stages run the
+    code imported at its start); the next run sees the edit."""
+    from moeheal.pipeline import dag
+
+    root = source_copy(tmp_path / "src")
+    codeid.code_identity.cache_clear()
+    monkeypatch.setattr(dag, "code_identity", lambda module: codeid.code_identity(module, root))
+
+    def fingerprints(run: HealRun) -> dict[str, str]:
+        return {p.stage: p.fingerprint for p in run.plan()}
+
+    before = fingerprints(HealRun(load_config(world), log=lambda m: None, plan=True))
+    codeid.code_identity.cache_clear()
+    under_way = HealRun(load_config(world), log=lambda m: None, plan=True)
+    quantize_py = root / "pipeline" / "stages" / "quantize.py"
+    quantize_py.write_text(quantize_py.read_text() + "\n# edited\n")
+    assert fingerprints(under_way) == before
+    codeid.code_identity.cache_clear()  # what a new process starts with
+    after = fingerprints(HealRun(load_config(world), log=lambda m: None, plan=True))
+    assert {label.split(":")[0] for label in after if after[label] != before[label]} >= {"quantize", "calibrate"}
+
+
 def test_named_holes_are_closed(tmp_path):
     """The three holes found: the runner's routing kernel, calibrate's rho grid, the overlap query."""
     root = source_copy(tmp_path / "src")

@@ -225,14 +225,20 @@ class Trace:
         return jnp.asarray(self.tokens[rows]), jnp.asarray(self.ref_logp[rows]), jnp.asarray(self.mask[rows])
 
 
+def learning_rates(theta: dict, params: E2EParams) -> dict:
+    """A pytree like `theta` of each leaf's Adam step: `scale_lr` for the fp16 block scales, `lr` for
+    the norms and routers."""
+    return {"scales": jax.tree_util.tree_map(lambda _: jnp.float32(params.scale_lr), theta["scales"]),
+            "floats": jax.tree_util.tree_map(lambda _: jnp.float32(params.lr), theta["floats"])}
+
+
 def tune(tuner: Tuner, calibration: Trace, unseen: Trace, params: E2EParams,
          log: Callable[[str], None] = print) -> tuple[dict, list[dict[str, Any]]]:
     """Adam on the calibration trace for `params.steps` steps; returns the theta of the measured
     step with the lowest unseen KL (step 0 included) and the curve's rows."""
     rng = np.random.default_rng(SEED)
     theta, state = tuner.theta0, adam_init(tuner.theta0)
-    lr = {"scales": jax.tree_util.tree_map(lambda _: jnp.float32(params.scale_lr), theta["scales"]),
-          "floats": jax.tree_util.tree_map(lambda _: jnp.float32(params.lr), theta["floats"])}  # like theta
+    lr = learning_rates(theta, params)
     rows: list[dict[str, Any]] = []
     started = time.process_time()  # CPU seconds: a shared machine's wall clock says little
     best: tuple[float, int, dict] | None = None
