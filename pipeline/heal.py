@@ -374,8 +374,12 @@ class HealRun:
                     upstream=up | {"windows": self.windows.node(), "audit": self.audit_stage.node()})
 
     def calibrated_table(self, variants: list[Variant], name: str) -> pa.Table:
-        """`layer_metrics` or `ridge_cv`: the rows every (variant, layer) unit wrote, in that order."""
-        return pa.concat_tables([_read_parts(unit, name) for v in variants for unit in self.calibrated_layers(v)])
+        """`layer_metrics` or `ridge_cv`: the rows every (variant, layer) unit wrote, in that order, each
+        named by its variant (a unit can serve two variants with the same knobs)."""
+        parts = [_read_parts(unit, name) for v in variants for unit in self.calibrated_layers(v)]
+        names = [v.name for v in variants for _ in self.source.moe_layers]
+        return pa.concat_tables([part.add_column(0, "variant", pa.array([n] * part.num_rows, pa.string()))
+                                 for part, n in zip(parts, names)])
 
     def recipe_formats(self, variant: Variant) -> dict[str, str]:
         """{"blk.N.ffn_gate_exps.weight": format, ...}: the routed tensors' formats of one of our variants."""

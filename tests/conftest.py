@@ -7,6 +7,16 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# JAX's persistent compilation cache, shared by both test workers, every test file of a run and the
+# `moeheal` processes tests start (so set in the environment), and by later runs in this checkout: the
+# small healed worlds of many files compile the same kernels at the same shapes, and on the CPU the
+# compiling is a large part of what a small world costs. Every program is cached, however fast it
+# compiled. The key includes JAX's version, the backend and the program, so a stale entry is never used.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.ggufs import make_tiny_gguf  # noqa: E402
@@ -49,8 +59,6 @@ def healed_world(tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items) -> None:
     """`gpu` tests run only where JAX sees a GPU; `llamacpp` tests only with LLAMA_CPP_DIR set."""
-    import jax
-
     has_gpu = jax.default_backend() in ("gpu", "cuda", "rocm", "METAL")
     llama = os.environ.get("LLAMA_CPP_DIR")
     for item in items:

@@ -205,3 +205,16 @@ def test_unhashed_chunk_size_does_not_change_the_dump(tmp_path):
     for layer in ("0", "1"):
         for name in ("mixed", "yr", "hh", "experts", "weights"):
             np.testing.assert_array_equal(ours[layer][name][:], theirs[layer][name][:])
+
+
+def test_a_variant_tuned_end_to_end_shares_every_unit_up_to_its_assembly(tmp_path):
+    """Two variants whose knobs differ only in `e2e`: the same quantize and calibrate units (no variant
+    name in their keys); each its own assembly (the GGUF names its variant) and the e2e stage after one."""
+    twin = '[[variant]]\nname = "{}"\nquant = "q2_k"\nround = "gptq"\n{}'
+    config = write_world(tmp_path, variants=twin.format("plain", "") + twin.format("tuned", "e2e = true\n"))
+    planned = {p.stage: p.fingerprint for p in HealRun(load_config(config), log=lambda m: None, plan=True).plan()}
+    for stage in ("quantize", "calibrate"):
+        for layer in (0, 1):
+            assert planned[f"{stage}:plain:{layer}"] == planned[f"{stage}:tuned:{layer}"]
+    assert planned["assemble:plain"] != planned["assemble:tuned"]
+    assert "e2e:tuned" in planned and "e2e:plain" not in planned

@@ -58,9 +58,10 @@ OUTPUTS = ("layer_<i>.npz", "layer_metrics.parquet", "ridge_cv.parquet")  # a un
 class CalibrateParams:
     """The knobs that reach healing. Without a shared expert there is no ridge and no requantized
     shared down projection, so `ridge_rho`, `ridge_eta` and `shexp_down` are None (not fingerprinted);
-    `shexp_down` is None too where a budget's recipe chooses the shared down projection's format."""
+    `shexp_down` is None too where a budget's recipe chooses the shared down projection's format.
+    No variant name: two variants with the same knobs (one tuned end to end after assembly) share
+    their units, and the published rows are named when the units are read (`UNIT_COLUMNS`)."""
 
-    variant: str  # names the rows of layer_metrics and ridge_cv
     alpha: bool
     cal_tokens: int
     ridge_rho: float | None = None
@@ -70,11 +71,11 @@ class CalibrateParams:
 
     @classmethod
     def of(cls, variant, shared_expert: bool) -> "CalibrateParams":
-        base = cls(variant=variant.name, alpha=variant.alpha, cal_tokens=variant.cal_tokens)
+        base = cls(alpha=variant.alpha, cal_tokens=variant.cal_tokens)
         if not shared_expert:
             return base
         recipe_chooses = variant.budgeted and variant.budget_roles == "all"  # roles.chosen_roles: SHARED too
-        return cls(variant=variant.name, alpha=variant.alpha, cal_tokens=variant.cal_tokens,
+        return cls(alpha=variant.alpha, cal_tokens=variant.cal_tokens,
                    ridge_rho=variant.ridge_rho, ridge_eta=variant.ridge_eta,
                    shexp_down=None if recipe_chooses else variant.shexp_down)
 # Each layer's unit writes its own rows; declared, so every unit's part concatenates with the others.
@@ -82,6 +83,8 @@ METRICS_SCHEMA = pa.schema([("variant", pa.string()), ("layer", pa.int64()), ("s
                             ("resid_alpha1", pa.float64()), ("alpha", pa.float64()), ("resid_alpha", pa.float64()),
                             ("alpha_oracle", pa.float64()), ("resid_oracle", pa.float64()),
                             ("resid_ridge", pa.float64())])
+# A unit writes its rows without the variant column (first in both schemas), which is added on reading.
+UNIT_COLUMNS = 1
 RIDGE_CV_SCHEMA = pa.schema([("variant", pa.string()), ("layer", pa.int32()), ("rho", pa.float64()),
                              ("split", pa.string()), ("rel_gain", pa.float64()), ("rank_z", pa.int32()),
                              ("dof", pa.float64()), ("chosen", pa.bool_()), ("configured", pa.bool_()),
@@ -152,7 +155,6 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
     out.mkdir(parents=True, exist_ok=True)
     splits = {"in_sample": cal, **({"unseen": unseen} if unseen is not None else {})}
     shared = source.arch.has_shared_expert  # the ridge runs through the shared down projection
-    variant = params.variant
     metrics, cv_rows = [], []
     arrays = load_quantized(quant_dir, layer)
     in_sample_rows = slice(0, params.cal_tokens or None)  # the rows quantization saw
@@ -162,7 +164,7 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
     experts_f32 = dequantized_experts(arrays)  # once: a real layer is hundreds of millions of weights
     y_q = {s: routed_output(experts_f32, g) for s, g in groups.items()}
     alpha = fit_alpha(y_ref["in_sample"], y_q["in_sample"]) if params.alpha else 1.0
-    arrays["ffn_down_exps"] = scale_expert_scales(arrays, "ffn_down_exps", alpha, f"{variant}: layer {layer}")
+    arrays["ffn_down_exps"] = scale_expert_scales(arrays, "ffn_down_exps", alpha, f"layer {layer}")
     experts_f32["ffn_down_exps"] = dequantized_matrix(arrays, "ffn_down_exps", keep_on_device=True)  # alpha in its scales
     y_healed = {s: routed_output(experts_f32, g) for s, g in groups.items()}
     del experts_f32
@@ -180,7 +182,7 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
         rank = matrix_rank(gram)
         grid_rows, best_rho, applied = ridge_cv_rows(z_q["in_sample"], target, y_q["in_sample"],
                                                      gram, rank, rho, eta, refit_alpha=params.alpha)
-        cv_rows += [{"variant": variant, "layer": layer, **r} for r in grid_rows]
+        cv_rows += [{"layer": layer, **r} for r in grid_rows]
         corrected = w_down + eta * solve_ridge(gram, cross, rho) if applied else w_down  # (d, f)
         chosen = "ffn_down_shexp.format" in arrays  # a recipe chose its format (and quantized it)
         if applied or not chosen:  # requantized by least squares (with its importance, if any)
@@ -190,7 +192,7 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
         w_requant = dequantized_matrix(arrays, "ffn_down_shexp")  # (d, f)
         shexp_delta = {s: z_q[s] @ w_requant.T - z[s] @ w_down.T for s in groups}  # (T, d)
         if rho > 0:  # realized gain of the configured rho after requantization, per split
-            cv_rows += [{"variant": variant, "layer": layer, "rho": rho, "split": f"{s}_realized",
+            cv_rows += [{"layer": layer, "rho": rho, "split": f"{s}_realized",
                          "rel_gain": float(relative_residual(y_ref[s] - y_healed[s], shexp_delta[s]) - 1.0),
                          "rank_z": int(rank), "dof": float(effective_dof(gram, rho)),
                          "chosen": rho == best_rho, "configured": True, "applied": bool(applied)}
@@ -198,7 +200,7 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
     for s in groups:
         oracle, resid_oracle = oracle_alpha(y_ref[s], y_q[s])
         metrics.append({
-            "variant": variant, "layer": layer, "split": s,
+            "layer": layer, "split": s,
             "resid_alpha1": relative_residual(y_ref[s], y_q[s]),
             "alpha": float(alpha),
             "resid_alpha": relative_residual(y_ref[s], y_healed[s]),
@@ -207,8 +209,9 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
             "resid_ridge": relative_residual(y_ref[s], y_healed[s] + shexp_delta[s]),
         })
     np.savez(out / f"layer_{layer}.npz", **arrays, alpha=np.float32(alpha))
-    write_parquet(out / "layer_metrics.parquet", pa.Table.from_pylist(metrics, schema=METRICS_SCHEMA))
-    write_parquet(out / "ridge_cv.parquet", pa.Table.from_pylist(cv_rows, schema=RIDGE_CV_SCHEMA))
+    for name, rows, schema in (("layer_metrics", metrics, METRICS_SCHEMA), ("ridge_cv", cv_rows, RIDGE_CV_SCHEMA)):
+        unit_schema = pa.schema(list(schema)[UNIT_COLUMNS:])
+        write_parquet(out / f"{name}.parquet", pa.Table.from_pylist(rows, schema=unit_schema))
 
 
 def ridge_cv_rows(z: np.ndarray, y_ref: np.ndarray, y_q: np.ndarray, gram: np.ndarray, rank: int, rho: float,
