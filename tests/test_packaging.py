@@ -3,9 +3,7 @@ and no clash with Hugging Face's `kernels` installed beside it."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 import zipfile
@@ -13,20 +11,12 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def run(cmd: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=check,
-                          env={**env, "JAX_PLATFORMS": "cpu"})
+from tests.wheels import REPO, build_wheel, run
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    dist = tmp_path_factory.mktemp("dist")
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(REPO)], cwd=dist)
-    return next(dist.glob("moeheal-*.whl"))
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
 
 
 def test_wheel_holds_one_namespace_and_the_sql(wheel):

@@ -10,8 +10,6 @@ needs no network; the wheel itself is installed with `--no-deps`.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -20,15 +18,7 @@ import pyarrow.parquet as pq
 
 from tests.ggufs import make_tiny_gguf
 from tests.test_init import write_text_folder
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**env, "JAX_PLATFORMS": "cpu"})
-    assert done.returncode == 0, f"{cmd}: {done.stderr[-2000:]}"
-    return done
+from tests.wheels import build_wheel, run
 
 
 def first_variant_only(config: Path) -> None:
@@ -39,8 +29,7 @@ def first_variant_only(config: Path) -> None:
 
 
 def test_the_installed_wheel_inits_heals_reports_and_exports_a_users_model(tmp_path):
-    dist = tmp_path / "dist"
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(REPO)], cwd=tmp_path)
+    wheel = build_wheel(tmp_path / "wheel")
     env = tmp_path / "env"
     run([sys.executable, "-m", "venv", str(env)], cwd=tmp_path)
     python, moeheal = env / "bin" / "python", str(env / "bin" / "moeheal")
@@ -48,7 +37,7 @@ def test_the_installed_wheel_inits_heals_reports_and_exports_a_users_model(tmp_p
                     cwd=tmp_path).stdout.strip())
     borrowed = [p for p in sys.path if Path(p).name == "site-packages"] or [sysconfig.get_paths()["purelib"]]
     (site / "borrowed_dependencies.pth").write_text("".join(f"{p}\n" for p in borrowed))
-    run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(next(dist.glob("moeheal-*.whl")))], cwd=tmp_path)
+    run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], cwd=tmp_path)
 
     work = tmp_path / "work"  # the user's folder: no checkout anywhere near it
     model = make_tiny_gguf(work / "my-moe.gguf", arch="qwen2moe", seed=3, n_layer=2, d_model=256, n_expert=8,
