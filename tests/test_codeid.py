@@ -103,6 +103,13 @@ def test_what_reads_the_source_depends_on_decoders_only(module):
     assert not closure & ENCODERS, sorted(closure & ENCODERS)
 
 
+def test_the_sensitivity_measure_does_not_run_calibrate():
+    """Budgets' sensitivity (the costliest stage of a budget variant) and calibrate share the routed
+    forward over dump rows, from a module of its own: an edit to healing re-measures no budget."""
+    assert "moeheal.pipeline.stages.routed" in codeid.closure("moeheal.pipeline.stages.sensitivity")
+    assert "moeheal.pipeline.stages.calibrate" not in codeid.closure("moeheal.pipeline.stages.sensitivity")
+
+
 def test_the_kernels_package_only_re_exports_lazily():
     """Importing any kernels module runs kernels/__init__.py first, so whatever it imported would be in
     every stage's code identity: it imports no module of ours, and its API comes from the modules."""

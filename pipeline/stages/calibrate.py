@@ -47,9 +47,10 @@ from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import write_parquet
 from moeheal.pipeline.gguf_model import GGUFModel, open_model
 from moeheal.pipeline.gguf_write import Deferred, copy_gguf
-from moeheal.pipeline.model import moe_forward, swiglu
+from moeheal.pipeline.model import swiglu
 from moeheal.pipeline.stages.dump import open_dump, read_layer
 from moeheal.pipeline.stages.quantize import EXPERT_TENSORS, load_quantized
+from moeheal.pipeline.stages.routed import routed_output
 
 OUTPUTS = ("layer_<i>.npz", "layer_metrics.parquet", "ridge_cv.parquet")  # a unit's: its layer and its rows
 
@@ -114,15 +115,6 @@ def dequantized_experts(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """The layer's quantized routed experts in float32 on the default device, where the routed
     forward runs (a real layer's are GBs: they never cross to the host)."""
     return {name: dequantized_matrix(arrays, name, keep_on_device=True) for name in EXPERT_TENSORS}
-
-
-def routed_output(experts_f32: dict[str, jax.Array], data: dict[str, np.ndarray]) -> np.ndarray:
-    """The routed experts' output (T, d) for a group's rows, with the dump's routing: what alpha and
-    the sensitivity measure compare against the reference's."""
-    return np.asarray(moe_forward(
-        {"gate_exps": experts_f32["ffn_gate_exps"], "up_exps": experts_f32["ffn_up_exps"],
-         "down_exps": experts_f32["ffn_down_exps"]},
-        data["mixed"], data["experts"], data["weights"]))  # (T, d)
 
 
 def _gated_hidden(source: GGUFModel, layer: int, data: dict[str, np.ndarray],

@@ -50,10 +50,10 @@ from moeheal.pipeline.files import read_part, write_parquet
 from moeheal.pipeline.gguf_model import GGUFModel, open_model
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.roles import ROLE_TENSOR, ROUTED_TENSOR
-from moeheal.pipeline.stages.calibrate import routed_output
 from moeheal.pipeline.stages.dump import open_dump, read_layer
 from moeheal.pipeline.stages.quantize import (EXPERT_TENSORS, QuantizeParams, expert_weights, importance_plan,
                                               layer_matrices, matrix_plan)
+from moeheal.pipeline.stages.routed import routed_output
 
 OUTPUTS = ("sensitivity.parquet", "recipe.parquet", "allocation.parquet")
 
