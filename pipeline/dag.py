@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from moeheal.pipeline.codeid import code_identity
+from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.fingerprint import content_digest, fingerprint
 from moeheal.pipeline.lake import Lake, StageResult
 
@@ -209,8 +210,11 @@ class Executor:
             result = None
         else:
             paths = {**node.inputs, **{key: use.path(up[key]) for key, use in node.upstream.items()}}
-            result = run_stage(self.lake, stage, node.params, node.inputs, up,
-                               lambda out: self.build(node, out, paths), self.log, node.label)
+            try:
+                result = run_stage(self.lake, stage, node.params, node.inputs, up,
+                                   lambda out: self.build(node, out, paths), self.log, node.label)
+            except InputError as exc:  # the one line a user reads names the invocation: stage, variant, layer
+                raise type(exc)(f"{node.label}: {exc}") from None
             if stage.check is not None:
                 stage.check(result.path)
         self.nodes.append(node)

@@ -25,6 +25,7 @@ import zarr
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.dag import Executor, Node, Stage, hashed_fields, stage_fingerprint
 from moeheal.pipeline.dagdraw import to_dot, to_mermaid
+from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.heal import STAGES, HealRun
 from moeheal.pipeline.lake import Lake
 from tests.healworld import write_world
@@ -187,6 +188,25 @@ def test_a_build_must_read_every_hashed_knob(tmp_path):
         Node("wrong", good, {"gain": 2.0})
     with pytest.raises(ValueError, match="not in"):
         Stage("elsewhere", "parts", "", "moeheal.pipeline.files", build=build_scaled)
+
+
+def build_refusing(out: Path, params: GainParams, inputs: dict[str, Path], log) -> None:
+    raise InputError(f"{inputs['data']}: gain {params.gain} refused")
+
+
+def test_a_builds_input_error_names_the_invocation(tmp_path):
+    """The one line a user reads for bad input found inside a build (a unit's alpha overflowing fp16,
+    a corrupt dump chunk) starts with the invocation's label (stage, variant, layer), keeps its type
+    and exit code, and publishes nothing."""
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"\x01")
+    executor = Executor(Lake(tmp_path / "lake"), log=lambda m: None)
+    stage = Stage("refusing", "parts", "", build_refusing.__module__, build=build_refusing, params=GainParams)
+    with pytest.raises(InputError) as err:
+        executor.result(Node("refusing:v1:0", stage, GainParams(2.0), inputs={"data": data}))
+    assert str(err.value) == f"refusing:v1:0: {data}: gain 2.0 refused"
+    assert err.value.exit_code == 2
+    assert not list((tmp_path / "lake" / "parts").glob("*"))
 
 
 def test_unhashed_chunk_size_does_not_change_the_dump(tmp_path):
