@@ -21,6 +21,7 @@ from moeheal.pipeline import roles
 from moeheal.pipeline.config import Variant
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.files import read_part
+from moeheal.pipeline.fingerprint import content_digest
 from moeheal.pipeline.gguf_model import open_model
 from moeheal.pipeline.lake import Publication, StageResult, read_sources
 from moeheal.pipeline.numerics import overflow_message
@@ -144,7 +145,8 @@ def table_declarations(run: HealRun) -> dict[str, tuple[Callable[[], list[Any]],
         return [unit for v in quantized for unit in run.calibrated_layers(v)]
 
     def ggufs() -> list[Any]:
-        return [open_model(v.gguf).digest() if v.kind == "external" else run.final_model(v)[0] for v in evaluated]
+        # an outside file by the digest its evaluation is keyed on: no GGUF parsed (plan lists these)
+        return [content_digest(v.gguf) if v.kind == "external" else run.final_model(v)[0] for v in evaluated]
 
     def measured() -> list[Any]:
         return ggufs() + [run.sensitivity(v) for v in run.budget_variants()]
