@@ -418,8 +418,12 @@ def render_moce(snap: dict[str, list[Row]]) -> str:
     for r in rows:
         c = cost.get((r["variant"], r["moce_bonus"]))
         delta = "—" if c is None else _delta(c["delta_pct"], c["ci_lo"], c["ci_hi"])
+        repeats = f"{r['reps_same']}/{r['reps_checked']}" if r["reps_checked"] else "not run"
         lines.append(f"| {r['variant']} | {r['moce_bonus']:g} | {_pct(r['hit_rate'])} | {_pct(r['hit_rate_lru'])} | "
-                     f"{_pct(r['hit_rate_belady'])} | {delta} | {r['reps_same']}/{r['reps_checked']} |")
+                     f"{_pct(r['hit_rate_belady'])} | {delta} | {repeats} |")
+    if not any(r["reps_checked"] for r in rows):
+        lines += ["", "Each window ran once (`[moce] reps = 1`): the repeat runs that check the cache simulation "
+                      "is deterministic are not part of this run."]
     return "\n".join(lines)
 
 

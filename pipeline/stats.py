@@ -183,8 +183,11 @@ def summary_table(lake, order: Sequence[str] | None = None) -> str:
                          f"Spearman {rho} over {r['n_variants']} variants")
     if "hitrate" in names:
         det = lake.query("summary_determinism").to_pylist()[0]
-        lines += [f"expert-cache determinism: {det['reps_same']} of {det['reps_checked']} repeat runs "
-                  "bit-identical (each run after the first against the first)"]
+        if det["reps_checked"]:
+            lines += [f"expert-cache determinism: {det['reps_same']} of {det['reps_checked']} repeat runs "
+                      "bit-identical (each run after the first against the first)"]
+        else:
+            lines += ["expert-cache determinism: not checked (each window ran once: [moce] reps = 1)"]
     return "\n".join(lines)
 
 

@@ -137,7 +137,8 @@ def test_heal_toml_names_existing_files_and_pairs_each_peer_with_ours():
     peers = {v["name"] for v in config["variant"] if "gguf" in v}
     assert peers and all((DEMO / v["gguf"]).exists() for v in config["variant"] if "gguf" in v)
     assert peers <= {a for a, _ in config["eval"]["compare"]}  # every peer is compared with a variant of ours
-    assert 0.0 in config["moce"]["bonus"] and config["moce"]["reps"] >= 2  # repeats check determinism
+    # one pass per window (the repeat runs' determinism check is test_heal's): `make heal` keeps to its time
+    assert config["moce"]["bonus"] == [0.0] and config["moce"]["reps"] == 1
     assert set(config["calibration"]["mix"]) == STRATA
 
 

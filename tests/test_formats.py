@@ -24,6 +24,8 @@ from moeheal.kernels.formats_encode import IQ4_NLEncoder as IQ4_NL, TQ2_0Encoder
 from moeheal.kernels.iquants import IQuant
 from tests import reference_quants as ref
 
+pytestmark = pytest.mark.compile_bound  # tests/conftest.py
+
 SPECIAL_FP16 = np.array(
     [0x7C00, 0xFC00, 0x7E00, 0xFE01, 0x0001, 0x8001, 0x03FF, 0x0000, 0x8000, 0x3C00, 0xBC00, 0x7BFF, 0xFBFF],
     dtype=np.uint16,

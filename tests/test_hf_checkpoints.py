@@ -41,6 +41,8 @@ from tests.test_arch_mixtral import tiny_mixtral, train_tiny_spm
 from tests.test_arch_qwen3next import tiny_qwen3next
 from tests.test_runner import rel_err, tokens_for
 
+pytestmark = pytest.mark.compile_bound  # tests/conftest.py
+
 FAMILIES = ["qwen2moe", "qwen3moe", "olmoe", "mixtral", "deepseek2", "qwen3next"]
 
 

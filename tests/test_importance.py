@@ -23,6 +23,8 @@ from moeheal.kernels.importance import (
     shrink_hessian,
 )
 
+pytestmark = pytest.mark.compile_bound  # tests/conftest.py
+
 
 def silu(v: np.ndarray) -> np.ndarray:
     return v * special.expit(v)

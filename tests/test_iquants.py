@@ -30,6 +30,8 @@ from tests import reference_quants as ref
 from tests.test_gptq import correlated_hessian
 from tests.test_kquants import DEMO_MODEL, demo_experts, gguf_values, t3_weights
 
+pytestmark = pytest.mark.compile_bound  # tests/conftest.py
+
 IQUANTS = ["iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs"]
 
 

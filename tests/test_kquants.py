@@ -24,6 +24,8 @@ from moeheal.kernels.encode import ENCODERS, quantize, quantize_experts
 from moeheal.kernels.kquants_encode import KQuantEncoder as KQuant, ggml_weights, weighted_sse
 from tests import reference_quants as ref
 
+pytestmark = pytest.mark.compile_bound  # tests/conftest.py
+
 KQUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "model" / "demo-q8_0.gguf"
 

@@ -18,6 +18,12 @@ from moeheal.kernels import decode, encode
 from moeheal.kernels import learned as L
 from moeheal.kernels.decode import FORMATS
 from moeheal.kernels.gptq import damp_hessian
+from moeheal.pipeline.config import load_config
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.stages.quantize import QuantizeParams
+from tests.healworld import write_world
+
+pytestmark = pytest.mark.compile_bound  # tests/conftest.py
 
 
 def _random_theta(relax: L.Relaxation, theta0: L.Params, rng: np.random.Generator) -> L.Params:
@@ -56,11 +62,6 @@ def test_learned_bytes_decode_to_the_values_the_loss_saw(fmt):
 
 # --------------------------------------------------------------------------- config
 
-
-from moeheal.pipeline.config import load_config  # noqa: E402
-from moeheal.pipeline.errors import InputError  # noqa: E402
-from moeheal.pipeline.stages.quantize import QuantizeParams  # noqa: E402
-from tests.healworld import write_world  # noqa: E402
 
 
 @pytest.mark.parametrize("knobs, key, why", [

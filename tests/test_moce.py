@@ -29,6 +29,8 @@ from moeheal.kernels.moce import (
 )
 from moeheal.kernels.routing import topk_route
 
+pytestmark = pytest.mark.compile_bound  # tests/conftest.py
+
 
 def reference_route(
     logits: np.ndarray, k: int, cache_size: int, bonus: float, norm_topk_prob: bool

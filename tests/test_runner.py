@@ -13,6 +13,8 @@ from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.gguf_write import write_gguf
 from moeheal.pipeline.runner import LayerCapture, Runner
 
+pytestmark = pytest.mark.compile_bound  # tests/conftest.py
+
 DEMO_GGUF = Path(__file__).resolve().parents[1] / "demo" / "model" / "demo-q8_0.gguf"
 
 

@@ -303,6 +303,10 @@ def test_summary_marks_thin_strata_and_counts_real_repeats(tmp_path) -> None:
     assert "windows per stratum, canary set: all chat_json=3 ja=3 ops=3 persona=3; clean ops=1" in text
     assert "\u00a7 a stratum has one window there" in text
     assert "expert-cache determinism: 2 of 3 repeat runs bit-identical" in text
+    once = demo_lake(tmp_path / "once")  # reps = 1: no repeat run to compare, said so rather than "0 of 0"
+    once.write_table("hitrate", pa.table({"rep": [0, 0], "same_as_rep0": pa.array([None, None], pa.bool_())}))
+    assert "expert-cache determinism: not checked (each window ran once: [moce] reps = 1)" in \
+        stats.summary_table(once, order=DEMO_VARIANTS)
 
 
 def test_token_counts_too_large_to_pool_exactly_are_an_error() -> None:

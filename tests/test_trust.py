@@ -336,13 +336,13 @@ def test_audit_on_a_fresh_lake_publishes_its_tables(tmp_path, capsys):
     assert _published(load_config(config).lake_root) == {"overlap", "docs", "cal_trace", "windows"}
 
 
-def test_a_partial_command_carries_forward_what_still_matches(tmp_path):
+def test_a_partial_command_carries_forward_what_still_matches(healed_world, tmp_path):
     """After a heal, `audit` keeps every table and the report; with a knob changed, the tables computed
     from that variant are dropped and the split's tables stay; a failing audit publishes nothing."""
-    variant = '[[variant]]\nname = "v1"\nround = "ls"\nridge_rho = 6.0\n'
-    config = write_world(tmp_path, variants=variant, moce_bonus=(0.0,))
+    shutil.copytree(healed_world[0].parent, tmp_path, dirs_exist_ok=True)  # the healed world, its lake too
+    config = tmp_path / "heal.toml"
     lake = load_config(config).lake_root
-    assert main(["heal", "-c", str(config)]) == 0
+    assert main(["heal", "-c", str(config)]) == 0  # every stage cached
     healed, sources = _published(lake), json.loads((lake / "current" / "sources.json").read_text())
     assert main(["audit", "-c", str(config)]) == 0
     assert _published(lake) == healed and (lake / "report" / "report.md").is_file()

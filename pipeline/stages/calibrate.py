@@ -79,17 +79,19 @@ class CalibrateParams:
         return cls(alpha=variant.alpha, cal_tokens=variant.cal_tokens,
                    ridge_rho=variant.ridge_rho, ridge_eta=variant.ridge_eta,
                    shexp_down=None if recipe_chooses else variant.shexp_down)
+
+
 # Each layer's unit writes its own rows; declared, so every unit's part concatenates with the others.
 METRICS_SCHEMA = pa.schema([("variant", pa.string()), ("layer", pa.int64()), ("split", pa.string()),
                             ("resid_alpha1", pa.float64()), ("alpha", pa.float64()), ("resid_alpha", pa.float64()),
                             ("alpha_oracle", pa.float64()), ("resid_oracle", pa.float64()),
                             ("resid_ridge", pa.float64())])
-# A unit writes its rows without the variant column (first in both schemas), which is added on reading.
-UNIT_COLUMNS = 1
 RIDGE_CV_SCHEMA = pa.schema([("variant", pa.string()), ("layer", pa.int32()), ("rho", pa.float64()),
                              ("split", pa.string()), ("rel_gain", pa.float64()), ("rank_z", pa.int32()),
                              ("dof", pa.float64()), ("chosen", pa.bool_()), ("configured", pa.bool_()),
                              ("applied", pa.bool_())])
+# A unit writes its rows without the variant column (the first of both schemas), added when read.
+UNIT_COLUMNS = 1
 RHO_GRID = (0.25, 1.0, 6.0, 24.0)
 CV_SPLITS = ("in_sample", "lobo4", "even_odd")
 

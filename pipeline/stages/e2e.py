@@ -14,7 +14,9 @@ differentiable function of those parameters: a quantized weight is
 ``dequantize_parts(frozen codes, tuned scales)``, the float32 products gguf-py decodes the
 written bytes to, so the loss sees exactly the file that will be written (`kernels.e2e`: the
 scales pass through a straight-through fp16 rounding). Steps are Adam on the relative change of
-each parameter, `BATCH_SEQS` calibration sequences at a time. Every `EVAL_EVERY` steps the KL
+each parameter, `BATCH_SEQS` calibration sequences at a time, at two learning rates: the variant's
+``e2e_scale_lr`` for the fp16 scales (most of the tuned values, and the ones that fit the
+calibration text first) and ``e2e_lr`` for the norms and routers (`learning_rates`). Every `EVAL_EVERY` steps the KL
 over the whole unseen trace and over a fixed probe of the calibration trace (its first
 `CAL_PROBE_SEQS` sequences, in-sample) is recorded (`e2e_curve.parquet`), and the
 written parameters are those of the step with the lowest unseen KL, step 0 (the assembled file
