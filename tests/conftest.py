@@ -73,21 +73,7 @@ def _compile_bound_modules_compile_cheaply(request):
     jax.clear_caches()
 
 
-@pytest.fixture(scope="session")
-def kquant_world(tmp_path_factory):
-    """tests/healworld.py's world with KQUANT_VARIANTS (sub-block formats, learned rounding, end-to-end
-    tuning), healed once per run: (heal.toml, its HealRun). Tests only read it."""
-    from moeheal.pipeline.config import load_config
-    from moeheal.pipeline.heal import HealRun
-    from tests.healworld import KQUANT_VARIANTS, write_world
-
-    config = write_world(tmp_path_factory.mktemp("kquant_world"), variants=KQUANT_VARIANTS, moce_bonus=(0.0,))
-    run = HealRun(load_config(config), log=lambda message: None)
-    run.heal()
-    return config, run
-
-
-SHARED_WORLDS = ("healed_world", "kquant_world")
+SHARED_WORLDS = ("healed_world",)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -88,35 +88,3 @@ round = "gptq"
 gptq_damp = 1.0
 gptq_shrink = 64
 """
-
-# The k-quant world (conftest.py's `kquant_world`, healed once per run): a plain Q2_K variant, a format
-# per role healed with GPTQ, learned rounding, and end-to-end tuning of an assembled file.
-KQUANT_VARIANTS = """
-[[variant]]
-name = "k_plain"
-quant = "q2_k"
-importance = false
-alpha = false
-ridge_rho = 0.0
-[[variant]]
-name = "k_healed"
-quant = { gate = "q2_k", up = "q2_k", down = "q3_k" }
-round = "gptq"
-[[variant]]
-name = "learned"
-quant = "q2_k"
-round = "learned"
-learned_steps = 2
-[[variant]]
-name = "k_e2e"
-quant = "q2_k"
-round = "ls"
-e2e = true
-e2e_steps = 6
-e2e_lr = 0.01
-"""
-
-
-def variant_named(run, name: str):
-    """The variant of a healed world's run called `name`."""
-    return next(v for v in run.cfg.variants if v.name == name)

@@ -23,16 +23,34 @@ from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.runner import Runner
 from moeheal.pipeline.stages import e2e
 from moeheal.pipeline.stages.corpus import trace_tokens
-from tests.healworld import variant_named, write_world
+from tests.healworld import write_world
 
-@pytest.fixture
-def tuned(kquant_world) -> tuple[Path, HealRun]:
-    """The k-quant world (conftest.py): its "k_e2e" variant is q2_k by least squares, then 6 e2e steps."""
-    return kquant_world
+E2E_VARIANT = """
+[[variant]]
+name = "k_e2e"
+quant = "q2_k"
+round = "ls"
+e2e = true
+e2e_steps = 6
+e2e_lr = 0.01
+"""
+
+
+class Log(list):
+    def __call__(self, message: str) -> None:
+        self.append(message)
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory) -> tuple[Path, HealRun]:
+    config = write_world(tmp_path_factory.mktemp("e2e"), variants=E2E_VARIANT, moce_bonus=(0.0,))
+    run = HealRun(load_config(config), log=Log())
+    run.heal()
+    return config, run
 
 
 def _models(run: HealRun) -> tuple[GGUFModel, GGUFModel]:
-    variant = variant_named(run, "k_e2e")
+    variant = run.cfg.variants[0]
     return GGUFModel(run.assemble(variant).path), GGUFModel(run.final_model(variant)[1])
 
 
@@ -96,7 +114,7 @@ def test_tuned_file_is_no_worse_on_the_unseen_trace_and_the_curve_says_so(tuned)
     file's, and equals the curve's best unseen point (the loss saw exactly what was written)."""
     _, run = tuned
     assembled, written = _models(run)
-    curve = pq.read_table(run.final_model(variant_named(run, "k_e2e"))[0].path / e2e.CURVE_FILE).to_pylist()
+    curve = pq.read_table(run.final_model(run.cfg.variants[0])[0].path / e2e.CURVE_FILE).to_pylist()
     unseen = {r["step"]: r["kl"] for r in curve if r["split"] == "unseen"}
     assert sorted(unseen) == [0, 5, 6]
     reference = Runner(GGUFModel(run.cfg.reference))

@@ -21,7 +21,7 @@ from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.model import moe_forward
 from moeheal.pipeline.stages.dump import open_dump
-from tests.healworld import variant_named
+from tests.healworld import write_world
 
 TABLES = ("docs", "cal_trace", "windows", "overlap", "routing", "variants", "token_kld", "window_kld",
           "layer_metrics", "ridge_cv", "comparisons", "hitrate")
@@ -278,11 +278,23 @@ def test_cal_tokens_uses_a_prefix_of_the_calibration_dump(healed):
     assert float(calibrated["alpha"]) == pytest.approx(alpha_of(group["yr"][:512], y_q), rel=1e-6)
 
 
-def test_sub_block_formats_heal_end_to_end(kquant_world):
+def test_sub_block_formats_heal_end_to_end(tmp_path):
     """A variant naming a format per role (q2_k gate/up, q3_k down) with GPTQ: the GGUF holds those
     ggml types, alpha is applied in the format's own scales, and it beats its unhealed q2_k twin."""
-    _, run = kquant_world
-    plain, healed = variant_named(run, "k_plain"), variant_named(run, "k_healed")
+    config = write_world(tmp_path / "w", variants="""
+[[variant]]
+name = "k_plain"
+quant = "q2_k"
+importance = false
+alpha = false
+ridge_rho = 0.0
+[[variant]]
+name = "k_healed"
+quant = { gate = "q2_k", up = "q2_k", down = "q3_k" }
+round = "gptq"
+""")
+    run = HealRun(load_config(config), log=Log())
+    plain, healed = run.cfg.variants
     model = GGUFModel(run.assemble(healed).path)
     assert model.raw("blk.0.ffn_gate_exps.weight").ggml_type == GGMLQuantizationType.Q2_K
     assert model.raw("blk.0.ffn_down_exps.weight").ggml_type == GGMLQuantizationType.Q3_K
