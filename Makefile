@@ -30,7 +30,7 @@ heal: setup
 
 # Two workers (pytest-xdist), each test file on one of them (the files that read a session world
 # together): module fixtures (the small healed worlds) are built once, and JAX's compilation cache
-# (tests/conftest.py) is shared: the whole suite took 15 min 30 s on a 2-core machine (27.4 CPU
+# (tests/conftest.py) is shared: the whole suite took 15 min 6 s on a 2-core machine (26.9 CPU
 # minutes); CI ran `.ci/run`, install included, in 17 min 12 s.
 test: setup-test
 	$(BIN)/python -m pytest -q -m "not gpu" -n 2 --dist loadgroup
