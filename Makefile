@@ -28,12 +28,11 @@ $(VENV)/.installed-test: $(VENV)/.installed
 heal: setup
 	$(BIN)/moeheal heal -c $(CONFIG)
 
-# Two workers (pytest-xdist), each test file on one of them (the files that read a session world
-# together): module fixtures (the small healed worlds) are built once, and JAX's compilation cache
-# (tests/conftest.py) is shared: the whole suite took 15 min 6 s on a 2-core machine (26.9 CPU
-# minutes); CI ran `.ci/run`, install included, in 17 min 12 s.
+# Two workers (pytest-xdist), each test file on one of them (`--dist loadfile`): module fixtures
+# (the small healed worlds) are built once, and JAX's compilation cache (tests/conftest.py) is
+# shared: the whole suite took 8 min 40 s on a 2-core machine (14.7 CPU minutes), cold cache.
 test: setup-test
-	$(BIN)/python -m pytest -q -m "not gpu" -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -m "not gpu" -n 2 --dist loadfile
 
 # The edit-test loop: the formats (every registered one: bytes, scales, importance), importance,
 # alpha/ridge, allocation, KLD, n-grams and MoCE kernels, the SQL statistics and audit, config, the
@@ -45,7 +44,7 @@ FAST_TESTS ?= tests/test_formats.py tests/test_importance.py tests/test_alpha_ri
 	tests/test_audit.py tests/test_config.py tests/test_corpus.py tests/test_dag.py tests/test_card.py \
 	tests/test_bench_tools.py
 test-fast: setup-test
-	$(BIN)/python -m pytest -q -x -m "not gpu and not slow and not llamacpp" -n 2 --dist loadgroup $(FAST_TESTS)
+	$(BIN)/python -m pytest -q -x -m "not gpu and not slow and not llamacpp" -n 2 --dist loadfile $(FAST_TESTS)
 
 # The GPU against the CPU, on a machine with JAX for CUDA (`pip install -e '.[cuda]'`); the tests
 # default JAX to the CPU, so the platforms are named here.

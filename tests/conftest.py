@@ -57,13 +57,18 @@ def healed_world(tmp_path_factory):
     return config, run
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--optimize-compile-bound", action="store_true",
+                     help="compile the `compile_bound` files with XLA's optimisations too (the A/B in README)")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _compile_bound_modules_compile_cheaply(request):
     """Files marked `compile_bound` (small arrays, many programs: the kernels' numerics) compile
     without XLA's backend optimisations, which take most of their time and cost nothing in their
     arithmetic (measured: a third off those files). Compiled programs are dropped on the way in and
     out, so that no other file runs one compiled this way; the persistent cache keys the option."""
-    if request.node.get_closest_marker("compile_bound") is None:
+    if request.node.get_closest_marker("compile_bound") is None or request.config.getoption("optimize_compile_bound"):
         yield
         return
     jax.clear_caches()
@@ -73,20 +78,8 @@ def _compile_bound_modules_compile_cheaply(request):
     jax.clear_caches()
 
 
-SHARED_WORLDS = ("healed_world",)
-
-
 def pytest_collection_modifyitems(config, items) -> None:
-    """`gpu` tests run only where JAX sees a GPU; `llamacpp` tests only with LLAMA_CPP_DIR set.
-
-    Under `pytest -n N --dist loadgroup` (`make test`) each file goes to one worker whole, so that its
-    module fixtures are built once, and every file that reads a session world (SHARED_WORLDS) goes to
-    the same worker, so that each world is healed once per run rather than once per worker."""
-    shares_world = {item.module.__name__ for item in items if set(SHARED_WORLDS) & set(item.fixturenames)}
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            module = item.module.__name__
-            item.add_marker(pytest.mark.xdist_group("shared_worlds" if module in shares_world else module))
+    """`gpu` tests run only where JAX sees a GPU; `llamacpp` tests only with LLAMA_CPP_DIR set."""
     has_gpu = jax.default_backend() in ("gpu", "cuda", "rocm", "METAL")
     llama = os.environ.get("LLAMA_CPP_DIR")
     for item in items:
