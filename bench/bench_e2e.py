@@ -54,7 +54,7 @@ def bench_model(reference_path: Path, assembled_path: Path, batch: int, seq: int
     import jax
     import jax.numpy as jnp
 
-    from moeheal.kernels.e2e import adam_init, adam_step
+    from moeheal.kernels.adam import adam_init, adam_step
     from moeheal.pipeline.gguf_model import GGUFModel
     from moeheal.pipeline.runner import Runner
     from moeheal.pipeline.stages.e2e import Tuner

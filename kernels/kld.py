@@ -17,11 +17,20 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def kl_from_log_probs(ref_logp: jax.Array, logits: jax.Array) -> jax.Array:
+    """KL(ref || model) per position in nats from the reference's log-softmax and the model's
+    logits: the evaluation's measure and the e2e stage's loss, so the two cannot drift apart.
+
+    ref_logp (..., V), logits (..., V) -> (...) float32.
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # (..., V)
+    return jnp.sum(jnp.exp(ref_logp) * (ref_logp - logp), axis=-1)  # (...)
+
+
 @jax.jit
 def _token_kld(ref_logits: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     ref_logp = jax.nn.log_softmax(ref_logits.astype(jnp.float32), axis=-1)  # (T, V)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # (T, V)
-    kld = jnp.sum(jnp.exp(ref_logp) * (ref_logp - logp), axis=-1)  # (T,)
+    kld = kl_from_log_probs(ref_logp, logits)  # (T,)
     ref_top1 = jnp.argmax(ref_logits, axis=-1).astype(jnp.int32)  # (T,)
     top1 = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (T,)
     return kld, ref_top1, top1

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moeheal.kernels.e2e import adam_direction
+from moeheal.kernels.adam import adam_direction
 from moeheal.kernels.decode import FORMATS, format_of
 from moeheal.kernels.formats import BlockFormat, GridFormat, Q8_0, fp16_round
 from moeheal.kernels.iquants import IQuant, gguf_grid

@@ -110,6 +110,14 @@ def test_the_sensitivity_measure_does_not_run_calibrate():
     assert "moeheal.pipeline.stages.calibrate" not in codeid.closure("moeheal.pipeline.stages.sensitivity")
 
 
+def test_quantizing_does_not_hold_the_e2e_loss():
+    """Learned rounding and end-to-end tuning share Adam from a module of its own: an edit to the
+    e2e stage's loss re-quantizes no layer."""
+    quantize = set(codeid.closure("moeheal.pipeline.stages.quantize"))
+    assert "moeheal.kernels.adam" in quantize
+    assert not {"moeheal.kernels.e2e", "moeheal.pipeline.stages.e2e"} & quantize
+
+
 def test_the_kernels_package_only_re_exports_lazily():
     """Importing any kernels module runs kernels/__init__.py first, so whatever it imported would be in
     every stage's code identity: it imports no module of ours, and its API comes from the modules."""

@@ -13,7 +13,8 @@ import pytest
 from gguf import GGUFReader
 
 from moeheal.kernels import decode
-from moeheal.kernels.e2e import adam_init, adam_step, fp16_ste
+from moeheal.kernels.adam import adam_init, adam_step
+from moeheal.kernels.e2e import fp16_ste
 from moeheal.pipeline.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError

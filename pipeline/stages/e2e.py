@@ -44,7 +44,8 @@ import pyarrow as pa
 from gguf import GGMLQuantizationType
 
 from moeheal.kernels.decode import FORMATS, format_of
-from moeheal.kernels.e2e import adam_init, adam_step, fp16_ste, kl_sum, relative
+from moeheal.kernels.adam import adam_init, adam_step
+from moeheal.kernels.e2e import fp16_ste, kl_sum, relative
 from moeheal.pipeline import model as M
 from moeheal.pipeline.arch.base import Architecture
 from moeheal.pipeline.files import write_parquet
