@@ -16,6 +16,10 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# The many small worlds the tests heal publish their reports without PNGs (drawing them is seconds per
+# publish); files marked `plots` draw them (`_plots_where_marked`).
+os.environ.setdefault("MOEHEAL_PLOTS", "0")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -76,6 +80,17 @@ def _compile_bound_modules_compile_cheaply(request):
     yield
     jax.config.update("jax_disable_most_optimizations", False)
     jax.clear_caches()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _plots_where_marked(request):
+    """Files marked `plots` (the report's own tests) draw them: `MOEHEAL_PLOTS` unset for the file."""
+    if request.node.get_closest_marker("plots") is None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("MOEHEAL_PLOTS", raising=False)
+        yield
 
 
 def pytest_collection_modifyitems(config, items) -> None:

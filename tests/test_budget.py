@@ -324,7 +324,6 @@ def test_rank_check_and_report(budget_world):
     report = (run.lake.report_dir / "report.md").read_text()
     assert "## 4c. Size and budget recipes" in report and "Spearman rank correlation" in report
     assert "Left out (a format not measured): u_q4k." in report
-    assert (run.lake.report_dir / "kld_size.png").exists()
     assert "budget recipes, eval set" in run.summary_table()
 
 

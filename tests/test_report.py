@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,7 @@ VARIANTS = ("unhealed", "v1", "v2")
 BONUSES = (0.0, 0.85)
 N_LAYERS = 6
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+pytestmark = pytest.mark.plots  # the suite's other reports skip their PNGs (tests/conftest.py)
 
 
 def make_windows(rng: np.random.Generator) -> pa.Table:
@@ -562,6 +564,20 @@ def test_plots_are_valid_pngs(report):
         assert image.shape[0] > 100 and image.shape[1] > 100
         assert image[..., :3].std() > 0.01  # something was drawn
         assert f"]({name})" in text
+
+
+def test_without_plots_the_report_keeps_its_tables_and_says_so(report, lake, tmp_path, monkeypatch):
+    """`MOEHEAL_PLOTS=0`: the same report.md but for the figures and one line saying why, no PNG (an
+    earlier report's are removed)."""
+    out, text = report
+    again = tmp_path / "report"
+    shutil.copytree(out, again)
+    monkeypatch.setenv("MOEHEAL_PLOTS", "0")
+    bare = (write_report(lake[0], again) / "report.md").read_text(encoding="utf-8")
+    assert not list(again.glob("*.png")) and "Plots not drawn: `MOEHEAL_PLOTS=0`" in bare
+    assert "![" in text and "![" not in bare
+    tables = [line for line in text.splitlines() if line.startswith("|")]
+    assert tables and tables == [line for line in bare.splitlines() if line.startswith("|")]
 
 
 def test_missing_tables_say_not_computed(tmp_path, lake):

@@ -62,6 +62,10 @@ SPLIT_LABELS = {
 }
 BASELINE_KIND = "unhealed"
 # The plots this module writes; only these are replaced in, or exported from, a report folder.
+# `MOEHEAL_PLOTS=0` in the environment: the report's tables without its PNGs. Drawing them is most of a
+# publish's time on a small lake (seconds per heal), which a test suite that heals dozens of small
+# worlds does not need; no lake table depends on it, so it is not a config key and moves no fingerprint.
+PLOTS_ENV = "MOEHEAL_PLOTS"
 PLOT_PATTERNS = ("strata_kld_*.png", "window_deltas_*.png", "layers.png", "hitrate.png", "kld_size.png", "e2e_curve.png")
 DAGGER = "\u2020"
 ZERO_WIDTH = "\u2021"
@@ -712,12 +716,16 @@ def draw_plots(data: ReportData, order: dict[str, int], baseline: str | None,
     return plots
 
 
-def render_report(data: ReportData, plots: dict[str, dict[str, str]], order: dict[str, int],
+def render_report(data: ReportData, plots: dict[str, dict[str, str]] | None, order: dict[str, int],
                   baseline: str | None) -> str:
+    """report.md's text; `plots` None: the plots were not drawn (`MOEHEAL_PLOTS=0`), which it says."""
     lines = ["# moeheal report", "",
              "Every table below is computed by a query in `sql/report_*.sql` over the lake's tables "
              "(named under each table) and only rounded here. Tables present: "
              + (", ".join(f"`{t}`" for t in sorted(data.present)) or "none") + ".", ""]
+    if plots is None:
+        lines += [f"Plots not drawn: `{PLOTS_ENV}=0` was set when this report was written.", ""]
+        plots = {section: {} for section in ("strata", "windows", "layers", "hitrate", "budget", "e2e")}
     lines += section_inputs(data)
     lines += section_comparisons(data, order)
     lines += section_strata(data, order, plots["strata"])
@@ -814,7 +822,8 @@ def plot_files(report_dir: Path) -> list[Path]:
 
 
 def write_report(lake: Lake, out_dir: Path) -> Path:
-    """Write `report.md` and its PNG plots into `out_dir` (replacing an earlier report there).
+    """Write `report.md` and its PNG plots into `out_dir` (replacing an earlier report there); the
+    plots only unless `MOEHEAL_PLOTS=0` is set.
 
     Returns `out_dir`, the folder `export_bundle` copies the report from.
     """
@@ -827,7 +836,7 @@ def write_report(lake: Lake, out_dir: Path) -> Path:
     seen = {r["variant"] for r in data.rows("pooled")}
     order = variant_order(variants, seen)
     baseline = baseline_name(variants)
-    plots = draw_plots(data, order, baseline, out_dir)
+    plots = None if os.environ.get(PLOTS_ENV) == "0" else draw_plots(data, order, baseline, out_dir)
     text = render_report(data, plots, order, baseline)
     tmp = out_dir / f".report.md.{os.getpid()}.tmp"
     tmp.write_text(text, encoding="utf-8")
