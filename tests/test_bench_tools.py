@@ -1,9 +1,10 @@
-"""The scripts that turn runs into RESULTS figures: bench/compare_runs.py and bench/stage_times.py.
+"""The scripts that turn runs into RESULTS figures: bench/compare_runs.py, bench/stage_times.py and
+the rotation of bench/hadamard_rotation.py.
 
 What is checked is what the scripts compute: every figure they print parses and equals a
-recomputation from the committed snapshots' CSVs, and the per-stage table in bench/RESULTS.md is
-the script's output for the two committed runs, line for line. The prose around the figures is
-not pinned.
+recomputation from the committed snapshots' CSVs, the per-stage table in bench/RESULTS.md is
+the script's output for the two committed runs, line for line, and the rotated layer computes the
+function the layer computed. The prose around the figures is not pinned.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from bench import compare_runs, stage_times
+from bench import compare_runs, hadamard_rotation, stage_times
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_SNAPSHOT = REPO / "demo" / "results" / "heal"
@@ -151,3 +153,35 @@ def test_results_stage_table_is_the_scripts_output(monkeypatch, capsys) -> None:
         assert row[5] == (f"{s_b / s_a:.2f}x" if s_a else "")
     for column in (1, 2, 3, 4):  # the totals add up (to the rounding of each cell)
         assert float(total[column]) == pytest.approx(sum(float(r[column]) for r in stages), abs=0.05 * len(stages))
+
+
+def _routed_output(w: dict[str, np.ndarray], rows: dict[str, np.ndarray]) -> np.ndarray:
+    """sum_k weight_k * down_e (silu(gate_e x) * up_e x) per token, float64: (T, d)."""
+    x = rows["mixed"]  # (T, d)
+    out = np.zeros_like(x)
+    for t, (experts, weights) in enumerate(zip(rows["experts"], rows["weights"])):
+        for e, p in zip(experts, weights):
+            g, u = w["ffn_gate_exps"][e] @ x[t], w["ffn_up_exps"][e] @ x[t]  # (f,) each
+            out[t] += p * (w["ffn_down_exps"][e] @ (g / (1 + np.exp(-g)) * u))  # (d,)
+    return out
+
+
+def test_hadamard_rotation_keeps_the_layers_function() -> None:
+    """Rotated experts on rotated inputs give the rotated output (float64), and Q is orthogonal:
+    what makes the probe's rotated error the same quantity as the error as is."""
+    rng = np.random.default_rng(3)
+    n_expert, d, f, tokens = 4, 16, 8, 5
+    q = hadamard_rotation.random_hadamard(d, seed=1)  # (d, d)
+    assert np.allclose(q @ q.T, np.eye(d), atol=1e-12)
+    assert not np.allclose(q, hadamard_rotation.random_hadamard(d, seed=2))  # the signs come from the seed
+    w = {"ffn_gate_exps": rng.normal(size=(n_expert, f, d)), "ffn_up_exps": rng.normal(size=(n_expert, f, d)),
+         "ffn_down_exps": rng.normal(size=(n_expert, d, f))}
+    g = rng.uniform(0.2, 1.5, d)  # (d,) the RMSNorm weight that the dumped input carries
+    rows = {"mixed": rng.normal(size=(tokens, d)) * g, "experts": rng.integers(0, n_expert, (tokens, 2)),
+            "weights": rng.uniform(size=(tokens, 2))}
+    rows["yr"] = _routed_output(w, rows)
+    w_rot, rows_rot = hadamard_rotation.rotate(w, rows, g, q)
+    rows_rot["mixed"] = rows_rot["mixed"].astype(np.float64)
+    turned = _routed_output({k: v.astype(np.float64) for k, v in w_rot.items()}, rows_rot)
+    np.testing.assert_allclose(turned, rows["yr"] @ q, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(rows_rot["yr"], rows["yr"] @ q, rtol=1e-5, atol=1e-5)
