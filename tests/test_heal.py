@@ -21,6 +21,7 @@ from moeheal.pipeline.gguf_model import GGUFModel
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.model import moe_forward
 from moeheal.pipeline.stages.dump import open_dump
+from moeheal.pipeline.stages.llamacheck import perplexity_binary
 from tests.healworld import write_world
 
 TABLES = ("docs", "cal_trace", "windows", "overlap", "routing", "variants", "token_kld", "window_kld",
@@ -154,7 +155,8 @@ def test_one_knob_recomputes_its_variant_and_nothing_else(healed, tmp_path):
     config.write_text(text)
     _, log = rerun(config)
     units = [f"{stage}:v1:{layer}" for stage in ("quantize", "calibrate") for layer in (0, 1)]
-    assert sorted(log.computed()) == sorted(["assemble:v1", *units, "comparisons", "evaluate:v1"])
+    checked = ["llama-check:v1"] if perplexity_binary() else []  # the new file runs in llama.cpp where it is built
+    assert sorted(log.computed()) == sorted(["assemble:v1", *units, *checked, "comparisons", "evaluate:v1"])
 
 
 def test_reference_swap_recomputes_dumps(healed, tmp_path):
