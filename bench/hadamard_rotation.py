@@ -46,15 +46,19 @@ def random_hadamard(d: int, seed: int) -> np.ndarray:
     return hadamard(d) / np.sqrt(d) * signs[:, None]  # (d, d)
 
 
-def rotate(weights: dict[str, np.ndarray], rows: dict[str, np.ndarray], g: np.ndarray, q: np.ndarray
-           ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """The layer's routed experts and dumped rows in the rotated basis, with the norm weight g folded."""
+def rotate_weights(weights: dict[str, np.ndarray], g: np.ndarray, q: np.ndarray) -> dict[str, np.ndarray]:
+    """The layer's routed experts in the rotated basis, the norm weight g (d,) folded into gate/up."""
     w = {"ffn_gate_exps": np.einsum("efd,dk->efk", weights["ffn_gate_exps"] * g, q),  # (E, f, d)
          "ffn_up_exps": np.einsum("efd,dk->efk", weights["ffn_up_exps"] * g, q),  # (E, f, d)
          "ffn_down_exps": np.einsum("dk,edf->ekf", q, weights["ffn_down_exps"])}  # (E, d, f)
-    r = dict(rows, mixed=(rows["mixed"] / g) @ q, yr=rows["yr"] @ q)  # (T, d) each
-    return ({k: v.astype(np.float32) for k, v in w.items()},
-            {k: v.astype(np.float32) if k in ("mixed", "yr") else v for k, v in r.items()})
+    return {k: v.astype(np.float32) for k, v in w.items()}
+
+
+def rotate_rows(rows: dict[str, np.ndarray], g: np.ndarray, q: np.ndarray) -> dict[str, np.ndarray]:
+    """Dumped rows in the rotated basis: the normed input with g divided out, then turned; the
+    routed output turned; the routing unchanged."""
+    mixed = (np.asarray(rows["mixed"], np.float64) / g) @ q  # (T, d)
+    return dict(rows, mixed=mixed.astype(np.float32), yr=(rows["yr"] @ q).astype(np.float32))
 
 
 def gptq_errors(weights: dict[str, np.ndarray], cal: dict[str, np.ndarray], unseen: dict[str, np.ndarray],
@@ -93,8 +97,8 @@ def main() -> None:
             cal, unseen = (read_layer(dumps[name][str(layer)], slice(None)) for name in ("calibration", "unseen"))
             g = model.tensor(f"blk.{layer}.ffn_norm.weight").astype(np.float64)  # (d,)
             as_is = gptq_errors({k: v.astype(np.float32) for k, v in weights.items()}, cal, unseen, fmt, params)
-            w_rot, cal_rot = rotate(weights, cal, g, q)
-            rotated = gptq_errors(w_rot, cal_rot, rotate(weights, unseen, g, q)[1], fmt, params)
+            rotated = gptq_errors(rotate_weights(weights, g, q), rotate_rows(cal, g, q), rotate_rows(unseen, g, q),
+                                  fmt, params)
             second = np.mean(np.square(cal["mixed"], dtype=np.float64), axis=0)  # (d,)
             print(f"| {fmt} | {layer} | {second.max() / second.mean():.1f} | {as_is[0]:.4f} → {as_is[1]:.4f} "
                   f"| {rotated[0]:.4f} → {rotated[1]:.4f} | {rotated[1] / as_is[1]:.3f} |", flush=True)

@@ -1,4 +1,4 @@
-"""Float64 NumPy references for the quantization kernels.
+"""Float64 NumPy references for the quantization kernels and the routed layer they are scored on.
 
 Written loop-by-loop from the algorithms' descriptions, independently of the
 JAX code, so the tests can check the kernels against them (and against ggml's
@@ -253,3 +253,20 @@ def gptq_codebook(w: np.ndarray, hessian: np.ndarray, importance: np.ndarray, bl
                 err = (W[:, col] - Q[:, col]) / U[col, col]
                 W[:, col + 1:] -= np.outer(err, U[col, col + 1:])
     return Q
+
+
+def routed_output(w: dict[str, np.ndarray], x: np.ndarray, experts: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The routed experts' output sum_k weight_k * down_e(silu(gate_e x) * up_e x), float64: (T, d).
+
+    w: ffn_gate_exps / ffn_up_exps (E, f, d), ffn_down_exps (E, d, f); x (T, d); experts and
+    weights (T, k), the routing a dump records."""
+    x = np.asarray(x, np.float64)  # (T, d)
+    y = np.zeros_like(x)  # (T, d)
+    for slot in range(experts.shape[1]):
+        for e in np.unique(experts[:, slot]):
+            rows = experts[:, slot] == e
+            g = x[rows] @ np.asarray(w["ffn_gate_exps"][e], np.float64).T  # (n, f)
+            u = x[rows] @ np.asarray(w["ffn_up_exps"][e], np.float64).T  # (n, f)
+            h = g / (1.0 + np.exp(-g)) * u  # (n, f)
+            y[rows] += weights[rows, slot, None] * (h @ np.asarray(w["ffn_down_exps"][e], np.float64).T)  # (n, d)
+    return y

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from bench import compare_runs, format_floor, hadamard_rotation, stage_times
+from tests.reference_quants import routed_output
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_SNAPSHOT = REPO / "demo" / "results" / "heal"
@@ -156,17 +157,6 @@ def test_results_stage_table_is_the_scripts_output(monkeypatch, capsys) -> None:
         assert float(total[column]) == pytest.approx(sum(float(r[column]) for r in stages), abs=0.05 * len(stages))
 
 
-def _routed_output(w: dict[str, np.ndarray], rows: dict[str, np.ndarray]) -> np.ndarray:
-    """sum_k weight_k * down_e (silu(gate_e x) * up_e x) per token, float64: (T, d)."""
-    x = rows["mixed"]  # (T, d)
-    out = np.zeros_like(x)
-    for t, (experts, weights) in enumerate(zip(rows["experts"], rows["weights"])):
-        for e, p in zip(experts, weights):
-            g, u = w["ffn_gate_exps"][e] @ x[t], w["ffn_up_exps"][e] @ x[t]  # (f,) each
-            out[t] += p * (w["ffn_down_exps"][e] @ (g / (1 + np.exp(-g)) * u))  # (d,)
-    return out
-
-
 def test_hadamard_rotation_keeps_the_layers_function() -> None:
     """Rotated experts on rotated inputs give the rotated output (float64), and Q is orthogonal:
     what makes the probe's rotated error the same quantity as the error as is."""
@@ -180,10 +170,9 @@ def test_hadamard_rotation_keeps_the_layers_function() -> None:
     g = rng.uniform(0.2, 1.5, d)  # (d,) the RMSNorm weight that the dumped input carries
     rows = {"mixed": rng.normal(size=(tokens, d)) * g, "experts": rng.integers(0, n_expert, (tokens, 2)),
             "weights": rng.uniform(size=(tokens, 2))}
-    rows["yr"] = _routed_output(w, rows)
-    w_rot, rows_rot = hadamard_rotation.rotate(w, rows, g, q)
-    rows_rot["mixed"] = rows_rot["mixed"].astype(np.float64)
-    turned = _routed_output({k: v.astype(np.float64) for k, v in w_rot.items()}, rows_rot)
+    rows["yr"] = routed_output(w, rows["mixed"], rows["experts"], rows["weights"])  # (T, d)
+    w_rot, rows_rot = hadamard_rotation.rotate_weights(w, g, q), hadamard_rotation.rotate_rows(rows, g, q)
+    turned = routed_output(w_rot, rows_rot["mixed"], rows_rot["experts"], rows_rot["weights"])  # (T, d)
     np.testing.assert_allclose(turned, rows["yr"] @ q, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(rows_rot["yr"], rows["yr"] @ q, rtol=1e-5, atol=1e-5)
 

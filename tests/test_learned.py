@@ -22,6 +22,7 @@ from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.stages.quantize import QuantizeParams
 from tests.healworld import write_world
+from tests.reference_quants import routed_output
 
 pytestmark = pytest.mark.compile_bound  # tests/conftest.py
 
@@ -186,15 +187,7 @@ def test_relative_error_is_the_layers_output_error_in_float64():
     w, data = _small_layer(tokens=2048, seed=3)
     rng = np.random.default_rng(4)
     moved = {name: v + 0.01 * rng.normal(size=v.shape).astype(np.float32) for name, v in w.items()}
-    x = data.x.astype(np.float64)  # (T, d)
-    y = np.zeros_like(x)  # (T, d)
-    for slot in range(data.experts.shape[1]):
-        for e in np.unique(data.experts[:, slot]):
-            rows = data.experts[:, slot] == e
-            g = x[rows] @ moved["ffn_gate_exps"][e].astype(np.float64).T  # (n, f)
-            u = x[rows] @ moved["ffn_up_exps"][e].astype(np.float64).T  # (n, f)
-            h = g / (1.0 + np.exp(-g)) * u  # (n, f)
-            y[rows] += data.weights[rows, slot, None] * (h @ moved["ffn_down_exps"][e].astype(np.float64).T)  # (n, d)
+    y = routed_output(moved, data.x, data.experts, data.weights)  # (T, d)
     expected = np.sum((y - data.target) ** 2) / np.sum(np.square(data.yr, dtype=np.float64))
     assert expected > 1e-3  # the perturbation is visible
     np.testing.assert_allclose(L.relative_error(moved, data, batch_tokens=300), expected, rtol=1e-4)
