@@ -26,7 +26,7 @@ from moeheal.kernels.encode import ENCODERS, quantize
 COLS = 256  # one super-block per row: every registered format's block divides it
 
 
-def relative_error(x: np.ndarray, fmt: str) -> float:
+def weight_error(x: np.ndarray, fmt: str) -> float:
     """sum (Q(x) - x)^2 / sum x^2 of `x` quantized to `fmt` with uniform importance."""
     q = dequantize(quantize(x, fmt), fmt, x.shape)  # (rows, COLS)
     return float(np.sum(np.square(q - x, dtype=np.float64)) / np.sum(np.square(x, dtype=np.float64)))
@@ -42,7 +42,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     shape = (args.rows, COLS)
     x = (rng.standard_t(args.student_t, shape) if args.student_t else rng.normal(size=shape)).astype(np.float32)
-    errors = {fmt: relative_error(x, fmt) for fmt in sorted(ENCODERS, key=bits_per_weight)}
+    errors = {fmt: weight_error(x, fmt) for fmt in sorted(ENCODERS, key=bits_per_weight)}
     base = errors[args.baseline]
     source = f"Student-t, {args.student_t:g} degrees of freedom" if args.student_t else "Gaussian"
     print(f"{source} weights, {args.rows} x {COLS}, uniform importance, seed {args.seed}\n")

@@ -182,7 +182,7 @@ def test_no_format_beats_the_gaussian_bound_and_iq2_xxs_costs_more_than_q2_k() -
     decoder that leaked the input would not be), and IQ2_XXS's error is 1.3-1.9x Q2_K's: the
     format-level gap docs/iq2_xxs-gap.md reports (1.57x at 512 rows)."""
     x = np.random.default_rng(0).normal(size=(64, format_floor.COLS)).astype(np.float32)
-    errors = {fmt: format_floor.relative_error(x, fmt) for fmt in ("iq2_xxs", "q2_k", "q8_0")}
+    errors = {fmt: format_floor.weight_error(x, fmt) for fmt in ("iq2_xxs", "q2_k", "q8_0")}
     for fmt, err in errors.items():
         assert err > 2.0 ** (-2 * format_floor.bits_per_weight(fmt)), fmt
     assert errors["q8_0"] < 1e-3
