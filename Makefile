@@ -31,7 +31,8 @@ heal: setup
 # Two workers (pytest-xdist), each test file on one of them (`--dist loadfile`): module fixtures
 # (the small healed worlds) are built once, and JAX's compilation cache (tests/conftest.py) is
 # shared; the worlds' reports skip their plots (MOEHEAL_PLOTS=0). The whole suite took 8 min 40 s
-# to 9 min 54 s on a 2-core machine, cold cache, as fast as the machine was (README, Development).
+# to 9 min 54 s on a 2-core machine, cold cache, and 12 min 30 s on a day that machine ran a third
+# slower (bench/RESULTS.md, Test suite, has each beside a reference pair).
 test: setup-test
 	$(BIN)/python -m pytest -q -m "not gpu" -n 2 --dist loadfile
 
