@@ -57,7 +57,7 @@ class Variant:
     gptq_damp: float = 1.0
     gptq_shrink: float = 64.0
     gptq_router_weighted: bool = False  # weight each token's share of an expert's H by its routing weight
-    learned_steps: int = LEARNED_STEPS  # round = "learned": signed-gradient steps on the layer's output
+    learned_steps: int = LEARNED_STEPS  # round = "learned": Adam steps of 256 tokens on the layer's output
     importance: bool = True
     cal_tokens: int = 0  # 0 = the whole calibration dump; else its first cal_tokens rows
     budget_bpw: float | None = None  # set: one format per (layer, role) chosen from `candidates` under this budget
