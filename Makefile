@@ -1,29 +1,54 @@
 # moeheal: `make heal` runs the bundled demo end to end, `make test` runs the tests.
-# Both create .venv and install the project into it when missing (a no-op afterwards).
+# Both create .venv and install the project into it when missing (a no-op afterwards), at the versions
+# requirements/lock.txt pins (`make lock` writes it; `make test-latest` tries the newest releases).
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 CONFIG ?= demo/heal.toml
 OUT    ?= export
-# torch is only for the parity tests (transformers loads our GGUFs); pin the CPU build.
-TORCH  ?= torch==2.13.0
+LOCK   := requirements/lock.txt
+# torch is only for the parity tests (transformers loads our GGUFs): the CPU build, pinned here.
+TORCH  := requirements/torch.txt
+# `-P`: the working directory is not put on sys.path, where our `kernels/` would shadow Hugging
+# Face's `kernels` (DESIGN.md, Imports).
+PYTEST  = $(BIN)/python -P -m pytest
 
-.PHONY: heal test test-fast test-gpu bench audit sql export report card clean setup setup-test
+.PHONY: heal test test-fast test-gpu test-latest lock bench audit sql export report card clean setup setup-test
 
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q -c $(LOCK) -e .
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/python -m pip install -q "$(TORCH)" || $(BIN)/python -m pip install -q torch
-	$(BIN)/python -m pip install -q -e '.[test]'
+$(VENV)/.installed-test: $(VENV)/.installed $(TORCH)
+	$(BIN)/python -m pip install -q -c $(LOCK) -r $(TORCH)
+	$(BIN)/python -m pip install -q -c $(LOCK) -e '.[test]'
 	touch $@
+
+# The lock: pip-compile resolves pyproject.toml with its test extra (the heal's environment is the
+# same lock's subset) and the torch pin. The CPU build's local label (+cpu) is dropped, so the pin
+# also admits the same release where only PyPI's build is at hand.
+lock:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q pip-tools
+	$(BIN)/pip-compile -q --upgrade --extra test --strip-extras --no-emit-index-url --no-emit-find-links \
+		-c $(TORCH) -o $(LOCK) pyproject.toml
+	sed -i 's/^torch==\([^+]*\)+cpu$$/torch==\1/' $(LOCK)
+
+# The suite once against the newest releases of everything but torch, in a venv of its own: a release
+# that breaks us shows here before a new lock takes it into CI.
+test-latest:
+	test -x .venv-latest/bin/python || $(PYTHON) -m venv .venv-latest
+	.venv-latest/bin/python -m pip install -q --upgrade pip
+	.venv-latest/bin/python -m pip install -q -r $(TORCH)
+	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -c $(TORCH) -e '.[test]'
+	.venv-latest/bin/python -m pip list --format=freeze > .venv-latest/versions.txt
+	.venv-latest/bin/python -P -m pytest -q -m "not gpu" -n 2 --dist loadfile
 
 heal: setup
 	$(BIN)/moeheal heal -c $(CONFIG)
@@ -34,7 +59,7 @@ heal: setup
 # to 9 min 54 s on a 2-core machine, cold cache, and 12 min 30 s on a day that machine ran a third
 # slower (bench/RESULTS.md, Test suite, has each beside a reference pair).
 test: setup-test
-	$(BIN)/python -m pytest -q -m "not gpu" -n 2 --dist loadfile
+	$(PYTEST) -q -m "not gpu" -n 2 --dist loadfile
 
 # The edit-test loop: the formats (every registered one: bytes, scales, importance), importance,
 # alpha/ridge, allocation, KLD, n-grams and MoCE kernels, the SQL statistics and audit, config, the
@@ -44,14 +69,14 @@ test: setup-test
 FAST_TESTS ?= tests/test_formats.py tests/test_importance.py tests/test_alpha_ridge.py \
 	tests/test_allocate.py tests/test_kld.py tests/test_ngram.py tests/test_moce.py tests/test_stats.py \
 	tests/test_audit.py tests/test_config.py tests/test_corpus.py tests/test_dag.py tests/test_card.py \
-	tests/test_bench_tools.py
+	tests/test_bench_tools.py tests/test_imports.py
 test-fast: setup-test
-	$(BIN)/python -m pytest -q -x -m "not gpu and not slow and not llamacpp" -n 2 --dist loadfile $(FAST_TESTS)
+	$(PYTEST) -q -x -m "not gpu and not slow and not llamacpp" -n 2 --dist loadfile $(FAST_TESTS)
 
 # The GPU against the CPU, on a machine with JAX for CUDA (`pip install -e '.[cuda]'`); the tests
 # default JAX to the CPU, so the platforms are named here.
 test-gpu: setup-test
-	JAX_PLATFORMS=cuda,cpu $(BIN)/python -m pytest -q -m gpu tests/test_gpu.py
+	JAX_PLATFORMS=cuda,cpu $(PYTEST) -q -m gpu tests/test_gpu.py
 
 bench: setup-test
 	for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

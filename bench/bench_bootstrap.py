@@ -8,20 +8,24 @@ and the pooled 'all', with the draws of the documented counter-based hash
 rounding (the SQL sums KLD in fixed point, 1e-12 nats; NumPy in float64). The
 table gives wall-clock and CPU seconds, each the least of `--repeats` runs.
 
-Run from the repository root: .venv/bin/python -m bench.bench_bootstrap [--threads 2]
+Run from the repository root: .venv/bin/python bench/bench_bootstrap.py [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 
-from bench.timing import best_of
-from moeheal.pipeline import stats
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after site-packages: DESIGN.md, Imports
+
+from bench.timing import best_of  # noqa: E402
+from moeheal.pipeline import stats  # noqa: E402
 
 STRATA = ("chat", "code", "ja", "ops")
 N_WINDOWS = 1_000

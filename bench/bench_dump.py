@@ -18,11 +18,11 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))
 
 CHILD = """
 import json, resource, sys, time
-sys.path.insert(0, {repo!r})
+sys.path.append({repo!r})
 import numpy as np
 from pathlib import Path
 from moeheal.pipeline.gguf_model import GGUFModel

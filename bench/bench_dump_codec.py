@@ -29,7 +29,7 @@ import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))
 
 from moeheal.pipeline.gguf_model import GGUFModel  # noqa: E402
 from moeheal.pipeline.runner import Runner  # noqa: E402

@@ -39,7 +39,7 @@ from typing import Callable
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from moeheal.kernels import decode, encode  # noqa: E402
 from moeheal.kernels import importance as imp  # noqa: E402

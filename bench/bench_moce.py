@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.signal
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from bench.timing import best_of  # noqa: E402
 from moeheal.kernels.moce import belady_hits, cache_aware_route, lru_hits, make_routing_hook  # noqa: E402

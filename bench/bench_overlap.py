@@ -7,7 +7,7 @@ vocabulary, with 60-token spans copied from calibration documents into 20
 windows (10 into the context, 10 across the scored span). Both methods must
 give the same counts; the table gives wall-clock seconds.
 
-Run from the repository root: .venv/bin/python -m bench.bench_overlap [--threads 2]
+Run from the repository root: .venv/bin/python bench/bench_overlap.py [--threads 2]
 """
 
 import argparse

@@ -53,7 +53,7 @@ from moeheal.pipeline.config import load_config
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.synth import LIKE, write_synth
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from bench.llama_kld import held_out_text, llama_kld, perplexity_binary, run_perplexity  # noqa: E402
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from bench.timing import best_of  # noqa: E402
 from moeheal.kernels.ridge import alpha_residual_splits, held_out_error, held_out_errors, solve_ridge  # noqa: E402

@@ -43,7 +43,7 @@ def verdict(lo: float, hi: float) -> str:
 
 def write_lake_snapshot(tables: Path, config: Path, out: Path) -> None:
     """``demo/card.py``'s snapshot of a lake's tables folder (a published set, copied from elsewhere)."""
-    sys.path.insert(0, str(REPO / "demo"))
+    sys.path.append(str(REPO / "demo"))
     import card  # the demo's script, not a package
 
     cfg = load_config(config)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 
 from moeheal.pipeline.config import load_config  # noqa: E402
 from moeheal.pipeline.heal import HealRun  # noqa: E402

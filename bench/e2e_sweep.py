@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 
 from moeheal.pipeline.config import load_config  # noqa: E402
 from moeheal.pipeline.gguf_model import open_model  # noqa: E402

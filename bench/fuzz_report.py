@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from tests import test_fuzz as fuzz  # noqa: E402

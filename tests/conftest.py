@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The repository's top-level folders share names with installed distributions (`kernels` is Hugging
+# Face's, which transformers imports), so the root is never ahead of site-packages here (DESIGN.md,
+# Imports): pytest imports the tests by file (`--import-mode=importlib`, pyproject.toml), `python -m
+# pytest` without `-P` put the working directory first, which is dropped, and the root comes last, where
+# it provides `bench` (the scripts test_bench_tools checks) and nothing an installed distribution has.
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO]
+sys.path.append(str(REPO))
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -12,7 +23,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # small healed worlds of many files compile the same kernels at the same shapes, and on the CPU the
 # compiling is a large part of what a small world costs. Every program is cached, however fast it
 # compiled. The key includes JAX's version, the backend and the program, so a stale entry is never used.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".pytest_cache" / "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

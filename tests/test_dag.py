@@ -129,7 +129,7 @@ def test_killed_process_leaves_no_published_output(tmp_path, inputs):
     lake_root = tmp_path / "lake"
     script = f"""
 import sys, time, os
-sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+sys.path.append({str(Path(__file__).resolve().parents[1])!r})
 from pathlib import Path
 from moeheal.pipeline.dag import Stage, run_stage
 from moeheal.pipeline.lake import Lake

@@ -67,7 +67,7 @@ def test_killed_dump_resumes_without_gaps_or_duplicates(tiny_qwen2moe, tmp_path)
     script = tmp_path / "dump.py"
     script.write_text(f"""
 import sys, time
-sys.path.insert(0, {str(REPO)!r})
+sys.path.append({str(REPO)!r})
 import numpy as np
 from pathlib import Path
 from moeheal.pipeline.gguf_model import GGUFModel

@@ -542,7 +542,7 @@ def test_fuzz_real_command(cli_world, index):
     """The installed entry point in its own process: exit 2, one stderr line, no traceback."""
     argv, name, expect = cli_case(cli_world, index)
     before = lake_digest(cli_world.parent / "lake")
-    proc = subprocess.run([sys.executable, "-m", "moeheal", *argv], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, "-P", "-m", "moeheal", *argv], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == expect == 2, proc.stderr

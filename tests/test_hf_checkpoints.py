@@ -106,7 +106,7 @@ def save_checkpoint(hf, tokenizer, folder: Path, dtype: torch.dtype = torch.floa
 def llama_cpp_convert(checkpoint: Path, out: Path) -> Path:
     """llama.cpp's converter on `checkpoint`, F32 (and without Qwen3-Next's multi-token prediction)."""
     no_mtp = ["--no-mtp"] if json.loads((checkpoint / "config.json").read_text())["model_type"] == "qwen3_next" else []
-    subprocess.run([sys.executable, "-c", RUN_CONVERTER, str(CONVERTER), str(checkpoint), "--outtype", "f32",
+    subprocess.run([sys.executable, "-P", "-c", RUN_CONVERTER, str(CONVERTER), str(checkpoint), "--outtype", "f32",
                     "--outfile", str(out), *no_mtp], check=True, capture_output=True, timeout=300)
     return out
 
@@ -157,7 +157,7 @@ def converted_without_torch(checkpoints, tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("ours")
     paths = {family: out / f"{family}.gguf" for family in checkpoints}
     pairs = [str(arg) for family, path in paths.items() for arg in (checkpoints[family][0], path)]
-    subprocess.run([sys.executable, "-c", CONVERT_WITHOUT_TORCH, *pairs], check=True, timeout=600,
+    subprocess.run([sys.executable, "-P", "-c", CONVERT_WITHOUT_TORCH, *pairs], check=True, timeout=600,
                    env={**os.environ, "JAX_PLATFORMS": "cpu"})
     return paths
 

@@ -38,7 +38,7 @@ def published(lake: Path) -> dict[str, str]:
 
 
 def heal_process(config: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "moeheal", "heal", "-c", str(config)], cwd=REPO,
+    return subprocess.Popen([sys.executable, "-P", "-m", "moeheal", "heal", "-c", str(config)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
@@ -100,7 +100,7 @@ def test_two_runs_on_one_lake_same_and_different_configs(tmp_path):
 
 def test_a_killed_lock_holder_does_not_block(tmp_path):
     lake = Lake(tmp_path / "lake")
-    holder = subprocess.Popen([sys.executable, "-c", (
+    holder = subprocess.Popen([sys.executable, "-P", "-c", (
         "import sys, time; from moeheal.pipeline.lake import Lake\n"
         f"with Lake({str(lake.root)!r}).lock('run'):\n    print('held', flush=True); time.sleep(60)")],
         cwd=REPO, stdout=subprocess.PIPE, text=True)

@@ -30,7 +30,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))
 from moeheal.pipeline.convert import hf_to_gguf  # noqa: E402  (run as a script from the repository)
 
 MAX_BYTES = 25 * 1024 * 1024
