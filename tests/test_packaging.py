@@ -39,7 +39,9 @@ def test_installed_beside_hf_kernels(wheel, tmp_path):
     # the dependencies only: a plain path entry, whose own .pth files (our editable install) are not run
     (site / "borrowed_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], cwd=tmp_path)
-    run([str(python), "-m", "pip", "install", "-q", "kernels"], cwd=tmp_path)
+    # into the fresh environment itself, though the borrowed dependencies hold it too (transformers needs it)
+    run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", "-c", str(REPO / "requirements" / "lock.txt"),
+         "kernels"], cwd=tmp_path)
 
     work = tmp_path / "work"
     shutil.copytree(REPO / "demo", work / "demo", ignore=shutil.ignore_patterns("lake", "__pycache__"))
