@@ -7,20 +7,25 @@ For each layer count, writes `moeheal synth --like ... --layers N` (the real mod
 vocabulary, random weights), quantizes its routed experts to Q2_K with our kernels (the
 "assembled" file: codes and fp16 scales as the e2e stage finds them) and times, on whatever
 backend JAX finds:
-- one tuning step (forward, KL against the reference's log-probabilities, gradient with respect
-  to every fp16 scale, norm and router, one Adam update) on `--batch` sequences of `--seq` tokens;
+- one tuning step of the streamed stage (forward layer by layer, KL against the reference's top
+  `--topk` tokens plus a bucket, the backward sweep with each layer recomputed, gradient with respect
+  to every fp16 scale, norm and router, one Adam update a layer at a time) on `--batch` sequences
+  of `--seq` tokens;
 - one forward-only KL pass on the same batch (what the curve's measurements cost per token);
 - the baseline in the same run: the runner's plain forward (`Runner.forward`, weights cached) on
   the same tokens, so the ratio says what differentiating through the dequantization costs.
 With two layer counts the difference is one layer's cost, and a whole-model figure per token is
 extrapolated (labelled so): the fixed part (embedding, output projection, KL over the vocabulary)
-plus n_layer times the per-layer part.
+plus n_layer times the per-layer part. Each model is benched in a process of its own, so the
+device's peak memory (`peak_bytes_in_use`, run with XLA_PYTHON_CLIENT_PREALLOCATE=false on a GPU)
+is that model's: flat in the layer count, the stage holds one layer at a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,14 +55,14 @@ def assembled_q2_k(source: Path, out: Path) -> Path:
     return out
 
 
-def bench_model(reference_path: Path, assembled_path: Path, batch: int, seq: int, reps: int) -> dict:
+def bench_model(reference_path: Path, assembled_path: Path, batch: int, seq: int, reps: int, topk: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from moeheal.kernels.adam import adam_init, adam_step
+    from moeheal.kernels.e2e import top_k_distribution
     from moeheal.pipeline.gguf_model import GGUFModel
     from moeheal.pipeline.runner import Runner
-    from moeheal.pipeline.stages.e2e import Tuner
+    from moeheal.pipeline.stages.e2e import E2EParams, Tuner, adam_by_layer, learning_rates
 
     # CPU seconds on a CPU backend (a shared machine's wall clock counts other work), else wall seconds
     clock = time.process_time if jax.default_backend() == "cpu" else time.perf_counter
@@ -67,19 +72,20 @@ def bench_model(reference_path: Path, assembled_path: Path, batch: int, seq: int
     tokens = rng.integers(0, reference.hp.vocab_size, (batch, seq)).astype(np.int32)  # (B, T)
     runner = Runner(reference)
     logits = runner.forward(tokens)  # (B, T, V), compiles
-    ref_logp = jax.nn.log_softmax(jnp.asarray(logits), axis=-1)  # (B, T, V)
+    k = min(topk, reference.hp.vocab_size)
+    ids, logp, log_rest = (np.asarray(a) for a in top_k_distribution(jax.nn.log_softmax(jnp.asarray(logits), -1), k))
     plain = timed(lambda: runner.forward(tokens))
     del runner, logits
     tuner = Tuner(assembled, reference)
-    args = (jnp.asarray(tokens), ref_logp, jnp.ones((batch, seq), jnp.float32))
-    state = adam_init(tuner.theta0)
+    data = (tokens, ids, logp, log_rest, np.ones((batch, seq), np.float32))
+    lr = learning_rates(tuner.theta0, E2EParams("bench", 1, 1e-3, 1e-3, seq))
 
     def step() -> None:
-        _, grad = tuner._grad(tuner.theta0, tuner.base, *args)
-        jax.block_until_ready(adam_step(tuner.theta0, grad, state, jnp.float32(1e-3)))
+        _, grad = tuner.step(tuner.theta0, data)
+        adam_by_layer(tuner.theta0, grad, {}, lr)  # host arrays back: the step is done
 
     def kl() -> None:
-        jax.block_until_ready(tuner._kl(tuner.theta0, tuner.base, *args))
+        tuner.mean_kl(tuner.theta0, data)
 
     start = clock()
     step()
@@ -87,7 +93,7 @@ def bench_model(reference_path: Path, assembled_path: Path, batch: int, seq: int
     kl()
     n = batch * seq
     row = {"layers": reference.hp.n_layer, "d_model": reference.hp.d_model, "vocab": reference.hp.vocab_size,
-           "tokens": n, "backend": f"{jax.default_backend()} ({jax.devices()[0].device_kind})",
+           "tokens": n, "topk": k, "backend": f"{jax.default_backend()} ({jax.devices()[0].device_kind})",
            "clock": clock.__name__, "first_step_s": first, "step_s": timed(step), "kl_s": timed(kl),
            "plain_forward_s": plain,
            "tuned_params": sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tuner.theta0))}
@@ -106,9 +112,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--topk", type=int, default=256, help="the reference's tokens kept per position")
     parser.add_argument("--jobs", type=int, default=8, help="synth's worker processes")
     parser.add_argument("--work", type=Path, default=Path("/tmp/moeheal-bench-e2e"))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--json-line", action="store_true", help="print the row only (a run of several models)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -124,9 +132,17 @@ def main() -> None:
                 write_synth(path, args.like, n_layer=n, jobs=args.jobs)
             sources.append(path)
     for source in sources:
-        assembled = assembled_q2_k(source, args.work / f"{source.stem}-q2_k.gguf")
-        rows.append(bench_model(source, assembled, args.batch, args.seq, args.reps))
+        if len(sources) == 1:
+            assembled = assembled_q2_k(source, args.work / f"{source.stem}-q2_k.gguf")
+            rows.append(bench_model(source, assembled, args.batch, args.seq, args.reps, args.topk))
+        else:  # each in a process of its own: its own peak memory
+            one = [sys.executable, __file__, "--gguf", str(source), "--batch", str(args.batch), "--seq", str(args.seq),
+                   "--reps", str(args.reps), "--topk", str(args.topk), "--work", str(args.work), "--json-line"]
+            out = subprocess.run(one, check=True, capture_output=True, text=True).stdout
+            rows.append(json.loads(out.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
+    if args.json_line:
+        return
     print("| layers | d | vocab | tokens | backend | step s | ms/token | KL pass s | plain forward s | step / forward |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

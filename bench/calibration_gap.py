@@ -4,7 +4,7 @@ For every variant named (by default the demo's Q2_K files: llama.cpp's, AutoRoun
 8,192 calibration tokens and on 65,536, ours healed / learned / + e2e), from a healed lake:
 
 - the model's KL(reference || variant) per token over the whole calibration trace and over the
-  unseen trace (`stages.e2e.Trace`: the runner's forward, full vocabulary); ours and both peers made
+  unseen trace (`stages.e2e.Trace` with the reference-topk stage at k = the vocabulary: the full KL); ours and both peers made
   their files from the calibration trace or from text around it, so the first is in-sample;
 - per MoE layer, the relative error of the routed output (`kernels.learned.relative_error`, the loss
   learned rounding minimises) with the variant's routed experts, on the calibration dump's rows and
@@ -30,7 +30,6 @@ from moeheal.pipeline import roles
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.gguf_model import open_model
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.runner import Runner
 from moeheal.pipeline.stages.corpus import trace_tokens
 from moeheal.pipeline.stages.dump import open_dump, read_layer
 from moeheal.pipeline.stages.e2e import Trace, Tuner
@@ -57,9 +56,8 @@ def main() -> None:
     run = HealRun(cfg, log=lambda line: None)
     reference = open_model(cfg.reference)
     traces = run.traces().path
-    runner = Runner(reference)
-    cal = Trace(runner, *trace_tokens(traces, "calibration"), cfg.seq_tokens)
-    unseen = Trace(runner, *trace_tokens(traces, "unseen"), cfg.seq_tokens)
+    whole = run.reference_topk(reference.hp.vocab_size).path  # k = the vocabulary: the full KL
+    cal, unseen = (Trace(*trace_tokens(traces, name), cfg.seq_tokens, whole, name) for name in ("calibration", "unseen"))
     dumps = {name: open_dump(run.dump(name).path) for name in ("calibration", "unseen")}
     layers = reference.moe_layers
     rows = {(name, layer): token_set(reference, layer, read_layer(dumps[name][str(layer)], slice(None)), False)

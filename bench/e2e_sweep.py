@@ -31,7 +31,6 @@ sys.path.append(str(ROOT))
 from moeheal.pipeline.config import load_config  # noqa: E402
 from moeheal.pipeline.gguf_model import open_model  # noqa: E402
 from moeheal.pipeline.heal import HealRun  # noqa: E402
-from moeheal.pipeline.runner import Runner  # noqa: E402
 from moeheal.pipeline.stages.corpus import trace_tokens  # noqa: E402
 from moeheal.pipeline.stages.e2e import E2EParams, Trace, Tuner, tune  # noqa: E402
 
@@ -55,15 +54,14 @@ def main() -> None:
     if args.variants:
         wanted = [v for v in wanted if v.name in args.variants.split(",")]
     traces = run.traces().path
-    runner = Runner(run.reference)
-    calibration = Trace(runner, *trace_tokens(traces, "calibration"), run.cfg.seq_tokens)
-    unseen = Trace(runner, *trace_tokens(traces, "unseen"), run.cfg.seq_tokens)
-    del runner
     rows = []
     print("| variant | e2e_lr | e2e_scale_lr | unseen KL step 0 | kept step | unseen KL kept | change | "
           "calibration probe KL kept | CPU s |", flush=True)
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for variant in wanted:
+        topk = run.reference_topk(min(variant.e2e_topk, run.reference.hp.vocab_size)).path
+        calibration, unseen = (Trace(*trace_tokens(traces, name), run.cfg.seq_tokens, topk, name)
+                               for name in ("calibration", "unseen"))
         tuner = Tuner(open_model(run.assemble(variant).path), run.source)
         for lr in args.lr:
             for scale_lr in args.scale_lr:

@@ -42,7 +42,8 @@ from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf_model import GGUFModel, open_model
 from moeheal.pipeline.lake import Lake, StageResult
 from moeheal.pipeline.progress import progress
-from moeheal.pipeline.stages import calibrate, corpus, dump, e2e, evaluate, llamacheck, quantize, sensitivity
+from moeheal.pipeline.stages import (calibrate, corpus, dump, e2e, evaluate, llamacheck, quantize, reference_topk,
+                                     sensitivity)
 from moeheal.pipeline.tables import read_parts as _read_parts
 from moeheal.pipeline.tokenizer import tokenizer_metadata
 from moeheal.pipeline.validate import budget_fixed, chosen_roles, validate_models
@@ -71,6 +72,9 @@ CALIBRATE = Stage("calibrate", "quant", "", f"{_STAGES}.calibrate", build=calibr
                   params=calibrate.CalibrateParams, outputs=("layer_{layer}.npz", "layer_metrics.parquet"))
 ASSEMBLE = Stage("assemble", "models", ".gguf", f"{_STAGES}.calibrate", build=calibrate.build_assembly,
                  params=calibrate.AssembleParams)
+REFERENCE_TOPK = Stage("reference-topk", "parts", "", f"{_STAGES}.reference_topk",
+                       build=reference_topk.build_reference_topk, params=reference_topk.TopKParams,
+                       outputs=(reference_topk.TOPK_FILE,))
 E2E = Stage("e2e", "models", "", f"{_STAGES}.e2e", build=e2e.build_e2e, params=e2e.E2EParams,
             outputs=(e2e.MODEL_FILE, e2e.CURVE_FILE))
 REFERENCE = Stage("reference-logits", "parts", "", f"{_STAGES}.evaluate", build=evaluate.build_reference_logits,
@@ -83,7 +87,7 @@ COMPARISONS = Stage("comparisons", "parts", "", "moeheal.pipeline.stats", build=
 LLAMA_CHECK = Stage("llama-check", "parts", "", f"{_STAGES}.llamacheck", build=llamacheck.build_llama_check,
                     params=llamacheck.LlamaCheckParams, outputs=("llama_check.parquet",))
 STAGES = (CORPUS, TRACES, WINDOWS, AUDIT, DUMP, IMPORT_DUMP, SENSITIVITY, ALLOCATE, QUANTIZE, CALIBRATE, ASSEMBLE,
-          E2E, REFERENCE, EVALUATE, COMPARISONS, LLAMA_CHECK)
+          REFERENCE_TOPK, E2E, REFERENCE, EVALUATE, COMPARISONS, LLAMA_CHECK)
 
 
 def audit_summary(overlap: pa.Table) -> str:
@@ -279,11 +283,19 @@ class HealRun:
                               for layer in self.source.moe_layers})
 
     @declares
+    def reference_topk(self, k: int) -> Node:
+        """The reference's top-k distribution over both traces, which every e2e variant with that k reads."""
+        return Node(f"reference-topk:{k}", REFERENCE_TOPK, reference_topk.TopKParams(k, self.cfg.seq_tokens),
+                    inputs={"reference": self.cfg.reference}, upstream={"traces": self.traces.node()})
+
+    @declares
     def e2e(self, variant: Variant) -> Node:
         """The assembled GGUF with its float parameters tuned on the model's output (`e2e = true`)."""
+        k = min(variant.e2e_topk, self.reference.hp.vocab_size)  # k at or above the vocabulary: all of it
         return Node(f"e2e:{variant.name}", E2E, e2e.E2EParams.of(variant, self.cfg.seq_tokens),
-                    inputs={"reference": self.cfg.reference, "source": self.cfg.source},
-                    upstream={"model": self.assemble.node(variant), "traces": self.traces.node()})
+                    inputs={"source": self.cfg.source},
+                    upstream={"model": self.assemble.node(variant), "traces": self.traces.node(),
+                              "topk": self.reference_topk.node(k)})
 
     def model_use(self, variant: Variant) -> Use:
         """Where one of our variants' GGUF is written: the tuned one with `e2e = true`, else the assembly."""

@@ -1,0 +1,113 @@
+"""The reference's output distribution over the traces, kept as its top k tokens plus one bucket.
+
+End-to-end tuning's loss is KL(reference || tuned model) per token. Holding the reference's
+full-vocabulary log-probabilities for both traces costs tokens x vocabulary floats (12,288 x
+151,936 = 7.5 GB at Qwen3-30B-A3B's vocabulary); per token this stage keeps the k most likely
+tokens' ids and log-probabilities and the log of the mass of all the others (`kernels.e2e.
+top_k_distribution`), 8k + 4 bytes, so the loss never materialises the whole trace's vocabulary
+(`kernels.e2e.kl_sum_topk`). k at or above the vocabulary keeps it whole (the loss is then the
+full KL). It is computed once per reference and k, and every e2e variant reads it.
+
+The sequences are the traces' own, padded to `seq_tokens` in fixed-shape batches (`padded_sequences`),
+as e2e runs them; a row per real token: trace, seq (the sequence's row), pos, ids, logp, log_rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from moeheal.kernels.e2e import top_k_distribution
+from moeheal.pipeline.files import read_part, write_parquet
+from moeheal.pipeline.gguf_model import open_model
+from moeheal.pipeline.progress import progress
+from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.stages.corpus import trace_tokens
+
+TOPK_FILE = "topk.parquet"
+REFERENCE_BATCH_SEQS = 8  # sequences per reference forward pass
+
+
+@dataclass(frozen=True)
+class TopKParams:
+    """k (already capped at the vocabulary), the sequence length and the traces kept."""
+
+    k: int
+    seq_tokens: int
+    traces: tuple[str, ...] = ("calibration", "unseen")
+
+
+def padded_sequences(tokens: np.ndarray, seq: np.ndarray, seq_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """A trace's sequences as rows: tokens (S, seq_tokens) int32 and mask (S, seq_tokens) float32, 0 on
+    the padding at each row's end."""
+    starts = np.flatnonzero(np.diff(seq, prepend=-1))  # first position of each sequence
+    pieces = np.split(tokens, starts[1:])
+    rows = np.zeros((len(pieces), seq_tokens), np.int32)  # (S, T)
+    mask = np.zeros((len(pieces), seq_tokens), np.float32)  # (S, T)
+    for row, piece in enumerate(pieces):
+        rows[row, :len(piece)] = piece[:seq_tokens]
+        mask[row, :min(len(piece), seq_tokens)] = 1.0
+    return rows, mask
+
+
+@jax.jit
+def _log_softmax(logits: jax.Array) -> jax.Array:
+    return jax.nn.log_softmax(logits, axis=-1)  # (B, T, V)
+
+
+def reference_rows(runner: Runner, trace: str, tokens: np.ndarray, mask: np.ndarray, k: int) -> pa.Table:
+    """One trace's rows: the reference's `top_k_distribution` at every real token."""
+    columns: dict[str, list[np.ndarray]] = {"seq": [], "pos": [], "ids": [], "logp": [], "log_rest": []}
+    for start in progress(range(0, len(tokens), REFERENCE_BATCH_SEQS), desc=f"reference top-{k} {trace}",
+                          unit="batch"):
+        rows = slice(start, start + REFERENCE_BATCH_SEQS)
+        logp = _log_softmax(jnp.asarray(runner.forward(tokens[rows])))  # (B, T, V)
+        ids, logp_k, log_rest = (np.asarray(a) for a in top_k_distribution(logp, k))  # (B,T,k) x2, (B,T)
+        seq, pos = np.nonzero(mask[rows])  # the real tokens, row-major
+        columns["seq"].append((seq + start).astype(np.int32))
+        columns["pos"].append(pos.astype(np.int32))
+        columns["ids"].append(ids[seq, pos])
+        columns["logp"].append(logp_k[seq, pos])
+        columns["log_rest"].append(log_rest[seq, pos])
+    flat = {name: np.concatenate(parts) for name, parts in columns.items()}
+    n = len(flat["seq"])
+    return pa.table({
+        "trace": pa.array([trace] * n, pa.string()), "seq": flat["seq"], "pos": flat["pos"],
+        "ids": pa.FixedSizeListArray.from_arrays(flat["ids"].reshape(-1), k),
+        "logp": pa.FixedSizeListArray.from_arrays(flat["logp"].reshape(-1).astype(np.float32), k),
+        "log_rest": flat["log_rest"].astype(np.float32)})
+
+
+def build_reference_topk(out: Path, params: TopKParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+    """The reference-topk stage: the `reference` GGUF's top-k distribution over the `traces` stage's traces."""
+    out.mkdir(parents=True, exist_ok=True)
+    runner = Runner(open_model(inputs["reference"]))
+    tables = []
+    for trace in params.traces:
+        tokens, mask = padded_sequences(*trace_tokens(inputs["traces"], trace), params.seq_tokens)
+        tables.append(reference_rows(runner, trace, tokens, mask, params.k))
+        log(f"[reference-topk] {trace}: {int(mask.sum())} tokens, top {params.k}")
+    write_parquet(out / TOPK_FILE, pa.concat_tables(tables))
+
+
+def read_topk(folder: Path, trace: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One trace's stored distribution laid out as its padded sequences (`shape` = (S, T)): ids (S, T, k)
+    int32, logp (S, T, k) and log_rest (S, T) float32, zeros on the padding (masked out of every loss)."""
+    table = read_part(folder / TOPK_FILE, ("trace", "seq", "pos", "ids", "logp", "log_rest"))
+    rows = table.filter(pc.equal(table.column("trace"), trace))
+    k = rows.schema.field("ids").type.list_size
+    seq, pos = rows.column("seq").to_numpy(), rows.column("pos").to_numpy()
+    ids = np.zeros((*shape, k), np.int32)  # (S, T, k)
+    logp = np.zeros((*shape, k), np.float32)  # (S, T, k)
+    log_rest = np.zeros(shape, np.float32)  # (S, T)
+    ids[seq, pos] = rows.column("ids").combine_chunks().flatten().to_numpy().reshape(-1, k)
+    logp[seq, pos] = rows.column("logp").combine_chunks().flatten().to_numpy().reshape(-1, k)
+    log_rest[seq, pos] = rows.column("log_rest").to_numpy()
+    return ids, logp, log_rest
