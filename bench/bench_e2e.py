@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))
 
 from bench.timing import best_of  # noqa: E402
+from moeheal.pipeline.config import E2E_TOPK  # noqa: E402
 
 
 def assembled_q2_k(source: Path, out: Path) -> Path:
@@ -112,7 +113,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--topk", type=int, default=256, help="the reference's tokens kept per position")
+    parser.add_argument("--topk", type=int, default=E2E_TOPK, help="the reference's tokens kept per position")
     parser.add_argument("--jobs", type=int, default=8, help="synth's worker processes")
     parser.add_argument("--work", type=Path, default=Path("/tmp/moeheal-bench-e2e"))
     parser.add_argument("--json", type=Path)

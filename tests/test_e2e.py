@@ -321,3 +321,52 @@ def test_the_reference_topk_stage_keeps_the_references_top_tokens(tuned):
     np.testing.assert_allclose(log_rest[:2][real], rest[real], atol=1e-4)
     assert int(mask.sum()) == pq.read_table(folder / "topk.parquet").filter(
         pq.read_table(folder / "topk.parquet").column("trace").to_numpy(zero_copy_only=False) == "unseen").num_rows
+
+
+def _assembled_q8_0(source: Path, out: Path) -> Path:
+    """`source` with its routed experts in Q8_0: what e2e tunes (their fp16 scales), made small."""
+    from gguf import GGMLQuantizationType
+
+    from moeheal.kernels import encode
+
+    model = GGUFModel(source)
+    replace = {n: (encode.quantize_experts(model.tensor(n), "q8_0"), GGMLQuantizationType.Q8_0)
+               for n in model.tensor_names if n.endswith("_exps.weight")}
+    copy_gguf(model, out, replace)
+    return out
+
+
+def test_a_steps_device_memory_does_not_grow_with_depth(tmp_path):
+    """The arrays alive on the device while a step runs (sampled at every layer program it starts, the
+    layer's own inputs included), beyond those alive before it: the same for a model of 2 layers and
+    of 6, with no layer kept between passes (`cache_bytes=0`). Each layer's program's temporaries are
+    one layer's by construction; this checks that nothing the sweep keeps grows with the depth."""
+    from tests.ggufs import make_tiny_gguf
+
+    def peak_extra_bytes(n_layer: int) -> int:
+        source = make_tiny_gguf(tmp_path / f"src{n_layer}.gguf", arch="qwen3moe", seed=5, n_layer=n_layer)
+        tuner = e2e.Tuner(GGUFModel(_assembled_q8_0(source, tmp_path / f"q{n_layer}.gguf")), GGUFModel(source),
+                          cache_bytes=0)
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, tuner.hp.vocab_size, (1, 32)).astype(np.int32)
+        ids, logp, log_rest = (np.asarray(a) for a in top_k_distribution(
+            jax.nn.log_softmax(jnp.asarray(rng.standard_normal((1, 32, tuner.hp.vocab_size)), jnp.float32)), 8))
+        batch = (tokens, ids, logp, log_rest, np.ones((1, 32), np.float32))
+        tuner.step(tuner.theta0, batch)  # compiled before measuring
+        seen: list[int] = []
+
+        def sampled(program):
+            def run(*args):
+                seen.append(sum(a.nbytes for a in jax.live_arrays()))
+                return program(*args)
+            return run
+
+        tuner._forward, tuner._backward = sampled(tuner._forward), sampled(tuner._backward)
+        before = sum(a.nbytes for a in jax.live_arrays())
+        tuner.step(tuner.theta0, batch)
+        assert len(seen) == 2 * n_layer
+        return max(seen) - before
+
+    shallow, deep = peak_extra_bytes(2), peak_extra_bytes(6)
+    assert shallow > 0
+    assert deep <= shallow * 1.05, (shallow, deep)

@@ -111,6 +111,12 @@ DEVICE_CACHE_BYTES = 1 << 30
 _GLOBAL = -1  # the group of the tensors outside the layers (output_norm)
 
 
+def host(x: jax.Array) -> np.ndarray:
+    """A device array copied to host memory. Not `np.asarray`: on a CPU backend that is a view which
+    keeps the device buffer alive, and what the sweep keeps would then count as device memory."""
+    return np.array(x)
+
+
 def layer_of(name: str) -> int:
     """`blk.3.ffn_norm.weight` -> 3; a global tensor -> `_GLOBAL`."""
     return int(name.split(".")[1]) if name.startswith("blk.") else _GLOBAL
@@ -297,17 +303,17 @@ class Tuner:
         h = self._embed(tokens)  # (B, T, d)
         inputs = []  # each layer's input, on the host
         for i, spec in enumerate(self.specs):
-            inputs.append(np.asarray(h))
+            inputs.append(host(h))
             h = self._forward(spec, *self._layer_inputs(i, theta), h, cos, sin)  # (B, T, d)
         theta_head, head = self._head_inputs(theta)
         loss, (g_head, g_h) = self._head_grad(theta_head, head, h, *self._batch(batch))  # (), ({..}, (B, T, d))
-        grad = {"scales": {}, "floats": {n: np.asarray(g) for n, g in g_head.items()}}
+        grad = {"scales": {}, "floats": {n: host(g) for n, g in g_head.items()}}
         for i in reversed(range(len(self.specs))):
             theta_i, tensors = self._layer_inputs(i, theta)
             g_theta, g_h = self._backward(self.specs[i], theta_i, tensors, jnp.asarray(inputs[i]), cos, sin, g_h)
             prefix = f"blk.{i}."
-            grad["scales"] |= {prefix + s: [np.asarray(g) for g in gs] for s, gs in g_theta["scales"].items()}
-            grad["floats"] |= {prefix + s: np.asarray(g) for s, g in g_theta["floats"].items()}
+            grad["scales"] |= {prefix + s: [host(g) for g in gs] for s, gs in g_theta["scales"].items()}
+            grad["floats"] |= {prefix + s: host(g) for s, g in g_theta["floats"].items()}
         return float(loss), grad
 
     # ---- the written file ---------------------------------------------------------------
@@ -385,10 +391,10 @@ def adam_by_layer(theta: dict, grad: dict, states: dict[int, Any], lr: dict) -> 
     for layer, group in by_layer(theta).items():
         state = states.get(layer) or adam_init(group)
         group, state = adam_step(group, grads[layer], state, rates[layer])
-        states[layer] = jax.device_get(state)
+        states[layer] = jax.tree_util.tree_map(host, state)
         prefix = f"blk.{layer}." if layer != _GLOBAL else ""
         for kind in ("scales", "floats"):
-            out[kind] |= {prefix + short: jax.device_get(leaf) for short, leaf in group[kind].items()}
+            out[kind] |= {prefix + short: jax.tree_util.tree_map(host, leaf) for short, leaf in group[kind].items()}
     return out
 
 
