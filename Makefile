@@ -27,16 +27,16 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 
 $(VENV)/.installed-test: $(VENV)/.installed $(TORCH)
 	$(BIN)/python -m pip install -q -c $(LOCK) -r $(TORCH)
-	$(BIN)/python -m pip install -q -c $(LOCK) -e '.[test]'
+	$(BIN)/python -m pip install -q -c $(LOCK) -e '.[test,ray]'
 	touch $@
 
-# The lock: pip-compile resolves pyproject.toml with its test extra (the heal's environment is the
+# The lock: pip-compile resolves pyproject.toml with its test and ray extras (the heal's environment is the
 # same lock's subset) and the torch pin. The CPU build's local label (+cpu) is dropped, so the pin
 # also admits the same release where only PyPI's build is at hand.
 lock:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q pip-tools
-	$(BIN)/pip-compile -q --upgrade --extra test --strip-extras --no-emit-index-url --no-emit-find-links \
+	$(BIN)/pip-compile -q --upgrade --extra test --extra ray --strip-extras --no-emit-index-url --no-emit-find-links \
 		-c $(TORCH) -o $(LOCK) pyproject.toml
 	sed -i 's/^torch==\([^+]*\)+cpu$$/torch==\1/' $(LOCK)
 
@@ -46,7 +46,7 @@ test-latest:
 	test -x .venv-latest/bin/python || $(PYTHON) -m venv .venv-latest
 	.venv-latest/bin/python -m pip install -q --upgrade pip
 	.venv-latest/bin/python -m pip install -q -r $(TORCH)
-	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -c $(TORCH) -e '.[test]'
+	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -c $(TORCH) -e '.[test,ray]'
 	.venv-latest/bin/python -m pip list --format=freeze > .venv-latest/versions.txt
 	.venv-latest/bin/python -P -m pytest -q -m "not gpu" -n 2 --dist loadfile
 

@@ -39,18 +39,28 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 def cmd_heal(args: argparse.Namespace) -> int:
     shard = parse_shard(args.shard) if args.shard else None
+    if args.executor == "ray":
+        from moeheal.pipeline import scaleout
+
+        if shard is not None:
+            raise InputError("--executor ray: Ray schedules every unit; leave out --shard")
+        scaleout.import_ray()  # before any work: one line if it is not installed
     run = _pipeline(args)
     if shard is not None:
         units = run.shard_units(*shard)
         print(f"shard {shard[0]}/{shard[1]}: {len(units)} units in the lake; `moeheal heal` without --shard "
               "assembles, evaluates and publishes once every shard has finished")
         return 0
+    if args.executor == "ray":
+        scaleout.heal_units_on_ray(run, args.ray_address, args.gpus_per_unit)
     run.heal()
     print(run.summary_table())
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.units:
+        return plan_units(_pipeline(args, plan=True), args.format)
     planned = _pipeline(args, plan=True).plan()
     if args.format == "json":
         print(json.dumps([vars(p) for p in planned], indent=1))
@@ -66,6 +76,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
         skipped = sum(p.status == "skipped" for p in planned)
         print(f"{len(planned)} stage invocations: {len(planned) - todo - skipped} cached, {todo} to compute"
               + (f", {skipped} skipped (llama-check: llama.cpp not installed, or no unseen trace)" if skipped else ""))
+    return 0
+
+
+def plan_units(run, fmt: str) -> int:
+    """`plan --units`: the per-layer units a heal executes (what `--shard I/N` splits, one Slurm array
+    task or Ray task each), in order, each with its stages and whether they are in the lake."""
+    status = {p.stage: p.status for p in run.plan()}
+    units = [{"unit": i, "variant": variant.name, "layer": layer,
+              "stages": [f"quantize:{variant.name}:{layer}", f"calibrate:{variant.name}:{layer}"]}
+             for i, (variant, layer) in enumerate(run.unit_pairs())]
+    for unit in units:
+        unit["status"] = "cached" if all(status.get(s) == "cached" for s in unit["stages"]) else "compute"
+    if fmt == "json":
+        print(json.dumps(units, indent=1))
+        return 0
+    for unit in units:
+        print(f"{unit['unit']:>4}  {' '.join(unit['stages'])}  {unit['status']}")
+    todo = sum(u["status"] == "compute" for u in units)
+    print(f"{len(units)} units: {len(units) - todo} cached, {todo} to compute")
     return 0
 
 
@@ -235,10 +264,18 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--shard", metavar="I/N",
                            help="build only worker I's share of the per-layer quantize and calibrate units of N "
                                 "workers on this lake (one per GPU or host), then stop; run without it afterwards")
+            p.add_argument("--executor", choices=("local", "ray"), default="local",
+                           help="ray: the per-layer units (and what they read) as Ray tasks in the DAG's order, "
+                                "then the rest here (pip install 'moeheal[ray]'; docs/scale-out.md)")
+            p.add_argument("--ray-address", help="an existing Ray cluster (default: a local one, ray.init())")
+            p.add_argument("--gpus-per-unit", type=float,
+                           help="GPUs Ray reserves per unit (default: 1 where the cluster has GPUs, else 0)")
         if name == "plan":
             p.add_argument("--format", choices=("table", "json", "dot", "mermaid"), default="table",
                            help="json: a list of {stage, fingerprint, status, upstream}; dot (Graphviz) or "
                                 "mermaid: the DAG, one node per stage with its units' cache status")
+            p.add_argument("--units", action="store_true",
+                           help="list the per-layer units a heal executes (what --shard and a Slurm array split)")
         if name == "recipe":
             p.add_argument("--variant", required=True, help="a [[variant]] name of the config")
             p.add_argument("--imatrix", default="imatrix.gguf",

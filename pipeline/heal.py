@@ -314,11 +314,19 @@ class HealRun:
             layers = progress(layers, desc=f"heal {variant.name}", unit="layer")
         return [self.calibrate(variant, layer) for layer in layers]
 
+    def unit_pairs(self) -> list[tuple[Variant, int]]:
+        """The per-layer units' (variant, layer) in DAG order: variants as configured, layers in order.
+        Each unit is a quantize stage and the calibrate stage that reads it."""
+        return [(variant, layer) for variant in self.all_quantized_variants() for layer in self.source.moe_layers]
+
+    def unit_nodes(self) -> list[Node]:
+        """Every unit's calibrate node (its quantize node among its upstream), in `unit_pairs` order."""
+        return [self.calibrate.node(variant, layer) for variant, layer in self.unit_pairs()]
+
     def shard_units(self, shard: int, shards: int) -> list[StageResult]:
         """Worker ``shard`` of ``shards``' share of the per-layer units, built, and nothing after them.
 
-        The (variant, layer) pairs in DAG order (variants as configured, layers in
-        order), every ``shards``-th from the ``shard``-th: each calibrate unit with
+        Every ``shards``-th of `unit_pairs` from the ``shard``-th: each calibrate unit with
         its quantize unit and what they read (dumps, a budget's recipe). Workers
         on one lake share everything else through it: a stage is built under its
         fingerprint's lock, so the first worker to reach a dump builds it and the
@@ -326,8 +334,7 @@ class HealRun:
         ``heal`` afterwards finds every unit cached and does those. The units are
         the ones one process would build, so the healed GGUFs are the same bytes.
         """
-        pairs = [(variant, layer) for variant in self.all_quantized_variants() for layer in self.source.moe_layers]
-        mine = pairs[shard::shards]
+        mine = self.unit_pairs()[shard::shards]
         return [self.calibrate(variant, layer)
                 for variant, layer in progress(mine, desc=f"shard {shard}/{shards}", unit="unit")]
 

@@ -1,0 +1,181 @@
+"""Scale-out on engines that are not ours (docs/scale-out.md): Ray tasks over the per-layer units in the
+DAG's order, and Slurm array tasks over `--shard` (run here as local processes with Slurm's variables
+set). Each gives the single-process run's published tables and GGUF files, byte for byte; a Ray worker
+killed in the middle of a unit is retried and changes nothing.
+
+Every heal here runs in a child process with one BLAS thread (`OMP_NUM_THREADS=1`, what Ray gives a
+one-CPU task): a float64 diagnostic summed by a multi-threaded BLAS (ridge_cv's dof) can move in its
+last bit with the thread count, while every GGUF byte does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from moeheal.pipeline.cli import main
+from tests.ggufs import make_tiny_gguf
+from tests.healworld import write_world
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM = REPO / "deploy" / "slurm"
+VARIANT = """
+[[variant]]
+name = "v1"
+ridge_rho = 6.0
+"""
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1", "MOEHEAL_PLOTS": "0"}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    """A three-layer world and its single-process heal (lake `lake`); other lakes are siblings."""
+    root = tmp_path_factory.mktemp("scaleout")
+    model = make_tiny_gguf(root / "ref.gguf", arch="qwen2moe", seed=5, n_layer=3, d_model=256, n_expert=8,
+                           k=2, matrix_type="q8_0", d_expert=256, d_shexp=256)
+    config = write_world(root, model=model, variants=VARIANT, moce_bonus=(0.0,))
+    heal(config)
+    return config
+
+
+def with_lake(config: Path, name: str) -> Path:
+    """The same world publishing into lake `name` (the same model and corpus paths, so every table can match)."""
+    other = config.with_name(f"heal-{name}.toml")
+    other.write_text(config.read_text().replace('root = "lake"', f'root = "{name}"'))
+    return other
+
+
+def heal(config: Path, *extra: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-P", "-m", "moeheal", "heal", "-c", str(config), *extra],
+                          capture_output=True, text=True, env=ENV, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def published(lake: Path) -> dict[str, bytes]:
+    """Every published table and every GGUF of the lake, by name."""
+    tables = {p.name: p.read_bytes() for p in (lake / "tables").resolve().glob("*.parquet")}
+    models = {p.relative_to(lake).as_posix(): p.read_bytes() for p in (lake / "models").rglob("*.gguf")}
+    assert tables and models
+    return tables | models
+
+
+def assert_same_lake(a: Path, b: Path) -> None:
+    """Byte for byte, but the `variants` table's `gguf` column: a healed file's path, in its own lake."""
+    ours, theirs = published(a), published(b)
+    assert sorted(ours) == sorted(theirs)
+    assert [name for name in ours if ours[name] != theirs[name] and name != "variants.parquet"] == []
+    rows = [pq.read_table((lake / "tables" / "variants.parquet").resolve()).to_pylist() for lake in (a, b)]
+    for row, other in zip(*rows, strict=True):
+        assert {**row, "gguf": ""} == {**other, "gguf": ""}
+        assert row["gguf"].replace(str(a.resolve()), "LAKE") == other["gguf"].replace(str(b.resolve()), "LAKE")
+
+
+# ---- units ----------------------------------------------------------------------------------------
+def test_plan_units_lists_every_layer_of_every_variant(world, capsys):
+    assert main(["plan", "-c", str(world), "--units", "--format", "json"]) == 0
+    units = json.loads(capsys.readouterr().out)
+    assert [(u["variant"], u["layer"]) for u in units] == [(v, l) for v in ("unhealed", "v1") for l in range(3)]
+    assert units[4]["stages"] == ["quantize:v1:1", "calibrate:v1:1"]
+    assert {u["status"] for u in units} == {"cached"}
+    fresh = with_lake(world, "lake-unplanned")
+    assert main(["plan", "-c", str(fresh), "--units"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "6 units: 0 cached, 6 to compute"
+
+
+# ---- Slurm ----------------------------------------------------------------------------------------
+def test_slurm_array_tasks_as_processes_give_the_single_process_lake(world):
+    """heal_units.sbatch run as three array tasks at once (SLURM_ARRAY_TASK_ID 0..2 of 3), then
+    publish.sbatch, as Slurm would after `--dependency=afterok`."""
+    config = with_lake(world, "lake-slurm")
+    env = {**ENV, "MOEHEAL_CONFIG": str(config), "MOEHEAL": str(Path(sys.executable).with_name("moeheal")),
+           "SLURM_ARRAY_TASK_COUNT": "3"}
+    tasks = [subprocess.Popen(["bash", str(SLURM / "heal_units.sbatch")], env={**env, "SLURM_ARRAY_TASK_ID": str(i)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
+    for task in tasks:
+        out, err = task.communicate(timeout=900)
+        assert task.returncode == 0, err[-3000:]
+        assert "units in the lake" in out
+    done = subprocess.run(["bash", str(SLURM / "publish.sbatch")], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "computing" not in "".join(line for line in done.stderr.splitlines() if "quantize:" in line)
+    assert_same_lake(world.parent / "lake", config.parent / "lake-slurm")
+
+
+def test_slurm_array_task_without_its_variables_says_so(world):
+    done = subprocess.run(["bash", str(SLURM / "heal_units.sbatch")], env={**ENV, "MOEHEAL_CONFIG": str(world)},
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "SLURM_ARRAY_TASK_ID" in done.stderr
+
+
+# ---- Ray ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster of a head and two worker nodes (one CPU each), on loopback."""
+    pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    yield cluster
+    cluster.shutdown()
+
+
+def test_ray_executor_on_two_workers_gives_the_single_process_lake(world, ray_cluster):
+    config = with_lake(world, "lake-ray")
+    done = heal(config, "--executor", "ray", "--ray-address", ray_cluster.address)
+    assert "ray: 18/18 stages in the lake" in done.stdout + done.stderr  # 6 units x 2 stages, and what they read
+    assert_same_lake(world.parent / "lake", config.parent / "lake-ray")
+
+
+def test_ray_retries_a_worker_killed_in_a_unit(world, ray_cluster):
+    """The worker building `quantize:v1:1` is killed (SIGKILL) while it holds the unit's lock; Ray runs
+    the task again, the unit is rebuilt from scratch, and the lake is the single-process one."""
+    config = with_lake(world, "lake-ray-killed")
+    planned = subprocess.run([sys.executable, "-P", "-m", "moeheal", "plan", "-c", str(config), "--format", "json"],
+                             capture_output=True, text=True, env=ENV, check=True)
+    victim = next(p["fingerprint"] for p in json.loads(planned.stdout) if p["stage"] == "quantize:v1:1")
+    lock = config.parent / "lake-ray-killed" / "tmp" / f"{victim}.lock"
+    driver = subprocess.Popen([sys.executable, "-P", "-m", "moeheal", "heal", "-c", str(config), "--executor", "ray",
+                               "--ray-address", ray_cluster.address], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=ENV)
+    killed, deadline = None, time.monotonic() + 600
+    while killed is None and driver.poll() is None and time.monotonic() < deadline:
+        try:
+            pid = int(lock.read_text().strip() or 0)
+        except (FileNotFoundError, ValueError):
+            pid = 0
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            killed = pid
+        time.sleep(0.005)
+    out, err = driver.communicate(timeout=900)
+    assert killed is not None, "the unit finished before it could be killed"
+    assert driver.returncode == 0, err[-3000:]
+    assert_same_lake(world.parent / "lake", config.parent / "lake-ray-killed")
+
+
+def test_ray_executor_without_ray_is_one_line_and_exit_2(world, tmp_path):
+    """In a Python where `import ray` fails (a module of that name that raises), one line, exit 2."""
+    (tmp_path / "ray.py").write_text("raise ImportError('no ray here')\n")
+    done = subprocess.run([sys.executable, "-P", "-m", "moeheal", "heal", "-c", str(world), "--executor", "ray"],
+                          capture_output=True, text=True, env={**ENV, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "moeheal[ray]" in done.stderr
+
+
+def test_ray_and_shard_together_are_refused(world, capsys):
+    assert main(["heal", "-c", str(world), "--executor", "ray", "--shard", "0/2"]) == 2
+    assert "--shard" in capsys.readouterr().err
+
