@@ -98,7 +98,8 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    os.environ.update({"OMP_NUM_THREADS": "1", "MOEHEAL_PLOTS": "0"})
+    # one BLAS thread as Ray's one-CPU tasks have; Ray on 127.0.0.1 (pipeline/scaleout.py, import_ray)
+    os.environ.update({"OMP_NUM_THREADS": "1", "MOEHEAL_PLOTS": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
     with tempfile.TemporaryDirectory(prefix="moeheal-scaleout-") as tmp:
         base = narrowed_config(args.config.resolve(), args.variants.split(","), Path(tmp))
         run = HealRun(load_config(base), log=lambda line: None)

@@ -44,7 +44,7 @@ def cmd_heal(args: argparse.Namespace) -> int:
 
         if shard is not None:
             raise InputError("--executor ray: Ray schedules every unit; leave out --shard")
-        scaleout.import_ray()  # before any work: one line if it is not installed
+        scaleout.import_ray(local=args.ray_address is None)  # before any work: one line if it is not installed
     run = _pipeline(args)
     if shard is not None:
         units = run.shard_units(*shard)

@@ -29,6 +29,7 @@ from moeheal.pipeline.dag import Node
 from moeheal.pipeline.errors import InputError
 
 RAY_MAX_RETRIES = 3  # a task whose worker died is run again this many times
+LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's nodes on 127.0.0.1 (`import_ray`)
 # Memory Ray reserves for a per-layer unit: this many times the float32 size of the layer's routed
 # experts (the unit holds the source layer, its codes and the dumps' rows of the layer).
 UNIT_MEMORY_FACTOR = 6
@@ -70,7 +71,12 @@ def unit_memory(run: Any, node: Node) -> int:
     return UNIT_MEMORY_FACTOR * 4 * sum(math.prod(source.shape(n)) for n in names)
 
 
-def import_ray() -> Any:
+def import_ray(local: bool = False) -> Any:
+    """The `ray` module, or one line naming the extra. With `local` (no cluster address: a Ray of this
+    machine alone) Ray is kept on the loopback address: its switch for single-machine use, read when
+    it is imported, makes every node's address 127.0.0.1 rather than the host's network address."""
+    if local:
+        os.environ.setdefault(LOOPBACK_SWITCH, "0")
     try:
         import ray
     except ImportError:
@@ -94,7 +100,7 @@ def heal_units_on_ray(run: Any, address: str | None, gpus_per_unit: float | None
                       log: Callable[[str], None] = print) -> list[str]:
     """Every unit of `run` (and what the units read) built as Ray tasks in the DAG's order, on a local
     Ray (`address` None) or the cluster at `address`; returns the labels built, in submission order."""
-    ray = import_ray()
+    ray = import_ray(local=address is None)
     if not ray.is_initialized():  # the workers' JAX on the driver's platform (a test's CPU, say)
         env = {k: os.environ[k] for k in ("JAX_PLATFORMS",) if k in os.environ}
         ray.init(address=address, include_dashboard=False, log_to_driver=False,

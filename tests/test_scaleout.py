@@ -32,7 +32,9 @@ VARIANT = """
 name = "v1"
 ridge_rho = 6.0
 """
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1", "MOEHEAL_PLOTS": "0"}
+# Ray's nodes on 127.0.0.1 (pipeline/scaleout.py, `import_ray`): the tests' cluster stays on loopback.
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1", "MOEHEAL_PLOTS": "0",
+       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +123,7 @@ def test_slurm_array_task_without_its_variables_says_so(world):
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray cluster of a head and two worker nodes (one CPU each), on loopback."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read when ray is imported: before it
     pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
@@ -128,6 +131,7 @@ def ray_cluster():
     for _ in range(2):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
+    assert cluster.address.startswith("127.0.0.1:")
     yield cluster
     cluster.shutdown()
 
