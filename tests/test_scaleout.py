@@ -183,3 +183,23 @@ def test_ray_and_shard_together_are_refused(world, capsys):
     assert main(["heal", "-c", str(world), "--executor", "ray", "--shard", "0/2"]) == 2
     assert "--shard" in capsys.readouterr().err
 
+
+
+def test_slurm_submit_sizes_the_array_from_the_units_and_queues_publish_after_it(world, tmp_path):
+    """submit.sh with an `sbatch` that records its arguments: an array of one task per unit still to
+    compute (a fresh lake: all 6), then publish.sbatch with `--dependency=afterok` on the array's id."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/usr/bin/env bash\necho "$@" >> {calls}\necho $((41 + $(wc -l < {calls})))\n')
+    fake.chmod(0o755)
+    config = with_lake(world, "lake-submit")
+    env = {**ENV, "PATH": f"{fake.parent}:{os.environ['PATH']}",
+           "MOEHEAL": str(Path(sys.executable).with_name("moeheal"))}
+    done = subprocess.run(["bash", str(SLURM / "submit.sh"), str(config)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    array, publish = calls.read_text().splitlines()
+    assert "--array=0-5" in array.split() and array.endswith("heal_units.sbatch")
+    assert "--dependency=afterok:42" in publish.split() and publish.endswith("publish.sbatch")
+    assert "6 tasks for 6 units" in done.stdout
