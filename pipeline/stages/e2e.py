@@ -203,7 +203,7 @@ class Tuner:
             self._held += array.nbytes
         return array
 
-    def _layer_inputs(self, i: int, theta: dict) -> tuple[dict, dict]:
+    def layer_inputs(self, i: int, theta: dict) -> tuple[dict, dict]:
         """Layer i on the device, keyed by short name: (theta_i, tensors) with tensors = {"frozen": the
         untuned tensors, "blocks": the tuned quantized ones' stored blocks, "floats": the tuned floats}."""
         prefix = f"blk.{i}."
@@ -217,7 +217,7 @@ class Tuner:
                    "floats": {short[n]: jnp.asarray(theta["floats"][n], self.dtype) for n in names if n in self.floats}}
         return theta_i, tensors
 
-    def _head_inputs(self, theta: dict) -> tuple[dict, dict]:
+    def head_inputs(self, theta: dict) -> tuple[dict, dict]:
         """(theta of the tensors outside the layers, those tensors and the output matrix) on the device."""
         names = [n for n in self.floats if layer_of(n) == _GLOBAL]
         return ({n: jnp.asarray(theta["floats"][n], self.dtype) for n in names},
@@ -268,13 +268,13 @@ class Tuner:
         return kl_sum_topk(ids, ref_logp, ref_log_rest, logits, mask) / jnp.maximum(jnp.sum(mask), 1.0)  # ()
 
     # ---- passes ------------------------------------------------------------------------
-    def _embed(self, tokens: np.ndarray) -> jax.Array:
+    def embed(self, tokens: np.ndarray) -> jax.Array:
         """tokens (B, T) -> embeddings (B, T, d); only the rows used are dequantized."""
         ids, inverse = np.unique(tokens, return_inverse=True)  # (U,), (B*T,)
         rows = self.model.rows("token_embd.weight", ids)  # (U, d)
         return jnp.asarray(rows[inverse.reshape(tokens.shape)], self.dtype)  # (B, T, d)
 
-    def _batch(self, batch: tuple[np.ndarray, ...]) -> tuple[jax.Array, ...]:
+    def reference_batch(self, batch: tuple[np.ndarray, ...]) -> tuple[jax.Array, ...]:
         """The reference's side of a batch on the device: ids, logp, log_rest, mask."""
         _, ids, logp, log_rest, mask = batch
         return (jnp.asarray(ids), jnp.asarray(logp, self.dtype), jnp.asarray(log_rest, self.dtype),
@@ -284,10 +284,10 @@ class Tuner:
         """Mean KL per unmasked token of a batch (tokens, ids, logp, log_rest, mask): the forward only."""
         tokens = batch[0]
         cos, sin = (a.astype(self.dtype) for a in self.arch.rope_tables(tokens.shape[1], self.hp))  # (T, r/2) each
-        h = self._embed(tokens)  # (B, T, d)
+        h = self.embed(tokens)  # (B, T, d)
         for i, spec in enumerate(self.specs):
-            h = self._forward(spec, *self._layer_inputs(i, theta), h, cos, sin)  # (B, T, d)
-        return float(self._head_kl(*self._head_inputs(theta), h, *self._batch(batch)))
+            h = self._forward(spec, *self.layer_inputs(i, theta), h, cos, sin)  # (B, T, d)
+        return float(self._head_kl(*self.head_inputs(theta), h, *self.reference_batch(batch)))
 
     def trace_kl(self, theta: dict, trace: "Trace", n_seqs: int | None = None) -> tuple[float, int]:
         """(mean KL per token, tokens) over a trace's first `n_seqs` sequences (all by default)."""
@@ -300,16 +300,16 @@ class Tuner:
         """(mean KL, its gradient w.r.t. theta as host arrays like theta) on one batch, streamed."""
         tokens = batch[0]
         cos, sin = (a.astype(self.dtype) for a in self.arch.rope_tables(tokens.shape[1], self.hp))  # (T, r/2) each
-        h = self._embed(tokens)  # (B, T, d)
+        h = self.embed(tokens)  # (B, T, d)
         inputs = []  # each layer's input, on the host
         for i, spec in enumerate(self.specs):
             inputs.append(host(h))
-            h = self._forward(spec, *self._layer_inputs(i, theta), h, cos, sin)  # (B, T, d)
-        theta_head, head = self._head_inputs(theta)
-        loss, (g_head, g_h) = self._head_grad(theta_head, head, h, *self._batch(batch))  # (), ({..}, (B, T, d))
+            h = self._forward(spec, *self.layer_inputs(i, theta), h, cos, sin)  # (B, T, d)
+        theta_head, head = self.head_inputs(theta)
+        loss, (g_head, g_h) = self._head_grad(theta_head, head, h, *self.reference_batch(batch))  # (), ({..}, (B, T, d))
         grad = {"scales": {}, "floats": {n: host(g) for n, g in g_head.items()}}
         for i in reversed(range(len(self.specs))):
-            theta_i, tensors = self._layer_inputs(i, theta)
+            theta_i, tensors = self.layer_inputs(i, theta)
             g_theta, g_h = self._backward(self.specs[i], theta_i, tensors, jnp.asarray(inputs[i]), cos, sin, g_h)
             prefix = f"blk.{i}."
             grad["scales"] |= {prefix + s: [host(g) for g in gs] for s, gs in g_theta["scales"].items()}
