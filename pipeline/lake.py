@@ -143,16 +143,27 @@ class Lake(TableSet):
         try:
             for sub in STAGE_FOLDERS:
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
-            current = self.root / "current"
-            if current.exists() and not current.is_symlink():
-                _remove(current)  # copied without its links: whatever is there is not a published set
-            for name, target in PUBLISHED_LINKS.items():
-                link = self.root / name
-                if not link.is_symlink():
-                    _remove(link)  # loose tables (an older layout, a copy that followed links) are not a set
-                    link.symlink_to(target)
+            if not self._published_set_linked():
+                with self.lock("layout"):  # shards of one heal open a new lake at the same moment
+                    self._link_published_set()
         except OSError as exc:
-            raise InputError(f"{exc.filename or self.root}: lake: cannot write ({exc.strerror})") from None
+            raise InputError(f"{exc.filename2 or exc.filename or self.root}: lake: cannot write ({exc.strerror})") from None
+
+    def _published_set_linked(self) -> bool:
+        current = self.root / "current"
+        return ((current.is_symlink() or not current.exists())
+                and all((self.root / name).is_symlink() for name in PUBLISHED_LINKS))
+
+    def _link_published_set(self) -> None:
+        """The links `tables`, `lake.duckdb` and `report` into `current/`, made where missing."""
+        current = self.root / "current"
+        if current.exists() and not current.is_symlink():
+            _remove(current)  # copied without its links: whatever is there is not a published set
+        for name, target in PUBLISHED_LINKS.items():
+            link = self.root / name
+            if not link.is_symlink():
+                _remove(link)  # loose tables (an older layout, a copy that followed links) are not a set
+                link.symlink_to(target)
 
     # ---- stage outputs -------------------------------------------------------------
     def output_path(self, kind: str, fingerprint: str, suffix: str = "") -> Path:

@@ -98,6 +98,24 @@ def test_two_runs_on_one_lake_same_and_different_configs(tmp_path):
     assert not list((lake / "tmp").glob("*.lock")) and not list((lake / "tmp").glob("publish-*"))
 
 
+def test_processes_opening_one_new_lake_at_once_all_succeed(tmp_path):
+    """Array tasks of one heal open a lake nobody has made yet at the same instant; each makes the
+    published-set links only where another has not, so none fails on a link that appeared under it."""
+    roots = [tmp_path / f"lake{i}" for i in range(40)]
+    start = time.time() + 4.0  # every child has imported moeheal by then
+    script = ("import sys, time; from moeheal.pipeline.lake import Lake\n"
+              "roots = sys.argv[2:]\n"
+              "while time.time() < float(sys.argv[1]): pass\n"
+              "for root in roots: Lake(root)")
+    children = [subprocess.Popen([sys.executable, "-P", "-c", script, str(start), *map(str, roots)], cwd=REPO,
+                                 stderr=subprocess.PIPE, text=True) for _ in range(6)]
+    errors = [child.communicate(timeout=120)[1] for child in children]
+    assert [child.returncode for child in children] == [0] * len(children), "\n".join(errors)
+    for root in roots:
+        assert all((root / name).is_symlink() for name in ("tables", "lake.duckdb", "report"))
+        assert not list((root / "tmp").glob("*.lock"))
+
+
 def test_a_killed_lock_holder_does_not_block(tmp_path):
     lake = Lake(tmp_path / "lake")
     holder = subprocess.Popen([sys.executable, "-P", "-c", (
