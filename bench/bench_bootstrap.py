@@ -25,7 +25,7 @@ import pyarrow as pa
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after site-packages: DESIGN.md, Imports
 
 from bench.timing import best_of  # noqa: E402
-from moeheal.pipeline import stats  # noqa: E402
+from moeheal.pipeline.stages import comparisons as stats  # noqa: E402
 
 STRATA = ("chat", "code", "ja", "ops")
 N_WINDOWS = 1_000

@@ -25,8 +25,8 @@ import json, resource, sys, time
 sys.path.append({repo!r})
 import numpy as np
 from pathlib import Path
-from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.stages.dump import dump_trace
 model = GGUFModel({gguf!r})
 n, seq_tokens = {n}, 512

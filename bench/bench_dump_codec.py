@@ -31,10 +31,10 @@ from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 REPO = Path(__file__).resolve().parents[1]
 sys.path.append(str(REPO))
 
-from moeheal.pipeline.gguf_model import GGUFModel  # noqa: E402
-from moeheal.pipeline.runner import Runner  # noqa: E402
+from moeheal.pipeline.gguf.model import GGUFModel  # noqa: E402
+from moeheal.pipeline.model.runner import Runner  # noqa: E402
 from moeheal.pipeline.stages.dump import ARRAYS, CHUNK_CODEC, dump_trace, open_dump, to_stored  # noqa: E402
-from moeheal.pipeline.tokenizer import build_tokenizer, encode  # noqa: E402
+from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode  # noqa: E402
 
 SEQ_TOKENS = 512
 # (name, compressors); the first is the pipeline's. Byte shuffling groups the bytes of each

@@ -44,8 +44,8 @@ def assembled_q2_k(source: Path, out: Path) -> Path:
     from gguf import GGMLQuantizationType
 
     from moeheal.kernels import encode
-    from moeheal.pipeline.gguf_model import GGUFModel
-    from moeheal.pipeline.gguf_write import copy_gguf
+    from moeheal.pipeline.gguf.model import GGUFModel
+    from moeheal.pipeline.gguf.writer import copy_gguf
 
     model = GGUFModel(source)
     replace = {}
@@ -61,8 +61,8 @@ def bench_model(reference_path: Path, assembled_path: Path, batch: int, seq: int
     import jax.numpy as jnp
 
     from moeheal.kernels.e2e import top_k_distribution
-    from moeheal.pipeline.gguf_model import GGUFModel
-    from moeheal.pipeline.runner import Runner
+    from moeheal.pipeline.gguf.model import GGUFModel
+    from moeheal.pipeline.model.runner import Runner
     from moeheal.pipeline.stages.e2e import E2EParams, Tuner, adam_by_layer, learning_rates
 
     # CPU seconds on a CPU backend (a shared machine's wall clock counts other work), else wall seconds
@@ -124,7 +124,7 @@ def main() -> None:
     if args.gguf:
         sources = [args.gguf]
     else:
-        from moeheal.pipeline.synth import write_synth
+        from moeheal.pipeline.sources.synth import write_synth
 
         sources = []
         for n in args.layers:
@@ -151,7 +151,7 @@ def main() -> None:
               f"{r['step_ms_per_token']:.3f} | {r['kl_s']:.3f} | {r['plain_forward_s']:.3f} | "
               f"{r['step_vs_plain_forward']:.1f}x |")
     if len(rows) == 2 and rows[1]["layers"] > rows[0]["layers"]:
-        from moeheal.pipeline.synth import LIKE
+        from moeheal.pipeline.sources.synth import LIKE
 
         a, b = rows
         per_layer = (b["step_s"] - a["step_s"]) / (b["layers"] - a["layers"])

@@ -32,8 +32,8 @@ sys.path.append(str(ROOT))
 
 from bench.timing import best_of  # noqa: E402
 
-from moeheal.pipeline.gguf_model import GGUFModel  # noqa: E402
-from moeheal.pipeline.runner import Runner  # noqa: E402
+from moeheal.pipeline.gguf.model import GGUFModel  # noqa: E402
+from moeheal.pipeline.model.runner import Runner  # noqa: E402
 
 DEFAULT_GGUF = ROOT / "demo" / "model" / "demo-q8_0.gguf"
 

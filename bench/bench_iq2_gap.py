@@ -44,7 +44,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 from moeheal.kernels import decode, encode  # noqa: E402
 from moeheal.kernels import importance as imp  # noqa: E402
 from moeheal.pipeline.config import load_config  # noqa: E402
-from moeheal.pipeline.gguf_model import open_model  # noqa: E402
+from moeheal.pipeline.gguf.model import open_model  # noqa: E402
 from moeheal.pipeline.heal import HealRun  # noqa: E402
 from moeheal.pipeline.stages import quantize  # noqa: E402
 from moeheal.pipeline.stages.dump import open_dump  # noqa: E402

@@ -40,7 +40,7 @@ def synthetic_layer(n_expert: int, d: int, f: int, k: int, tokens: int, seed: in
     import jax
     import jax.numpy as jnp
 
-    from moeheal.pipeline.model import moe_forward
+    from moeheal.pipeline.model.layers import moe_forward
 
     keys = jax.random.split(jax.random.key(seed), 6)
     gate = 0.02 * jax.random.t(keys[0], 4.0, (n_expert, f, d), jnp.float32)

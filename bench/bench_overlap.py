@@ -17,7 +17,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from moeheal.pipeline import audit
+from moeheal.pipeline.stages import audit
 
 VOCAB = 151_936
 N = 16

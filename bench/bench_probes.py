@@ -1,4 +1,4 @@
-"""What recording activation peaks costs a forward pass (`pipeline.numerics`).
+"""What recording activation peaks costs a forward pass (`pipeline.model.numerics`).
 
     python bench/bench_probes.py [--gguf demo/model/demo-q8_0.gguf] [--batch 8] [--seq 128] [--reps 5]
 
@@ -27,9 +27,9 @@ sys.path.append(str(ROOT))
 
 from bench.timing import best_of  # noqa: E402
 
-from moeheal.pipeline.gguf_model import GGUFModel  # noqa: E402
-from moeheal.pipeline.numerics import ActivationPeaks  # noqa: E402
-from moeheal.pipeline.runner import Runner  # noqa: E402
+from moeheal.pipeline.gguf.model import GGUFModel  # noqa: E402
+from moeheal.pipeline.model.numerics import ActivationPeaks  # noqa: E402
+from moeheal.pipeline.model.runner import Runner  # noqa: E402
 
 DEFAULT_GGUF = ROOT / "demo" / "model" / "demo-q8_0.gguf"
 

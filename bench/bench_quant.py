@@ -200,7 +200,7 @@ def expert_tensors(gguf_path: str, imatrix_path: str) -> list[tuple[str, np.ndar
     """
     import gguf
 
-    from moeheal.pipeline.gguf_model import GGUFModel
+    from moeheal.pipeline.gguf.model import GGUFModel
 
     model = GGUFModel(gguf_path)
     stats = {t.name: np.asarray(t.data, np.float32) for t in gguf.GGUFReader(imatrix_path).tensors}
@@ -250,7 +250,7 @@ def bench_kquants_vs_llama(gguf_path: str, imatrix_path: str, threads: int, repe
     import gguf
 
     from moeheal.kernels import encode
-    from moeheal.pipeline.gguf_model import GGUFModel
+    from moeheal.pipeline.gguf.model import GGUFModel
 
     binary, tensors, n_weights, copy_args = llama_comparison_inputs(gguf_path, imatrix_path)
     q2k_args = [*copy_args[:3], *(a for role in EXPERT_ROLES for a in ("--tensor-type", f"{role}=q2_k")), *copy_args[3:]]

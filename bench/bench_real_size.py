@@ -51,7 +51,7 @@ import jax
 
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.synth import LIKE, write_synth
+from moeheal.pipeline.sources.synth import LIKE, write_synth
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 

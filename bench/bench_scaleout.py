@@ -10,7 +10,7 @@ units and nothing else:
 - plain: `moeheal heal --shard 0/1` in a new process (one worker building every unit, JAX compiling
   as a fresh worker does);
 - ray, N workers: a local Ray cluster of a head (no CPUs) and N worker nodes of one CPU each
-  (`ray.cluster_utils.Cluster`), and `pipeline.scaleout.heal_units_on_ray`, every unit and what it
+  (`ray.cluster_utils.Cluster`), and `pipeline.lake.scaleout.heal_units_on_ray`, every unit and what it
   reads a task, in the DAG's order.
 Ray's overhead per task = (ray on one worker - plain) / tasks: its scheduling, a worker process per
 task start-up, the config and models opened again, and JAX compiling afresh in each worker.
@@ -74,7 +74,7 @@ def on_ray(config: Path, workers: int) -> tuple[float, int]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from moeheal.pipeline.scaleout import heal_units_on_ray
+    from moeheal.pipeline.lake.scaleout import heal_units_on_ray
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     try:
@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    # one BLAS thread as Ray's one-CPU tasks have; Ray on 127.0.0.1 (pipeline/scaleout.py, import_ray)
+    # one BLAS thread as Ray's one-CPU tasks have; Ray on 127.0.0.1 (pipeline/lake/scaleout.py, import_ray)
     os.environ.update({"OMP_NUM_THREADS": "1", "MOEHEAL_PLOTS": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
     with tempfile.TemporaryDirectory(prefix="moeheal-scaleout-") as tmp:
         base = narrowed_config(args.config.resolve(), args.variants.split(","), Path(tmp))

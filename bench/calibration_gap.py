@@ -26,9 +26,9 @@ import numpy as np
 
 from moeheal.kernels.decode import dequantize
 from moeheal.kernels.learned import relative_error
-from moeheal.pipeline import roles
+from moeheal.pipeline.model import roles
 from moeheal.pipeline.config import load_config
-from moeheal.pipeline.gguf_model import open_model
+from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.stages.corpus import trace_tokens
 from moeheal.pipeline.stages.dump import open_dump, read_layer

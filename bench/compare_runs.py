@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 from moeheal.pipeline.config import load_config
-from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.lake import TableSet
+from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.lake.store import TableSet
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -24,9 +24,9 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after site-packages: DESIGN.md, Imports
 
 from moeheal.pipeline.config import load_config  # noqa: E402
-from moeheal.pipeline.gguf_model import open_model  # noqa: E402
+from moeheal.pipeline.gguf.model import open_model  # noqa: E402
 from moeheal.pipeline.heal import HealRun  # noqa: E402
-from moeheal.pipeline.runner import Runner  # noqa: E402
+from moeheal.pipeline.model.runner import Runner  # noqa: E402
 from moeheal.pipeline.stages import e2e  # noqa: E402
 from moeheal.pipeline.stages.corpus import trace_tokens  # noqa: E402
 

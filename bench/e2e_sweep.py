@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))
 
 from moeheal.pipeline.config import load_config  # noqa: E402
-from moeheal.pipeline.gguf_model import open_model  # noqa: E402
+from moeheal.pipeline.gguf.model import open_model  # noqa: E402
 from moeheal.pipeline.heal import HealRun  # noqa: E402
 from moeheal.pipeline.stages.corpus import trace_tokens  # noqa: E402
 from moeheal.pipeline.stages.e2e import E2EParams, Trace, Tuner, tune  # noqa: E402

@@ -28,9 +28,9 @@ import jax.numpy as jnp  # noqa: E402
 from moeheal.kernels.e2e import kl_sum_topk, top_k_distribution  # noqa: E402
 from moeheal.kernels.kld import kl_from_log_probs  # noqa: E402
 from moeheal.pipeline.config import load_config  # noqa: E402
-from moeheal.pipeline.gguf_model import open_model  # noqa: E402
+from moeheal.pipeline.gguf.model import open_model  # noqa: E402
 from moeheal.pipeline.heal import HealRun  # noqa: E402
-from moeheal.pipeline.runner import Runner  # noqa: E402
+from moeheal.pipeline.model.runner import Runner  # noqa: E402
 from moeheal.pipeline.stages.corpus import trace_tokens  # noqa: E402
 from moeheal.pipeline.stages.reference_topk import padded_sequences  # noqa: E402
 

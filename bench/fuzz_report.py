@@ -46,7 +46,7 @@ def in_process(work: Path, seeds: int) -> dict[str, collections.Counter]:
 
 def demo_headers(work: Path, n: int) -> dict[str, collections.Counter]:
     """The bundled demo model's header damaged n times: flips, zeroed runs, truncation in turn."""
-    from moeheal.pipeline.gguf_model import GGUFModel
+    from moeheal.pipeline.gguf.model import GGUFModel
     from tests.ggufs import corrupt_header
 
     demo = REPO / "demo" / "model" / "demo-q8_0.gguf"
@@ -64,8 +64,8 @@ def demo_headers(work: Path, n: int) -> dict[str, collections.Counter]:
 
 
 def command_line(work: Path, n: int) -> dict[str, collections.Counter]:
-    from moeheal.pipeline.cli import main
-    from moeheal.pipeline.lake import Lake
+    from moeheal.pipeline.commands.cli import main
+    from moeheal.pipeline.lake.store import Lake
     from tests.healworld import write_world
 
     import pyarrow as pa

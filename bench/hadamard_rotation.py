@@ -34,7 +34,7 @@ from moeheal.kernels.decode import dequantize
 from moeheal.kernels.encode import quantize_experts
 from moeheal.kernels.learned import TokenSet, relative_error
 from moeheal.pipeline.config import load_config
-from moeheal.pipeline.gguf_model import open_model
+from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.stages.dump import open_dump, read_layer
 from moeheal.pipeline.stages.quantize import QuantizeParams, expert_weights, layer_importance

@@ -37,7 +37,7 @@ from pathlib import Path
 from scipy.stats import spearmanr
 
 from moeheal.pipeline.config import load_config
-from moeheal.pipeline.lake import Lake
+from moeheal.pipeline.lake.store import Lake
 from moeheal.pipeline.stages.corpus import read_documents, read_split
 from moeheal.pipeline.stages.llamacheck import perplexity_binary
 

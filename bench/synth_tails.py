@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.synth import (
+from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.sources.synth import (
     BORROWED_ROLES, DECAY_ROLE, DEMO_MODEL, LIKE, NORM_ROLE, ZERO_ROLE, role_of, write_synth,
 )
 

@@ -41,12 +41,12 @@ from pathlib import Path
 import numpy as np
 
 from moeheal.pipeline.config import load_config
-from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.lake import Lake
-from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.lake.store import Lake
+from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.stages.corpus import read_documents, read_windows
-from moeheal.pipeline.stages.report import QUERY_TABLES
-from moeheal.pipeline.tokenizer import build_tokenizer, encode
+from moeheal.pipeline.publish.report import QUERY_TABLES
+from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

@@ -23,7 +23,7 @@ except PackageNotFoundError:  # running from a checkout that was never installed
 
 def open_lake(path: str | os.PathLike[str]) -> dict[str, polars.LazyFrame]:
     """The published tables of a lake root or an exported bundle, {name: polars.LazyFrame}
-    (`moeheal.pipeline.frames.open_lake`; imported on first use, as polars is not light)."""
-    from moeheal.pipeline.frames import open_lake as _open_lake
+    (`moeheal.pipeline.lake.frames.open_lake`; imported on first use, as polars is not light)."""
+    from moeheal.pipeline.lake.frames import open_lake as _open_lake
 
     return _open_lake(path)

@@ -11,6 +11,6 @@ _CHECKOUT = Path(__file__).resolve().parents[1]
 if sys.path and Path(sys.path[0] or ".").resolve() == _CHECKOUT and (_CHECKOUT / "pyproject.toml").is_file():
     del sys.path[0]
 
-from moeheal.pipeline.cli import main  # noqa: E402
+from moeheal.pipeline.commands.cli import main  # noqa: E402
 
 sys.exit(main())

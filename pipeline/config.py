@@ -26,7 +26,7 @@ LEARNED = "learned"
 LEARNED_STEPS = 32
 # `budget_roles`: which tensors a `budget_bpw` covers and the allocation chooses formats for: "routed"
 # the routed experts; "all" every tensor of the file, the formats chosen for the routed experts', the
-# shared expert's and attention's (`pipeline.roles`), the rest counted as the source stores it.
+# shared expert's and attention's (`pipeline.model.roles`), the rest counted as the source stores it.
 BUDGET_ROLES = ("routed", "all")
 # `quant = { gate = ..., up = ..., down = ... }`: the routed-expert tensor of each role.
 EXPERT_ROLES = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}

@@ -17,7 +17,7 @@ recomputes only the units that read it, and `assemble:<variant>` writes the
 GGUF from every layer's calibrate unit.
 
 Nothing a user reads changes until a run has succeeded: the tables (declared
-in `pipeline/tables.py`), the DuckDB file and the report are staged in a
+in `pipeline/publish/tables.py`), the DuckDB file and the report are staged in a
 `Publication` and published as one set at the end (`Lake.publish`). A
 rejected config or a crash leaves the published set exactly as it was. The
 config's checks against the models run first (`pipeline/validate.py`).
@@ -32,20 +32,20 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from moeheal.pipeline import audit as audit_mod
-from moeheal.pipeline import roles
-from moeheal.pipeline import stats as stats_mod
-from moeheal.pipeline import tables
+from moeheal.pipeline.stages import audit as audit_mod
+from moeheal.pipeline.model import roles
+from moeheal.pipeline.stages import comparisons as stats_mod
+from moeheal.pipeline.publish import tables
 from moeheal.pipeline.config import UNHEALED, Config, Variant
-from moeheal.pipeline.dag import Executor, Node, PlannedStage, Stage, Use
+from moeheal.pipeline.lake.dag import Executor, Node, PlannedStage, Stage, Use
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_model import GGUFModel, open_model
-from moeheal.pipeline.lake import Lake, StageResult
+from moeheal.pipeline.gguf.model import GGUFModel, open_model
+from moeheal.pipeline.lake.store import Lake, StageResult
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.stages import (calibrate, corpus, dump, e2e, evaluate, llamacheck, quantize, reference_topk,
                                      sensitivity)
-from moeheal.pipeline.tables import read_parts as _read_parts
-from moeheal.pipeline.tokenizer import tokenizer_metadata
+from moeheal.pipeline.publish.tables import read_parts as _read_parts
+from moeheal.pipeline.gguf.tokenizer import tokenizer_metadata
 from moeheal.pipeline.validate import budget_fixed, chosen_roles, validate_models
 
 _STAGES = "moeheal.pipeline.stages"
@@ -55,7 +55,7 @@ TRACES = Stage("traces", "parts", "", f"{_STAGES}.corpus", build=corpus.build_tr
                outputs=("cal_trace.parquet",))
 WINDOWS = Stage("windows", "parts", "", f"{_STAGES}.corpus", build=corpus.build_windows,
                 params=corpus.WindowsParams, outputs=("windows.parquet",))
-AUDIT = Stage("audit", "parts", "", "moeheal.pipeline.audit", build=audit_mod.build_audit,
+AUDIT = Stage("audit", "parts", "", "moeheal.pipeline.stages.audit", build=audit_mod.build_audit,
               params=audit_mod.AuditParams, outputs=("overlap.parquet", "violations.parquet"),
               check=audit_mod.check_audit)
 DUMP = Stage("dump", "dumps", ".zarr", f"{_STAGES}.dump", resumable=True, build=dump.build_dump,
@@ -82,7 +82,7 @@ REFERENCE = Stage("reference-logits", "parts", "", f"{_STAGES}.evaluate", build=
 EVALUATE = Stage("evaluate", "parts", "", f"{_STAGES}.evaluate", build=evaluate.build_evaluation,
                  params=evaluate.EvaluateParams,
                  outputs=("token_kld.parquet", "hitrate.parquet", "activation_peaks.parquet"))
-COMPARISONS = Stage("comparisons", "parts", "", "moeheal.pipeline.stats", build=stats_mod.build_comparisons,
+COMPARISONS = Stage("comparisons", "parts", "", "moeheal.pipeline.stages.comparisons", build=stats_mod.build_comparisons,
                     params=stats_mod.ComparisonsParams, outputs=("window_kld.parquet", "comparisons.parquet"))
 LLAMA_CHECK = Stage("llama-check", "parts", "", f"{_STAGES}.llamacheck", build=llamacheck.build_llama_check,
                     params=llamacheck.LlamaCheckParams, outputs=("llama_check.parquet",))
@@ -428,14 +428,14 @@ class HealRun:
         return stats_mod.summary_table(self.lake, order=[v.name for v in self.evaluated_variants()])
 
     def export(self, out: Path) -> Path:
-        from moeheal.pipeline.stages.export import export_bundle
+        from moeheal.pipeline.publish.export import export_bundle
 
         return export_bundle(self.lake, self.lake.report_dir, out)
 
     def llama_quantize_command(self, name: str, imatrix: Path | None, out: Path | None,
                                binary: str = "llama-quantize") -> list[str]:
         """The llama-quantize argv that makes variant `name`'s recipe with llama.cpp's own quantizer."""
-        from moeheal.pipeline.recipe import llama_quantize_command
+        from moeheal.pipeline.gguf.recipe import llama_quantize_command
 
         variant = next((v for v in self.cfg.healed_variants if v.name == name), None)
         if variant is None:

@@ -10,12 +10,12 @@ roles whose formats it chooses, and the bytes its budget counts beyond them.
 from __future__ import annotations
 
 from moeheal.kernels.decode import format_of
-from moeheal.pipeline import roles
+from moeheal.pipeline.model import roles
 from moeheal.pipeline.config import Config, Variant
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_model import GGUFModel, open_model
+from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.stages import sensitivity
-from moeheal.pipeline.tokenizer import build_tokenizer
+from moeheal.pipeline.gguf.tokenizer import build_tokenizer
 
 
 def chosen_roles(variant: Variant, source: GGUFModel) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """Tiny random GGUF models for tests, built the way a real one is.
 
 A seeded random transformers Qwen2-MoE / Qwen3-MoE model is exported with
-`pipeline.convert.hf_to_gguf`, with a byte-level BPE trained on generated text
+`pipeline.sources.convert.hf_to_gguf`, with a byte-level BPE trained on generated text
 (English, Japanese, code, JSON, emoji) so tokenizer tests exercise real merges.
 F32 matrices make transformers and our runner see bit-identical weights.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from moeheal.pipeline.convert import hf_to_gguf
-from moeheal.pipeline.tokenizer import QWEN2_SPLIT
+from moeheal.pipeline.sources.convert import hf_to_gguf
+from moeheal.pipeline.gguf.tokenizer import QWEN2_SPLIT
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moeheal.pipeline.arch import ARCHITECTURES
-from moeheal.pipeline.arch.base import sigmoid_topk_route
+from moeheal.pipeline.model.arch import ARCHITECTURES
+from moeheal.pipeline.model.arch.base import sigmoid_topk_route
 from moeheal.pipeline.config import load_config
-from moeheal.pipeline.convert import hf_to_gguf
-from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.sources.convert import hf_to_gguf
+from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.model.runner import Runner
 from tests.ggufs import tiny_hf_model, train_tiny_bpe
 from tests.healworld import write_world
 from tests.test_llamacpp import eval_text, llama_perplexity, our_perplexity

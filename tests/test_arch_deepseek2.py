@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from moeheal.pipeline.arch import ARCHITECTURES
+from moeheal.pipeline.model.arch import ARCHITECTURES
 from moeheal.pipeline.config import load_config
-from moeheal.pipeline.convert import hf_to_gguf
+from moeheal.pipeline.sources.convert import hf_to_gguf
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.model.runner import Runner
 from tests.ggufs import train_tiny_bpe
 from tests.healworld import write_world
 from tests.test_llamacpp import eval_text, llama_perplexity, our_perplexity
@@ -281,7 +281,7 @@ def test_a_file_without_sigmoid_gating_the_mla_sizes_or_yarn_mscale_is_refused(t
     """Without expert_gating_func llama.cpp routes by softmax; without the MLA sizes it cannot
     decompress the heads; without YaRN's log multiplier its attention scale is not transformers':
     each is an InputError naming the file and the key, not a guess."""
-    from moeheal.pipeline import convert as C
+    from moeheal.pipeline.sources import convert as C
 
     written = C.metadata_kv
     monkeypatch.setattr(C, "metadata_kv", lambda record: [kv for kv in written(record) if kv[0] != drop])
@@ -328,7 +328,7 @@ def test_moce_bonuses_and_whole_file_budgets_are_refused(v3, tmp_path, moce, var
 # ---- synth ------------------------------------------------------------------------------------
 
 def test_synth_deepseek_v3_has_the_real_shapes(tmp_path):
-    from moeheal.pipeline.synth import write_synth
+    from moeheal.pipeline.sources.synth import write_synth
 
     model = GGUFModel(write_synth(tmp_path / "v3.gguf", "deepseek-v3", n_layer=4, zeros=True).paths[0])
     hp = model.hp
@@ -344,7 +344,7 @@ def test_synth_deepseek_v3_has_the_real_shapes(tmp_path):
 
 def test_a_tiny_synth_runs_a_forward_pass(tmp_path):
     """Two layers (one dense, one MoE with 4 experts in one group), a 512-token vocabulary."""
-    from moeheal.pipeline.synth import write_synth
+    from moeheal.pipeline.sources.synth import write_synth
 
     model = GGUFModel(write_synth(tmp_path / "v3.gguf", "deepseek-v3", n_layer=2, vocab_size=512, n_expert=4,
                                   matrix_type="f16", zeros=True).paths[0])

@@ -19,19 +19,19 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from moeheal.kernels.decode import dequantize
 from moeheal.kernels.encode import quantize
 from moeheal.kernels.importance import gate_up_importance
-from moeheal.pipeline import model as M
-from moeheal.pipeline import tables
-from moeheal.pipeline.arch import ARCHITECTURES
+from moeheal.pipeline.model import layers as M
+from moeheal.pipeline.publish import tables
+from moeheal.pipeline.model.arch import ARCHITECTURES
 from moeheal.pipeline.config import load_config
-from moeheal.pipeline.convert import hf_to_gguf, permute_rope_rows
+from moeheal.pipeline.sources.convert import hf_to_gguf, permute_rope_rows
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.gguf_write import copy_gguf, write_gguf
+from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.gguf.writer import copy_gguf, write_gguf
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.stages.dump import open_dump
-from moeheal.pipeline.synth import write_synth
-from moeheal.pipeline.tokenizer import decode, encode
+from moeheal.pipeline.sources.synth import write_synth
+from moeheal.pipeline.gguf.tokenizer import decode, encode
 from tests.ggufs import sample_texts
 from tests.healworld import write_world
 from tests.test_llamacpp import eval_text, llama_perplexity, our_perplexity

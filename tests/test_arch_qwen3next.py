@@ -17,15 +17,15 @@ import torch
 from gguf import GGUFValueType
 
 from moeheal.kernels.moce import lru_hits, make_routing_hook
-from moeheal.pipeline.arch import ARCHITECTURES
-from moeheal.pipeline.arch.qwen3next import gated_delta_rule
+from moeheal.pipeline.model.arch import ARCHITECTURES
+from moeheal.pipeline.model.arch.qwen3next import gated_delta_rule
 from moeheal.pipeline.config import load_config
-from moeheal.pipeline.convert import hf_to_gguf
+from moeheal.pipeline.sources.convert import hf_to_gguf
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.gguf_write import write_gguf
+from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.gguf.writer import write_gguf
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.runner import LayerCapture, Runner
+from moeheal.pipeline.model.runner import LayerCapture, Runner
 from tests.ggufs import train_tiny_bpe
 from tests.healworld import write_world
 from tests.test_llamacpp import eval_text, llama_perplexity, our_perplexity

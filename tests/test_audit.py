@@ -10,7 +10,7 @@ import pytest
 
 from moeheal import kernels
 import moeheal.kernels.ngram  # noqa: F401  (binds kernels.ngram, monkeypatched below)
-from moeheal.pipeline import audit
+from moeheal.pipeline.stages import audit
 from moeheal.pipeline.errors import AuditViolation, InputError
 
 VOCAB = 1_000_000  # large: random spans never share an n-gram by chance

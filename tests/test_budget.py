@@ -15,10 +15,10 @@ import pytest
 from scipy.stats import spearmanr
 
 from moeheal.kernels import decode, encode
-from moeheal.pipeline.cli import main
+from moeheal.pipeline.commands.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.stages.quantize import EXPERT_TENSORS
 from tests.healworld import write_world
@@ -162,7 +162,7 @@ def test_sensitivity_rows_cover_every_tensor_and_format(budget_world):
 
 
 def test_a_whole_file_measurement_covers_shared_expert_and_attention(budget_world):
-    from moeheal.pipeline.roles import ATTENTION, ROUTED, SHARED
+    from moeheal.pipeline.model.roles import ATTENTION, ROUTED, SHARED
 
     _, run = budget_world
     rows = measured(run, "b_all")
@@ -190,7 +190,7 @@ def test_attention_sensitivity_is_the_attention_output_change(budget_world):
     quantize with the importance of the role's calibration inputs, the change of the attention
     output over the unseen dump's sequences, over the layer's ||yr||^2."""
     from moeheal.kernels.importance import gate_up_importance
-    from moeheal.pipeline.model import rope_tables
+    from moeheal.pipeline.model.layers import rope_tables
     from moeheal.pipeline.stages.dump import open_dump
 
     _, run = budget_world
@@ -218,7 +218,7 @@ def test_sensitivity_is_the_layer_output_error_with_one_tensor_quantized(budget_
     """Recomputed by hand for one (layer, role, format): quantize with the variant's importance,
     run the routed block on the unseen dump, alpha from the calibration dump."""
     from moeheal.kernels.alpha import fit_alpha, relative_residual
-    from moeheal.pipeline.model import moe_forward
+    from moeheal.pipeline.model.layers import moe_forward
     from moeheal.pipeline.stages.dump import open_dump
     from moeheal.pipeline.stages.quantize import QuantizeParams, expert_weights, importance_plan
 
@@ -396,7 +396,7 @@ def test_llama_quantize_makes_the_same_mix(budget_world, capsys, tmp_path):
 
 
 def test_command_without_a_shared_expert_keeps_the_source_types(tiny_qwen3moe):
-    from moeheal.pipeline.recipe import llama_quantize_command
+    from moeheal.pipeline.gguf.recipe import llama_quantize_command
 
     model = GGUFModel(tiny_qwen3moe)  # F32 matrices, no shared expert
     formats = {f"blk.{i}.{t}.weight": "q2_k" for i in range(model.hp.n_layer) for t in EXPERT_TENSORS}

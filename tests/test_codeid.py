@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from moeheal import kernels
-from moeheal.pipeline import codeid
+from moeheal.pipeline.lake import codeid
 from moeheal.pipeline.heal import STAGES
 from tests.healworld import write_world
 from tests.test_trust import REPO, SOURCE_FOLDERS, plan_fingerprints, source_copy
@@ -22,8 +22,8 @@ CORPUS_STAGES = ("corpus", "traces", "windows", "audit")
 # of the model, the kernels that quantize or the routing.
 CORPUS_CLOSURE = {
     "moeheal", "moeheal.pipeline", "moeheal.pipeline.stages", "moeheal.pipeline.stages.corpus",
-    "moeheal.pipeline.errors", "moeheal.pipeline.files", "moeheal.pipeline.frames", "moeheal.pipeline.gguf_file",
-    "moeheal.pipeline.tokenizer", "moeheal.kernels", "moeheal.kernels.ngram",
+    "moeheal.pipeline.errors", "moeheal.pipeline.lake.files", "moeheal.pipeline.lake.frames", "moeheal.pipeline.gguf.reader",
+    "moeheal.pipeline.gguf.tokenizer", "moeheal.kernels", "moeheal.kernels.ngram",
 }
 DECODERS = {"moeheal.kernels.decode", "moeheal.kernels.formats", "moeheal.kernels.kquants", "moeheal.kernels.iquants"}
 ENCODERS = {"moeheal.kernels.encode", "moeheal.kernels.formats_encode", "moeheal.kernels.kquants_encode",
@@ -91,7 +91,7 @@ def test_the_corpus_stage_runs_only_what_it_reads():
     closure = set(codeid.closure("moeheal.pipeline.stages.corpus"))
     assert closure == CORPUS_CLOSURE
     assert not closure & (ENCODERS | DECODERS | {"moeheal.kernels.moce", "moeheal.kernels.routing"})
-    assert not any(m.startswith("moeheal.pipeline.arch") or m == "moeheal.pipeline.gguf_model" for m in closure)
+    assert not any(m.startswith("moeheal.pipeline.model.arch") or m == "moeheal.pipeline.gguf.model" for m in closure)
 
 
 @pytest.mark.parametrize("module", ["moeheal.pipeline.stages.dump", "moeheal.pipeline.stages.evaluate"])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from moeheal.pipeline.cli import main
+from moeheal.pipeline.commands.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
 

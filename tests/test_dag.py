@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from moeheal.pipeline.dag import Stage, run_stage
-from moeheal.pipeline.lake import Lake
+from moeheal.pipeline.lake.dag import Stage, run_stage
+from moeheal.pipeline.lake.store import Lake
 
 
 def concat_inputs(out: Path, files: dict[str, Path], gain: float) -> None:
@@ -21,7 +21,7 @@ def concat_inputs(out: Path, files: dict[str, Path], gain: float) -> None:
     (out / "result.json").write_text(json.dumps(result))
 
 
-STAGE = Stage("concat", "parts", "", "moeheal.pipeline.files")
+STAGE = Stage("concat", "parts", "", "moeheal.pipeline.lake.files")
 
 
 def run(lake: Lake, files: dict[str, Path], gain: float, upstream=None, log=None):
@@ -131,11 +131,11 @@ def test_killed_process_leaves_no_published_output(tmp_path, inputs):
 import sys, time, os
 sys.path.append({str(Path(__file__).resolve().parents[1])!r})
 from pathlib import Path
-from moeheal.pipeline.dag import Stage, run_stage
-from moeheal.pipeline.lake import Lake
+from moeheal.pipeline.lake.dag import Stage, run_stage
+from moeheal.pipeline.lake.store import Lake
 def slow(out):
     out.mkdir(parents=True); (out / "result.json").write_text("{{half"); print("started", flush=True); time.sleep(60)
-run_stage(Lake({str(lake_root)!r}), Stage("concat", "parts", "", "moeheal.pipeline.files"), {{}}, {{}}, {{}}, slow,
+run_stage(Lake({str(lake_root)!r}), Stage("concat", "parts", "", "moeheal.pipeline.lake.files"), {{}}, {{}}, {{}}, slow,
           lambda m: None)
 """
     script_file = tmp_path / "slow_stage.py"

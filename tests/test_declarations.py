@@ -23,11 +23,11 @@ import pytest
 import zarr
 
 from moeheal.pipeline.config import load_config
-from moeheal.pipeline.dag import Executor, Node, Stage, hashed_fields, stage_fingerprint
-from moeheal.pipeline.dagdraw import to_dot, to_mermaid
+from moeheal.pipeline.lake.dag import Executor, Node, Stage, hashed_fields, stage_fingerprint
+from moeheal.pipeline.lake.dagdraw import to_dot, to_mermaid
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.heal import STAGES, HealRun
-from moeheal.pipeline.lake import Lake
+from moeheal.pipeline.lake.store import Lake
 from tests.healworld import write_world
 
 # Every kind of variant a config can hold: least squares, GPTQ, learned rounding, a budget over every
@@ -187,7 +187,7 @@ def test_a_build_must_read_every_hashed_knob(tmp_path):
     with pytest.raises(TypeError, match="declared GainParams"):
         Node("wrong", good, {"gain": 2.0})
     with pytest.raises(ValueError, match="not in"):
-        Stage("elsewhere", "parts", "", "moeheal.pipeline.files", build=build_scaled)
+        Stage("elsewhere", "parts", "", "moeheal.pipeline.lake.files", build=build_scaled)
 
 
 def build_refusing(out: Path, params: GainParams, inputs: dict[str, Path], log) -> None:

@@ -13,8 +13,8 @@ import pytest
 import zarr
 
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.stages.dump import ARRAYS, dump_trace, import_raw_dump, open_dump, read_routing
 
 SEQ = 64
@@ -70,8 +70,8 @@ import sys, time
 sys.path.append({str(REPO)!r})
 import numpy as np
 from pathlib import Path
-from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.stages import dump
 slow = len(sys.argv) > 1
 runner = Runner(GGUFModel({str(tiny_qwen2moe)!r}))

@@ -16,14 +16,14 @@ from moeheal.kernels import decode
 from moeheal.kernels.adam import adam_init, adam_step
 from moeheal.kernels.e2e import LOG_ZERO, fp16_ste, kl_sum_topk, top_k_distribution
 from moeheal.kernels.kld import kl_from_log_probs
-from moeheal.pipeline.cli import main
+from moeheal.pipeline.commands.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.gguf_write import copy_gguf
+from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.gguf.writer import copy_gguf
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.stages import e2e
-from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.stages.corpus import trace_tokens
 from moeheal.pipeline.stages.reference_topk import padded_sequences, read_topk
 from tests.healworld import write_world

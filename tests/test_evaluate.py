@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.stages.evaluate import _batches, _scored, _scored_union, _within, reference_logits
 
 

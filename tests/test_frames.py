@@ -9,7 +9,7 @@ import pytest
 
 import moeheal
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.lake import Lake
+from moeheal.pipeline.lake.store import Lake
 
 
 def publish(lake: Lake, **tables: pa.Table) -> None:

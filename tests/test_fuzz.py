@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.stages import corpus, dump
 from tests.ggufs import corrupt_header
 
@@ -320,7 +320,7 @@ PART_KINDS = ("truncate", "foreign", "flip")
 
 def write_corpus_parts(pristine: dict[str, Path], out: Path) -> Path:
     """What the corpus stage leaves in the lake (docs.parquet, doc_tokens.parquet), with bytes as tokens."""
-    from moeheal.pipeline.files import write_parquet
+    from moeheal.pipeline.lake.files import write_parquet
 
     out.mkdir(parents=True)
     table, tokens = corpus.build_docs(corpus.read_documents(pristine["docs"]), corpus.read_split(pristine["split"]),
@@ -441,8 +441,8 @@ def lake_digest(lake: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def cli_world(tmp_path_factory) -> Path:
     """A small heal.toml world whose lake has a published table set and warm corpus/audit caches."""
-    from moeheal.pipeline.cli import main
-    from moeheal.pipeline.lake import Lake
+    from moeheal.pipeline.commands.cli import main
+    from moeheal.pipeline.lake.store import Lake
     from tests.healworld import write_world
 
     config = write_world(tmp_path_factory.mktemp("fuzz_world"))
@@ -521,7 +521,7 @@ CLI_KINDS = ("gguf_truncate", "docs_utf8", "split_missing", "windows_dup", "gguf
 
 @pytest.mark.parametrize("index", range(len(CLI_KINDS)))
 def test_fuzz_command_line(cli_world, index, capsys):
-    from moeheal.pipeline.cli import main
+    from moeheal.pipeline.commands.cli import main
 
     argv, name, expect = cli_case(cli_world, index)
     before = lake_digest(cli_world.parent / "lake")

@@ -5,7 +5,7 @@ Three paths write a model's `general.*`, `<arch>.*` and `tokenizer.ggml.*` keys:
 and `synth.write_synth` (a named real model's shapes). For every family each covers, a tiny file is
 written and its key/value metadata, read by gguf-py's `GGUFReader` (not our reader), must equal
 `gguf_metadata.json` key for key, with each value's GGUF type. The record holds what the writers
-wrote before they shared one (`pipeline.gguf_metadata`), but for synth's `general.description`,
+wrote before they shared one (`pipeline.gguf.metadata`), but for synth's `general.description`,
 which has since stopped calling its weights heavy-tailed; so a change to the writer that changes
 any file's metadata fails here. The order of the keys is not compared: it is the shared writer's
 (convert's files keep theirs byte for byte; synth's hold the same keys in that order now).
@@ -32,10 +32,10 @@ import pytest
 from gguf import GGUFReader, GGUFValueType
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from moeheal.pipeline.convert import hf_to_gguf
-from moeheal.pipeline.gguf_metadata import ArchKeys, Vocabulary
-from moeheal.pipeline.hf_convert import convert_checkpoint
-from moeheal.pipeline.synth import LIKE, write_synth
+from moeheal.pipeline.sources.convert import hf_to_gguf
+from moeheal.pipeline.gguf.metadata import ArchKeys, Vocabulary
+from moeheal.pipeline.sources.hf_checkpoint import convert_checkpoint
+from moeheal.pipeline.sources.synth import LIKE, write_synth
 from tests.ggufs import qwen2_byte_level, tiny_hf_model
 
 RECORD = Path(__file__).with_name("gguf_metadata.json")

@@ -11,9 +11,9 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline import gguf_model
-from moeheal.pipeline.gguf_model import GGUFModel, open_model
-from moeheal.pipeline.gguf_write import copy_gguf, write_gguf
+from moeheal.pipeline.gguf import model as gguf_model
+from moeheal.pipeline.gguf.model import GGUFModel, open_model
+from moeheal.pipeline.gguf.writer import copy_gguf, write_gguf
 from tests.ggufs import garbage_file, truncated_copy
 
 Q8_0 = GGMLQuantizationType.Q8_0

@@ -62,8 +62,8 @@ def test_gptq_on_gpu_reaches_the_cpu_error():
 
 @pytest.mark.skipif(not DEMO_GGUF.exists(), reason="demo model absent")
 def test_runner_logits_on_gpu_match_cpu():
-    from moeheal.pipeline.gguf_model import GGUFModel
-    from moeheal.pipeline.runner import Runner
+    from moeheal.pipeline.gguf.model import GGUFModel
+    from moeheal.pipeline.model.runner import Runner
 
     model = GGUFModel(DEMO_GGUF)
     tokens = np.random.default_rng(2).integers(0, model.hp.vocab_size, (2, 256)).astype(np.int32)

@@ -14,12 +14,12 @@ from gguf import GGMLQuantizationType
 
 from moeheal.kernels import decode
 from moeheal.kernels.alpha import fit_alpha, relative_residual
-from moeheal.pipeline.cli import main
+from moeheal.pipeline.commands.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.model import moe_forward
+from moeheal.pipeline.model.layers import moe_forward
 from moeheal.pipeline.stages.dump import open_dump
 from moeheal.pipeline.stages.llamacheck import perplexity_binary
 from tests.healworld import write_world

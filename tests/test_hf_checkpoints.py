@@ -30,10 +30,10 @@ from transformers import PreTrainedTokenizerFast
 
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.hf_convert import convert_checkpoint
-from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.sources.hf_checkpoint import convert_checkpoint
+from moeheal.pipeline.model.runner import Runner
 from tests.ggufs import tiny_hf_model, train_tiny_bpe
 from tests.healworld import write_world
 from tests.test_arch_deepseek2 import tiny_deepseek_v3
@@ -145,7 +145,7 @@ CONVERT_WITHOUT_TORCH = """
 import sys
 sys.modules.update(torch=None, transformers=None, safetensors=None)
 from pathlib import Path
-from moeheal.pipeline.hf_convert import convert_checkpoint
+from moeheal.pipeline.sources.hf_checkpoint import convert_checkpoint
 for folder, out in zip(sys.argv[1::2], sys.argv[2::2]):
     convert_checkpoint(Path(folder), Path(out), outtype="f32")
 """
@@ -327,7 +327,7 @@ def test_a_llama_cpp_converted_model_heals(family, tmp_path):
 def test_a_shape_with_llama_cpp_s_extra_1_dims_opens_and_runs_the_same(tiny_qwen2moe, tmp_path):
     """Without llama.cpp's converter at hand: the shared-expert gates stored as [1, d] (as it writes
     them) open as (d,) and give the same logits; a shape that differs by more than 1-dims is refused."""
-    from moeheal.pipeline.gguf_write import copy_gguf
+    from moeheal.pipeline.gguf.writer import copy_gguf
 
     source = GGUFModel(tiny_qwen2moe)
     gates = [f"blk.{i}.ffn_gate_inp_shexp.weight" for i in range(source.hp.n_layer)]

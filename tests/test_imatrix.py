@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.imatrix import write_imatrix
+from moeheal.pipeline.gguf.imatrix import write_imatrix
 
 
 def field_value(reader: gguf.GGUFReader, key: str):

@@ -18,12 +18,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from moeheal.pipeline.cli import main
+from moeheal.pipeline.commands.cli import main
 from moeheal.pipeline.config import load_config
-from moeheal.pipeline.gguf_model import open_model
-from moeheal.pipeline.package_data import DATA
+from moeheal.pipeline.gguf.model import open_model
+from moeheal.pipeline.sources.package_data import DATA
 from moeheal.pipeline.stages.corpus import read_documents, read_split
-from moeheal.pipeline.tokenizer import build_tokenizer, encode
+from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode
 from tests.ggufs import _WORDS as WORDS
 from tests.ggufs import make_tiny_gguf, train_tiny_bpe
 
@@ -70,7 +70,7 @@ def hf_model(family: str, seed: int):
 
 
 def family_gguf(family: str, path: Path, seed: int = 5) -> Path:
-    from moeheal.pipeline.convert import hf_to_gguf
+    from moeheal.pipeline.sources.convert import hf_to_gguf
 
     hf, tokenizer = hf_model(family, seed)
     hf_to_gguf(hf, tokenizer, path, matrix_type="q8_0")
@@ -213,7 +213,7 @@ def test_init_on_every_family_gives_a_config_heal_accepts(family, texts, tmp_pat
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_init_converts_a_hugging_face_checkpoint_into_the_folder(family, texts, tmp_path, capsys):
-    pytest.importorskip("moeheal.pipeline.hf_convert")
+    pytest.importorskip("moeheal.pipeline.sources.hf_checkpoint")
     hf, tokenizer = hf_model(family, seed=5)
     checkpoint = tmp_path / "checkpoint"
     hf.save_pretrained(checkpoint)

@@ -140,7 +140,7 @@ def test_our_bytes_beat_llama_quantize_with_the_same_imatrix(tmp_path: Path, fmt
     iq3_xxs 0.83 of llama.cpp's error (with the demo's own imatrix, summed
     over all 9 expert tensors: 0.91-0.95, bench/bench_quant.py --iquants).
     """
-    from moeheal.pipeline.imatrix import write_imatrix
+    from moeheal.pipeline.gguf.imatrix import write_imatrix
 
     cls = ENCODERS[fmt]
     reader = gguf.GGUFReader(DEMO_MODEL)
@@ -230,7 +230,7 @@ def test_gate_importance_beats_llama_quantize_when_routing_specialises(tmp_path:
     ours <= llama.cpp's held-out output error (measured 0.79x; with the layer's E[x^2] for every
     expert it was 1.07x, and this test failed)."""
     from moeheal.kernels.importance import expert_hidden_stats
-    from moeheal.pipeline.imatrix import write_imatrix
+    from moeheal.pipeline.gguf.imatrix import write_imatrix
 
     weights, (x, experts), (x_held, experts_held) = specialised_case()
     w = weights["ffn_gate_exps"]  # (E, f, d)

@@ -93,7 +93,7 @@ def test_our_bytes_beat_llama_quantize_with_the_same_imatrix(tmp_path: Path, fmt
     reference; measured on layer 0: q2_k 0.95, q3_k 0.96, q4_k 0.94,
     q5_k 0.88, q6_k 0.80 of llama.cpp's error.
     """
-    from moeheal.pipeline.imatrix import write_imatrix
+    from moeheal.pipeline.gguf.imatrix import write_imatrix
 
     cls = ENCODERS[fmt]
     experts = demo_experts(0)

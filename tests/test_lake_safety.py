@@ -20,10 +20,10 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
-from moeheal.pipeline.cli import main
+from moeheal.pipeline.commands.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.lake import Lake
+from moeheal.pipeline.lake.store import Lake
 from tests.healworld import V1, write_world
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,7 +103,7 @@ def test_processes_opening_one_new_lake_at_once_all_succeed(tmp_path):
     published-set links only where another has not, so none fails on a link that appeared under it."""
     roots = [tmp_path / f"lake{i}" for i in range(40)]
     start = time.time() + 4.0  # every child has imported moeheal by then
-    script = ("import sys, time; from moeheal.pipeline.lake import Lake\n"
+    script = ("import sys, time; from moeheal.pipeline.lake.store import Lake\n"
               "roots = sys.argv[2:]\n"
               "while time.time() < float(sys.argv[1]): pass\n"
               "for root in roots: Lake(root)")
@@ -119,7 +119,7 @@ def test_processes_opening_one_new_lake_at_once_all_succeed(tmp_path):
 def test_a_killed_lock_holder_does_not_block(tmp_path):
     lake = Lake(tmp_path / "lake")
     holder = subprocess.Popen([sys.executable, "-P", "-c", (
-        "import sys, time; from moeheal.pipeline.lake import Lake\n"
+        "import sys, time; from moeheal.pipeline.lake.store import Lake\n"
         f"with Lake({str(lake.root)!r}).lock('run'):\n    print('held', flush=True); time.sleep(60)")],
         cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"

@@ -98,7 +98,7 @@ def test_learned_params_carry_gptq_and_steps(tmp_path):
 
 def _small_layer(n_expert: int = 4, d: int = 256, f: int = 256, k: int = 2, tokens: int = 2048, seed: int = 0):
     """Float experts, correlated inputs, a random top-k routing with softmax weights, the float output."""
-    from moeheal.pipeline.model import moe_forward
+    from moeheal.pipeline.model.layers import moe_forward
 
     rng = np.random.default_rng(seed)
     w = {"ffn_gate_exps": rng.standard_t(4, (n_expert, f, d)), "ffn_up_exps": rng.standard_t(4, (n_expert, f, d)),
@@ -116,7 +116,7 @@ def _small_layer(n_expert: int = 4, d: int = 256, f: int = 256, k: int = 2, toke
 
 def _held_out_error(tensors: dict[str, L.LearnedTensor], data: L.TokenSet) -> float:
     """sum ||MoE output - yr||^2 / sum ||yr||^2 with gguf-py's decoding of the bytes, float64."""
-    from moeheal.pipeline.model import moe_forward
+    from moeheal.pipeline.model.layers import moe_forward
 
     deq = {name: gguf.quants.dequantize(np.asarray(t.raw), decode.format_of(t.fmt).ggml_type).reshape(t.shape)
            for name, t in tensors.items()}
@@ -159,7 +159,7 @@ def test_learning_lowers_the_held_out_moe_output_error_below_gptq(fmt):
 def test_the_loss_is_the_layers_output_error_with_the_shared_expert():
     """layer_error on float weights against the project's routed forward and the shared expert's
     output: zero at the reference weights, and the summed squared difference elsewhere."""
-    from moeheal.pipeline.model import swiglu
+    from moeheal.pipeline.model.layers import swiglu
 
     w, data = _small_layer(tokens=300)
     rng = np.random.default_rng(1)

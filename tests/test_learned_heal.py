@@ -10,7 +10,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np
 
 from moeheal.pipeline.config import load_config
-from moeheal.pipeline.gguf_model import open_model
+from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.stages import quantize
 from tests.healworld import write_world

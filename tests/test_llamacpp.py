@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from moeheal.pipeline.config import load_config
-from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.runner import Runner
-from moeheal.pipeline.tokenizer import build_tokenizer, encode
+from moeheal.pipeline.model.runner import Runner
+from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode
 from tests.healworld import write_world
 
 pytestmark = pytest.mark.llamacpp

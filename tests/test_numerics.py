@@ -19,19 +19,19 @@ import pyarrow as pa
 import pytest
 from gguf import GGUFReader
 
-from moeheal.pipeline import model as M
-from moeheal.pipeline import tables
+from moeheal.pipeline.model import layers as M
+from moeheal.pipeline.publish import tables
 
 from moeheal.kernels.narrow import overflow_limit, overflows
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.lake import Lake
-from moeheal.pipeline.numerics import PEAK_LAYER, PEAKS_SCHEMA, ActivationPeaks, overflow_message, peak_rows
-from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.lake.store import Lake
+from moeheal.pipeline.model.numerics import PEAK_LAYER, PEAKS_SCHEMA, ActivationPeaks, overflow_message, peak_rows
+from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.stages import llamacheck
-from moeheal.pipeline.stages.report import write_report
+from moeheal.pipeline.publish.report import write_report
 from tests.ggufs import make_tiny_gguf
 from tests.healworld import write_world
 

@@ -11,8 +11,8 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from moeheal.pipeline.gguf_model import open_model
-from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.gguf.model import open_model
+from moeheal.pipeline.model.runner import Runner
 
 DEMO = Path(__file__).resolve().parents[1] / "demo"
 REFERENCE = DEMO / "model" / "demo-q8_0.gguf"

@@ -12,9 +12,9 @@ import pytest
 from moeheal.kernels.decode import dequantize
 from moeheal.kernels.encode import quantize_experts
 from moeheal.kernels import importance as imp
-from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.runner import Runner
-from moeheal.pipeline.tokenizer import build_tokenizer, encode
+from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.model.runner import Runner
+from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode
 
 DEMO = Path(__file__).resolve().parents[1] / "demo"
 pytestmark = pytest.mark.skipif(not (DEMO / "model" / "demo-q8_0.gguf").exists(), reason="demo model absent")

@@ -24,12 +24,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.lake import Lake
-from moeheal.pipeline.numerics import PEAKS_SCHEMA
-from moeheal.pipeline.stages.export import COLUMN_DOCS, UNDOCUMENTED, export_bundle, undocumented_columns
+from moeheal.pipeline.lake.store import Lake
+from moeheal.pipeline.model.numerics import PEAKS_SCHEMA
+from moeheal.pipeline.publish.export import COLUMN_DOCS, UNDOCUMENTED, export_bundle, undocumented_columns
 from moeheal.pipeline.stages.evaluate import HITRATE_SCHEMA, hitrate_rows
 from moeheal.pipeline.stages.llamacheck import SCHEMA as LLAMA_CHECK_SCHEMA
-from moeheal.pipeline.stages.report import write_report
+from moeheal.pipeline.publish.report import write_report
 
 STRATA = ("chat", "code", "ja")
 VARIANTS = ("unhealed", "v1", "v2")

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from moeheal.pipeline import model as M
-from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.gguf_write import write_gguf
-from moeheal.pipeline.runner import LayerCapture, Runner
+from moeheal.pipeline.model import layers as M
+from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.gguf.writer import write_gguf
+from moeheal.pipeline.model.runner import LayerCapture, Runner
 
 pytestmark = pytest.mark.compile_bound  # tests/conftest.py
 

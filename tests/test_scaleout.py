@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from moeheal.pipeline.cli import main
+from moeheal.pipeline.commands.cli import main
 from tests.ggufs import make_tiny_gguf
 from tests.healworld import write_world
 
@@ -32,7 +32,7 @@ VARIANT = """
 name = "v1"
 ridge_rho = 6.0
 """
-# Ray's nodes on 127.0.0.1 (pipeline/scaleout.py, `import_ray`): the tests' cluster stays on loopback.
+# Ray's nodes on 127.0.0.1 (pipeline/lake/scaleout.py, `import_ray`): the tests' cluster stays on loopback.
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1", "MOEHEAL_PLOTS": "0",
        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 

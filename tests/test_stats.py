@@ -8,9 +8,9 @@ import pyarrow as pa
 import pytest
 import scipy.stats
 
-from moeheal.pipeline import stats
+from moeheal.pipeline.stages import comparisons as stats
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.lake import Lake
+from moeheal.pipeline.lake.store import Lake
 
 STRATA = ["code", "ja", "persona"]
 

@@ -20,11 +20,11 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 from scipy import stats
 
-from moeheal.pipeline.cli import main
+from moeheal.pipeline.commands.cli import main
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.runner import Runner
-from moeheal.pipeline.synth import (
+from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.model.runner import Runner
+from moeheal.pipeline.sources.synth import (
     BORROWED_ROLES, DEMO_MODEL, DEMO_VOCAB, LIKE, NORM_STD, ROLE_FITS, fit_roles, load_demo_vocabulary, plan_tensors,
     role_of, tensor_values, write_synth,
 )

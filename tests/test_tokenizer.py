@@ -12,11 +12,11 @@ import pytest
 from gguf import GGUFValueType
 from tokenizers import Tokenizer, pre_tokenizers, trainers
 
-from moeheal.pipeline.convert import hf_to_gguf
+from moeheal.pipeline.sources.convert import hf_to_gguf
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.gguf_write import copy_gguf
-from moeheal.pipeline.tokenizer import DEEPSEEK_LLM_SPLITS, decode, encode
+from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.gguf.writer import copy_gguf
+from moeheal.pipeline.gguf.tokenizer import DEEPSEEK_LLM_SPLITS, decode, encode
 from tests.ggufs import tiny_hf_model, train_tiny_bpe
 
 TEXTS = [

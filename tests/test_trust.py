@@ -15,8 +15,8 @@ import duckdb
 import numpy as np
 import pytest
 
-from moeheal.pipeline import codeid
-from moeheal.pipeline.cli import main
+from moeheal.pipeline.lake import codeid
+from moeheal.pipeline.commands.cli import main
 from moeheal.pipeline.config import Variant, load_config
 from moeheal.pipeline.heal import STAGES, HealRun
 from moeheal.pipeline.stages.calibrate import CalibrateParams
@@ -47,7 +47,7 @@ def identities(root: Path) -> dict[str, str]:
 def plan_fingerprints(config: Path, monkeypatch, root: Path) -> dict[str, tuple[str, tuple[str, ...]]]:
     monkeypatch.setattr(codeid, "SOURCE_ROOT", root)
     codeid.code_identity.cache_clear()
-    from moeheal.pipeline import dag
+    from moeheal.pipeline.lake import dag
 
     monkeypatch.setattr(dag, "code_identity", lambda module: codeid.code_identity(module, root))
     planned = HealRun(load_config(config), log=lambda m: None, plan=True).plan()
@@ -99,7 +99,7 @@ def test_every_source_file_mutation_changes_exactly_the_dependent_stages(world, 
 def test_code_identities_are_read_when_a_run_starts(world, tmp_path, monkeypatch):
     """A stage module edited while a run is under way keys nothing of that run (its stages run the
     code imported at its start); the next run sees the edit."""
-    from moeheal.pipeline import dag
+    from moeheal.pipeline.lake import dag
 
     root = source_copy(tmp_path / "src")
     codeid.code_identity.cache_clear()
@@ -296,7 +296,7 @@ def test_dump_without_unseen_trace_dumps_one(tmp_path, capsys):
 
 
 def test_config_compare_adds_pairs_and_names_unknown_variants(tmp_path, capsys):
-    from moeheal.pipeline.stats import comparison_pairs
+    from moeheal.pipeline.stages.comparisons import comparison_pairs
 
     pairs = comparison_pairs(["unhealed", "a", "b", "c"], [0.0], extra=[("a", "c")])
     assert ("a", 0.0, "c", 0.0) in pairs and ("a", 0.0, "b", 0.0) in pairs

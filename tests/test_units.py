@@ -18,10 +18,10 @@ import pytest
 from gguf import GGUFValueType, GGUFWriter
 
 from moeheal.kernels import decode
-from moeheal.pipeline.cli import main
+from moeheal.pipeline.commands.cli import main
 from moeheal.pipeline.config import load_config
-from moeheal.pipeline.gguf_model import GGUFModel
-from moeheal.pipeline.gguf_write import WRITER_OWNED_KEYS, add_kv
+from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.gguf.writer import WRITER_OWNED_KEYS, add_kv
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.stages import quantize
 from moeheal.pipeline.stages.dump import ARRAYS, open_dump

@@ -66,6 +66,6 @@ def test_the_installed_wheel_inits_heals_reports_and_exports_a_users_model(tmp_p
     assert strata == {"ops", "chat_json", "ja", "persona"}
     run([moeheal, "synth", "--like", "qwen3-30b-a3b", "--layers", "1", "--vocab", "512", "--experts", "2",
          "--zeros", "--out", str(work / "synth.gguf")], cwd=work)
-    opened = run([str(python), "-c", "import sys; from moeheal.pipeline.gguf_model import open_model; "
+    opened = run([str(python), "-c", "import sys; from moeheal.pipeline.gguf.model import open_model; "
                                      "print(open_model(sys.argv[1]).hp.n_layer)", str(work / "synth.gguf")], cwd=work)
     assert opened.stdout.strip() == "1"

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from moeheal.pipeline.gguf_model import GGUFModel
+from moeheal.pipeline.gguf.model import GGUFModel
 
 REPO = Path(__file__).resolve().parents[2]
 PER_STRATUM = 25  # 100 documents, about 400 KB: enough text for init's split of four strata

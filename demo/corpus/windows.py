@@ -22,7 +22,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from moeheal.kernels.ngram import ngram_hashes
-from moeheal.pipeline.init import write_windows_csv
+from moeheal.pipeline.commands.init import write_windows_csv
 from moeheal.pipeline.stages.corpus import build_docs, generate_windows, read_documents, read_split
 
 DEMO = Path(__file__).resolve().parents[1]

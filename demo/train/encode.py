@@ -25,7 +25,7 @@ import random
 from pathlib import Path
 
 import numpy as np
-from moeheal.pipeline.tokenizer import QWEN2_SPLIT
+from moeheal.pipeline.gguf.tokenizer import QWEN2_SPLIT
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 REPO = Path(__file__).resolve().parents[2]

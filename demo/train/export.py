@@ -2,7 +2,7 @@
 
 Reads what ``train.py`` wrote (``config.json``, fp16 ``model-*.safetensors``),
 loads it into transformers' ``Qwen2MoeForCausalLM`` (float32, CPU), writes
-``demo/model/demo-q8_0.gguf`` with ``pipeline.convert.hf_to_gguf`` and the
+``demo/model/demo-q8_0.gguf`` with ``pipeline.sources.convert.hf_to_gguf`` and the
 demo tokenizer, then verifies the result the way a user would meet it:
 gguf-py opens it, it fits the 25 MB budget, and transformers, loading the GGUF
 on its own, scores each stratum's held-out sequences with a loss close to the
@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausal
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.append(str(REPO))
-from moeheal.pipeline.convert import hf_to_gguf  # noqa: E402  (run as a script from the repository)
+from moeheal.pipeline.sources.convert import hf_to_gguf  # noqa: E402  (run as a script from the repository)
 
 MAX_BYTES = 25 * 1024 * 1024
 

@@ -44,10 +44,10 @@ from moeheal.kernels import decode, encode
 from moeheal.kernels.alpha import fit_alpha, oracle_alpha, relative_residual
 from moeheal.kernels.ridge import alpha_ridge_cv_sweep, effective_dof, matrix_rank, ridge_stats, solve_ridge
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.files import write_parquet
-from moeheal.pipeline.gguf_model import GGUFModel, open_model
-from moeheal.pipeline.gguf_write import Deferred, copy_gguf
-from moeheal.pipeline.model import swiglu
+from moeheal.pipeline.lake.files import write_parquet
+from moeheal.pipeline.gguf.model import GGUFModel, open_model
+from moeheal.pipeline.gguf.writer import Deferred, copy_gguf
+from moeheal.pipeline.model.layers import swiglu
 from moeheal.pipeline.stages.dump import open_dump, read_layer
 from moeheal.pipeline.stages.quantize import EXPERT_TENSORS, load_quantized
 from moeheal.pipeline.stages.routed import routed_output

@@ -21,8 +21,8 @@ import pyarrow.compute as pc
 
 from moeheal.kernels.ngram import ngram_hashes
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.files import read_part, write_parquet
-from moeheal.pipeline.tokenizer import encode, tokenizer_from_metadata
+from moeheal.pipeline.lake.files import read_part, write_parquet
+from moeheal.pipeline.gguf.tokenizer import encode, tokenizer_from_metadata
 
 ROLES = ("cal", "eval", "canary", "unused")
 WINDOW_SETS = ("eval", "canary")

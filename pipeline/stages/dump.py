@@ -44,10 +44,10 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.files import read_part, write_parquet
-from moeheal.pipeline.gguf_model import HParams, open_model
+from moeheal.pipeline.lake.files import read_part, write_parquet
+from moeheal.pipeline.gguf.model import HParams, open_model
 from moeheal.pipeline.progress import progress
-from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.stages.corpus import trace_tokens
 
 ARRAYS = ("mixed", "yr", "hh", "experts", "weights")

@@ -48,10 +48,10 @@ from gguf import GGMLQuantizationType
 from moeheal.kernels.adam import adam_init, adam_step
 from moeheal.kernels.decode import FORMATS, format_of
 from moeheal.kernels.e2e import fp16_ste, kl_sum_topk, relative
-from moeheal.pipeline import model as M
-from moeheal.pipeline.files import write_parquet
-from moeheal.pipeline.gguf_model import GGUFModel, open_model
-from moeheal.pipeline.gguf_write import copy_gguf
+from moeheal.pipeline.model import layers as M
+from moeheal.pipeline.lake.files import write_parquet
+from moeheal.pipeline.gguf.model import GGUFModel, open_model
+from moeheal.pipeline.gguf.writer import copy_gguf
 from moeheal.pipeline.stages.corpus import trace_tokens
 from moeheal.pipeline.stages.reference_topk import padded_sequences, read_topk
 

@@ -12,7 +12,7 @@ bit-identical to the first (`hitrate`; NULL on rep 0).
 
 The first pass over each batch at the lowest bonus (plain routing, as llama.cpp
 routes) also records the largest |activation| at every site where llama.cpp's
-CPU backend narrows activations (`pipeline.numerics`): `activation_peaks`, with
+CPU backend narrows activations (`pipeline.model.numerics`): `activation_peaks`, with
 whether each would overflow there, which fails the variant (`HealRun`).
 
 Windows are padded at the end to a bucket length so a handful of shapes are
@@ -32,11 +32,11 @@ import pyarrow as pa
 from moeheal.kernels.kld import token_kld
 from moeheal.kernels.moce import belady_hits, lru_hits, make_routing_hook
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf_model import GGUFModel, open_model
-from moeheal.pipeline.files import read_part, write_parquet
-from moeheal.pipeline.numerics import PEAKS_SCHEMA, ActivationPeaks, peak_rows
+from moeheal.pipeline.gguf.model import GGUFModel, open_model
+from moeheal.pipeline.lake.files import read_part, write_parquet
+from moeheal.pipeline.model.numerics import PEAKS_SCHEMA, ActivationPeaks, peak_rows
 from moeheal.pipeline.progress import progress
-from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.stages.corpus import window_tokens
 
 BUCKET = 64

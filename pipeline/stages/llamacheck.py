@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.files import read_part, write_parquet
+from moeheal.pipeline.lake.files import read_part, write_parquet
 from moeheal.pipeline.stages.corpus import read_documents
 
 CTX = 512  # tokens per chunk (llama-perplexity -c), at most; fewer when the text is short

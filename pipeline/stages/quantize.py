@@ -38,7 +38,7 @@ inconsistencies fixed and both exponents explicit):
   The unit also writes `learned_curve.parquet` (step, split, loss), with the
   unseen dump's error at step 0 and at the chosen step when there is one.
 
-The shared expert's and attention's matrices (`pipeline.roles`) take the same
+The shared expert's and attention's matrices (`pipeline.model.roles`) take the same
 tempered importance of their own inputs, E[x_j^2]^beta (beta_down for the
 hidden-side inputs of ffn_down_shexp and attn_output), and with GPTQ their
 H = E[x x^T] over every calibration token, damped.
@@ -76,9 +76,9 @@ from moeheal.kernels import encode
 from moeheal.kernels import importance as imp
 from moeheal.kernels import learned
 from moeheal.kernels.gptq import damp_hessian
-from moeheal.pipeline import roles
-from moeheal.pipeline.files import read_part, write_parquet
-from moeheal.pipeline.gguf_model import GGUFModel, open_model
+from moeheal.pipeline.model import roles
+from moeheal.pipeline.lake.files import read_part, write_parquet
+from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.stages.dump import open_dump, read_layer
 
 EXPERT_TENSORS = roles.ROUTED
@@ -350,7 +350,7 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
     (`roles.matrix_input`), so a recipe that quantizes them to a codebook
     format can be made by llama-quantize too.
     """
-    from moeheal.pipeline.imatrix import write_imatrix
+    from moeheal.pipeline.gguf.imatrix import write_imatrix
 
     rows = slice(0, cal_tokens or None)
     stats: dict[str, tuple[np.ndarray, np.ndarray]] = {}

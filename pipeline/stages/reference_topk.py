@@ -25,10 +25,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from moeheal.kernels.e2e import top_k_distribution
-from moeheal.pipeline.files import read_part, write_parquet
-from moeheal.pipeline.gguf_model import open_model
+from moeheal.pipeline.lake.files import read_part, write_parquet
+from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.progress import progress
-from moeheal.pipeline.runner import Runner
+from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.stages.corpus import trace_tokens
 
 TOPK_FILE = "topk.parquet"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from moeheal.pipeline.model import moe_forward
+from moeheal.pipeline.model.layers import moe_forward
 
 
 def routed_output(experts_f32: dict[str, jax.Array], data: dict[str, np.ndarray]) -> np.ndarray:

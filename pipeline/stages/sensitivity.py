@@ -1,7 +1,7 @@
 """What each tensor's format costs, and the recipe a size budget buys.
 
 Sensitivity (stage `sensitivity`): for every layer, measured tensor role
-(`pipeline.roles`: the routed experts', and with budget_roles = "all" also the
+(`pipeline.model.roles`: the routed experts', and with budget_roles = "all" also the
 shared expert's and attention's) and candidate format, that one tensor is
 quantized with the variant's own importance knobs and rounding (or its
 `sensitivity_round`, "ls" to keep the measurement cheap under GPTQ), with the
@@ -44,12 +44,12 @@ import pyarrow as pa
 from moeheal.kernels import decode, encode
 from moeheal.kernels.allocate import allocate
 from moeheal.kernels.alpha import fit_alpha, relative_residual
-from moeheal.pipeline import roles
+from moeheal.pipeline.model import roles
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.files import read_part, write_parquet
-from moeheal.pipeline.gguf_model import GGUFModel, open_model
+from moeheal.pipeline.lake.files import read_part, write_parquet
+from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.progress import progress
-from moeheal.pipeline.roles import ROLE_TENSOR, ROUTED_TENSOR
+from moeheal.pipeline.model.roles import ROLE_TENSOR, ROUTED_TENSOR
 from moeheal.pipeline.stages.dump import open_dump, read_layer
 from moeheal.pipeline.stages.quantize import (EXPERT_TENSORS, QuantizeParams, expert_weights, importance_plan,
                                               layer_matrices, matrix_plan)
@@ -284,7 +284,7 @@ ROLE_ORDER = roles.ROUTED + roles.SHARED + roles.ATTENTION
 
 
 def gguf_recipe(model: GGUFModel) -> list[dict[str, Any]]:
-    """One row per tensor of a GGUF in a role a recipe may choose (`pipeline.roles`): layer, role,
+    """One row per tensor of a GGUF in a role a recipe may choose (`pipeline.model.roles`): layer, role,
     tensor, format (the ggml type's name, lower case), weights and bytes as stored."""
     rows = []
     for name, (ggml_type, n_weights, n_bytes) in model.tensor_sizes().items():

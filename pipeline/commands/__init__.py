@@ -1,0 +1,1 @@
+"""The command line: `moeheal` and its subcommands."""

@@ -1,0 +1,1 @@
+"""The lake and its keys: stage outputs on disk, fingerprints, code identity, the DAG and its executors."""

@@ -1,0 +1,117 @@
+"""Code identity of a stage: every project module it imports, transitively, and every query it runs.
+
+A cached output is only as trustworthy as the list of code it was keyed on. A
+hand-kept list of functions misses module constants, the helpers they call
+and the SQL they run (the audit's stale caches came from exactly that), so the
+list is not kept by hand: starting from a stage's own module, the import
+statements of each project module (module level and inside functions) are
+followed through the source with `ast`, without importing anything, and every
+string literal that names a query (`run_sql(con, "overlap")`, a tuple of check
+names) adds `sql/<stem>.sql`: queries are always named literally in the module
+that runs them. The identity is the SHA-256 over the sorted (file, content
+digest) pairs of that closure, so editing any file a stage can reach changes
+its fingerprint, and editing any other file does not.
+
+Files are found under a source root laid out like the package (`moeheal/`,
+`pipeline/`, `kernels/`, `sql/`), the checkout by default; tests point it at a
+mutated copy.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from functools import lru_cache
+from pathlib import Path
+
+PACKAGE = "moeheal"
+# The package's subpackages and the folder each lives in (pyproject's package-dir).
+SUBPACKAGES = {"pipeline": "pipeline", "kernels": "kernels", "sql": "sql"}
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def module_file(module: str, root: Path) -> Path | None:
+    """The source file of project module `module` under `root`, or None if it is not ours."""
+    parts = module.split(".")
+    if not module or parts[0] != PACKAGE:
+        return None
+    if len(parts) == 1:  # a checkout keeps it in moeheal/, an installed package at its root
+        return next((f for f in (root / PACKAGE / "__init__.py", root / "__init__.py") if f.is_file()), None)
+    base = root / SUBPACKAGES.get(parts[1], "\0")
+    rel = base.joinpath(*parts[2:])
+    for candidate in (rel.with_suffix(".py"), rel / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imported_names(tree: ast.AST, module: str, is_package: bool) -> set[str]:
+    """Every module name an `import` or `from ... import` in `tree` may refer to."""
+    names: set[str] = set()
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                names.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            parts = base.split(".")
+            names.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+            names.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import submodule`
+    return names
+
+
+def _string_constants(tree: ast.AST) -> set[str]:
+    """Every string literal in `tree`: a query stem is named literally somewhere in its module
+    (`run_sql(con, "overlap")`, a tuple of check names, a report's list of sections)."""
+    return {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+
+
+@lru_cache(maxsize=4096)
+def _references(source: str, filename: str, module: str, is_package: bool) -> tuple[frozenset[str], frozenset[str]]:
+    """(module names imported, string literals) of one file's source; keyed on the text, so a closure
+    re-parses only the files that changed since the last one (a plan computes one per stage module)."""
+    tree = ast.parse(source, filename=filename)
+    return frozenset(_imported_names(tree, module, is_package)), frozenset(_string_constants(tree))
+
+
+def closure(entry: str, root: Path = SOURCE_ROOT) -> dict[str, Path]:
+    """Every project file `entry` (a module name) can reach, keyed by module name or `sql:<stem>`.
+
+    Keys are names, not paths, so a checkout and an installed wheel of the same
+    code have the same identity.
+    """
+    seen: dict[str, Path] = {}
+    files: set[Path] = set()
+    todo = [entry]
+    while todo:
+        module = todo.pop()
+        file = module_file(module, root)
+        if file is None or module in seen or file in files:
+            continue
+        files.add(file)
+        seen[module] = file
+        imported, strings = _references(file.read_text(encoding="utf-8"), str(file), module, file.name == "__init__.py")
+        for stem in strings:
+            sql = root / SUBPACKAGES["sql"] / f"{stem}.sql"
+            if stem.isidentifier() and sql.is_file():
+                seen[f"sql:{stem}"] = sql
+                todo.append(f"{PACKAGE}.sql")  # the package the queries are read from
+        todo.extend(imported)
+        todo.append(module.rpartition(".")[0])  # importing a module runs its package's __init__ first
+    return seen
+
+
+@lru_cache(maxsize=None)
+def code_identity(entry: str, root: Path = SOURCE_ROOT) -> str:
+    """SHA-256 over the sorted (module name, content SHA-256) pairs of `entry`'s closure."""
+    h = hashlib.sha256()
+    for rel, file in sorted(closure(entry, root).items()):
+        h.update(rel.encode())
+        h.update(hashlib.sha256(file.read_bytes()).hexdigest().encode())
+    return h.hexdigest()

@@ -1,0 +1,215 @@
+"""The building blocks of our MoE decoder layers in JAX, float32, as llama.cpp computes them.
+
+Pure functions of arrays: `params` is one layer's tensors keyed by their GGUF
+short names (`attn_q.weight`, `ffn_gate_exps.weight`, ...), as
+`GGUFModel.layer(i)` returns them. Weight matrices are stored `[out, in]`, so
+`x @ W.T` everywhere. Every matmul asks for full float32 precision, so a GPU
+does not silently drop to TF32.
+
+Every matrix product's input passes `probe` under the name of the weight it
+meets: a no-op unless the runner records activation peaks (`pipeline.model.numerics`).
+
+How a family puts them together (its q/k projections and norms, routing,
+shared expert) is in its own file under `pipeline.model.arch`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from moeheal.pipeline.model.numerics import PEAK_LAYER, probe
+
+HIGHEST = jax.lax.Precision.HIGHEST
+einsum = partial(jnp.einsum, precision=HIGHEST)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """x (..., n) scaled to unit RMS, times w (n,)."""
+    ms = jnp.mean(x * x, axis=-1, keepdims=True)  # (..., 1)
+    return x * jax.lax.rsqrt(ms + eps) * w  # (..., n)
+
+
+def rope_tables(n_pos: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin of position * frequency for positions 0..n_pos-1: each (T, head_dim/2)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # (hd/2,)
+    angles = jnp.arange(n_pos, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # (T, hd/2)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """NEOX-style rotary embedding (llama.cpp's rope type for qwen2moe, qwen3moe, olmoe): rotate the two halves.
+
+    x (B, T, H, hd); dimension i pairs with i + hd/2.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]  # (B, T, H, hd/2) each
+    c, s = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, hd/2)
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)  # (B, T, H, hd)
+
+
+def apply_rope_pairs(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """llama.cpp's "normal" rotary embedding (llama, deepseek2): dimension 2i pairs with 2i + 1, at frequency i.
+
+    x (B, T, H, hd), cos/sin (T, hd/2) -> (B, T, H, hd).
+    """
+    B, T, H, hd = x.shape
+    pairs = x.reshape(B, T, H, hd // 2, 2)  # (B, T, H, hd/2, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]  # (B, T, H, hd/2) each
+    c, s = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, hd/2)
+    return jnp.stack([x0 * c - x1 * s, x1 * c + x0 * s], axis=-1).reshape(B, T, H, hd)  # (B, T, H, hd)
+
+
+def linear(params: dict, name: str, x: jax.Array) -> jax.Array:
+    """x (..., d_in) @ W.T (+ bias when the layer has one) -> (..., d_out)."""
+    probe(params, f"{name}.weight", x)
+    y = einsum("...i,oi->...o", x, params[f"{name}.weight"])  # (..., d_out)
+    bias = params.get(f"{name}.bias")
+    return y if bias is None else y + bias
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal grouped-query softmax attention of rotated heads, concatenated.
+
+    q (B, T, H, hd), k (B, T, Hkv, hd), v (B, T, Hkv, hv) -> (B, T, H*hv); query head h reads KV head
+    h // (H/Hkv). Scores are scaled by 1/sqrt(hd); hv may differ from hd (MLA's value heads do).
+    """
+    B, T, H, hd = q.shape
+    Hkv = k.shape[2]
+    q = q.reshape(B, T, Hkv, H // Hkv, hd)  # (B, T, Hkv, G, hd); head h = kv * G + g
+    scores = einsum("btkgh,bskh->bkgts", q, k) / jnp.sqrt(jnp.float32(hd))  # (B, Hkv, G, T, T)
+    causal = jnp.tril(jnp.ones((T, T), dtype=bool))  # (T, T): query t sees keys s <= t
+    scores = jnp.where(causal, scores, -jnp.inf)  # (B, Hkv, G, T, T)
+    probs = jax.nn.softmax(scores, axis=-1)  # (B, Hkv, G, T, T)
+    return einsum("bkgts,bskh->btkgh", probs, v).reshape(B, T, H * v.shape[-1])  # (B, T, H*hv)
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+    """silu(x Wg^T) * (x Wu^T): x (n, d), W (f, d) -> hidden (n, f)."""
+    return jax.nn.silu(einsum("nd,fd->nf", x, w_gate)) * einsum("nd,fd->nf", x, w_up)  # (n, f)
+
+
+def swiglu_ffn(params: dict, prefix: str, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A SwiGLU FFN stored as `ffn_{gate,up,down}{prefix}.weight` (a dense layer's, "", or the
+    shared expert's, "_shexp"): x (n, d) -> out (n, d), hidden (n, f); every input probed."""
+    for which in ("gate", "up"):
+        probe(params, f"ffn_{which}{prefix}.weight", x)
+    hidden = swiglu(x, params[f"ffn_gate{prefix}.weight"], params[f"ffn_up{prefix}.weight"])  # (n, f)
+    probe(params, f"ffn_down{prefix}.weight", hidden)
+    return einsum("nf,df->nd", hidden, params[f"ffn_down{prefix}.weight"]), hidden  # (n, d), (n, f)
+
+
+_EXPERT_KEYS = {
+    "gate": ("ffn_gate_exps.weight", "gate_exps"),
+    "up": ("ffn_up_exps.weight", "up_exps"),
+    "down": ("ffn_down_exps.weight", "down_exps"),
+}
+
+
+def _expert_matrix(params: dict, which: str) -> jax.Array:
+    """A stacked expert tensor under its GGUF short name or its bare name (gate_exps, ...)."""
+    for key in _EXPERT_KEYS[which]:
+        if key in params:
+            return params[key]
+    raise KeyError(f"no {which} expert weights: need one of {_EXPERT_KEYS[which]}")
+
+
+def block_size_for(n_pairs: int, n_expert: int) -> int:
+    """Rows per expert block: about half an expert's mean load, a power of two in [8, 256].
+
+    Each expert's token list is padded to whole blocks, so the padding costs
+    at most n_expert * block rows: about half of n_pairs, whatever the balance.
+    """
+    mean_half = max(1, n_pairs // (2 * n_expert))
+    return int(min(256, max(8, 1 << (mean_half - 1).bit_length())))
+
+
+def expert_blocks(experts_flat: jax.Array, n_expert: int, block: int) -> tuple[jax.Array, jax.Array]:
+    """Group (token, choice) pairs by expert into fixed-size blocks, each owned by one expert.
+
+    experts_flat (P,) int32 expert of each pair -> block_expert (nB,), slot_pair (nB*block,)
+    where slot_pair holds pair indices and P marks an empty slot. nB = ceil(P/block) + E is
+    an upper bound that depends only on shapes, so this jits once per batch shape.
+    """
+    P = experts_flat.shape[0]
+    n_blocks = -(-P // block) + n_expert
+    order = jnp.argsort(experts_flat, stable=True)  # (P,) pair indices sorted by expert
+    sorted_e = experts_flat[order]  # (P,)
+    counts = jnp.bincount(experts_flat, length=n_expert)  # (E,)
+    padded = -(-counts // block) * block  # (E,) counts rounded up to whole blocks
+    start = jnp.cumsum(counts) - counts  # (E,) first sorted index of each expert
+    padded_start = jnp.cumsum(padded) - padded  # (E,) first slot of each expert
+    dest = padded_start[sorted_e] + jnp.arange(P) - start[sorted_e]  # (P,) slot of each sorted pair
+    slot_pair = jnp.full((n_blocks * block,), P, dtype=jnp.int32).at[dest].set(order.astype(jnp.int32))  # (nB*b,)
+    block_end = jnp.cumsum(padded) // block  # (E,) one past each expert's last block
+    block_expert = jnp.searchsorted(block_end, jnp.arange(n_blocks), side="right")  # (nB,)
+    return jnp.minimum(block_expert, n_expert - 1).astype(jnp.int32), slot_pair
+
+
+@jax.jit
+def moe_forward(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+    """Routed-expert output: sum_k weights[n, k] * Expert_{experts[n, k]}(mixed[n]), shared expert excluded.
+
+    expert_weights: `ffn_{gate,up,down}_exps.weight` (or `{gate,up,down}_exps`), gate/up (E, f, d),
+    down (E, d, f); mixed (N, d); experts (N, k) int; weights (N, k). Returns yr (N, d).
+    Only the routed (token, expert) pairs are computed: pairs are sorted by expert into blocks
+    and a scan runs one block (block, d) x (d, f) at a time, indexing that expert's matrices in
+    place, so the cost is about N*k/E of a dense pass and no (N, E, ...) tensor is formed.
+    With probes on (`expert_weights` holds PEAK_LAYER), gate/up see all of `mixed` (llama.cpp
+    converts the whole batch) and down the largest |hidden| over the routed pairs.
+    """
+    w_gate, w_up, w_down = (_expert_matrix(expert_weights, w) for w in ("gate", "up", "down"))
+    for which in ("gate", "up"):
+        probe(expert_weights, f"ffn_{which}_exps.weight", mixed)
+    N, d = mixed.shape
+    k = experts.shape[1]
+    n_expert = w_gate.shape[0]
+    block = block_size_for(N * k, n_expert)
+    block_expert, slot_pair = expert_blocks(experts.reshape(-1).astype(jnp.int32), n_expert, block)
+    pair_token = jnp.append(jnp.arange(N * k, dtype=jnp.int32) // k, N)[slot_pair]  # (nB*b,) N = empty
+    pair_weight = jnp.append(weights.reshape(-1).astype(jnp.float32), 0.0)[slot_pair]  # (nB*b,)
+    x_pad = jnp.concatenate([mixed, jnp.zeros((1, d), mixed.dtype)])  # (N+1, d): row N is the empty slot
+
+    probing = PEAK_LAYER in expert_weights  # static under jit: a dict key
+
+    def one_block(carry: tuple[jax.Array, jax.Array],
+                  blk: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[tuple[jax.Array, jax.Array], None]:
+        yr, peak = carry  # (N+1, d), () the largest |hidden| so far (only updated when probing)
+        e, tok, w = blk  # (), (b,), (b,)
+        hidden = swiglu(x_pad[tok], w_gate[e], w_up[e])  # (b, f); empty slots read row N: zeros
+        y = einsum("bf,df->bd", hidden, w_down[e])  # (b, d)
+        if probing:
+            peak = jnp.maximum(peak, jnp.max(jnp.abs(hidden)))  # (); NaN propagates
+        return (yr.at[tok].add(y * w[:, None]), peak), None  # (N+1, d), ()
+
+    n_blocks = block_expert.shape[0]
+    (yr, peak), _ = jax.lax.scan(one_block, (jnp.zeros((N + 1, d), jnp.float32), jnp.float32(0)),
+                                 (block_expert, pair_token.reshape(n_blocks, block),
+                                  pair_weight.reshape(n_blocks, block)))
+    probe(expert_weights, "ffn_down_exps.weight", peak)
+    return yr[:N]  # (N, d)
+
+
+def sigmoid_gated_shared_expert(params: dict, mixed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Shared expert behind a sigmoid gate (Qwen2-MoE's): mixed (N, d) -> out (N, d),
+    hh (N, f_s) = silu(gate)*up, gate (N,) = sigmoid(g . mixed). As llama.cpp, the gate multiplies
+    the down projection's output, so hh is what that projection's input is."""
+    out, hh = swiglu_ffn(params, "_shexp", mixed)  # (N, d), (N, f_s)
+    probe(params, "ffn_gate_inp_shexp.weight", mixed)
+    gate = jax.nn.sigmoid(einsum("nd,d->n", mixed, params["ffn_gate_inp_shexp.weight"]))  # (N,)
+    return out * gate[:, None], hh, gate  # (N, d), (N, f_s), (N,)
+
+
+@partial(jax.jit, static_argnames="eps")
+def final_norm(h: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """h (B, T, d) -> normed (B, T, d), the input of the output projection."""
+    return rms_norm(h, w, eps)
+
+
+@jax.jit
+def logits_chunk(x: jax.Array, w_rows: jax.Array) -> jax.Array:
+    """x (B, T, d) @ rows of the output matrix (V_chunk, d).T -> (B, T, V_chunk)."""
+    return einsum("btd,vd->btv", x, w_rows)
+

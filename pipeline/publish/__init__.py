@@ -1,0 +1,1 @@
+"""What a run publishes: the tables of the contract, the report and the export bundle."""
