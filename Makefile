@@ -78,8 +78,11 @@ test-fast: setup-test
 test-gpu: setup-test
 	JAX_PLATFORMS=cuda,cpu $(PYTEST) -q -m gpu tests/test_gpu.py
 
+# Every speed benchmark with its defaults (minutes each on a 2-core CPU), to the end; the exit status
+# says whether any failed. bench/experiments/ and bench/tools/ are run by hand, as their docstrings show.
 bench: setup-test
-	for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	@failed=""; for b in bench/speed/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || failed="$$failed $$b"; done; \
+	if [ -n "$$failed" ]; then echo "failed:$$failed"; exit 1; fi
 
 audit: setup
 	$(BIN)/moeheal audit -c $(CONFIG)

@@ -44,7 +44,8 @@ from moeheal.pipeline.config import load_config
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.lake.store import Lake
 from moeheal.pipeline.model.runner import Runner
-from moeheal.pipeline.stages.corpus import read_documents, read_windows
+from moeheal.pipeline.data.documents import read_documents
+from moeheal.pipeline.data.windows import read_windows
 from moeheal.pipeline.publish.report import QUERY_TABLES
 from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode
 

@@ -9,13 +9,13 @@ knob nobody read).
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from moeheal.kernels.encode import ENCODERS
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.stages.dump import DUMP_DTYPES
+from moeheal.pipeline.data.dumps import DUMP_DTYPES
 
 ROUNDINGS = ("ls", "gptq")
 # `round = "learned"`: GPTQ's codes and scales (least squares' where a format has no GPTQ) tuned on the
@@ -379,8 +379,9 @@ def _windows(file: Path, base: Path, ev: _Reader) -> tuple[Path | None, WindowGe
 def load_config(path: str | Path, peers_may_be_missing: bool = False) -> Config:
     """Parse and validate `heal.toml`; raise InputError naming the key on any problem.
 
-    `peers_may_be_missing` lets an outside variant's GGUF be absent: the commands that
-    make a peer (`moeheal recipe`, `moeheal imatrix`) run before its file exists."""
+    `peers_may_be_missing` lets an outside variant's GGUF be absent: the commands that read
+    no peer (`audit`, `dump`, the `recipe` and `imatrix` that help make one) run before its
+    file exists; without it a missing peer is the usual one line naming the file and its key."""
     file = Path(path).resolve()
     if not file.is_file():
         raise InputError(f"{file}: config file not found")
@@ -464,3 +465,19 @@ def load_config(path: str | Path, peers_may_be_missing: bool = False) -> Config:
                         (("calibration", "import_dump"), ("unseen", "import_unseen_dump")) if key in cal.table},
         raw=raw,
     )
+
+
+def without_unmade_peers(cfg: Config) -> Config:
+    """`cfg` less its outside variants whose GGUF is not made yet, and less the `[eval] compare`
+    pairs that name one: the run of a command that reads no peer (`cfg` loaded with
+    `peers_may_be_missing`).
+
+    Such a command still publishes, carrying the current set's other tables forward where what
+    they were computed from is what this config computes them from now; a peer it cannot read
+    has no digest to compare, so it is left out of that comparison: a table computed with the
+    peer when its file existed is dropped, one computed without it is carried."""
+    unmade = {v.name for v in cfg.variants if v.kind == "external" and not v.gguf.exists()}
+    if not unmade:
+        return cfg
+    return replace(cfg, variants=tuple(v for v in cfg.variants if v.name not in unmade),
+                   compare=tuple(pair for pair in cfg.compare if not unmade & set(pair)))

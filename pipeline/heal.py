@@ -1,12 +1,13 @@
-"""The DAG: every stage declared, in one place.
+"""The DAG: every stage invocation of a config, declared by a plain method of `HealRun`.
 
-The table below declares each stage once (`dag.Stage`): its name, where its
-output lives, its module and the build function in it, the type of its
-parameters and the files it writes. Each `@declares` method of `HealRun` is
-one stage's instantiation for this config (per variant, per layer): a
-`dag.Node` of one parameters object, the input files and the upstream nodes
-it reads. Nothing else is wired: `dag.Executor` resolves the upstream nodes,
-fingerprints, locks, builds or finds the output, and `moeheal plan` walks the
+A stage is its module under `pipeline/stages/` (parameters, build function,
+`STAGE`); `STAGES` below lists them. Each method of `HealRun` named as a stage
+(`run.quantize(variant, 3)`) declares that invocation for this config: a
+`dag.Node` of one parameters object, the input files and the upstream nodes it
+reads, named as the build function's parameters and checked against its
+signature when declared. The methods call each other, so an editor follows the
+DAG from any stage to everything it reads. `run.result(node)` builds or finds
+the output (`dag.Executor`: fingerprint, lock, build); `moeheal plan` walks the
 same nodes without building (`moeheal plan --format dot` draws them).
 
 Quantize and calibrate run per (variant, layer): each layer is a unit with its
@@ -26,68 +27,49 @@ config's checks against the models run first (`pipeline/validate.py`).
 from __future__ import annotations
 
 import dataclasses
-from functools import cached_property, update_wrapper
+from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import pyarrow as pa
 
-from moeheal.pipeline.stages import audit as audit_mod
-from moeheal.pipeline.model import roles
-from moeheal.pipeline.stages import comparisons as stats_mod
-from moeheal.pipeline.publish import tables
 from moeheal.pipeline.config import UNHEALED, Config, Variant
-from moeheal.pipeline.lake.dag import Executor, Node, PlannedStage, Stage, Use
+from moeheal.pipeline.data.dumps import check_spec_fits, open_dump, raw_dump_files
+from moeheal.pipeline.data.units import read_recipe
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
-from moeheal.pipeline.lake.store import Lake, StageResult
-from moeheal.pipeline.progress import progress
-from moeheal.pipeline.stages import (calibrate, corpus, dump, e2e, evaluate, llamacheck, quantize, reference_topk,
-                                     sensitivity)
-from moeheal.pipeline.publish.tables import read_parts as _read_parts
 from moeheal.pipeline.gguf.tokenizer import tokenizer_metadata
+from moeheal.pipeline.lake.dag import Executor, Node, PlannedStage, Use
+from moeheal.pipeline.lake.store import Lake, StageResult
+from moeheal.pipeline.model import roles
+from moeheal.pipeline.progress import progress
+from moeheal.pipeline.publish import tables
+from moeheal.pipeline.publish.summary import summary_table
+from moeheal.pipeline.stages import (
+    allocate,
+    assemble,
+    audit,
+    calibrate,
+    comparisons,
+    corpus,
+    dump,
+    e2e,
+    evaluate,
+    import_dump,
+    llama_check,
+    quantize,
+    reference_logits,
+    reference_topk,
+    sensitivity,
+    traces,
+    windows,
+)
 from moeheal.pipeline.validate import budget_fixed, chosen_roles, validate_models
 
-_STAGES = "moeheal.pipeline.stages"
-CORPUS = Stage("corpus", "parts", "", f"{_STAGES}.corpus", build=corpus.build_corpus, params=corpus.CorpusParams,
-               outputs=("docs.parquet", "doc_tokens.parquet"))
-TRACES = Stage("traces", "parts", "", f"{_STAGES}.corpus", build=corpus.build_traces, params=corpus.TracesParams,
-               outputs=("cal_trace.parquet",))
-WINDOWS = Stage("windows", "parts", "", f"{_STAGES}.corpus", build=corpus.build_windows,
-                params=corpus.WindowsParams, outputs=("windows.parquet",))
-AUDIT = Stage("audit", "parts", "", "moeheal.pipeline.stages.audit", build=audit_mod.build_audit,
-              params=audit_mod.AuditParams, outputs=("overlap.parquet", "violations.parquet"),
-              check=audit_mod.check_audit)
-DUMP = Stage("dump", "dumps", ".zarr", f"{_STAGES}.dump", resumable=True, build=dump.build_dump,
-             params=dump.DumpParams, outputs=("routing",))
-IMPORT_DUMP = Stage("import-dump", "dumps", ".zarr", f"{_STAGES}.dump", build=dump.build_import_dump,
-                    params=dump.ImportDumpParams, outputs=("routing",))
-SENSITIVITY = Stage("sensitivity", "parts", "", f"{_STAGES}.sensitivity", build=sensitivity.build_sensitivity,
-                    params=sensitivity.SensitivityParams, outputs=("sensitivity.parquet",))
-ALLOCATE = Stage("allocate", "parts", "", f"{_STAGES}.sensitivity", build=sensitivity.build_allocation,
-                 params=sensitivity.AllocateParams, outputs=("recipe.parquet", "allocation.parquet"))
-QUANTIZE = Stage("quantize", "quant", "", f"{_STAGES}.quantize", build=quantize.build_quantize,
-                 params=quantize.QuantizeParams, outputs=("layer_{layer}.npz",))
-CALIBRATE = Stage("calibrate", "quant", "", f"{_STAGES}.calibrate", build=calibrate.build_calibrate,
-                  params=calibrate.CalibrateParams, outputs=("layer_{layer}.npz", "layer_metrics.parquet"))
-ASSEMBLE = Stage("assemble", "models", ".gguf", f"{_STAGES}.calibrate", build=calibrate.build_assembly,
-                 params=calibrate.AssembleParams)
-REFERENCE_TOPK = Stage("reference-topk", "parts", "", f"{_STAGES}.reference_topk",
-                       build=reference_topk.build_reference_topk, params=reference_topk.TopKParams,
-                       outputs=(reference_topk.TOPK_FILE,))
-E2E = Stage("e2e", "models", "", f"{_STAGES}.e2e", build=e2e.build_e2e, params=e2e.E2EParams,
-            outputs=(e2e.MODEL_FILE, e2e.CURVE_FILE))
-REFERENCE = Stage("reference-logits", "parts", "", f"{_STAGES}.evaluate", build=evaluate.build_reference_logits,
-                  params=evaluate.ReferenceParams)
-EVALUATE = Stage("evaluate", "parts", "", f"{_STAGES}.evaluate", build=evaluate.build_evaluation,
-                 params=evaluate.EvaluateParams,
-                 outputs=("token_kld.parquet", "hitrate.parquet", "activation_peaks.parquet"))
-COMPARISONS = Stage("comparisons", "parts", "", "moeheal.pipeline.stages.comparisons", build=stats_mod.build_comparisons,
-                    params=stats_mod.ComparisonsParams, outputs=("window_kld.parquet", "comparisons.parquet"))
-LLAMA_CHECK = Stage("llama-check", "parts", "", f"{_STAGES}.llamacheck", build=llamacheck.build_llama_check,
-                    params=llamacheck.LlamaCheckParams, outputs=("llama_check.parquet",))
-STAGES = (CORPUS, TRACES, WINDOWS, AUDIT, DUMP, IMPORT_DUMP, SENSITIVITY, ALLOCATE, QUANTIZE, CALIBRATE, ASSEMBLE,
-          REFERENCE_TOPK, E2E, REFERENCE, EVALUATE, COMPARISONS, LLAMA_CHECK)
+# The DAG's stages, one module each under pipeline/stages/ (its parameters, its build, its `STAGE`).
+STAGES = tuple(m.STAGE for m in (corpus, traces, windows, audit, dump, import_dump, sensitivity, allocate, quantize,
+                                 calibrate, assemble, reference_topk, e2e, reference_logits, evaluate, comparisons,
+                                 llama_check))
 
 
 def audit_summary(overlap: pa.Table) -> str:
@@ -102,42 +84,6 @@ def audit_summary(overlap: pa.Table) -> str:
     return "\n".join(lines)
 
 
-class declares:
-    """A `HealRun` method that declares one stage invocation: it returns the `Node`.
-
-    Called on a run, `run.quantize(variant, 3)` runs (or plans) that node and
-    returns its `StageResult`; `run.quantize.node(variant, 3)` is the
-    declaration itself, which other declarations name as their upstream. Each
-    node is declared once per run.
-    """
-
-    def __init__(self, declare: Callable[..., Node]):
-        self.declare = declare
-        update_wrapper(self, declare)
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, run: HealRun | None, owner: type | None = None) -> Any:
-        return self if run is None else _Declared(run, self)
-
-
-class _Declared:
-    """`declares` bound to a run."""
-
-    def __init__(self, run: HealRun, method: declares):
-        self.run, self.method = run, method
-
-    def node(self, *args: Any) -> Node:
-        key = (self.method.name, *(a.name if isinstance(a, Variant) else a for a in args))
-        if key not in self.run.nodes:
-            self.run.nodes[key] = self.method.declare(self.run, *args)
-        return self.run.nodes[key]
-
-    def __call__(self, *args: Any) -> StageResult | None:
-        return self.run.executor.result(self.node(*args))
-
-
 class HealRun:
     """One config's pipeline: the declarations of its stages, and the commands that run them.
 
@@ -150,7 +96,7 @@ class HealRun:
         self.cfg = config
         self.log = log
         self.planning = plan
-        self.nodes: dict[tuple[Any, ...], Node] = {}
+        self.nodes: dict[str, Node] = {}  # by label: each invocation declared once
         for stage in STAGES:  # each code identity read now, next to the imports, not when the stage is
             stage.code()      # reached: a file edited during a long run cannot key the old code's output
         validate_models(config, self.reference, self.source)
@@ -165,69 +111,72 @@ class HealRun:
     def source(self) -> GGUFModel:
         return open_model(self.cfg.source)
 
-    # ---- corpus, traces, windows, audit --------------------------------------------
-    @declares
-    def corpus(self) -> Node:
-        return Node("corpus", CORPUS, corpus.CorpusParams(tokenizer_metadata(self.reference)),
-                    inputs={"docs": self.cfg.docs, "split": self.cfg.split})
+    def declare(self, node: Node) -> Node:
+        """The node, once per label: a later declaration of the same invocation is the first one."""
+        return self.nodes.setdefault(node.label, node)
 
-    @declares
+    def result(self, node: Node) -> StageResult | None:
+        """The node's output, built unless it is in the lake (planned only, with `plan=True`; None for
+        a skipped node)."""
+        return self.executor.result(node)
+
+    # ---- corpus, traces, windows, audit --------------------------------------------
+    def corpus(self) -> Node:
+        return self.declare(Node(corpus.STAGE, corpus.CorpusParams(tokenizer_metadata(self.reference)),
+                                 inputs={"docs": self.cfg.docs, "split": self.cfg.split}))
+
     def traces(self) -> Node:
         cfg = self.cfg
-        params = corpus.TracesParams(cfg.cal_tokens, cfg.seq_tokens, cfg.mix, cfg.unseen_tokens, cfg.cal_seed)
-        return Node("traces", TRACES, params, upstream={"corpus": self.corpus.node()})
+        params = traces.TracesParams(cfg.cal_tokens, cfg.seq_tokens, cfg.mix, cfg.unseen_tokens, cfg.cal_seed)
+        return self.declare(Node(traces.STAGE, params, upstream={"corpus": self.corpus()}))
 
-    @declares
     def windows(self) -> Node:
         """From the windows file, or generated from the eval/canary docs (then the calibration
         trace is an input too: scored spans are placed clear of its n-grams)."""
         cfg, gen = self.cfg, self.cfg.window_generation
         if gen is None:
-            return Node("windows", WINDOWS, corpus.WindowsParams(), inputs={"windows": cfg.windows},
-                        upstream={"corpus": self.corpus.node()})
-        return Node("windows", WINDOWS, corpus.WindowsParams(dataclasses.asdict(gen), cfg.ngram, cfg.eval_seed),
-                    upstream={"corpus": self.corpus.node(), "traces": self.traces.node()})
+            return self.declare(Node(windows.STAGE, windows.WindowsParams(), inputs={"windows": cfg.windows},
+                                     upstream={"corpus": self.corpus()}))
+        params = windows.WindowsParams(dataclasses.asdict(gen), cfg.ngram, cfg.eval_seed)
+        return self.declare(Node(windows.STAGE, params, upstream={"corpus": self.corpus(), "traces": self.traces()}))
 
-    @declares
-    def audit_stage(self) -> Node:
+    def audit(self) -> Node:
         """The audit; its check raises (exit 3) on any split violation or scored-span leak."""
-        return Node("audit", AUDIT, audit_mod.AuditParams(self.cfg.ngram),
-                    upstream={"corpus": self.corpus.node(), "traces": self.traces.node(),
-                              "windows": self.windows.node()})
+        return self.declare(Node(audit.STAGE, audit.AuditParams(self.cfg.ngram),
+                                 upstream={"corpus": self.corpus(), "traces": self.traces(),
+                                           "windows": self.windows()}))
 
-    def audit(self) -> pa.Table:
+    def overlap(self) -> pa.Table:
         """The `overlap` table of a clean audit."""
-        result = self.audit_stage()
-        return pa.table({}) if self.planning else _read_parts(result, "overlap")
+        result = self.result(self.audit())
+        return pa.table({}) if self.planning else tables.read_parts(result, "overlap")
 
     # ---- dumps ---------------------------------------------------------------------
-    @declares
     def dump(self, trace: str) -> Node:
         """The reference run over one trace, after the audit: never from a trace that leaks."""
-        cfg, audited = self.cfg, (self.audit_stage.node(),)
+        cfg, audited = self.cfg, (self.audit(),)
         if trace in cfg.imported_dumps:  # made by another engine: `[calibration] import_dump`
-            imported = self.import_dump.node(cfg.imported_dumps[trace])
-            return dataclasses.replace(imported, label=f"dump:{trace}", after=audited)
+            imported = self.import_dump(cfg.imported_dumps[trace])
+            return self.declare(dataclasses.replace(imported, label=f"dump:{trace}", after=audited))
         params = dump.DumpParams(trace, cfg.seq_tokens, cfg.dump_chunk_tokens,
                                  attention_inputs=True if self.attention_inputs() else None,
                                  dump_dtype=None if cfg.dump_dtype == "float32" else cfg.dump_dtype)
-        return Node(f"dump:{trace}", DUMP, params, inputs={"reference": cfg.reference},
-                    upstream={"traces": self.traces.node()}, after=audited)
+        return self.declare(Node(dump.STAGE, params, key=(trace,), inputs={"reference": cfg.reference},
+                                 upstream={"traces": self.traces()}, after=audited))
 
     def attention_inputs(self) -> bool:
         """Whether some variant's recipe chooses attention formats, so the dumps need attn_in."""
         return any(roles.dump_arrays(chosen_roles(v, self.source)) for v in self.cfg.healed_variants)
 
-    @declares
     def import_dump(self, spec: Path) -> Node:
         hp = self.reference.hp
         if self.reference.moe_layers != tuple(range(hp.n_layer)):
             raise InputError(f"{self.cfg.path}: [calibration] import_dump: not supported for a model with dense "
                              f"layers ({self.reference.arch}: MoE layers {self.reference.moe_layers[0]}.."
                              f"{hp.n_layer - 1} of {hp.n_layer})")
-        dump.check_spec_fits(spec, hp.d_model, hp.d_shexp, hp.n_expert_used, hp.n_layer)
-        return Node("import-dump", IMPORT_DUMP, dump.ImportDumpParams(),
-                    inputs={"spec": spec, **dump.raw_dump_files(spec)})
+        check_spec_fits(spec, hp.d_model, hp.d_shexp, hp.n_expert_used, hp.n_layer)
+        return Node(import_dump.STAGE, import_dump.ImportDumpParams(),
+                    inputs={"spec": spec, "raw": raw_dump_files(spec)})
 
     def traces_present(self) -> list[str]:
         return ["calibration"] + (["unseen"] if self.cfg.unseen_tokens else [])
@@ -239,80 +188,74 @@ class HealRun:
     def budget_variants(self) -> list[Variant]:
         return [v for v in self.cfg.healed_variants if v.budgeted]
 
-    @declares
     def sensitivity(self, variant: Variant) -> Node:
         """Per (layer, role, candidate format): bytes and the routed-output error on the unseen dump."""
-        return Node(f"sensitivity:{variant.name}", SENSITIVITY,
-                    sensitivity.SensitivityParams.of(variant, self.source.arch), inputs={"source": self.cfg.source},
-                    upstream={"dump": self.dump.node("calibration"), "unseen": self.dump.node("unseen")})
+        return self.declare(Node(sensitivity.STAGE, sensitivity.SensitivityParams.of(variant, self.source.arch),
+                                 key=(variant.name,), inputs={"source": self.cfg.source},
+                                 upstream={"dump": self.dump("calibration"), "unseen": self.dump("unseen")}))
 
-    @declares
-    def allocation(self, variant: Variant) -> Node:
+    def allocate(self, variant: Variant) -> Node:
         """The recipe of a budget variant: one format per (layer, role) under its budget."""
-        params = sensitivity.AllocateParams.of(variant, budget_fixed(variant, self.source),
-                                               where=f"{self.cfg.path}: [[variant]] {variant.name}")
-        return Node(f"allocate:{variant.name}", ALLOCATE, params,
-                    upstream={"sensitivity": self.sensitivity.node(variant)})
+        params = allocate.AllocateParams.of(variant, budget_fixed(variant, self.source),
+                                            where=f"{self.cfg.path}: [[variant]] {variant.name}")
+        return self.declare(Node(allocate.STAGE, params, key=(variant.name,),
+                                 upstream={"sensitivity": self.sensitivity(variant)}))
 
-    @declares
     def quantize(self, variant: Variant, layer: int) -> Node:
         """The (variant, layer) unit of quantization: that layer's tensors, from that layer's dump rows."""
         params = dataclasses.replace(quantize.QuantizeParams.of(variant), layer=layer)
-        up = {"dump": self.dump.node("calibration")} if params.importance else {}  # no statistics: no dump
+        up = {"dump": self.dump("calibration")} if params.importance else {}  # no statistics: no dump
         if variant.budgeted:
-            up["recipe"] = self.allocation.node(variant)
+            up["recipe"] = self.allocate(variant)
         if params.round == quantize.LEARNED and self.cfg.unseen_tokens:  # measured there, never fitted
-            up["unseen"] = self.dump.node("unseen")
-        return Node(f"quantize:{variant.name}:{layer}", QUANTIZE, params, {"source": self.cfg.source}, up)
+            up["unseen"] = self.dump("unseen")
+        return self.declare(Node(quantize.STAGE, params, key=(variant.name, layer),
+                                 inputs={"source": self.cfg.source}, upstream=up))
 
-    @declares
     def calibrate(self, variant: Variant, layer: int) -> Node:
         """The (variant, layer) unit of healing: alpha and ridge on the quantize unit of the same layer."""
         params = calibrate.CalibrateParams.of(variant, shared_expert=self.source.arch.has_shared_expert)
-        up = {"quantized": self.quantize.node(variant, layer), "dump": self.dump.node("calibration")}
+        up = {"quantized": self.quantize(variant, layer), "dump": self.dump("calibration")}
         if self.cfg.unseen_tokens:
-            up["unseen"] = self.dump.node("unseen")
-        return Node(f"calibrate:{variant.name}:{layer}", CALIBRATE, dataclasses.replace(params, layer=layer),
-                    {"source": self.cfg.source}, up)
+            up["unseen"] = self.dump("unseen")
+        return self.declare(Node(calibrate.STAGE, dataclasses.replace(params, layer=layer), key=(variant.name, layer),
+                                 inputs={"source": self.cfg.source}, upstream=up))
 
-    @declares
     def assemble(self, variant: Variant) -> Node:
-        return Node(f"assemble:{variant.name}", ASSEMBLE, calibrate.AssembleParams(variant.name, variant.knobs()),
-                    inputs={"source": self.cfg.source},
-                    upstream={f"calibrated.{layer}": self.calibrate.node(variant, layer)
-                              for layer in self.source.moe_layers})
+        return self.declare(Node(assemble.STAGE, assemble.AssembleParams(variant.name, variant.knobs()),
+                                 key=(variant.name,), inputs={"source": self.cfg.source},
+                                 upstream={"calibrated": {layer: self.calibrate(variant, layer)
+                                                          for layer in self.source.moe_layers}}))
 
-    @declares
     def reference_topk(self, k: int) -> Node:
         """The reference's top-k distribution over both traces, which every e2e variant with that k reads."""
-        return Node(f"reference-topk:{k}", REFERENCE_TOPK, reference_topk.TopKParams(k, self.cfg.seq_tokens),
-                    inputs={"reference": self.cfg.reference}, upstream={"traces": self.traces.node()})
+        return self.declare(Node(reference_topk.STAGE, reference_topk.TopKParams(k, self.cfg.seq_tokens), key=(k,),
+                                 inputs={"reference": self.cfg.reference}, upstream={"traces": self.traces()}))
 
-    @declares
     def e2e(self, variant: Variant) -> Node:
         """The assembled GGUF with its float parameters tuned on the model's output (`e2e = true`)."""
         k = min(variant.e2e_topk, self.reference.hp.vocab_size)  # k at or above the vocabulary: all of it
-        return Node(f"e2e:{variant.name}", E2E, e2e.E2EParams.of(variant, self.cfg.seq_tokens),
-                    inputs={"source": self.cfg.source},
-                    upstream={"model": self.assemble.node(variant), "traces": self.traces.node(),
-                              "topk": self.reference_topk.node(k)})
+        return self.declare(Node(e2e.STAGE, e2e.E2EParams.of(variant, self.cfg.seq_tokens), key=(variant.name,),
+                                 inputs={"source": self.cfg.source},
+                                 upstream={"model": self.assemble(variant), "traces": self.traces(),
+                                           "topk": self.reference_topk(k)}))
 
     def model_use(self, variant: Variant) -> Use:
         """Where one of our variants' GGUF is written: the tuned one with `e2e = true`, else the assembly."""
-        return Use(self.e2e.node(variant), e2e.MODEL_FILE) if variant.e2e else Use(self.assemble.node(variant))
+        return Use(self.e2e(variant), e2e.MODEL_FILE) if variant.e2e else Use(self.assemble(variant))
 
     def final_model(self, variant: Variant) -> tuple[StageResult, Path]:
         """The stage that writes one of our variants' GGUF, and the file."""
         use = self.model_use(variant)
-        result = self.executor.result(use.node)
+        result = self.result(use.node)
         return result, use.path(result)
 
     def calibrated_layers(self, variant: Variant) -> list[StageResult]:
-        """Every MoE layer's calibrate unit of `variant` (each with its quantize unit), in layer order."""
+        """Every MoE layer's calibrate unit of `variant` (each with its quantize unit), built, in layer order."""
         layers = self.source.moe_layers
         if not self.planning:
             layers = progress(layers, desc=f"heal {variant.name}", unit="layer")
-        return [self.calibrate(variant, layer) for layer in layers]
+        return [self.result(self.calibrate(variant, layer)) for layer in layers]
 
     def unit_pairs(self) -> list[tuple[Variant, int]]:
         """The per-layer units' (variant, layer) in DAG order: variants as configured, layers in order.
@@ -321,7 +264,7 @@ class HealRun:
 
     def unit_nodes(self) -> list[Node]:
         """Every unit's calibrate node (its quantize node among its upstream), in `unit_pairs` order."""
-        return [self.calibrate.node(variant, layer) for variant, layer in self.unit_pairs()]
+        return [self.calibrate(variant, layer) for variant, layer in self.unit_pairs()]
 
     def shard_units(self, shard: int, shards: int) -> list[StageResult]:
         """Worker ``shard`` of ``shards``' share of the per-layer units, built, and nothing after them.
@@ -335,7 +278,7 @@ class HealRun:
         the ones one process would build, so the healed GGUFs are the same bytes.
         """
         mine = self.unit_pairs()[shard::shards]
-        return [self.calibrate(variant, layer)
+        return [self.result(self.calibrate(variant, layer))
                 for variant, layer in progress(mine, desc=f"shard {shard}/{shards}", unit="unit")]
 
     # ---- evaluation ----------------------------------------------------------------
@@ -352,50 +295,47 @@ class HealRun:
             return {"model": variant.gguf}, {}
         return {}, {"model": self.model_use(variant)}
 
-    @declares
     def reference_logits(self) -> Node:
-        return Node("reference-logits", REFERENCE, evaluate.ReferenceParams(), {"reference": self.cfg.reference},
-                    {"windows": self.windows.node(), "corpus": self.corpus.node()})
+        return self.declare(Node(reference_logits.STAGE, reference_logits.ReferenceParams(),
+                                 inputs={"reference": self.cfg.reference},
+                                 upstream={"windows": self.windows(), "corpus": self.corpus()}))
 
-    @declares
-    def evaluate_variant(self, variant: Variant) -> Node:
+    def evaluate(self, variant: Variant) -> Node:
         cfg = self.cfg
         params = evaluate.EvaluateParams(variant.name, list(cfg.moce_bonus), cfg.cache_experts, cfg.moce_reps)
         inputs, up = self._model(variant)
-        up |= {"reference": Use(self.reference_logits.node()), "windows": Use(self.windows.node()),
-               "corpus": Use(self.corpus.node())}
-        return Node(f"evaluate:{variant.name}", EVALUATE, params, inputs, up)
+        up |= {"reference": Use(self.reference_logits()), "windows": Use(self.windows()),
+               "corpus": Use(self.corpus())}
+        return self.declare(Node(evaluate.STAGE, params, key=(variant.name,), inputs=inputs, upstream=up))
 
-    @declares
     def llama_check(self, variant: Variant) -> Node:
-        """`llamacheck`: the variant's GGUF through llama.cpp's llama-perplexity on the unseen trace's
+        """`llama-check`: the variant's GGUF through llama.cpp's llama-perplexity on the unseen trace's
         documents (an input error if it prints a non-finite value). Where llama.cpp is not installed
         (or there is no unseen trace) it is skipped (its result is None), said once in the log, and
         `moeheal plan` lists it as `skipped` under the fingerprint it would have without a binary."""
-        binary = llamacheck.perplexity_binary()
+        binary = llama_check.perplexity_binary()
         inputs, up = self._model(variant)
-        inputs |= {"docs": self.cfg.docs} | ({"llama-perplexity": binary} if binary is not None else {})
-        up |= {"traces": Use(self.traces.node()), "corpus": Use(self.corpus.node())}
+        inputs |= {"docs": self.cfg.docs} | ({"llama_perplexity": binary} if binary is not None else {})
+        up |= {"traces": Use(self.traces()), "corpus": Use(self.corpus())}
         skip = ("LLAMA_CPP_DIR/bin/llama-perplexity not found" if binary is None
                 else "" if self.cfg.unseen_tokens else "no unseen trace")
-        return Node(f"llama-check:{variant.name}", LLAMA_CHECK, llamacheck.LlamaCheckParams(variant.name), inputs,
-                    up, skip=skip)
+        return self.declare(Node(llama_check.STAGE, llama_check.LlamaCheckParams(variant.name), key=(variant.name,),
+                                 inputs=inputs, upstream=up, skip=skip))
 
-    @declares
     def comparisons(self) -> Node:
         """window_kld and the paired bootstrap comparisons; the provenance records every knob of them."""
         cfg = self.cfg
         names = [v.name for v in self.evaluated_variants()]
-        params = stats_mod.ComparisonsParams(names, list(cfg.moce_bonus), [list(p) for p in cfg.compare],
-                                             cfg.bootstrap, cfg.eval_seed)
-        up = {f"evaluate:{v.name}": self.evaluate_variant.node(v) for v in self.evaluated_variants()}
-        return Node("comparisons", COMPARISONS, params,
-                    upstream=up | {"windows": self.windows.node(), "audit": self.audit_stage.node()})
+        params = comparisons.ComparisonsParams(names, list(cfg.moce_bonus), [list(p) for p in cfg.compare],
+                                               cfg.bootstrap, cfg.eval_seed)
+        up = {"evaluations": {v.name: self.evaluate(v) for v in self.evaluated_variants()},
+              "windows": self.windows(), "audit": self.audit()}
+        return self.declare(Node(comparisons.STAGE, params, upstream=up))
 
     def calibrated_table(self, variants: list[Variant], name: str) -> pa.Table:
         """`layer_metrics` or `ridge_cv`: the rows every (variant, layer) unit wrote, in that order, each
         named by its variant (a unit can serve two variants with the same knobs)."""
-        parts = [_read_parts(unit, name) for v in variants for unit in self.calibrated_layers(v)]
+        parts = [tables.read_parts(unit, name) for v in variants for unit in self.calibrated_layers(v)]
         names = [v.name for v in variants for _ in self.source.moe_layers]
         return pa.concat_tables([part.add_column(0, "variant", pa.array([n] * part.num_rows, pa.string()))
                                  for part, n in zip(parts, names)])
@@ -403,7 +343,7 @@ class HealRun:
     def recipe_formats(self, variant: Variant) -> dict[str, str]:
         """{"blk.N.ffn_gate_exps.weight": format, ...}: the routed tensors' formats of one of our variants."""
         if variant.budgeted:
-            chosen = quantize.read_recipe(self.allocation(variant).path)
+            chosen = read_recipe(self.result(self.allocate(variant)).path)
         else:
             chosen = {(layer, t): f for layer in self.source.moe_layers for t, f in variant.formats().items()}
         return {f"blk.{layer}.{t}.weight": f for (layer, t), f in sorted(chosen.items())}
@@ -413,19 +353,19 @@ class HealRun:
         return tables.publish(self, with_report, only)
 
     def heal(self) -> None:
-        self.log(audit_summary(self.audit()))
+        self.log(audit_summary(self.overlap()))
         self.publish()
 
     def plan(self) -> list[PlannedStage]:
         """Every stage invocation of `heal`, in DAG order, with fingerprint and cache status: what the
         published tables are computed from (`tables.table_declarations`), which is what `heal` runs."""
         assert self.planning, "construct HealRun(config, plan=True)"
-        for sources, _ in tables.table_declarations(self).values():
-            sources()
+        for published in tables.table_declarations(self).values():
+            tables.resolve(self, published.sources())
         return self.executor.planned
 
     def summary_table(self) -> str:
-        return stats_mod.summary_table(self.lake, order=[v.name for v in self.evaluated_variants()])
+        return summary_table(self.lake, order=[v.name for v in self.evaluated_variants()])
 
     def export(self, out: Path) -> Path:
         from moeheal.pipeline.publish.export import export_bundle
@@ -448,7 +388,7 @@ class HealRun:
                                       imatrix if variant.importance else None, binary)
 
     def write_imatrix(self, out: Path) -> Path:
-        quantize.write_imatrix_from_dump(out, self.source, dump.open_dump(self.dump("calibration").path,
-                                                                          self.source.hp, self.source.moe_layers),
+        calibration = self.result(self.dump("calibration")).path
+        quantize.write_imatrix_from_dump(out, self.source, open_dump(calibration, self.source.hp, self.source.moe_layers),
                                          self.cfg.seq_tokens)
         return out

@@ -14,7 +14,7 @@ from moeheal.pipeline.model import roles
 from moeheal.pipeline.config import Config, Variant
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
-from moeheal.pipeline.stages import sensitivity
+from moeheal.pipeline.gguf.sizes import fixed_size, least_bpw
 from moeheal.pipeline.gguf.tokenizer import build_tokenizer
 
 
@@ -28,7 +28,7 @@ def budget_fixed(variant: Variant, source: GGUFModel) -> tuple[int, int]:
     "all", every other tensor (embeddings, output, norms, routers) as the assembled GGUF holds it."""
     if variant.budget_roles == "routed":
         return 0, 0
-    return sensitivity.fixed_size(source, chosen_roles(variant, source),
+    return fixed_size(source, chosen_roles(variant, source),
                                   variant.shexp_down if source.arch.has_shared_expert else None)
 
 
@@ -63,7 +63,7 @@ def validate_models(cfg: Config, reference: GGUFModel, source: GGUFModel) -> Non
                 raise InputError(f"{cfg.path}: [[variant]] {variant.name}: {fmt} needs rows that are "
                                  f"a multiple of {block} weights; {tensor} rows have {columns}")
         if variant.budgeted:
-            least = sensitivity.least_bpw(source, variant.candidates, chosen, budget_fixed(variant, source))
+            least = least_bpw(source, variant.candidates, chosen, budget_fixed(variant, source))
             if variant.budget_bpw < least:
                 raise InputError(f"{cfg.path}: [[variant]] {variant.name}: budget_bpw {variant.budget_bpw:g} "
                                  f"is infeasible: with budget_roles = {variant.budget_roles!r} the cheapest recipe "

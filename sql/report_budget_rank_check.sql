@@ -19,6 +19,25 @@
 -- every covered row of a sensitivity and set), and n_roles, the tensor roles
 -- per layer the measurement covers (3: the routed experts'; more: a budget
 -- over the whole file).
+-- reads: recipe, sensitivity, window_kld
+-- subheading: Does the summed sensitivity rank recipes as KLD does?
+-- missing: sensitivity | No variant of this run is chosen under a budget: there is no `sensitivity`
+--   table.
+-- intro: Predicted error = the sum over a recipe's tensors in the measured roles (the routed
+--   experts', and for a budget over the whole file also the shared expert's and attention's) of the
+--   relative output error each tensor causes alone in its format (table `sensitivity`, held-out
+--   unseen trace), measured with the quantizer knobs of the budget variants that share the
+--   measurement; every variant whose formats it covers takes part, ours (whatever their knobs) and
+--   outside GGUFs alike.
+-- table: @budget_check
+-- per: sensitivity, set
+-- where: covered
+-- columns:
+--   variant                     | {variant}
+--   predicted error (sum)       | {pred_err:.4f}
+--   pooled KLD ({set}, bonus 0) | {kld:.4f}
+--   rank (predicted)            | {rank_pred}
+--   rank (KLD)                  | {rank_kld}
 WITH measured AS (
     SELECT DISTINCT sensitivity, role FROM sensitivity
 ), predicted AS (

@@ -8,7 +8,29 @@
 -- without `set` or `moce_bonus_a` reads as set NULL and moce_bonus_a =
 -- moce_bonus; one without the strata columns reads them as NULL (the UNION ALL
 -- BY NAME below adds missing columns as NULL).
--- One row per (set, a, moce_bonus_a, b, moce_bonus).
+-- One row per (set, a, moce_bonus_a, b, moce_bonus); isolated_moce: a = b, one
+-- variant at two MoCE bonuses (what the bonus alone changes).
+-- reads: comparisons
+-- heading: 1. Pooled comparisons (95% CI = window bootstrap)
+-- intro: KLD is KL(reference || variant) in nats per scored token, pooled over tokens. Δ KLD = 100
+--   (pooled_b / pooled_a − 1); Δ top-1 is in percentage points; wins = windows where b's KLD is
+--   below a's. CIs resample windows with replacement within each stratum, paired. The clean columns
+--   repeat the comparison on the windows that share no n-gram with the calibration trace.
+-- group: {set:label}
+-- after: @strata_windows
+-- note: @ci_marks
+-- order: isolated_moce, a, b, moce_bonus, moce_bonus_a
+-- columns:
+--   comparison          | @comparison
+--   MoCE                | @comparison_moce
+--   KLD a → b           | {kld_a:.4f} → {kld_b:.4f}
+--   Δ KLD % (95% CI)    | @kld_change
+--   b wins              | {wins}/{n_windows}
+--   Δ top-1 pt (95% CI) | @top1_change
+--   clean: KLD a → b    | {clean_kld_a:.4f} → {clean_kld_b:.4f} ?? no clean windows
+--   clean: Δ KLD %      | @clean_kld_change
+--   clean: b wins       | {clean_wins}/{clean_n_windows} ?? —
+--   clean: Δ top-1 pt   | @clean_top1_change
 WITH c AS (
     SELECT * FROM comparisons
     UNION ALL BY NAME
@@ -27,6 +49,7 @@ SELECT
     f.bonus_a AS moce_bonus_a,
     f.b,
     f.moce_bonus,
+    f.a = f.b AS isolated_moce,
     f.kld_a,
     f.kld_b,
     f.delta_pct,

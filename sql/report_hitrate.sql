@@ -7,6 +7,27 @@
 -- One row per (variant, moce_bonus, cache_experts): n_prompts, hit_rate,
 -- misses_per_token, hit_rate_lru, hit_rate_belady (fractions), reps_same,
 -- reps_checked (repeat runs, rep > 0, each compared with its prompt's rep 0).
+-- reads: hitrate
+-- heading: 6. Expert-cache hit rates
+-- intro: Means over prompts and repetitions. LRU and Belady (optimal eviction) replay the plain
+--   (bonus 0) routing of the same model with an ordinary cache, as references. Repeat runs
+--   bit-identical = runs after the first (rep > 0) whose logits and routing equal the first run's
+--   on the same prompt; the first run is what they are compared with and is not counted.
+-- plot: hitrate
+-- alt: hit rates
+-- caption: Bars: mean hit rate per variant and MoCE bonus; markers: LRU (x) and Belady (^) on the
+--   plain routing.
+-- order: moce_bonus, variant, cache_experts
+-- columns:
+--   variant                   | {variant}
+--   MoCE                      | {moce_bonus:g}
+--   cache experts             | {cache_experts}
+--   prompts                   | {n_prompts}
+--   hit rate                  | {hit_rate:.2%}
+--   misses/token              | {misses_per_token:.2f}
+--   LRU                       | {hit_rate_lru:.2%}
+--   Belady                    | {hit_rate_belady:.2%}
+--   repeat runs bit-identical | {reps_same} of {reps_checked}
 SELECT
     variant,
     moce_bonus,

@@ -2,6 +2,7 @@
 -- for the by-layer plot.
 -- From: layer_metrics (variant, layer, split, resid_alpha1, alpha, resid_alpha,
 -- alpha_oracle, resid_oracle, resid_ridge). One row per (variant, split, layer).
+-- reads: layer_metrics
 SELECT
     variant,
     split,

@@ -9,6 +9,26 @@
 -- One row per variant: layer, site, ggml_type, activation, peak, overflow_at,
 -- headroom, n_sites, n_overflow, llama_chunks, llama_ctx, llama_ppl (the running
 -- perplexity after the last chunk), llama_finite.
+-- reads: activation_peaks, llama_check
+-- heading: 7. Does llama.cpp run every file?
+-- intro: llama.cpp's CPU backend converts the activations entering a matrix product to 8 bits with
+--   an fp16 scale per 32 (Q8_0, IQ4_NL weights) or a float32 scale per 256 (k-, i- and TQ quants),
+--   and keeps keys and values in an f16 cache: a value our float32 forward pass keeps finite can be
+--   inf there (docs/llamacpp-numerics.md). Headroom: the smallest overflowing value over the
+--   largest |activation| seen on the evaluation windows, at the closest site; a run fails below 1.
+--   llama-perplexity: its perplexity on the unseen trace's documents (a run fails on a non-finite
+--   one).
+-- table: @llama_skipped
+-- order: variant
+-- columns:
+--   variant           | {variant}
+--   closest site      | {layer:label} {site}
+--   weight type       | {ggml_type}
+--   activations to    | {activation}
+--   max |x|           | {peak:.4g}
+--   headroom          | {headroom:.3g}x
+--   sites overflowing | {n_overflow} of {n_sites}
+--   llama-perplexity  | {llama_ppl:.2f} ({llama_chunks} x {llama_ctx} tokens) ?? skipped
 WITH ranked AS (
     SELECT
         *,

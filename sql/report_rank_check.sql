@@ -10,6 +10,20 @@
 -- moce_bonus, set, kld_mean, n_tokens; pooled as sum(kld_mean * n_tokens) / sum(n_tokens),
 -- summed exactly as DECIMAL).
 -- One row per (split, set, variant): resid_pct, kld, rank_local, rank_kld.
+-- reads: layer_metrics, window_kld
+-- heading: 4b. Does the local metric rank variants as KLD does?
+-- intro: Each window set is checked on its own: a ranking that holds on the eval windows but not on
+--   the canary windows is not one to choose knobs by.
+-- group: {split:label}
+-- after: @set_disagreement
+-- table: @rank_agreement
+-- per: set
+-- columns:
+--   variant                      | {variant}
+--   residual after alpha + ridge | {resid_pct:.2f}%
+--   pooled KLD ({set}, bonus 0)  | {kld:.4f}
+--   rank (local)                 | {rank_local}
+--   rank (KLD)                   | {rank_kld}
 WITH local_metric AS (
     SELECT variant, split, avg(resid_ridge) AS resid
     FROM layer_metrics

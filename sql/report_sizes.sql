@@ -8,7 +8,25 @@
 -- sum(kld_mean * n_tokens) / sum(n_tokens), summed exactly as DECIMAL).
 -- One row per (set, variant): kind, budget_bpw and budget_roles (NULL unless
 -- chosen under a budget; "routed": bits per routed weight, "all": per weight
--- of the file), routed_bpw, total_bpw, file_bytes, kld.
+-- of the file), routed_bpw, total_bpw, file_bytes, file_mib (file_bytes / 2^20), kld.
+-- reads: sizes, window_kld
+-- heading: 4c. Size and budget recipes
+-- intro: Bits per weight as each GGUF stores them: tensor bytes over tensor weights, summed over
+--   the routed-expert tensors and over the whole file. Budget = the `budget_bpw` a recipe was
+--   chosen under, in bits per routed weight, or per weight of the file where marked (file).
+-- group: {set:label}
+-- plot: kld_size
+-- alt: KLD against bits per routed weight
+-- caption: Pooled KLD (bonus 0) against bits per routed-expert weight read from each GGUF; line:
+--   our variants chosen under a budget; points: every other variant.
+-- columns:
+--   variant                     | {variant}
+--   kind                        | {kind}
+--   budget                      | {budget_bpw:.2f}{budget_roles:label}
+--   bits / routed weight        | {routed_bpw:.4f}
+--   bits / weight (file)        | {total_bpw:.4f}
+--   MiB                         | {file_mib:.2f}
+--   pooled KLD ({set}, bonus 0) | {kld:.4f}
 WITH pooled AS (
     SELECT variant, set, sum((kld_mean * n_tokens)::DECIMAL(38, 18))::DOUBLE / sum(n_tokens) AS kld
     FROM window_kld
@@ -24,6 +42,7 @@ SELECT
     s.routed_bpw,
     s.total_bpw,
     s.file_bytes,
+    s.file_bytes / 1048576 AS file_mib,
     p.kld
 FROM sizes AS s
 JOIN pooled AS p USING (variant)

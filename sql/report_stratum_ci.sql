@@ -5,6 +5,7 @@
 -- delta_pct, ci_lo, ci_hi; moce_bonus_a when present) and variants (variant,
 -- kind): the baseline is the variant of kind 'unhealed'.
 -- One row per (set, b, moce_bonus, stratum), stratum 'all' included.
+-- reads: comparisons, variants
 WITH c AS (
     SELECT * FROM comparisons
     UNION ALL BY NAME

@@ -3,6 +3,15 @@
 -- From: windows (window_id, stratum, set, score_start, score_end) and
 -- overlap (window_id, clean). One row per (set, stratum): n_windows,
 -- scored_tokens, n_clean.
+-- reads: windows, overlap
+-- subheading: Evaluation windows
+-- note: Clean = no n-gram of the window (context or scored span) occurs in the calibration trace.
+-- columns:
+--   set           | {set}
+--   stratum       | {stratum}
+--   windows       | {n_windows}
+--   scored tokens | {scored_tokens}
+--   clean windows | {n_clean}
 SELECT
     w.set,
     w.stratum,

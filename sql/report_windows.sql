@@ -8,6 +8,17 @@
 -- One row per (window_id, variant, moce_bonus): kld_mean, top1_pct, n, clean,
 -- shared_context, shared_scored, ngrams_whole, delta_pct
 -- (= 100 * (kld_mean / baseline kld_mean - 1); NULL without a baseline row).
+-- reads: window_kld, overlap, variants
+-- heading: 3. Per window
+-- intro: † = the window shares {n}-grams with the calibration trace (not clean). "shared ctx /
+--   scored" counts shared n-grams wholly in the context / touching the scored span, of all n-grams
+--   of the window. KLD = mean over the window's scored tokens.
+-- group: {set:label}, MoCE {moce_bonus:g}
+-- plot: window_deltas
+-- alt: per-window change vs {baseline}, {set:label}
+-- caption: Per-window KLD change against {baseline} on the same window and MoCE bonus, sorted;
+--   below 0 = better than {baseline}.
+-- columns: @per_window
 WITH baseline AS (
     SELECT w.window_id, w.moce_bonus, w.kld_mean
     FROM window_kld AS w

@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Face's, which transformers imports), so the root is never ahead of site-packages here (DESIGN.md,
 # Imports): pytest imports the tests by file (`--import-mode=importlib`, pyproject.toml), `python -m
 # pytest` without `-P` put the working directory first, which is dropped, and the root comes last, where
-# it provides `bench` (the scripts test_bench_tools checks) and nothing an installed distribution has.
+# it provides `bench` (bench/inputs/: the tiny models and worlds; the scripts test_bench_tools checks) and
+# nothing an installed distribution has.
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO]
 sys.path.append(str(REPO))
 
@@ -34,7 +35,7 @@ os.environ.setdefault("MOEHEAL_PLOTS", "0")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from tests.ggufs import make_tiny_gguf  # noqa: E402
+from bench.inputs.ggufs import make_tiny_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -58,13 +59,13 @@ def tiny_qwen2moe_q8(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def healed_world(tmp_path_factory):
-    """tests/healworld.py's default world, healed once per test process: (heal.toml, its HealRun).
+    """bench/inputs/healworld.py's default world, healed once per test process: (heal.toml, its HealRun).
 
     Tests that only read it, or copy it before changing anything, share it (the end-to-end tests,
     the published lake's trust and safety tests), so the whole suite heals this world once per worker."""
     from moeheal.pipeline.config import load_config
     from moeheal.pipeline.heal import HealRun
-    from tests.healworld import write_world
+    from bench.inputs.healworld import write_world
 
     config = write_world(tmp_path_factory.mktemp("healed_world"))
     run = HealRun(load_config(config), log=lambda message: None)
@@ -74,7 +75,7 @@ def healed_world(tmp_path_factory):
 
 def pytest_addoption(parser) -> None:
     parser.addoption("--optimize-compile-bound", action="store_true",
-                     help="compile the `compile_bound` files with XLA's optimisations too (the A/B in README)")
+                     help="compile the `compile_bound` files with XLA's optimisations too (the A/B in bench/RESULTS.md)")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -18,8 +18,8 @@ from moeheal.pipeline.sources.convert import hf_to_gguf
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.model.runner import Runner
-from tests.ggufs import tiny_hf_model, train_tiny_bpe
-from tests.healworld import write_world
+from bench.inputs.ggufs import tiny_hf_model, train_tiny_bpe
+from bench.inputs.healworld import write_world
 from tests.test_llamacpp import eval_text, llama_perplexity, our_perplexity
 from tests.test_runner import check_against_transformers, tokens_for
 
@@ -95,7 +95,7 @@ def test_olmoe_heals_without_a_ridge_and_the_assembled_gguf_loads(healed_olmoe):
         assert m["resid_ridge"] == m["resid_alpha"]
         if m["split"] == "in_sample":  # alpha is the least-squares scale on these rows: it cannot do worse
             assert m["resid_alpha"] <= m["resid_alpha1"]
-    healed = GGUFModel(run.assemble(run.cfg.variants[0]).path)
+    healed = GGUFModel(run.result(run.assemble(run.cfg.variants[0])).path)
     assert healed.arch is ARCHITECTURES["olmoe"] and healed.metadata("moeheal.variant") == "v1"
     assert healed.raw("blk.0.ffn_down_exps.weight").ggml_type.name == "TQ2_0"
     tokens = tokens_for(healed, batch=1, length=16)
@@ -116,5 +116,5 @@ def test_llama_cpp_quantizes_and_runs_our_olmoe_ggufs(healed_olmoe, tmp_path):
     theirs = llama_perplexity(source, text, chunks=2)
     ours = our_perplexity(GGUFModel(source), text.read_text(encoding="utf-8"), chunks=2)
     assert np.log(ours) == pytest.approx(np.log(theirs), abs=0.05)  # llama.cpp rounds activations to 8 bits
-    healed = run.assemble(run.cfg.variants[0]).path
+    healed = run.result(run.assemble(run.cfg.variants[0])).path
     assert all(np.isfinite(llama_perplexity(gguf, text, chunks=2)) for gguf in (quantized, healed))

@@ -19,8 +19,8 @@ from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.model.runner import Runner
-from tests.ggufs import train_tiny_bpe
-from tests.healworld import write_world
+from bench.inputs.ggufs import train_tiny_bpe
+from bench.inputs.healworld import write_world
 from tests.test_llamacpp import eval_text, llama_perplexity, our_perplexity
 from tests.test_runner import check_against_transformers, tokens_for
 
@@ -200,7 +200,7 @@ def test_healing_skips_the_dense_layer_and_the_assembled_gguf_runs(healed_deepse
     source, run = healed_deepseek2
     src = GGUFModel(source)
     for variant in run.cfg.variants:
-        healed = GGUFModel(run.assemble(variant).path)
+        healed = GGUFModel(run.result(run.assemble(variant)).path)
         assert healed.arch is ARCHITECTURES["deepseek2"] and healed.metadata("moeheal.variant") == variant.name
         if not variant.budgeted:
             assert [healed.raw(f"blk.{i}.ffn_down_exps.weight").ggml_type.name for i in (1, 2)] == ["TQ2_0"] * 2
@@ -223,7 +223,7 @@ def test_the_budget_recipe_and_the_expert_cache_cover_the_moe_layers(healed_deep
     _, run = healed_deepseek2
     budget = next(v for v in run.cfg.variants if v.budgeted)
     assert sorted({int(name.split(".")[1]) for name in run.recipe_formats(budget)}) == [1, 2]
-    rows = _read_parts(run.evaluate_variant(budget), "hitrate").to_pylist()
+    rows = _read_parts(run.result(run.evaluate(budget)), "hitrate").to_pylist()
     assert rows and {r["moce_bonus"] for r in rows} == {0.0}
     assert all(r["hit_rate"] == r["hit_rate_lru"] <= r["hit_rate_belady"] for r in rows)
 
@@ -251,10 +251,10 @@ def test_llama_cpp_runs_our_deepseek2_ggufs(healed_deepseek2, v3, v3_yarn, tmp_p
                                       binary=str(binary))
     out = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-2000:]  # llama-quantize takes our recipe and imatrix
-    theirs, ours = GGUFModel(recipe), GGUFModel(run.assemble(budget).path)
+    theirs, ours = GGUFModel(recipe), GGUFModel(run.result(run.assemble(budget)).path)
     assert {n: t for n, (t, _, _) in theirs.tensor_sizes().items() if "_exps." in n} == \
         {n: t for n, (t, _, _) in ours.tensor_sizes().items() if "_exps." in n}  # the same mix
-    healed = [run.assemble(v).path for v in run.cfg.variants]
+    healed = [run.result(run.assemble(v)).path for v in run.cfg.variants]
     assert all(np.isfinite(llama_perplexity(gguf, text, chunks=2)) for gguf in (quantized, *healed))
 
 

@@ -29,11 +29,11 @@ from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.gguf.writer import copy_gguf, write_gguf
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.model.runner import Runner
-from moeheal.pipeline.stages.dump import open_dump
+from moeheal.pipeline.data.dumps import open_dump
 from moeheal.pipeline.sources.synth import write_synth
 from moeheal.pipeline.gguf.tokenizer import decode, encode
-from tests.ggufs import sample_texts
-from tests.healworld import write_world
+from bench.inputs.ggufs import sample_texts
+from bench.inputs.healworld import write_world
 from tests.test_llamacpp import eval_text, llama_perplexity, our_perplexity
 from tests.test_runner import check_against_transformers, tokens_for
 
@@ -275,7 +275,7 @@ def test_mixtral_heals_by_alpha_and_gptq_without_a_ridge(healed_mixtral):
         assert m["resid_ridge"] == m["resid_alpha"] and m["alpha"] != 1.0
         if m["split"] == "in_sample":  # alpha is the least-squares scale on these rows: it cannot do worse
             assert m["resid_alpha"] <= m["resid_alpha1"]
-    healed = GGUFModel(run.assemble(variant).path)
+    healed = GGUFModel(run.result(run.assemble(variant)).path)
     assert healed.arch is ARCHITECTURES["llama"] and healed.metadata("moeheal.variant") == "v1"
     assert healed.raw("blk.0.ffn_down_exps.weight").ggml_type.name == "TQ2_0"
     np.testing.assert_array_equal(healed.tensor("blk.0.attn_q.weight"), GGUFModel(healed_mixtral[0]).tensor(
@@ -302,7 +302,7 @@ def test_llama_cpp_agrees_on_our_mixtral_and_runs_its_quantized_and_healed_files
     out = subprocess.run([str(binary), "--allow-requantize", str(source), str(quantized), "Q4_K_M"],
                          capture_output=True, text=True, errors="replace", timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-2000:]
-    healed = run.assemble(run.cfg.variants[0]).path
+    healed = run.result(run.assemble(run.cfg.variants[0])).path
     assert all(np.isfinite(llama_perplexity(gguf, text, chunks=2)) for gguf in (quantized, healed))
 
 
@@ -340,7 +340,7 @@ def test_a_budget_over_every_tensor_measures_attention_through_the_familys_rope(
     _, run = healed_mixtral
     b_all = next(v for v in run.cfg.variants if v.name == "b_all")
     hp = run.source.hp
-    cal, unseen = open_dump(run.dump("calibration").path), open_dump(run.dump("unseen").path)
+    cal, unseen = open_dump(run.result(run.dump("calibration")).path), open_dump(run.result(run.dump("unseen")).path)
     params = {k: v for k, v in run.source.layer(1).items() if k.startswith("attn_") and k != "attn_norm.weight"}
     importance = gate_up_importance(np.mean(np.square(cal["1"]["attn_in"][:], dtype=np.float64), axis=0),
                                     b_all.beta_gate_up)
@@ -351,11 +351,11 @@ def test_a_budget_over_every_tensor_measures_attention_through_the_familys_rope(
     change = sum(float(np.sum((numpy_attention({**params, "attn_q.weight": w_q}, x[s:e], hp)
                                - numpy_attention(params, x[s:e], hp)) ** 2)) for s, e in zip(starts, starts[1:]))
     expected = change / float(np.sum(np.square(unseen["1"]["yr"][:], dtype=np.float64)))
-    key = run.sensitivity(b_all).fingerprint[:16]
+    key = run.result(run.sensitivity(b_all)).fingerprint[:16]
     row = next(r for r in run.lake.read_table("sensitivity").to_pylist()
                if r["sensitivity"] == key and (r["layer"], r["role"], r["format"]) == (1, "attn_q", "q2_k"))
     assert row["rel_err"] == pytest.approx(expected, rel=1e-5)  # NEOX RoPE here would be 3e-3 off
-    healed = GGUFModel(run.assemble(b_all).path)
+    healed = GGUFModel(run.result(run.assemble(b_all)).path)
     chosen = {r["role"]: r["format"] for r in tables.recipe_table(run).to_pylist()
               if r["variant"] == "b_all" and r["layer"] == 1 and r["chosen_by"] == "allocation"}
     assert {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_down_exps"} <= set(chosen)

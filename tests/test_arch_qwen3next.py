@@ -26,8 +26,8 @@ from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.gguf.writer import write_gguf
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.model.runner import LayerCapture, Runner
-from tests.ggufs import train_tiny_bpe
-from tests.healworld import write_world
+from bench.inputs.ggufs import train_tiny_bpe
+from bench.inputs.healworld import write_world
 from tests.test_llamacpp import eval_text, llama_perplexity, our_perplexity
 from tests.test_runner import numpy_moe, rel_err, tokens_for, transformers_run
 
@@ -194,7 +194,7 @@ def healed_qwen3next(tmp_path_factory) -> tuple[Path, HealRun]:
 
 def test_qwen3next_heals_with_the_ridge_and_the_assembled_gguf_loads(healed_qwen3next):
     source, run = healed_qwen3next
-    healed = GGUFModel(run.assemble(run.cfg.variants[0]).path)
+    healed = GGUFModel(run.result(run.assemble(run.cfg.variants[0])).path)
     assert healed.arch is ARCHITECTURES["qwen3next"] and healed.metadata("moeheal.variant") == "v1"
     assert healed.raw("blk.0.ffn_down_exps.weight").ggml_type.name == "TQ2_0"
     cv = [r for r in run.lake.read_table("ridge_cv").to_pylist() if r["variant"] == "v1"]
@@ -235,7 +235,7 @@ def test_llama_cpp_quantizes_and_runs_our_qwen3next_ggufs(qwen3next, healed_qwen
         theirs = llama_perplexity(gguf, text, chunks=2)
         ours = our_perplexity(GGUFModel(gguf), text.read_text(encoding="utf-8"), chunks=2)
         assert np.log(ours) == pytest.approx(np.log(theirs), abs=tol), gguf.name
-    healed = run.assemble(run.cfg.variants[0]).path
+    healed = run.result(run.assemble(run.cfg.variants[0])).path
     assert all(np.isfinite(llama_perplexity(gguf, text, chunks=2)) for gguf in (quantized, healed))
 
 

@@ -1,5 +1,6 @@
-"""The scripts that turn runs into RESULTS figures: bench/compare_runs.py, bench/stage_times.py, the
-rotation of bench/hadamard_rotation.py and the error of bench/format_floor.py.
+"""The scripts that turn runs into RESULTS figures: bench/tools/compare_runs.py,
+bench/tools/stage_times.py, the rotation of bench/experiments/hadamard_rotation.py and the error
+of bench/experiments/format_floor.py.
 
 What is checked is what the scripts compute: every figure they print parses and equals a
 recomputation from the committed snapshots' CSVs, the per-stage table in bench/RESULTS.md is
@@ -19,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import compare_runs, format_floor, hadamard_rotation, stage_times
+from bench.experiments import format_floor, hadamard_rotation
+from bench.tools import compare_runs, stage_times
 from tests.reference_quants import routed_output
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,8 +20,8 @@ from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.stages.quantize import EXPERT_TENSORS
-from tests.healworld import write_world
+from moeheal.pipeline.data.units import EXPERT_TENSORS
+from bench.inputs.healworld import write_world
 
 FORMATS = ["tq2_0", "q2_k", "q3_k"]
 VARIANTS = f"""
@@ -61,7 +61,7 @@ def variant(run: HealRun, name: str):
 
 def measured(run: HealRun, name: str) -> list[dict]:
     """The sensitivity rows of budget variant `name`'s measurement."""
-    key = run.sensitivity(variant(run, name)).fingerprint[:16]
+    key = run.result(run.sensitivity(variant(run, name))).fingerprint[:16]
     return [r for r in run.lake.read_table("sensitivity").to_pylist() if r["sensitivity"] == key]
 
 
@@ -123,14 +123,14 @@ def test_budget_variant_knobs_and_fingerprints(budget_world):
     planner = HealRun(load_config(config), plan=True)
 
     def stage_of(s: str, v):  # quantize: its layer-0 unit
-        return planner.quantize(v, 0) if s == "quantize" else getattr(planner, s)(v)
+        return planner.result(planner.quantize(v, 0) if s == "quantize" else getattr(planner, s)(v))
 
-    fp = {v.name: {s: stage_of(s, v).fingerprint for s in ("sensitivity", "allocation", "quantize")}
+    fp = {v.name: {s: stage_of(s, v).fingerprint for s in ("sensitivity", "allocate", "quantize")}
           for v in (lo, hi, dataclasses.replace(lo, name="b_lo2", candidates=("tq2_0", "q2_k")))}
     assert fp["b_lo"]["sensitivity"] == fp["b_hi"]["sensitivity"]  # same knobs: one measurement
-    assert fp["b_lo"]["allocation"] != fp["b_hi"]["allocation"]  # the budget changes the recipe
+    assert fp["b_lo"]["allocate"] != fp["b_hi"]["allocate"]  # the budget changes the recipe
     assert fp["b_lo"]["quantize"] != fp["b_hi"]["quantize"]
-    assert all(fp["b_lo2"][s] != fp["b_lo"][s] for s in ("sensitivity", "allocation", "quantize"))  # formats
+    assert all(fp["b_lo2"][s] != fp["b_lo"][s] for s in ("sensitivity", "allocate", "quantize"))  # formats
     gptq = dataclasses.replace(lo, name="b_gptq", round="gptq")
     cheap = dataclasses.replace(gptq, name="b_cheap", sensitivity_round="ls")
     fp_gptq, fp_cheap = ({s: stage_of(s, v).fingerprint for s in ("sensitivity", "quantize")}
@@ -191,11 +191,11 @@ def test_attention_sensitivity_is_the_attention_output_change(budget_world):
     output over the unseen dump's sequences, over the layer's ||yr||^2."""
     from moeheal.kernels.importance import gate_up_importance
     from moeheal.pipeline.model.layers import rope_tables
-    from moeheal.pipeline.stages.dump import open_dump
+    from moeheal.pipeline.data.dumps import open_dump
 
     _, run = budget_world
     hp = run.source.hp
-    cal, unseen = open_dump(run.dump("calibration").path), open_dump(run.dump("unseen").path)
+    cal, unseen = open_dump(run.result(run.dump("calibration")).path), open_dump(run.result(run.dump("unseen")).path)
     params = {k: v for k, v in run.source.layer(1).items() if k.startswith("attn_") and k != "attn_norm.weight"}
     x_cal = cal["1"]["attn_in"][:]  # (N, d)
     importance = gate_up_importance(np.mean(np.square(x_cal, dtype=np.float64), axis=0), 0.5)
@@ -219,12 +219,12 @@ def test_sensitivity_is_the_layer_output_error_with_one_tensor_quantized(budget_
     run the routed block on the unseen dump, alpha from the calibration dump."""
     from moeheal.kernels.alpha import fit_alpha, relative_residual
     from moeheal.pipeline.model.layers import moe_forward
-    from moeheal.pipeline.stages.dump import open_dump
+    from moeheal.pipeline.data.dumps import open_dump
     from moeheal.pipeline.stages.quantize import QuantizeParams, expert_weights, importance_plan
 
     _, run = budget_world
     lo = variant(run, "b_lo")
-    cal, unseen = open_dump(run.dump("calibration").path), open_dump(run.dump("unseen").path)
+    cal, unseen = open_dump(run.result(run.dump("calibration")).path), open_dump(run.result(run.dump("unseen")).path)
     weights = expert_weights(run.source, 1)
     importance, _ = importance_plan(weights, cal, 1, QuantizeParams.knobs_of(lo, None))["ffn_up_exps"]
     w = weights["ffn_up_exps"]
@@ -254,7 +254,7 @@ def test_recipe_is_optimal_and_written_into_the_gguf(budget_world):
         assert {(r["layer"], r["role"]) for r in mine} == set(items)
         assert all(r["chosen_by"] == "allocation" and r["pred_err"] == cell[(r["layer"], r["role"], r["format"])]
                    ["rel_err"] for r in mine)
-        model = GGUFModel(run.assemble(variant(run, name)).path)
+        model = GGUFModel(run.result(run.assemble(variant(run, name))).path)
         for r in mine:  # the GGUF holds the recipe's types
             assert model.raw(r["tensor"]).ggml_type == decode.format_of(r["format"]).ggml_type
         # achieved size, from the GGUF's tensor table, within the budget
@@ -273,7 +273,7 @@ def test_recipe_is_optimal_and_written_into_the_gguf(budget_world):
     cells = measured(run, "b_all")
     items = sorted({(r["layer"], r["role"]) for r in cells})
     assert {(r["layer"], r["role"]) for r in mine} == set(items)
-    model = GGUFModel(run.assemble(variant(run, "b_all")).path)
+    model = GGUFModel(run.result(run.assemble(variant(run, "b_all"))).path)
     assert all(model.raw(r["tensor"]).ggml_type.name.lower() == r["format"] for r in mine)
     fixed_bytes = sizes["b_all"]["total_bytes"] - sum(r["bytes"] for r in mine)
     assert sizes["b_all"]["budget_roles"] == "all" and sizes["b_all"]["total_bpw"] <= 3.8
@@ -328,7 +328,7 @@ def test_rank_check_and_report(budget_world):
 
 
 def test_a_budget_at_the_cheapest_format_takes_it_everywhere(budget_world):
-    from moeheal.pipeline.stages.sensitivity import AllocateParams, choose_recipe
+    from moeheal.pipeline.stages.allocate import AllocateParams, choose_recipe
 
     _, run = budget_world
     table = run.lake.read_table("sensitivity").drop_columns(["sensitivity"])
@@ -385,7 +385,7 @@ def test_llama_quantize_makes_the_same_mix(budget_world, capsys, tmp_path):
                        "--llama-quantize", binary)
     done = subprocess.run([*argv, "2"], capture_output=True, text=True, errors="replace", timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
-    theirs, ours = GGUFModel(out), GGUFModel(run.assemble(variant(run, "b_lo")).path)
+    theirs, ours = GGUFModel(out), GGUFModel(run.result(run.assemble(variant(run, "b_lo"))).path)
     source = run.source.tensor_sizes()
     for name, (ggml_type, n_weights, _) in theirs.tensor_sizes().items():
         if "_exps.weight" in name or "ffn_down_shexp" in name:

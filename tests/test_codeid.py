@@ -13,7 +13,7 @@ import pytest
 from moeheal import kernels
 from moeheal.pipeline.lake import codeid
 from moeheal.pipeline.heal import STAGES
-from tests.healworld import write_world
+from bench.inputs.healworld import write_world
 from tests.test_trust import REPO, SOURCE_FOLDERS, plan_fingerprints, source_copy
 
 PROBE = b"\nMUTATION_PROBE = 1  # a module-level constant nothing reads\n"
@@ -22,8 +22,9 @@ CORPUS_STAGES = ("corpus", "traces", "windows", "audit")
 # of the model, the kernels that quantize or the routing.
 CORPUS_CLOSURE = {
     "moeheal", "moeheal.pipeline", "moeheal.pipeline.stages", "moeheal.pipeline.stages.corpus",
-    "moeheal.pipeline.errors", "moeheal.pipeline.lake.files", "moeheal.pipeline.lake.frames", "moeheal.pipeline.gguf.reader",
-    "moeheal.pipeline.gguf.tokenizer", "moeheal.kernels", "moeheal.kernels.ngram",
+    "moeheal.pipeline.data", "moeheal.pipeline.data.documents", "moeheal.pipeline.errors",
+    "moeheal.pipeline.gguf", "moeheal.pipeline.gguf.tokenizer", "moeheal.pipeline.lake", "moeheal.pipeline.lake.codeid",
+    "moeheal.pipeline.lake.files", "moeheal.pipeline.lake.frames", "moeheal.pipeline.lake.stage",
 }
 DECODERS = {"moeheal.kernels.decode", "moeheal.kernels.formats", "moeheal.kernels.kquants", "moeheal.kernels.iquants"}
 ENCODERS = {"moeheal.kernels.encode", "moeheal.kernels.formats_encode", "moeheal.kernels.kquants_encode",
@@ -94,10 +95,11 @@ def test_the_corpus_stage_runs_only_what_it_reads():
     assert not any(m.startswith("moeheal.pipeline.model.arch") or m == "moeheal.pipeline.gguf.model" for m in closure)
 
 
-@pytest.mark.parametrize("module", ["moeheal.pipeline.stages.dump", "moeheal.pipeline.stages.evaluate"])
+@pytest.mark.parametrize("module", ["moeheal.pipeline.stages.dump", "moeheal.pipeline.stages.reference_logits",
+                                    "moeheal.pipeline.stages.evaluate"])
 def test_what_reads_the_source_depends_on_decoders_only(module):
-    """The dumps and the reference logits (the evaluate module) dequantize any format the source
-    holds, and write none."""
+    """The dumps, the reference logits and the evaluation dequantize any format a model holds, and
+    write none."""
     closure = set(codeid.closure(module))
     assert DECODERS <= closure
     assert not closure & ENCODERS, sorted(closure & ENCODERS)
@@ -106,7 +108,7 @@ def test_what_reads_the_source_depends_on_decoders_only(module):
 def test_the_sensitivity_measure_does_not_run_calibrate():
     """Budgets' sensitivity (the costliest stage of a budget variant) and calibrate share the routed
     forward over dump rows, from a module of its own: an edit to healing re-measures no budget."""
-    assert "moeheal.pipeline.stages.routed" in codeid.closure("moeheal.pipeline.stages.sensitivity")
+    assert "moeheal.pipeline.model.routed" in codeid.closure("moeheal.pipeline.stages.sensitivity")
     assert "moeheal.pipeline.stages.calibrate" not in codeid.closure("moeheal.pipeline.stages.sensitivity")
 
 
@@ -156,3 +158,52 @@ def test_no_module_imports_another_modules_private_names():
                     found += [f"{path.relative_to(REPO)}: {node.module}.{a.name}" for a in node.names
                               if a.name.startswith("_") and not a.name.startswith("__")]
     assert not found
+
+
+def rekeyed(rel: str, sources: Path) -> set[str]:
+    """The stages whose code identity an edit to `rel` moves: those whose import closure holds it."""
+    return {stage.name for stage in STAGES if (sources / rel).resolve() in
+            {path.resolve() for path in codeid.closure(stage.module, sources).values()}}
+
+
+@pytest.mark.parametrize(("rel", "exactly", "within", "never"), [
+    ("kernels/moce.py", {"evaluate"}, set(), {"reference-logits"}),
+    ("kernels/allocate.py", {"allocate"}, set(), {"sensitivity"}),
+    ("pipeline/gguf/writer.py", {"assemble"}, {"e2e"}, {"calibrate", "quantize"}),
+    ("kernels/gptq.py", {"quantize"}, {"sensitivity", "calibrate"}, {"dump", "import-dump", "reference-logits"}),
+])
+def test_an_edit_re_keys_the_stages_that_run_it_and_no_other(rel, exactly, within, never, sources):
+    """One stage per module: a constant added to a kernel or a writer moves the code identity of the
+    stages that run it (`exactly`, plus those that also run it: `within`) and of no other."""
+    stages = rekeyed(rel, sources)
+    assert exactly <= stages <= exactly | within, sorted(stages)
+    assert not stages & never
+
+
+def test_moce_re_keys_evaluate_in_the_plan(world, sources, base, monkeypatch):
+    """The same through `moeheal plan`: an edit to cache-aware routing moves evaluate's fingerprints
+    and, of everything else, only what reads an evaluation."""
+    changed = changed_by("kernels/moce.py", PROBE, world, sources, base, monkeypatch)
+    assert labels(base, "evaluate") <= changed
+    for label in changed - labels(base, "evaluate"):
+        assert set(base[label][1]) & changed, label  # it reads a moved stage; its own code is the same
+
+
+def test_the_closure_follows_a_lazy_api_name_and_skips_type_checking_imports(tmp_path):
+    """`from moeheal.kernels import quantize` runs the module `kernels.API` names; an import under
+    `if TYPE_CHECKING:` runs nothing."""
+    files = {
+        "moeheal/__init__.py": "",
+        "kernels/__init__.py": 'API = {"quantize": "encode"}\n',
+        "kernels/encode.py": "def quantize(): ...\n",
+        "pipeline/__init__.py": "",
+        "pipeline/heavy.py": "",
+        "pipeline/user.py": ("from typing import TYPE_CHECKING\nfrom moeheal.kernels import quantize\n"
+                             "if TYPE_CHECKING:\n    from moeheal.pipeline import heavy\n"),
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    closure = set(codeid.closure("moeheal.pipeline.user", tmp_path))
+    assert "moeheal.kernels.encode" in closure
+    assert "moeheal.pipeline.heavy" not in closure

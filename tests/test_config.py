@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from moeheal.pipeline.commands.cli import main
-from moeheal.pipeline.config import load_config
+from moeheal.pipeline.config import load_config, without_unmade_peers
 from moeheal.pipeline.errors import InputError
 
 BASE = """
@@ -77,6 +77,22 @@ def test_missing_file_names_key(tmp_path):
     (tmp_path / "split.csv").unlink()
     with pytest.raises(InputError, match=r"\[corpus\] split: file not found"):
         load_config(path)
+
+
+def test_a_peer_not_made_yet_is_left_out_only_where_allowed(tmp_path):
+    """Loaded whole, a missing peer is one error naming its key and file; loaded for a command that
+    reads no peer, it is left out, with the comparisons that name it."""
+    text = BASE.format(extra='[[variant]]\nname = "later"\ngguf = "peers/later.gguf"\n').replace(
+        'windows = "windows.csv"', 'windows = "windows.csv"\ncompare = [["v1", "later"], ["v1", "peer"]]')
+    path = write_config(tmp_path, text=text)
+    with pytest.raises(InputError, match=r"\[variant\[2\]\] gguf: file not found: .*peers/later\.gguf$"):
+        load_config(path)
+    cfg = without_unmade_peers(load_config(path, peers_may_be_missing=True))
+    assert [v.name for v in cfg.variants] == ["v1", "peer"] and cfg.compare == (("v1", "peer"),)
+    (tmp_path / "peers").mkdir()
+    (tmp_path / "peers" / "later.gguf").write_text("x")
+    made = load_config(path)
+    assert without_unmade_peers(made) == made and [v.name for v in made.variants] == ["v1", "peer", "later"]
 
 
 def test_wrong_type_and_bad_mix(tmp_path):

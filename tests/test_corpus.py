@@ -11,8 +11,9 @@ import pytest
 
 from moeheal.pipeline.errors import InputError
 from moeheal.kernels.ngram import ngram_hashes
-from moeheal.pipeline.stages.corpus import (build_docs, clean_score_starts, draw_trace, generate_windows, read_documents,
-                                    read_split, read_windows)
+from moeheal.pipeline.data.documents import build_docs, read_documents, read_split
+from moeheal.pipeline.data.windows import clean_score_starts, generate_windows, read_windows
+from moeheal.pipeline.stages.traces import draw_trace
 
 
 def write_jsonl(path: Path, docs: list[dict]) -> Path:

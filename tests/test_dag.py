@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from moeheal.pipeline.lake.dag import Stage, run_stage
+from moeheal.pipeline.lake.files import write_parquet
 from moeheal.pipeline.lake.store import Lake
 
 
@@ -21,7 +22,7 @@ def concat_inputs(out: Path, files: dict[str, Path], gain: float) -> None:
     (out / "result.json").write_text(json.dumps(result))
 
 
-STAGE = Stage("concat", "parts", "", "moeheal.pipeline.lake.files")
+STAGE = Stage("concat", "parts", write_parquet)  # keyed on lake/files.py's code; built by the lambdas below
 
 
 def run(lake: Lake, files: dict[str, Path], gain: float, upstream=None, log=None):
@@ -132,10 +133,11 @@ import sys, time, os
 sys.path.append({str(Path(__file__).resolve().parents[1])!r})
 from pathlib import Path
 from moeheal.pipeline.lake.dag import Stage, run_stage
+from moeheal.pipeline.lake.files import write_parquet
 from moeheal.pipeline.lake.store import Lake
 def slow(out):
     out.mkdir(parents=True); (out / "result.json").write_text("{{half"); print("started", flush=True); time.sleep(60)
-run_stage(Lake({str(lake_root)!r}), Stage("concat", "parts", "", "moeheal.pipeline.lake.files"), {{}}, {{}}, {{}}, slow,
+run_stage(Lake({str(lake_root)!r}), Stage("concat", "parts", write_parquet), {{}}, {{}}, {{}}, slow,
           lambda m: None)
 """
     script_file = tmp_path / "slow_stage.py"

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
+import pkgutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -23,12 +26,15 @@ import pytest
 import zarr
 
 from moeheal.pipeline.config import load_config
-from moeheal.pipeline.lake.dag import Executor, Node, Stage, hashed_fields, stage_fingerprint
+import moeheal.pipeline.stages as stages_package
+from moeheal.pipeline.lake.dag import Executor, Node, Stage, Use, flat, hashed_fields, stage_fingerprint
+from moeheal.pipeline.lake.stage import Log
+from moeheal.pipeline.stages.audit import check_audit
 from moeheal.pipeline.lake.dagdraw import to_dot, to_mermaid
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.heal import STAGES, HealRun
 from moeheal.pipeline.lake.store import Lake
-from tests.healworld import write_world
+from bench.inputs.healworld import write_world
 
 # Every kind of variant a config can hold: least squares, GPTQ, learned rounding, a budget over every
 # role, end-to-end tuning; windows generated, the unseen dump imported from another engine.
@@ -111,16 +117,20 @@ def changed(value: Any) -> Any:
 
 
 def fingerprint_of(run: HealRun, node: Node, params: Any) -> str:
-    upstream = {key: run.executor.result(use.node) for key, use in node.upstream.items()}
-    return stage_fingerprint(node.stage, params, node.inputs, upstream)[0]
+    upstream = {key: run.executor.result(use.node) for key, use in flat(node.upstream).items()}
+    return stage_fingerprint(node.stage, params, flat(node.inputs), upstream)[0]
 
 
 def test_every_stage_is_declared_with_one_parameters_object(planned):
-    """Each stage's build is a function of its own module taking (out, params, inputs, log), and the
-    config above reaches every stage."""
+    """Each stage is one module of pipeline/stages/ whose build takes (out, params, *, <inputs>, log),
+    and the config above reaches every stage."""
+    modules = {m.name for m in pkgutil.iter_modules(stages_package.__path__)}
+    assert {stage.module.rpartition(".")[2] for stage in STAGES} == modules
+    assert len({stage.module for stage in STAGES}) == len(STAGES)  # one stage per module
     for stage in STAGES:
         signature = inspect.signature(stage.build)
-        assert list(signature.parameters) == ["out", "params", "inputs", "log"], stage.name
+        assert list(signature.parameters)[:2] == ["out", "params"] and "log" in signature.parameters, stage.name
+        assert all(p.kind is p.KEYWORD_ONLY for p in list(signature.parameters.values())[2:]), stage.name
         assert get_type_hints(stage.build)["params"] is stage.params, stage.name
         assert stage.build.__module__ == stage.module and dataclasses.is_dataclass(stage.params), stage.name
         assert stage.params.__dataclass_params__.frozen, stage.name
@@ -160,14 +170,19 @@ class GainParams:
     offset: float | None = None  # None: not in the fingerprint, and not read
 
 
-def build_scaled(out: Path, params: GainParams, inputs: dict[str, Path], log) -> None:
+def build_scaled(out: Path, params: GainParams, *, data: Path, extra: Path | None = None, log: Log) -> None:
     out.mkdir(parents=True)
-    (out / "sum.txt").write_text(str(sum(inputs["data"].read_bytes()) * params.gain))
+    (out / "sum.txt").write_text(str(sum(data.read_bytes()) * params.gain))
 
 
-def build_ignoring_gain(out: Path, params: GainParams, inputs: dict[str, Path], log) -> None:
+def build_ignoring_gain(out: Path, params: GainParams, *, data: Path, log: Log) -> None:
     out.mkdir(parents=True)
-    (out / "sum.txt").write_text(str(sum(inputs["data"].read_bytes())))
+    (out / "sum.txt").write_text(str(sum(data.read_bytes())))
+
+
+def build_summing(out: Path, params: GainParams, *, parts: Mapping[int, Path], log: Log) -> None:
+    out.mkdir(parents=True)
+    (out / "sum.txt").write_text(str(sum(sum(parts[k].read_bytes()) for k in sorted(parts)) * params.gain))
 
 
 def test_a_build_must_read_every_hashed_knob(tmp_path):
@@ -176,22 +191,46 @@ def test_a_build_must_read_every_hashed_knob(tmp_path):
     data = tmp_path / "data.bin"
     data.write_bytes(b"\x01\x02" * 10)
     executor = Executor(Lake(tmp_path / "lake"), log=lambda m: None)
-    module = build_scaled.__module__
-    good = Stage("scaled", "parts", "", module, build=build_scaled, params=GainParams, outputs=("sum.txt",))
-    result = executor.result(Node("scaled", good, GainParams(2.0), inputs={"data": data}))
+    good = Stage("scaled", "parts", build_scaled, outputs=("sum.txt",))
+    assert good.params is GainParams and good.module == build_scaled.__module__
+    result = executor.result(Node(good, GainParams(2.0), inputs={"data": data}))
     assert (result.path / "sum.txt").read_text() == "60.0"
-    bad = Stage("ignoring", "parts", "", module, build=build_ignoring_gain, params=GainParams)
+    bad = Stage("ignoring", "parts", build_ignoring_gain)
     with pytest.raises(RuntimeError, match="never read gain"):
-        executor.result(Node("ignoring", bad, GainParams(2.0), inputs={"data": data}))
+        executor.result(Node(bad, GainParams(2.0), inputs={"data": data}))
     assert not list((tmp_path / "lake" / "parts").glob(f"{stage_fingerprint(bad, GainParams(2.0), {'data': data}, {})[0]}*"))
     with pytest.raises(TypeError, match="declared GainParams"):
-        Node("wrong", good, {"gain": 2.0})
+        Node(good, {"gain": 2.0})
     with pytest.raises(ValueError, match="not in"):
-        Stage("elsewhere", "parts", "", "moeheal.pipeline.lake.files", build=build_scaled)
+        Stage("elsewhere", "parts", build_scaled, check=check_audit)
 
 
-def build_refusing(out: Path, params: GainParams, inputs: dict[str, Path], log) -> None:
-    raise InputError(f"{inputs['data']}: gain {params.gain} refused")
+def test_a_node_is_checked_against_its_builds_signature_when_declared(tmp_path):
+    """A misspelt input, a missing required one, or one given where the build takes one per key (or
+    the reverse) is refused when the node is declared, naming the build and the input; an optional
+    input may be left out; a per-key input reaches the build as a mapping and keys the fingerprint."""
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"\x01\x02" * 10)
+    scaled, summing = Stage("scaled", "parts", build_scaled), Stage("summing", "parts", build_summing)
+    with pytest.raises(TypeError, match="build_scaled takes no input dat$"):
+        Node(scaled, GainParams(1.0), inputs={"dat": data, "data": data})
+    with pytest.raises(TypeError, match="build_scaled needs data"):
+        Node(scaled, GainParams(1.0), inputs={"extra": data})
+    with pytest.raises(TypeError, match="one per key or one of parts"):
+        Node(summing, GainParams(1.0), inputs={"parts": data})
+    with pytest.raises(TypeError, match="one per key or one of data"):
+        Node(scaled, GainParams(1.0), inputs={"data": {0: data}})
+    executor = Executor(Lake(tmp_path / "lake"), log=lambda m: None)
+    one = Node(scaled, GainParams(1.0), key=("a",), inputs={"data": data})
+    node = Node(summing, GainParams(1.0), key=("v",), upstream={"parts": {0: Use(one, "sum.txt"), 1: Use(one, "sum.txt")}})
+    assert node.label == "summing:v" and [n.label for n in node.upstream_nodes()] == ["scaled:a", "scaled:a"]
+    assert (executor.result(node).path / "sum.txt").read_text() == str(2.0 * sum(b"30.0"))
+    assert set(json.loads(executor.lake.provenance_path(executor.result(node).fingerprint).read_text())["upstream"]) == \
+        {"parts.0", "parts.1"}
+
+
+def build_refusing(out: Path, params: GainParams, *, data: Path, log: Log) -> None:
+    raise InputError(f"{data}: gain {params.gain} refused")
 
 
 def test_a_builds_input_error_names_the_invocation(tmp_path):
@@ -201,9 +240,9 @@ def test_a_builds_input_error_names_the_invocation(tmp_path):
     data = tmp_path / "data.bin"
     data.write_bytes(b"\x01")
     executor = Executor(Lake(tmp_path / "lake"), log=lambda m: None)
-    stage = Stage("refusing", "parts", "", build_refusing.__module__, build=build_refusing, params=GainParams)
+    stage = Stage("refusing", "parts", build_refusing)
     with pytest.raises(InputError) as err:
-        executor.result(Node("refusing:v1:0", stage, GainParams(2.0), inputs={"data": data}))
+        executor.result(Node(stage, GainParams(2.0), key=("v1", 0), inputs={"data": data}))
     assert str(err.value) == f"refusing:v1:0: {data}: gain 2.0 refused"
     assert err.value.exit_code == 2
     assert not list((tmp_path / "lake" / "parts").glob("*"))
@@ -214,13 +253,13 @@ def test_unhashed_chunk_size_does_not_change_the_dump(tmp_path):
     holds: the unseen trace (two sequences) dumped one at a time holds the same arrays."""
     config = write_world(tmp_path / "w", variants="", moce_bonus=(0.0,))
     run = HealRun(load_config(config), log=lambda m: None)
-    node = run.dump.node("unseen")
+    node = run.dump("unseen")
     assert node.params.chunk_tokens >= 2 * node.params.seq_tokens
-    paths = {**node.inputs, **{k: use.path(run.executor.result(use.node)) for k, use in node.upstream.items()}}
-    built = run.dump("unseen").path
+    paths = {**node.inputs, **{k: use.path(run.result(use.node)) for k, use in node.upstream.items()}}
+    built = run.result(node).path
     one_by_one = tmp_path / "one_by_one.zarr"
-    node.stage.build(one_by_one, dataclasses.replace(node.params, chunk_tokens=node.params.seq_tokens), paths,
-                     lambda m: None)
+    node.stage.build(one_by_one, dataclasses.replace(node.params, chunk_tokens=node.params.seq_tokens), **paths,
+                     log=lambda m: None)
     ours, theirs = zarr.open_group(str(built), mode="r"), zarr.open_group(str(one_by_one), mode="r")
     for layer in ("0", "1"):
         for name in ("mixed", "yr", "hh", "experts", "weights"):

@@ -15,7 +15,7 @@ import zarr
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.model.runner import Runner
-from moeheal.pipeline.stages.dump import ARRAYS, dump_trace, import_raw_dump, open_dump, read_routing
+from moeheal.pipeline.data.dumps import ARRAYS, dump_trace, import_raw_dump, open_dump, read_routing
 
 SEQ = 64
 REPO = Path(__file__).resolve().parents[1]

@@ -24,9 +24,9 @@ from moeheal.pipeline.gguf.writer import copy_gguf
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.stages import e2e
 from moeheal.pipeline.model.runner import Runner
-from moeheal.pipeline.stages.corpus import trace_tokens
+from moeheal.pipeline.data.documents import trace_tokens
 from moeheal.pipeline.stages.reference_topk import padded_sequences, read_topk
-from tests.healworld import write_world
+from bench.inputs.healworld import write_world
 
 E2E_VARIANT = """
 [[variant]]
@@ -56,13 +56,13 @@ def tuned(tmp_path_factory) -> tuple[Path, HealRun]:
 def _trace(run: HealRun, name: str) -> e2e.Trace:
     """A trace of the run with the reference's top-k distribution its e2e variant tuned against."""
     variant = run.cfg.variants[0]
-    topk = run.reference_topk(min(variant.e2e_topk, run.reference.hp.vocab_size)).path
-    return e2e.Trace(*trace_tokens(run.traces().path, name), run.cfg.seq_tokens, topk, name)
+    topk = run.result(run.reference_topk(min(variant.e2e_topk, run.reference.hp.vocab_size))).path
+    return e2e.Trace(*trace_tokens(run.result(run.traces()).path, name), run.cfg.seq_tokens, topk, name)
 
 
 def _models(run: HealRun) -> tuple[GGUFModel, GGUFModel]:
     variant = run.cfg.variants[0]
-    return GGUFModel(run.assemble(variant).path), GGUFModel(run.final_model(variant)[1])
+    return GGUFModel(run.result(run.assemble(variant)).path), GGUFModel(run.final_model(variant)[1])
 
 
 def _changed_bytes(assembled: Path, written: Path, quantized: list[str], floats: list[str]) -> tuple[int, int]:
@@ -308,8 +308,8 @@ def test_the_reference_topk_stage_keeps_the_references_top_tokens(tuned):
     k tokens, their log-probabilities, and the bucket's log-mass; the e2e stage read exactly this file."""
     _, run = tuned
     k = run.cfg.variants[0].e2e_topk
-    folder = run.reference_topk(k).path
-    tokens, mask = padded_sequences(*trace_tokens(run.traces().path, "unseen"), run.cfg.seq_tokens)
+    folder = run.result(run.reference_topk(k)).path
+    tokens, mask = padded_sequences(*trace_tokens(run.result(run.traces()).path, "unseen"), run.cfg.seq_tokens)
     ids, logp, log_rest = read_topk(folder, "unseen", tokens.shape)
     logits = Runner(GGUFModel(run.cfg.reference)).forward(tokens[:2]).astype(np.float64)  # (2, T, V)
     ref = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
@@ -341,7 +341,7 @@ def test_a_steps_device_memory_does_not_grow_with_depth(tmp_path):
     layer's own inputs included), beyond those alive before it: the same for a model of 2 layers and
     of 6, with no layer kept between passes (`cache_bytes=0`). Each layer's program's temporaries are
     one layer's by construction; this checks that nothing the sweep keeps grows with the depth."""
-    from tests.ggufs import make_tiny_gguf
+    from bench.inputs.ggufs import make_tiny_gguf
 
     def peak_extra_bytes(n_layer: int) -> int:
         source = make_tiny_gguf(tmp_path / f"src{n_layer}.gguf", arch="qwen3moe", seed=5, n_layer=n_layer)

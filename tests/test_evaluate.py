@@ -7,7 +7,8 @@ import pyarrow as pa
 
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.model.runner import Runner
-from moeheal.pipeline.stages.evaluate import _batches, _scored, _scored_union, _within, reference_logits
+from moeheal.pipeline.data.window_batches import window_batches, scored_positions, scored_union, within_union
+from moeheal.pipeline.stages.reference_logits import reference_logits
 
 
 def windows_of_mixed_layouts(vocab: int) -> tuple[pa.Table, dict[str, np.ndarray]]:
@@ -23,21 +24,21 @@ def windows_of_mixed_layouts(vocab: int) -> tuple[pa.Table, dict[str, np.ndarray
 
 def test_the_union_of_scored_spans_selects_each_windows_span() -> None:
     windows, tokens = windows_of_mixed_layouts(50)
-    (chunk, batch), = _batches(windows.to_pylist(), tokens)  # one bucket: all three in one batch
-    union = _scored_union(chunk)
+    (chunk, batch), = window_batches(windows.to_pylist(), tokens)  # one bucket: all three in one batch
+    union = scored_union(chunk)
     assert (union.start, union.stop) == (3, 39)  # the short context's first scored logit, the longest window's last
     full = np.arange(batch.shape[1])[None, :].repeat(len(chunk), 0)  # (B, T) each position's own index
     for row, w in enumerate(chunk):
-        np.testing.assert_array_equal(full[row, union][_within(_scored(w), union)], full[row, _scored(w)])
+        np.testing.assert_array_equal(full[row, union][within_union(scored_positions(w), union)], full[row, scored_positions(w)])
 
 
 def test_reference_logits_are_the_full_pass_at_the_scored_positions(tiny_qwen3moe, tmp_path) -> None:
     model = GGUFModel(tiny_qwen3moe)
     windows, tokens = windows_of_mixed_layouts(model.hp.vocab_size)
     reference_logits(tmp_path, model, windows, tokens, log=lambda _: None)
-    (chunk, batch), = _batches(windows.to_pylist(), tokens)
+    (chunk, batch), = window_batches(windows.to_pylist(), tokens)
     full = Runner(model).forward(batch)  # (B, T, V) every position
     for row, w in enumerate(chunk):
         kept = np.load(tmp_path / f"{w['window_id']}.npy")  # (n_scored, V)
-        assert kept.shape == (_scored(w).stop - _scored(w).start, model.hp.vocab_size)
-        np.testing.assert_allclose(kept, full[row, _scored(w)], rtol=1e-5, atol=1e-5)
+        assert kept.shape == (scored_positions(w).stop - scored_positions(w).start, model.hp.vocab_size)
+        np.testing.assert_allclose(kept, full[row, scored_positions(w)], rtol=1e-5, atol=1e-5)

@@ -36,7 +36,7 @@ from moeheal.pipeline.sources.convert import hf_to_gguf
 from moeheal.pipeline.gguf.metadata import ArchKeys, Vocabulary
 from moeheal.pipeline.sources.hf_checkpoint import convert_checkpoint
 from moeheal.pipeline.sources.synth import LIKE, write_synth
-from tests.ggufs import qwen2_byte_level, tiny_hf_model
+from bench.inputs.ggufs import qwen2_byte_level, tiny_hf_model
 
 RECORD = Path(__file__).with_name("gguf_metadata.json")
 SHORT = 16  # arrays up to this long are recorded whole

@@ -14,7 +14,7 @@ from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf import model as gguf_model
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.gguf.writer import copy_gguf, write_gguf
-from tests.ggufs import garbage_file, truncated_copy
+from bench.inputs.ggufs import garbage_file, truncated_copy
 
 Q8_0 = GGMLQuantizationType.Q8_0
 

@@ -20,9 +20,9 @@ from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.model.layers import moe_forward
-from moeheal.pipeline.stages.dump import open_dump
-from moeheal.pipeline.stages.llamacheck import perplexity_binary
-from tests.healworld import write_world
+from moeheal.pipeline.data.dumps import open_dump
+from moeheal.pipeline.stages.llama_check import perplexity_binary
+from bench.inputs.healworld import write_world
 
 TABLES = ("docs", "cal_trace", "windows", "overlap", "routing", "variants", "token_kld", "window_kld",
           "layer_metrics", "ridge_cv", "comparisons", "hitrate")
@@ -74,7 +74,7 @@ def test_second_run_is_all_cache_hits(healed, capsys):
 
 def test_healed_gguf_holds_our_formats_and_loads(healed):
     _, run = healed
-    gguf = run.assemble(run.cfg.variants[0]).path
+    gguf = run.result(run.assemble(run.cfg.variants[0])).path
     model = GGUFModel(gguf)
     assert model.raw("blk.0.ffn_down_exps.weight").ggml_type == GGMLQuantizationType.TQ2_0
     assert model.raw("blk.1.ffn_gate_exps.weight").ggml_type == GGMLQuantizationType.TQ2_0
@@ -86,8 +86,8 @@ def test_healed_gguf_holds_our_formats_and_loads(healed):
 def test_alpha_is_fitted_from_the_unscaled_quantization_and_applied_to_the_scales(healed):
     _, run = healed
     variant = run.cfg.variants[0]
-    quantized = np.load(run.quantize(variant, 0).path / "layer_0.npz")
-    group = open_dump(run.dump("calibration").path)["0"]
+    quantized = np.load(run.result(run.quantize(variant, 0)).path / "layer_0.npz")
+    group = open_dump(run.result(run.dump("calibration")).path)["0"]
     experts = {f"{name}.weight": decode.dequantize(quantized[name], "tq2_0", tuple(quantized[f"{name}.shape"]))
                for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
     y_q = np.asarray(moe_forward(experts, group["mixed"][:], group["experts"][:], group["weights"][:]))
@@ -97,7 +97,7 @@ def test_alpha_is_fitted_from_the_unscaled_quantization_and_applied_to_the_scale
     assert row["alpha"] == pytest.approx(alpha, rel=1e-6)
     assert row["resid_alpha1"] == pytest.approx(relative_residual(group["yr"][:], y_q), rel=1e-5)
     # the healed GGUF's down scales are the unscaled ones times alpha (rounded to fp16)
-    healed_down = GGUFModel(run.assemble(variant).path).raw("blk.0.ffn_down_exps.weight").data
+    healed_down = GGUFModel(run.result(run.assemble(variant)).path).raw("blk.0.ffn_down_exps.weight").data
     d_unscaled = quantized["ffn_down_exps"].reshape(-1, 66)[:, 64:].copy().view(np.float16)
     d_healed = healed_down.reshape(-1, 66)[:, 64:].copy().view(np.float16)
     np.testing.assert_array_equal(d_healed, (d_unscaled.astype(np.float32) * np.float32(alpha)).astype(np.float16))
@@ -106,8 +106,8 @@ def test_alpha_is_fitted_from_the_unscaled_quantization_and_applied_to_the_scale
 def test_realized_ridge_gain_matches_the_healed_model(healed):
     """resid_ridge on unseen data, recomputed from the healed GGUF's own tensors."""
     _, run = healed
-    model, source = GGUFModel(run.assemble(run.cfg.variants[0]).path), run.source
-    group = open_dump(run.dump("unseen").path)["1"]
+    model, source = GGUFModel(run.result(run.assemble(run.cfg.variants[0])).path), run.source
+    group = open_dump(run.result(run.dump("unseen")).path)["1"]
     mixed = group["mixed"][:]
     routed = np.asarray(moe_forward(model.layer(1), mixed, group["experts"][:], group["weights"][:]))
     gate = 1 / (1 + np.exp(-(mixed @ source.tensor("blk.1.ffn_gate_inp_shexp.weight").reshape(-1))))
@@ -165,7 +165,7 @@ def test_reference_swap_recomputes_dumps(healed, tmp_path):
     data[-8:] = bytes(8)  # the last weights of the last tensor only
     (config.parent / "ref.gguf").write_bytes(bytes(data))
     run = HealRun(load_config(config), log=Log())
-    run.dump("calibration")
+    run.result(run.dump("calibration"))
     assert "dump:calibration" in run.log.computed()
 
 
@@ -197,8 +197,8 @@ def test_generated_windows_pass_the_audit(healed, tmp_path):
                                       "ctx_tokens = 32, scored_tokens = 24 }")
     config.write_text(text)
     run = HealRun(load_config(config), log=Log())
-    overlap = run.audit()  # raises on any scored-span leak
-    windows = pq.read_table(run.windows().path / "windows.parquet").to_pylist()
+    overlap = run.overlap()  # raises on any scored-span leak
+    windows = pq.read_table(run.result(run.windows()).path / "windows.parquet").to_pylist()
     assert len(windows) == 4 * 3 and overlap.num_rows == 12
     assert all(w["score_end"] - w["score_start"] == 24 for w in windows)
 
@@ -206,7 +206,7 @@ def test_generated_windows_pass_the_audit(healed, tmp_path):
 def test_imported_dump_feeds_quantization_like_our_own(healed, tmp_path):
     """`[calibration] import_dump`: another engine's raw files replace our dump, sizes checked."""
     config, run = healed
-    native = open_dump(run.dump("calibration").path)
+    native = open_dump(run.result(run.dump("calibration")).path)
     raw = tmp_path / "raw"
     raw.mkdir()
     layers = []
@@ -224,12 +224,12 @@ def test_imported_dump_feeds_quantization_like_our_own(healed, tmp_path):
     world = copy_world(config, tmp_path / "w")
     world.write_text(world.read_text().replace("seed = 0\n[eval]", f'seed = 0\nimport_dump = "{spec}"\n[eval]', 1))
     imported_run = HealRun(load_config(world), log=Log())
-    imported = imported_run.dump("calibration")
+    imported = imported_run.result(imported_run.dump("calibration"))
     assert imported.stage == "import-dump"
     variant = run.cfg.variants[0]
-    ours = np.load(run.quantize(variant, 1).path / "layer_1.npz")
-    theirs = np.load(imported_run.quantize(variant, 1).path / "layer_1.npz")
-    assert imported_run.quantize(variant, 1).fingerprint != run.quantize(variant, 1).fingerprint
+    ours = np.load(run.result(run.quantize(variant, 1)).path / "layer_1.npz")
+    theirs = np.load(imported_run.result(imported_run.quantize(variant, 1)).path / "layer_1.npz")
+    assert imported_run.result(imported_run.quantize(variant, 1)).fingerprint != run.result(run.quantize(variant, 1)).fingerprint
     for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
         np.testing.assert_array_equal(ours[name], theirs[name])
 
@@ -259,11 +259,11 @@ def test_cal_tokens_uses_a_prefix_of_the_calibration_dump(healed):
     _, run = healed
     full = run.cfg.variants[0]
     short = replace(full, name="v1_512", cal_tokens=512)
-    assert run.quantize(short, 0).fingerprint != run.quantize(full, 0).fingerprint
-    dumped = open_dump(run.dump("calibration").path)["0"]
+    assert run.result(run.quantize(short, 0)).fingerprint != run.result(run.quantize(full, 0)).fingerprint
+    dumped = open_dump(run.result(run.dump("calibration")).path)["0"]
     mixed, routed = dumped["mixed"][:], dumped["experts"][:]
     weights = expert_weights(run.source, 0)
-    stored = np.load(run.quantize(short, 0).path / "layer_0.npz")["ffn_gate_exps.importance"][0]
+    stored = np.load(run.result(run.quantize(short, 0)).path / "layer_0.npz")["ffn_gate_exps.importance"][0]
     for rows, expected_equal in ((512, True), (len(mixed), False)):
         stats = expert_hidden_stats(weights["ffn_gate_exps"], weights["ffn_up_exps"], mixed[:rows], routed[:rows],
                                     with_hessians=False)
@@ -271,9 +271,9 @@ def test_cal_tokens_uses_a_prefix_of_the_calibration_dump(healed):
                                              np.mean(np.square(mixed[:rows], dtype=np.float64), axis=0),
                                              short.down_blend_tokens, short.beta_gate_up)[0]  # expert 0's
         assert np.allclose(stored, expected, rtol=1e-6) == expected_equal
-    calibrated = np.load(run.calibrate(short, 0).path / "layer_0.npz")
-    quantized = np.load(run.quantize(short, 0).path / "layer_0.npz")
-    group = open_dump(run.dump("calibration").path)["0"]
+    calibrated = np.load(run.result(run.calibrate(short, 0)).path / "layer_0.npz")
+    quantized = np.load(run.result(run.quantize(short, 0)).path / "layer_0.npz")
+    group = open_dump(run.result(run.dump("calibration")).path)["0"]
     experts = {f"{n}.weight": decode.dequantize(quantized[n], "tq2_0", tuple(quantized[f"{n}.shape"]))
                for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
     y_q = np.asarray(moe_forward(experts, group["mixed"][:512], group["experts"][:512], group["weights"][:512]))
@@ -297,11 +297,11 @@ round = "gptq"
 """)
     run = HealRun(load_config(config), log=Log())
     plain, healed = run.cfg.variants
-    model = GGUFModel(run.assemble(healed).path)
+    model = GGUFModel(run.result(run.assemble(healed)).path)
     assert model.raw("blk.0.ffn_gate_exps.weight").ggml_type == GGMLQuantizationType.Q2_K
     assert model.raw("blk.0.ffn_down_exps.weight").ggml_type == GGMLQuantizationType.Q3_K
-    calibrated = np.load(run.calibrate(healed, 0).path / "layer_0.npz")
-    quantized = np.load(run.quantize(healed, 0).path / "layer_0.npz")
+    calibrated = np.load(run.result(run.calibrate(healed, 0)).path / "layer_0.npz")
+    quantized = np.load(run.result(run.quantize(healed, 0)).path / "layer_0.npz")
     alpha = float(calibrated["alpha"])
     expected = decode.format_of("q3_k").scale_scales(quantized["ffn_down_exps"], alpha)
     np.testing.assert_array_equal(calibrated["ffn_down_exps"], expected)
@@ -318,7 +318,7 @@ def test_alpha_out_of_fp16_range_is_an_input_error(healed):
     from moeheal.pipeline.stages.calibrate import scale_expert_scales
 
     config, run = healed
-    arrays = dict(np.load(run.quantize(run.cfg.variants[0], 0).path / "layer_0.npz"))
+    arrays = dict(np.load(run.result(run.quantize(run.cfg.variants[0], 0)).path / "layer_0.npz"))
     with pytest.raises(InputError, match="v1: layer 0: alpha 1e\\+09 on ffn_down_exps"):
         scale_expert_scales(arrays, "ffn_down_exps", 1e9, "v1: layer 0")
     assert np.array_equal(scale_expert_scales(arrays, "ffn_down_exps", 1.0, "v1: layer 0"), arrays["ffn_down_exps"])

@@ -34,8 +34,8 @@ from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.sources.hf_checkpoint import convert_checkpoint
 from moeheal.pipeline.model.runner import Runner
-from tests.ggufs import tiny_hf_model, train_tiny_bpe
-from tests.healworld import write_world
+from bench.inputs.ggufs import tiny_hf_model, train_tiny_bpe
+from bench.inputs.healworld import write_world
 from tests.test_arch_deepseek2 import tiny_deepseek_v3
 from tests.test_arch_mixtral import tiny_mixtral, train_tiny_spm
 from tests.test_arch_qwen3next import tiny_qwen3next
@@ -315,7 +315,7 @@ def test_a_llama_cpp_converted_model_heals(family, tmp_path):
                   log=lambda m: None)
     run.heal()
     assert (run.calibrated_table(run.cfg.variants, "ridge_cv").num_rows > 0) == shared
-    healed = GGUFModel(run.assemble(run.cfg.variants[0]).path)
+    healed = GGUFModel(run.result(run.assemble(run.cfg.variants[0])).path)
     layer = healed.moe_layers[0]
     assert healed.raw(f"blk.{layer}.ffn_down_exps.weight").ggml_type.name == "TQ2_0"
     if family in ("qwen2moe", "qwen3next"):

@@ -22,10 +22,10 @@ from moeheal.pipeline.commands.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.sources.package_data import DATA
-from moeheal.pipeline.stages.corpus import read_documents, read_split
+from moeheal.pipeline.data.documents import read_documents, read_split
 from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode
-from tests.ggufs import _WORDS as WORDS
-from tests.ggufs import make_tiny_gguf, train_tiny_bpe
+from bench.inputs.ggufs import _WORDS as WORDS
+from bench.inputs.ggufs import make_tiny_gguf, train_tiny_bpe
 
 FAMILIES = ("qwen2moe", "qwen3moe", "olmoe", "mixtral", "deepseek2", "qwen3next")
 
@@ -48,7 +48,7 @@ def write_text_folder(root: Path, strata: dict[str, int], seed: int = 0, lines: 
 def hf_model(family: str, seed: int):
     """(transformers model, tokenizer) of `family`, 256 wide, 2-4 layers."""
     if family in ("qwen2moe", "qwen3moe", "olmoe"):
-        from tests.ggufs import tiny_hf_model
+        from bench.inputs.ggufs import tiny_hf_model
 
         tokenizer = train_tiny_bpe(seed=seed)
         return tiny_hf_model(family, tokenizer.get_vocab_size(), seed, d_model=256, d_expert=256,

@@ -138,7 +138,7 @@ def test_our_bytes_beat_llama_quantize_with_the_same_imatrix(tmp_path: Path, fmt
     so every layer's experts get one and the rest of the model stays Q8_0.
     Measured on all 32 experts: iq2_xxs 0.66-0.69, iq2_xs 0.82, iq2_s 0.84-0.85,
     iq3_xxs 0.83 of llama.cpp's error (with the demo's own imatrix, summed
-    over all 9 expert tensors: 0.91-0.95, bench/bench_quant.py --iquants).
+    over all 9 expert tensors: 0.91-0.95, bench/speed/bench_quant.py --iquants).
     """
     from moeheal.pipeline.gguf.imatrix import write_imatrix
 

@@ -24,7 +24,7 @@ from moeheal.pipeline.commands.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.lake.store import Lake
-from tests.healworld import V1, write_world
+from bench.inputs.healworld import V1, write_world
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,7 @@ from moeheal.kernels.gptq import damp_hessian
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.stages.quantize import QuantizeParams
-from tests.healworld import write_world
+from bench.inputs.healworld import write_world
 from tests.reference_quants import routed_output
 
 pytestmark = pytest.mark.compile_bound  # tests/conftest.py

@@ -13,7 +13,7 @@ from moeheal.pipeline.config import load_config
 from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.stages import quantize
-from tests.healworld import write_world
+from bench.inputs.healworld import write_world
 
 VARIANTS = """
 [[variant]]
@@ -37,9 +37,9 @@ def test_a_learned_variant_heals_end_to_end(tmp_path):
         start = next(r["loss"] for r in rows if r["split"] == "heldout" and r["step"] == 0)
         chosen = next(r for r in rows if r["split"] == "chosen")
         assert chosen["loss"] <= start and {0, chosen["step"]} <= {r["step"] for r in rows if r["split"] == "unseen"}
-    healed = open_model(run.assemble(run.cfg.variants[0]).path)
+    healed = open_model(run.result(run.assemble(run.cfg.variants[0])).path)
     variant = run.cfg.variants[0]
     for layer in layers:  # the GGUF's down projection is the learned unit's bytes with alpha in its scales
-        unit = quantize.load_quantized(run.quantize(variant, layer).path, layer)
+        unit = quantize.load_quantized(run.result(run.quantize(variant, layer)).path, layer)
         stored = np.asarray(healed.raw(f"blk.{layer}.ffn_gate_exps.weight").data)
         assert np.array_equal(stored.reshape(-1), unit["ffn_gate_exps"].reshape(-1))

@@ -21,7 +21,7 @@ from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode
-from tests.healworld import write_world
+from bench.inputs.healworld import write_world
 
 pytestmark = pytest.mark.llamacpp
 REPO = Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ round = "gptq"
 def test_healed_model_runs_in_llama_cpp_and_agrees(tmp_path, variants):
     config = write_world(tmp_path / "world", variants=variants)
     run = HealRun(load_config(config), log=lambda m: None)
-    healed = run.assemble(run.cfg.variants[0]).path
+    healed = run.result(run.assemble(run.cfg.variants[0])).path
     text = eval_text(tmp_path, config.parent / "docs.jsonl", chunks=2)
     theirs = llama_perplexity(healed, text, chunks=2)
     ours = our_perplexity(GGUFModel(healed), text.read_text(encoding="utf-8"), chunks=2)

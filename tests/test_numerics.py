@@ -30,10 +30,10 @@ from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.lake.store import Lake
 from moeheal.pipeline.model.numerics import PEAK_LAYER, PEAKS_SCHEMA, ActivationPeaks, overflow_message, peak_rows
 from moeheal.pipeline.model.runner import Runner
-from moeheal.pipeline.stages import llamacheck
+from moeheal.pipeline.stages import llama_check as llamacheck
 from moeheal.pipeline.publish.report import write_report
-from tests.ggufs import make_tiny_gguf
-from tests.healworld import write_world
+from bench.inputs.ggufs import make_tiny_gguf
+from bench.inputs.healworld import write_world
 
 PLANT = 1000.0
 EXTERNAL = """
@@ -117,10 +117,10 @@ def test_probes_leave_the_forward_pass_unchanged_and_see_the_plant(world):
 def test_evaluation_fails_the_planted_variant_without_llama_cpp(world):
     run = HealRun(load_config(world), log=lambda m: None)
     planted, copy = run.cfg.variants
-    table = tables.check_numerics(run, [copy], [run.evaluate_variant(copy)])
+    table = tables.check_numerics(run, [copy], [run.result(run.evaluate(copy))])
     assert table.num_rows > 0 and not any(table.column("overflow").to_pylist())
     with pytest.raises(InputError, match=r"variant planted: .*planted\.gguf: .*layer 0 ffn_down"):
-        tables.check_numerics(run, [planted], [run.evaluate_variant(planted)])
+        tables.check_numerics(run, [planted], [run.result(run.evaluate(planted))])
 
 
 def test_plan_lists_the_llama_check_of_every_variant(world, monkeypatch):
@@ -136,12 +136,12 @@ def test_llama_check_fails_the_planted_variant(world):
     logs: list[str] = []
     run = HealRun(load_config(world), log=logs.append)
     planted, copy = run.cfg.variants
-    result = run.llama_check(copy)
+    result = run.result(run.llama_check(copy))
     ppl = llamacheck.read_part(result.path / "llama_check.parquet", ()).column("ppl").to_numpy()
     assert len(ppl) == llamacheck.CHUNKS and np.isfinite(ppl).all()
     with pytest.raises(InputError, match=r"variant planted: .*planted\.gguf: llama.cpp's llama-perplexity printed "
                                          r"-?nan"):
-        run.llama_check(planted)
+        run.result(run.llama_check(planted))
 
 
 def test_report_gives_the_headroom_and_says_llama_perplexity_was_skipped(tmp_path):

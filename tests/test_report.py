@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,8 +29,10 @@ from moeheal.pipeline.lake.store import Lake
 from moeheal.pipeline.model.numerics import PEAKS_SCHEMA
 from moeheal.pipeline.publish.export import COLUMN_DOCS, UNDOCUMENTED, export_bundle, undocumented_columns
 from moeheal.pipeline.stages.evaluate import HITRATE_SCHEMA, hitrate_rows
-from moeheal.pipeline.stages.llamacheck import SCHEMA as LLAMA_CHECK_SCHEMA
+from moeheal.pipeline.stages.llama_check import SCHEMA as LLAMA_CHECK_SCHEMA
+from moeheal.pipeline.publish import report as report_module
 from moeheal.pipeline.publish.report import write_report
+from moeheal.pipeline.publish.sections import DeclarationError, fill, parse_declaration
 
 STRATA = ("chat", "code", "ja")
 VARIANTS = ("unhealed", "v1", "v2")
@@ -315,37 +318,160 @@ def section(text: str, heading: str) -> str:
     return text[start:start + len(heading) + (min(ends) if ends else len(rest))]
 
 
-def row_of(text: str, first_cell: str) -> str:
-    """The Markdown table line whose first cell is `first_cell`."""
-    lines = [ln for ln in text.splitlines() if ln.startswith(f"| {first_cell} |")]
-    assert len(lines) == 1, (first_cell, lines)
-    return lines[0]
+def declared(text: str, stem: str) -> str:
+    """The section `sql/<stem>.sql` declares, found by its declared heading (not by its wording here)."""
+    decl = report_module.SECTIONS[stem]
+    return section(text, f"### {decl.subheading}" if decl.subheading else f"## {decl.heading}")
 
 
-def test_report_has_every_section_with_its_source(report):
+def cells_of(line: str) -> list[str]:
+    """The cells of one Markdown table line, '\\|' unescaped."""
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
+
+
+def tables_in(text: str) -> list[list[list[str]]]:
+    """Every Markdown table in `text`: its rows of cells, the header first, the --- line left out."""
+    tables: list[list[list[str]]] = []
+    inside = False
+    for line in text.splitlines():
+        if line.startswith("|") and not line.startswith("|---"):
+            if not inside:
+                tables.append([])
+            tables[-1].append(cells_of(line))
+        inside = line.startswith("|")
+    return tables
+
+
+def the_table(text: str) -> list[list[str]]:
+    """The one table in `text`."""
+    found = tables_in(text)
+    assert len(found) == 1, len(found)
+    return found[0]
+
+
+def row_of(text: str, first_cell: str) -> list[str]:
+    """The cells of the table row of `text` whose first cell is `first_cell`."""
+    rows = [row for table in tables_in(text) for row in table[1:] if row[0] == first_cell]
+    assert len(rows) == 1, (first_cell, rows)
+    return rows[0]
+
+
+def paragraphs_above_tables(text: str) -> list[str]:
+    """The paragraph just above each table of `text`, in order."""
+    lines = text.splitlines()
+    return [lines[i - 2] for i, line in enumerate(lines) if line.startswith("|") and not lines[i - 1].startswith("|")]
+
+
+def test_report_has_every_declared_section_with_its_source(report):
     _, text = report
-    for heading in ("## 0. Inputs", "## 1. Pooled comparisons", "## 2. Per stratum", "## 3. Per window",
-                    "## 4. Local MoE metrics", "## 5. Ridge cross-validation", "## 6. Expert-cache hit rates",
-                    "## 7. Does llama.cpp run every file?"):
-        assert heading in text
-    for stem in ("report_comparisons", "pooled", "report_windows", "report_layers", "report_ridge",
-                 "report_hitrate", "report_docs", "report_window_sets", "report_llama_numerics"):
-        assert f"`sql/{stem}.sql`" in text
+    for stem in report_module.CONTENTS:
+        decl = report_module.SECTIONS[stem]
+        if decl.optional is not None:
+            continue  # the fixture has no e2e_curve: that section is left out
+        assert f"## {decl.heading}" in text if decl.heading else f"### {decl.subheading}" in text
+        block = declared(text, stem)
+        if decl.missing and decl.missing[1] in block:
+            continue  # the fixture has no sensitivity table: the budget check says so, and no more
+        assert f"`sql/{stem}.sql`" in block and tables_in(block)
     assert "Not computed" not in text
+    assert report_module.SECTIONS["report_e2e"].heading not in text
+
+
+def test_every_report_query_is_declared_or_read_by_a_named_function():
+    """Each sql/report_*.sql is a section of CONTENTS, the variant order's query, or a registered plot's."""
+    stems = sorted(p.stem for p in Path(report_module.SQL_DIR).glob("report_*.sql"))
+    plotted = {q for plot in report_module.PLOTS.values() for q in plot.queries}
+    for stem in stems:
+        decl = report_module.SECTIONS[stem]
+        if decl.shown:
+            assert stem in report_module.CONTENTS, f"sql/{stem}.sql declares a section the report leaves out"
+        else:
+            assert stem == report_module.CONTEXT_QUERY or stem in plotted, f"sql/{stem}.sql is read by nothing"
+        assert decl.reads, f"sql/{stem}.sql: no `reads:`"
+    assert all(report_module.SECTIONS[s].shown for s in report_module.CONTENTS)
+    assert plotted <= set(report_module.QUERY_TABLES)
+    assert {s.plot for s in report_module.SECTIONS.values() if s.plot} == set(report_module.PLOTS)
+
+
+def with_hitrate_header(text: str, old: str, new: str) -> str:
+    assert old in text
+    return text.replace(old, new)
+
+
+def test_a_column_the_query_does_not_return_is_refused(lake, tmp_path, monkeypatch):
+    hitrate = (Path(report_module.SQL_DIR) / "report_hitrate.sql").read_text(encoding="utf-8")
+    typo = with_hitrate_header(hitrate, "{hit_rate_lru:.2%}", "{hit_rate_lr:.2%}")
+    monkeypatch.setitem(report_module.SECTIONS, "report_hitrate", parse_declaration("report_hitrate", typo))
+    with pytest.raises(DeclarationError, match="hit_rate_lr, which the query does not return"):
+        write_report(lake[0], tmp_path / "typo")
+    in_order = with_hitrate_header(hitrate, "-- order: moce_bonus,", "-- order: bonus,")
+    monkeypatch.setitem(report_module.SECTIONS, "report_hitrate", parse_declaration("report_hitrate", in_order))
+    with pytest.raises(DeclarationError, match="names bonus, which"):
+        write_report(lake[0], tmp_path / "order")
+    unregistered = with_hitrate_header(hitrate, "{misses_per_token:.2f}", "@misses")
+    monkeypatch.setitem(report_module.SECTIONS, "report_hitrate",
+                        parse_declaration("report_hitrate", unregistered))
+    with pytest.raises(DeclarationError, match="@misses"):
+        write_report(lake[0], tmp_path / "named")
+
+
+@pytest.mark.parametrize("header, error", [
+    ("-- reads: hitrate\n-- heading: H\n-- colums:\n--   a | {a}\nSELECT 1", "not `-- <key>: value`"),
+    ("-- reads: hitrate\n-- heading: H\n-- columns:\n--   a {a}\nSELECT 1", "not `header | cell"),
+    ("-- reads: hitrate\n-- heading: H\n-- columns:\n--   a | {a:.2f\nSELECT 1", "'{a:.2f'"),
+    ("-- reads: hitrate\n-- heading: H\n-- order: a\n-- table: T\n-- columns:\n--   a | {a}\nSELECT 1",
+     "a table without `columns`"),
+    ("-- reads: hitrate\n-- optional: e2e_curve\n-- heading: H\n-- columns:\n--   a | {a}\nSELECT 1",
+     "not a table it reads"),
+])
+def test_a_malformed_header_is_refused(header, error):
+    with pytest.raises(DeclarationError, match=re.escape(error)):
+        parse_declaration("report_x", header)
+
+
+def test_templates_print_nulls_as_a_dash_or_the_fallback():
+    labels = {"set": lambda s: "set not recorded" if s is None else f"{s} set"}
+    assert fill("{k:.4f} / {t:.2f}%", {"k": 0.123456, "t": None}, labels) == "0.1235 / \u2014%"
+    assert fill("{a}/{n} ?? \u2014", {"a": None, "n": 6}, labels) == "\u2014"
+    assert fill("{a}/{n} ?? \u2014", {"a": 2, "n": 6}, labels) == "2/6"
+    assert fill("{set:label}: {x:+.1f}", {"set": None, "x": 1.25}, labels) == "set not recorded: +1.2"
+
+
+def test_inputs_count_documents_and_windows(lake, report):
+    _, tables = lake
+    _, text = report
+    docs = tables["docs"].to_pylist()
+    table = the_table(declared(text, "report_docs"))
+    assert len(table) - 1 == len({(d["role"], d["stratum"]) for d in docs})
+    for role, stratum, n_docs, n_tokens in table[1:]:
+        mine = [d for d in docs if d["role"] == role and d["stratum"] == stratum]
+        assert [int(n_docs), int(n_tokens)] == [len(mine), sum(d["n_tokens"] for d in mine)]
+    windows = tables["windows"].to_pylist()
+    clean = dict(zip(tables["overlap"].column("window_id").to_pylist(), tables["overlap"].column("clean").to_pylist()))
+    table = the_table(declared(text, "report_window_sets"))
+    assert table[0] == ["set", "stratum", "windows", "scored tokens", "clean windows"]
+    assert len(table) - 1 == 2 * len(STRATA)
+    for wset, stratum, n, scored, n_clean in table[1:]:
+        mine = [w for w in windows if w["set"] == wset and w["stratum"] == stratum]
+        assert [int(n), int(scored), int(n_clean)] == [
+            len(mine), sum(w["score_end"] - w["score_start"] for w in mine), sum(clean[w["window_id"]] for w in mine)]
 
 
 def test_size_section_lists_achieved_bits_beside_kld(lake, report):
     _, tables = lake
     _, text = report
-    block = section(text, "## 4c. Size and budget recipes")
+    block = declared(text, "report_sizes")
     sizes = {r["variant"]: r for r in tables["sizes"].to_pylist()}
     kld = tables["window_kld"].to_pylist()
     for variant in VARIANTS:
         mine = [r for r in kld if r["variant"] == variant and r["set"] == "eval" and r["moce_bonus"] == 0]
         pooled = sum(np.float64(r["kld_mean"]) * r["n_tokens"] for r in mine) / sum(r["n_tokens"] for r in mine)
-        cells = [c.strip() for c in row_of(section(block, "### eval set"), variant).strip("|").split("|")]
+        cells = row_of(section(block, "### eval set"), variant)
         assert cells[3] == f"{sizes[variant]['routed_bpw']:.4f}" and cells[6] == f"{pooled:.4f}"
-    assert "no `sensitivity` table" in block
+        assert cells[5] == f"{sizes[variant]['file_bytes'] / 2**20:.2f}"  # MiB
+        assert cells[2] == ("2.40" if variant == "v2" else "\u2014")  # v2 is chosen under a 2.4-bit budget
+    check = declared(text, "report_budget_rank_check")
+    assert not tables_in(check) and report_module.SECTIONS["report_budget_rank_check"].missing[1] in check
     assert (report[0] / "kld_size.png").read_bytes().startswith(PNG_MAGIC)
 
 
@@ -353,33 +479,32 @@ def test_per_stratum_pooled_kld_matches_numpy(lake, report):
     _, tables = lake
     _, text = report
     for wset in ("eval", "canary"):
-        block = section(section(text, "## 2. Per stratum"), f"### {wset} set")
+        block = section(declared(text, "pooled"), f"### {wset} set")
         for variant in VARIANTS:
             for bonus in BONUSES:
-                row = row_of(block, f"{variant}, MoCE {bonus:g}")
-                cells = [c.strip() for c in row.strip("|").split("|")]
+                cells = row_of(block, f"{variant}, MoCE {bonus:g}")
                 for j, stratum in enumerate(STRATA):
                     k, t, _ = pooled(tables["window_kld"], variant=variant, moce_bonus=bonus,
                                      set=wset, stratum=stratum)
                     assert cells[1 + j] == f"{k:.4f} / {100 * t:.2f}"
                 k, t, n = pooled(tables["window_kld"], variant=variant, moce_bonus=bonus, set=wset)
                 assert cells[-1] == f"{k:.4f} / {100 * t:.2f}"
-        assert f"pooled (n={n})" in block
+        header = the_table(block)[0]
+        assert header[1:] == [f"{s} (n={4 if wset == 'eval' else 1})" for s in STRATA] + [f"pooled (n={n})"]
 
 
 def test_comparisons_show_full_and_clean_side_by_side_per_set(lake, report):
     _, tables = lake
     _, text = report
     comparisons = tables["comparisons"].to_pylist()
-    for wset in ("eval", "canary"):
-        block = section(section(text, "## 1. Pooled comparisons"), f"### {wset} set")
+    block_of = {wset: section(declared(text, "report_comparisons"), f"### {wset} set") for wset in ("eval", "canary")}
+    for wset, block in block_of.items():
         for a, b in (("unhealed", "v1"), ("unhealed", "v2"), ("v1", "v2")):
             for bonus in BONUSES:
                 full, clean = (next(r for r in comparisons if r["a"] == a and r["b"] == b and r["set"] == wset
                                     and r["moce_bonus"] == bonus and r["stratum"] == "all" and r["subset"] == s)
                                for s in ("all", "clean"))
-                line = next(ln for ln in block.splitlines()
-                            if ln.startswith(f"| {a} \u2192 {b} | {bonus:g} |"))
+                cells = next(row for row in the_table(block)[1:] if row[:2] == [f"{a} \u2192 {b}", f"{bonus:g}"])
                 mark, clean_mark = ((" \u2021" if r["ci_lo"] == r["ci_hi"] else "")
                                     + (" \u00a7" if r["thin_strata"] else "") for r in (full, clean))
                 expected = [f"{full['kld_a']:.4f} \u2192 {full['kld_b']:.4f}",
@@ -389,98 +514,93 @@ def test_comparisons_show_full_and_clean_side_by_side_per_set(lake, report):
                             f"{clean['kld_a']:.4f} \u2192 {clean['kld_b']:.4f}",
                             f"{clean['delta_pct']:+.2f}% ({clean['ci_lo']:+.1f}, {clean['ci_hi']:+.1f}){clean_mark}",
                             f"{clean['wins']}/{clean['n_windows']}"]
-                cells = [c.strip() for c in line.strip("|").split("|")]
                 assert cells[2:9] == expected
-    eval_block = section(text, "### eval set")
-    assert "/7 |" in eval_block and "/12 |" in eval_block  # 12 eval windows, 7 of them clean
-    assert "\u2021" not in eval_block  # the bootstrap varies in every stratum but clean chat
-    canary_block = section(section(text, "## 1. Pooled comparisons"), "### canary set")
-    table_lines = [ln for ln in canary_block.splitlines() if ln.startswith("| ")]
-    assert sum(ln.count("\u2021") for ln in table_lines) == 6 * 4  # 1 window per stratum: flagged
-    assert "zero width" in section(text, "## 1. Pooled comparisons")
-    isolated = row_of(eval_block, "isolated MoCE: v2")
-    assert f"| 0 \u2192 0.85 | 0.0953 \u2192 0.0997 | {100 * (0.0997 / 0.0953 - 1):+.2f}% (" in isolated
-    assert eval_block.index("| v1 \u2192 v2 |") < eval_block.index("| isolated MoCE: v2 |")
+    eval_rows = the_table(block_of["eval"])[1:]
+    assert {r[4].split("/")[1] for r in eval_rows} == {"12"}  # 12 eval windows
+    assert {r[8].split("/")[1] for r in eval_rows if r[8] != "\u2014"} == {"7"}  # 7 of them clean
+    assert not any("\u2021" in c for r in eval_rows for c in r)  # the bootstrap varies in every stratum but clean chat
+    canary_rows = the_table(block_of["canary"])[1:]
+    assert sum(c.count("\u2021") for r in canary_rows for c in r) == 6 * 4  # 1 window per stratum: flagged
+    assert report_module.ZERO_WIDTH_NOTE in declared(text, "report_comparisons")
+    isolated = row_of(block_of["eval"], "isolated MoCE: v2")
+    assert isolated[1:3] == ["0 \u2192 0.85", "0.0953 \u2192 0.0997"]
+    assert isolated[3].startswith(f"{100 * (0.0997 / 0.0953 - 1):+.2f}% (")
+    assert [r[0] for r in eval_rows][-1] == "isolated MoCE: v2"  # after every a -> b pair
 
 
 def test_thin_strata_are_marked_with_a_footnote(report):
     """Clean eval windows hold one chat window: every clean CI is marked, no all-window CI is."""
     _, text = report
-    block = section(section(text, "## 1. Pooled comparisons"), "### eval set")
-    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in block.splitlines()
-            if ln.startswith("| ") and not ln.startswith("| comparison |")]
+    block = section(declared(text, "report_comparisons"), "### eval set")
+    rows = the_table(block)[1:]
     assert len(rows) == 7  # 3 pairs at 2 bonuses, 1 isolated MoCE (no clean row in this lake)
     for cells in rows:
         assert "\u00a7" not in cells[3] and "\u00a7" not in cells[5]  # all windows: 4 per stratum
         if cells[0] != "isolated MoCE: v2":
             assert cells[7].endswith(" \u00a7") and cells[9].endswith(" \u00a7")  # clean: chat=1
-    assert "Windows per stratum: all windows chat=4 code=4 ja=4; clean windows chat=1 code=3 ja=3." in block
-    footnote = section(text, "## 1. Pooled comparisons")
-    assert "\u00a7 = at least one stratum has a single window" in footnote
-    assert "kept in the estimate and in the CI" in footnote
+    counts = next(line for line in block.splitlines() if "chat=4 code=4 ja=4" in line)
+    assert counts.index("chat=4 code=4 ja=4") < counts.index("chat=1 code=3 ja=3")  # all windows, then clean
+    assert report_module.THIN_NOTE in declared(text, "report_comparisons")
 
 
 def test_per_window_marks_overlap_and_deltas(lake, report):
     _, tables = lake
     _, text = report
-    block = section(section(text, "## 3. Per window"), "### eval set, MoCE 0")
+    block = section(declared(text, "report_windows"), "### eval set, MoCE 0")
     kld = {(r["variant"], r["window_id"]): r["kld_mean"] for r in tables["window_kld"].to_pylist()
            if r["moce_bonus"] == 0.0}
-    dirty = row_of(block, "code01 \u2020")
-    assert "117 / 0 of" in dirty
-    assert f"{kld[('v2', 'code01')]:.4f}" in dirty
+    header = the_table(block)[0]
+    dirty = dict(zip(header, row_of(block, "code01 \u2020")))
+    assert dirty["shared ctx / scored"].startswith("117 / 0 of")
+    assert dirty["KLD v2"] == f"{kld[('v2', 'code01')]:.4f}"
     delta = 100 * (kld[("v2", "code01")] / kld[("unhealed", "code01")] - 1)
-    assert f"{delta:+.1f}%" in dirty
-    clean_row = row_of(block, "chat00")
-    assert "0 / 0 of" in clean_row
+    assert dirty["v2 vs unhealed"] == f"{delta:+.1f}%"
+    assert "unhealed vs unhealed" not in header
+    assert row_of(block, "chat00")[2].startswith("0 / 0 of")
     assert "canary" not in block and "chat04" not in block  # canary windows go to their own table
-    assert "chat04" in section(section(text, "## 3. Per window"), "### canary set, MoCE 0")
+    assert row_of(section(declared(text, "report_windows"), "### canary set, MoCE 0"), "chat04")
 
 
 def test_layer_metrics_in_sample_and_held_out(lake, report):
     _, tables = lake
     _, text = report
-    block = section(text, "## 4. Local MoE metrics")
+    table = the_table(declared(text, "report_layers"))
     rows = tables["layer_metrics"].to_pylist()
     for variant in VARIANTS:
         for split, label in (("in_sample", "in-sample (calibration trace)"), ("unseen", "held-out (unseen trace)")):
             mine = [r for r in rows if r["variant"] == variant and r["split"] == split]
             worse = sum(r["resid_alpha"] > r["resid_alpha1"] for r in mine)
-            line = next(ln for ln in block.splitlines() if ln.startswith(f"| {variant} | {label} |"))
-            cells = [c.strip() for c in line.strip("|").split("|")]
+            cells = next(row for row in table[1:] if row[:2] == [variant, label])
             assert cells[3] == f"{100 * np.mean([r['resid_alpha1'] for r in mine]):.2f}%"
             assert cells[8] == f"{100 * np.mean([r['resid_ridge'] for r in mine]):.2f}%"
             assert cells[9] == f"{worse}/{N_LAYERS}"
+    assert [row[0] for row in table[1:]] == [v for v in VARIANTS for _ in range(2)]  # in report order
 
 
 def test_rank_check_orders_variants_like_numpy(lake, report):
     """Section 4b: the unseen residual's ranking beside pooled KLD at bonus 0, eval and canary apart,
-    both from NumPy, and the sentence saying where the two sets' rankings differ."""
+    both from NumPy, and the variants whose rank the two sets disagree on."""
     _, tables = lake
     _, text = report
-    block = section(section(text, "## 4b. Does the local metric rank variants as KLD does?"),
-                    "### held-out (unseen trace)")
+    block = section(declared(text, "report_rank_check"), "### held-out (unseen trace)")
     metrics = [r for r in tables["layer_metrics"].to_pylist() if r["split"] == "unseen"]
     resid = {v: np.mean([r["resid_ridge"] for r in metrics if r["variant"] == v]) for v in VARIANTS}
     rank_local = {v: i + 1 for i, v in enumerate(sorted(VARIANTS, key=resid.get))}
     rank_kld = {}
-    for wset in ("eval", "canary"):
+    found = tables_in(block)
+    assert len(found) == 2
+    for wset, table, above in zip(("eval", "canary"), found, paragraphs_above_tables(block)):
         kld = {v: pooled(tables["window_kld"], variant=v, moce_bonus=0.0, set=wset)[0] for v in VARIANTS}
         rank_kld[wset] = {v: i + 1 for i, v in enumerate(sorted(VARIANTS, key=kld.get))}
-        start = block.index(f"{wset} set: ranks")
-        table = block[start:block.index("\n\n", block.index("| variant |", start))]
-        for v in VARIANTS:
-            cells = [c.strip() for c in row_of(table, v).strip("|").split("|")]
-            assert cells[1:] == [f"{100 * resid[v]:.2f}%", f"{kld[v]:.4f}", str(rank_local[v]),
-                                 str(rank_kld[wset][v])]
+        assert table[0][2] == f"pooled KLD ({wset}, bonus 0)"
+        rows = {row[0]: row[1:] for row in table[1:]}
+        assert rows == {v: [f"{100 * resid[v]:.2f}%", f"{kld[v]:.4f}", str(rank_local[v]), str(rank_kld[wset][v])]
+                        for v in VARIANTS}
         agree = all(rank_local[v] == rank_kld[wset][v] for v in VARIANTS)
-        assert f"{wset} set: ranks {'agree' if agree else 'DISAGREE'} for {len(VARIANTS)} variants" in table
-    differ = sorted((v for v in VARIANTS if rank_kld["eval"][v] != rank_kld["canary"][v]), key=rank_kld["eval"].get)
-    if differ:
-        assert "Eval and canary KLD DISAGREE on the ranks of " + ", ".join(
-            f"{v} ({rank_kld['eval'][v]} on eval, {rank_kld['canary'][v]} on canary)" for v in differ) in block
-    else:
-        assert "Eval and canary KLD rank these variants the same way." in block
+        assert ("agree" if agree else "DISAGREE") in above and f"{len(VARIANTS)} variants" in above
+    for v in VARIANTS:
+        pair = f"{v} ({rank_kld['eval'][v]} on eval, {rank_kld['canary'][v]} on canary)"
+        assert (pair in block) == (rank_kld["eval"][v] != rank_kld["canary"][v])
 
 
 def test_rank_check_names_variants_the_sets_disagree_on(tmp_path):
@@ -497,42 +617,68 @@ def test_rank_check_names_variants_the_sets_disagree_on(tmp_path):
     small = Lake(tmp_path / "lake")
     small.write_table("layer_metrics", layer_metrics)
     small.write_table("window_kld", window_kld)
-    text = section((write_report(small, tmp_path / "report") / "report.md").read_text(encoding="utf-8"),
-                   "## 4b. Does the local metric rank variants as KLD does?")
-    assert "eval set: ranks agree for 3 variants." in text
-    assert "canary set: ranks DISAGREE for 3 variants." in text
-    assert "Eval and canary KLD DISAGREE on the ranks of v2 (1 on eval, 2 on canary), v1 (2 on eval, 1 on canary)." \
-        in text
+    text = declared((write_report(small, tmp_path / "report") / "report.md").read_text(encoding="utf-8"),
+                    "report_rank_check")
+    eval_table, canary_table = tables_in(text)
+    assert [r[0] for r in eval_table[1:]] == ["v2", "v1", "unhealed"]  # by KLD rank
+    assert [r[0] for r in canary_table[1:]] == ["v1", "v2", "unhealed"]
+    on_eval, on_canary = paragraphs_above_tables(text)
+    assert "agree" in on_eval and "3 variants" in on_eval  # eval: local and KLD ranks agree
+    assert "DISAGREE" in on_canary and "3 variants" in on_canary
+    disagreement = next(line for line in text.splitlines() if "on eval" in line)
+    assert disagreement.index("v2 (1 on eval, 2 on canary)") < disagreement.index("v1 (2 on eval, 1 on canary)")
 
 
 def test_ridge_and_hitrate_tables(lake, report):
     _, tables = lake
     _, text = report
     ridge = [r for r in tables["ridge_cv"].to_pylist() if r["variant"] == "v2"]
-    block = section(section(text, "## 5. Ridge cross-validation"), "### v2")
-    line = row_of(block, "held-out (leave one of 4 blocks out)")
-    gain = 100 * np.mean([r["rel_gain"] for r in ridge if r["split"] == "lobo4" and r["rho"] == 6.0])
-    assert [c.strip() for c in line.strip("|").split("|")][3] == f"{gain:+.2f}%"
-    fits = section(block, "The fit on the calibration trace")
-    for rho in (0.25, 1.0, 6.0, 24.0):
+    gains, fits = tables_in(section(declared(text, "report_ridge"), "### v2"))
+    assert gains[0] == ["split", "\u03c1=0.25", "\u03c1=1", "\u03c1=6", "\u03c1=24"]
+    for row in gains[1:]:
+        split = next(s for s in ("in_sample", "lobo4", "even_odd") if report_module.SPLIT_LABELS[s] == row[0])
+        for cell, rho in zip(row[1:], (0.25, 1.0, 6.0, 24.0)):
+            gain = 100 * np.mean([r["rel_gain"] for r in ridge if r["split"] == split and r["rho"] == rho])
+            assert cell == f"{gain:+.2f}%"
+    assert len(gains) - 1 == 3
+    for row, rho in zip(fits[1:], (0.25, 1.0, 6.0, 24.0)):
         best = sum(r["chosen"] for r in ridge if r["split"] == "lobo4" and r["rho"] == rho)
-        label = f"{rho:g} (configured)" if rho == 6.0 else f"{rho:g}"
-        assert row_of(fits, label).endswith(f"| {best}/{N_LAYERS} |")
+        applied = sum(r["applied"] for r in ridge if r["split"] == "lobo4" and r["rho"] == rho)
+        assert row[0] == (f"{rho:g} (configured)" if rho == 6.0 else f"{rho:g}")
+        assert row[-2:] == [f"{applied}/{N_LAYERS}", f"{best}/{N_LAYERS}"]
     hits = [r for r in tables["hitrate"].to_pylist() if r["variant"] == "v2" and r["moce_bonus"] == 0.85]
-    line = next(ln for ln in section(text, "## 6. Expert-cache hit rates").splitlines()
-                if ln.startswith("| v2 | 0.85 |"))
-    cells = [c.strip() for c in line.strip("|").split("|")]
+    table = the_table(declared(text, "report_hitrate"))
+    cells = next(row for row in table[1:] if row[:2] == ["v2", "0.85"])
     assert cells[4] == f"{100 * np.mean([r['hit_rate'] for r in hits]):.2f}%"
     assert cells[6] == f"{100 * np.mean([r['hit_rate_lru'] for r in hits]):.2f}%"
     assert cells[8] == "4 of 5"  # 5 prompts x 2 runs = 5 repeat runs; prompt 3's differs
+    assert [row[:2] for row in table[1:]] == [[v, f"{b:g}"] for b in BONUSES for v in VARIANTS]
 
 
 def test_llama_numerics_section_gives_headroom_and_llama_perplexity(report):
     _, text = report
-    block = section(text, "## 7. Does llama.cpp run every file?")
+    block = declared(text, "report_llama_numerics")
     # v2's Q8_0 peak is 120: headroom 8321040 / 120; the TQ2_0 site (float32 scale) never overflows
-    assert "| v2 | layer 0 attn_q.weight | Q8_0 | q8_0 | 120 | 6.93e+04x | 0 of 2 | 22.00 (2 x 512 tokens) |" in block
+    assert row_of(block, "v2") == ["v2", "layer 0 attn_q.weight", "Q8_0", "q8_0", "120", "6.93e+04x", "0 of 2",
+                                   "22.00 (2 x 512 tokens)"]
     assert "skipped" not in block
+
+
+def test_e2e_section_shows_the_kept_step_and_its_change(tmp_path):
+    """Held-out KL is lowest at step 2: kept step 2 of 3 on both splits, the change from step 0 to it."""
+    curve = [("unseen", 0, 0.50), ("unseen", 2, 0.40), ("unseen", 3, 0.45),
+             ("calibration", 0, 0.60), ("calibration", 2, 0.30), ("calibration", 3, 0.20)]
+    small = Lake(tmp_path / "lake")
+    small.write_table("e2e_curve", pa.Table.from_pylist([
+        {"variant": "v1", "step": step, "split": split, "kl": kl, "tokens": 512, "seconds": 10.0 * step}
+        for split, step, kl in curve]))
+    text = (write_report(small, tmp_path / "report") / "report.md").read_text(encoding="utf-8")
+    table = the_table(declared(text, "report_e2e"))
+    assert [row[1] for row in table[1:]] == ["held-out (unseen trace)", "in-sample (calibration probe)"]
+    for row, (start, kept, last) in zip(table[1:], ((0.50, 0.40, 0.45), (0.60, 0.30, 0.20))):
+        assert row[2:] == ["512", f"{start:.5f}", "2 of 3", f"{kept:.5f}", f"{100 * (kept / start - 1):+.2f}%",
+                           f"{last:.5f}", "30"]
+    assert (tmp_path / "report" / "e2e_curve.png").read_bytes().startswith(PNG_MAGIC)
 
 
 def test_determinism_counts_only_repeat_runs():
@@ -564,6 +710,8 @@ def test_plots_are_valid_pngs(report):
         assert image.shape[0] > 100 and image.shape[1] > 100
         assert image[..., :3].std() > 0.01  # something was drawn
         assert f"]({name})" in text
+    for wset in ("eval", "canary"):  # a per-set plot follows its own set's tables
+        assert f"](strata_kld_{wset}.png)" in section(declared(text, "pooled"), f"### {wset} set")
 
 
 def test_without_plots_the_report_keeps_its_tables_and_says_so(report, lake, tmp_path, monkeypatch):
@@ -574,10 +722,9 @@ def test_without_plots_the_report_keeps_its_tables_and_says_so(report, lake, tmp
     shutil.copytree(out, again)
     monkeypatch.setenv("MOEHEAL_PLOTS", "0")
     bare = (write_report(lake[0], again) / "report.md").read_text(encoding="utf-8")
-    assert not list(again.glob("*.png")) and "Plots not drawn: `MOEHEAL_PLOTS=0`" in bare
+    assert not list(again.glob("*.png")) and f"`{report_module.PLOTS_ENV}=0`" in bare
     assert "![" in text and "![" not in bare
-    tables = [line for line in text.splitlines() if line.startswith("|")]
-    assert tables and tables == [line for line in bare.splitlines() if line.startswith("|")]
+    assert tables_in(text) and tables_in(text) == tables_in(bare)
 
 
 def test_missing_tables_say_not_computed(tmp_path, lake):
@@ -591,16 +738,17 @@ def test_missing_tables_say_not_computed(tmp_path, lake):
     partial.write_table("hitrate", tables["hitrate"].slice(0, 0))
     out = write_report(partial, tmp_path / "report")
     text = (out / "report.md").read_text(encoding="utf-8")
-    for heading in ("## 3. Per window", "## 4. Local MoE metrics", "## 5. Ridge", "## 6. Expert-cache"):
-        assert "Not computed" in section(text, heading)
-    assert "`sql/report_hitrate.sql` returns no rows" in section(text, "## 6. Expert-cache")
+    for stem in ("report_windows", "report_layers", "report_ridge", "report_hitrate"):
+        block = declared(text, stem)
+        assert "Not computed" in block and not tables_in(block)
+    assert "`sql/report_hitrate.sql`" in declared(text, "report_hitrate")  # present, but no rows
     assert sorted(p.name for p in out.glob("*.png")) == ["strata_kld_canary.png", "strata_kld_eval.png"]
-    assert "`overlap`" in section(text, "## 3. Per window")
-    block = section(text, "## 1. Pooled comparisons")
+    assert "`overlap`" in declared(text, "report_windows")
+    block = declared(text, "report_comparisons")
     assert "### set not recorded" in block and "### eval set" not in block
-    assert "| unhealed \u2192 v1 | 0.85 |" in block
+    assert ["unhealed \u2192 v1", "0.85"] in [row[:2] for row in the_table(block)[1:]]
     k, t, _ = pooled(tables["window_kld"], variant="v1", moce_bonus=0.0, set="eval")
-    assert f"{k:.4f} / {100 * t:.2f}" in row_of(section(text, "### eval set"), "v1, MoCE 0")
+    assert row_of(section(declared(text, "pooled"), "### eval set"), "v1, MoCE 0")[-1] == f"{k:.4f} / {100 * t:.2f}"
 
 
 @pytest.fixture(scope="module")

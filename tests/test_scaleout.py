@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from moeheal.pipeline.commands.cli import main
-from tests.ggufs import make_tiny_gguf
-from tests.healworld import write_world
+from bench.inputs.ggufs import make_tiny_gguf
+from bench.inputs.healworld import write_world
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "deploy" / "slurm"

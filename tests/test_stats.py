@@ -8,6 +8,7 @@ import pyarrow as pa
 import pytest
 import scipy.stats
 
+from moeheal.pipeline.publish import summary
 from moeheal.pipeline.stages import comparisons as stats
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.lake.store import Lake
@@ -277,7 +278,7 @@ def demo_lake(tmp_path) -> Lake:
 def test_summary_fits_120_columns_in_ladder_order(tmp_path) -> None:
     lake = demo_lake(tmp_path)
     order = ["importance_only", "v1", "v2", "unhealed", "iq2_xxs_imatrix"]  # unhealed goes first anyway
-    text = stats.summary_table(lake, order=order)
+    text = summary.summary_table(lake, order=order)
     lines = text.splitlines()
     assert all(len(line) <= 120 for line in lines), max(lines, key=len)
     block = text[text.index("eval set, MoCE bonus 0 on both sides"):text.index("eval set, MoCE bonus 0.1 on both")]
@@ -293,11 +294,11 @@ def test_summary_fits_120_columns_in_ladder_order(tmp_path) -> None:
                 if ln.startswith("unhealed \u2192 v2 "))
     assert f"{row['kld_a']:#.4g} \u2192 {row['kld_b']:#.4g}" in line
     assert f"{row['delta_pct']:+.1f} [{row['ci_lo']:+.1f}, {row['ci_hi']:+.1f}]" in line
-    assert stats.summary_table(lake) == stats.summary_table(lake, order=DEMO_VARIANTS)  # the variants table
+    assert summary.summary_table(lake) == summary.summary_table(lake, order=DEMO_VARIANTS)  # the variants table
 
 
 def test_summary_marks_thin_strata_and_counts_real_repeats(tmp_path) -> None:
-    text = stats.summary_table(demo_lake(tmp_path), order=DEMO_VARIANTS)
+    text = summary.summary_table(demo_lake(tmp_path), order=DEMO_VARIANTS)
     canary = [ln for ln in text.splitlines() if "\u2192" in ln and " \u00a7" in ln]
     assert canary and all(ln.count("\u00a7") == 1 for ln in canary)  # the clean canary CI only: ops=1
     assert "windows per stratum, canary set: all chat_json=3 ja=3 ops=3 persona=3; clean ops=1" in text
@@ -306,7 +307,7 @@ def test_summary_marks_thin_strata_and_counts_real_repeats(tmp_path) -> None:
     once = demo_lake(tmp_path / "once")  # reps = 1: no repeat run to compare, said so rather than "0 of 0"
     once.write_table("hitrate", pa.table({"rep": [0, 0], "same_as_rep0": pa.array([None, None], pa.bool_())}))
     assert "expert-cache determinism: not checked (each window ran once: [moce] reps = 1)" in \
-        stats.summary_table(once, order=DEMO_VARIANTS)
+        summary.summary_table(once, order=DEMO_VARIANTS)
 
 
 def test_token_counts_too_large_to_pool_exactly_are_an_error() -> None:

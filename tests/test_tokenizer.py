@@ -17,7 +17,7 @@ from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.gguf.writer import copy_gguf
 from moeheal.pipeline.gguf.tokenizer import DEEPSEEK_LLM_SPLITS, decode, encode
-from tests.ggufs import tiny_hf_model, train_tiny_bpe
+from bench.inputs.ggufs import tiny_hf_model, train_tiny_bpe
 
 TEXTS = [
     "東京は日本の首都です。量子化モデル、こんにちは！",

@@ -21,7 +21,7 @@ from moeheal.pipeline.config import Variant, load_config
 from moeheal.pipeline.heal import STAGES, HealRun
 from moeheal.pipeline.stages.calibrate import CalibrateParams
 from moeheal.pipeline.stages.quantize import QuantizeParams
-from tests.healworld import write_world
+from bench.inputs.healworld import write_world
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_FOLDERS = ("moeheal", "pipeline", "kernels", "sql")
@@ -47,9 +47,9 @@ def identities(root: Path) -> dict[str, str]:
 def plan_fingerprints(config: Path, monkeypatch, root: Path) -> dict[str, tuple[str, tuple[str, ...]]]:
     monkeypatch.setattr(codeid, "SOURCE_ROOT", root)
     codeid.code_identity.cache_clear()
-    from moeheal.pipeline.lake import dag
+    from moeheal.pipeline.lake import stage as stage_module
 
-    monkeypatch.setattr(dag, "code_identity", lambda module: codeid.code_identity(module, root))
+    monkeypatch.setattr(stage_module, "code_identity", lambda module: codeid.code_identity(module, root))
     planned = HealRun(load_config(config), log=lambda m: None, plan=True).plan()
     return {p.stage: (p.fingerprint, p.upstream) for p in planned}
 
@@ -99,11 +99,11 @@ def test_every_source_file_mutation_changes_exactly_the_dependent_stages(world, 
 def test_code_identities_are_read_when_a_run_starts(world, tmp_path, monkeypatch):
     """A stage module edited while a run is under way keys nothing of that run (its stages run the
     code imported at its start); the next run sees the edit."""
-    from moeheal.pipeline.lake import dag
+    from moeheal.pipeline.lake import stage as stage_module
 
     root = source_copy(tmp_path / "src")
     codeid.code_identity.cache_clear()
-    monkeypatch.setattr(dag, "code_identity", lambda module: codeid.code_identity(module, root))
+    monkeypatch.setattr(stage_module, "code_identity", lambda module: codeid.code_identity(module, root))
 
     def fingerprints(run: HealRun) -> dict[str, str]:
         return {p.stage: p.fingerprint for p in run.plan()}
@@ -217,7 +217,7 @@ def test_router_weighted_hessians_change_the_quantized_bytes(tmp_path):
     config = load_config(path)
     run = HealRun(config, log=lambda m: None)
     for layer in (0, 1):
-        paths = {v.name: run.quantize(v, layer).path for v in config.variants}
+        paths = {v.name: run.result(run.quantize(v, layer)).path for v in config.variants}
         assert paths["plain"] != paths["routed"]
         plain, routed = (np.load(paths[name] / f"layer_{layer}.npz") for name in ("plain", "routed"))
         for tensor in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
@@ -280,7 +280,7 @@ def test_lake_views_are_relative_and_the_lake_moves(healed_world, tmp_path):
 
 def test_comparisons_provenance_records_its_knobs(healed_world):
     _, run = healed_world
-    record = json.loads(run.lake.provenance_path(run.comparisons().fingerprint).read_text())
+    record = json.loads(run.lake.provenance_path(run.result(run.comparisons()).fingerprint).read_text())
     assert {"bootstrap": 200, "seed": 0}.items() <= record["params"].items()
     assert record["stage"] == "comparisons" and "audit" in record["upstream"]  # the n-gram length is the audit's
 

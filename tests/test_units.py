@@ -24,9 +24,9 @@ from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.gguf.writer import WRITER_OWNED_KEYS, add_kv
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.stages import quantize
-from moeheal.pipeline.stages.dump import ARRAYS, open_dump
-from tests.ggufs import make_tiny_gguf
-from tests.healworld import write_world
+from moeheal.pipeline.data.dumps import ARRAYS, open_dump
+from bench.inputs.ggufs import make_tiny_gguf
+from bench.inputs.healworld import write_world
 
 N_LAYER = 3
 VARIANT = """
@@ -54,7 +54,7 @@ def world(tmp_path_factory) -> Path:
     config.write_text(config.read_text().replace("tokens = 1024", "tokens = 512"))
     run = HealRun(load_config(config), log=Log())
     for trace in run.traces_present():
-        run.dump(trace)
+        run.result(run.dump(trace))
     return config
 
 
@@ -70,7 +70,7 @@ def assembled(world, tmp_path_factory) -> Path:
     config = copy_world(world, tmp_path_factory.mktemp("assembled") / "w")
     run = HealRun(load_config(config), log=Log())
     for variant in run.all_quantized_variants():
-        run.assemble(variant)
+        run.result(run.assemble(variant))
     return config
 
 
@@ -106,7 +106,7 @@ def test_a_killed_quantize_resumes_at_the_layer_it_reached(world, tmp_path, monk
     monkeypatch.setattr(quantize, "quantize_layer", killed_at_layer_2)
     run = HealRun(load_config(config), log=Log())
     with pytest.raises(RuntimeError, match="killed"):
-        run.assemble(run.cfg.variants[0])
+        run.result(run.assemble(run.cfg.variants[0]))
     assert built == [0, 1]
     planned = statuses(config)
     assert [planned[u] for u in units("quantize", "v1")] == ["cached", "cached", "compute"]
@@ -121,7 +121,7 @@ def test_a_killed_quantize_resumes_at_the_layer_it_reached(world, tmp_path, monk
     built.clear()
     log = Log()
     resumed = HealRun(load_config(config), log=log)
-    resumed.assemble(resumed.cfg.variants[0])
+    resumed.result(resumed.assemble(resumed.cfg.variants[0]))
     assert built == [2]
     assert log.computed() == ["assemble:v1", "calibrate:v1:2", "quantize:v1:2"]
 
@@ -134,7 +134,7 @@ def test_a_calibrate_knob_recomputes_calibrate_units_and_assembly_only(assembled
     assert all(planned[u] == "compute" for u in units("calibrate", "v1"))
     log = Log()
     run = HealRun(load_config(config), log=log)
-    run.assemble(run.cfg.variants[0])
+    run.result(run.assemble(run.cfg.variants[0]))
     assert log.computed() == ["assemble:v1", *units("calibrate", "v1")]
 
 
@@ -170,7 +170,7 @@ def reference_assembly(path: Path, source: GGUFModel, calibrated: list[Path], va
 def test_assembly_is_byte_identical_to_an_all_at_once_assembly(assembled, tmp_path):
     run = HealRun(load_config(assembled), log=Log())
     for variant in run.all_quantized_variants():
-        ours = run.assemble(variant).path
+        ours = run.result(run.assemble(variant)).path
         theirs = tmp_path / f"{variant.name}.gguf"
         reference_assembly(theirs, run.source, [u.path for u in run.calibrated_layers(variant)], variant.name,
                            variant.knobs())
@@ -201,7 +201,8 @@ def test_shard_workers_build_each_unit_once_and_the_same_gguf(world, assembled, 
     assert planned["assemble:v1"] == "compute"  # a worker assembles nothing
     runs = [HealRun(load_config(config), log=Log()) for config in (sharded, single)]
     for variant in runs[0].all_quantized_variants():
-        assert runs[0].assemble(variant).path.read_bytes() == runs[1].assemble(variant).path.read_bytes()
+        assert all(r.result(r.assemble(variant)).path.read_bytes() == runs[0].result(runs[0].assemble(variant)).path
+                   .read_bytes() for r in runs[1:])
 
 
 @pytest.mark.parametrize("shard", ["2/2", "1", "a/b", "1/-2", "0/0"])
@@ -226,8 +227,8 @@ def test_a_bfloat16_dump_reads_back_as_the_float32_dump_rounded(bf16_world):
     assert bf_config.dump_dtype == "bfloat16"
     plain = dataclasses.replace(bf_config, dump_dtype="float32")
     for trace in ("calibration", "unseen"):
-        bf_dump = HealRun(bf_config, log=Log()).dump(trace)
-        f32_dump = HealRun(plain, log=Log()).dump(trace)
+        bf_run, f32_run = HealRun(bf_config, log=Log()), HealRun(plain, log=Log())
+        bf_dump, f32_dump = bf_run.result(bf_run.dump(trace)), f32_run.result(f32_run.dump(trace))
         assert bf_dump.fingerprint != f32_dump.fingerprint and f32_dump.cached
         bf, f32 = open_dump(bf_dump.path), open_dump(f32_dump.path)
         for layer in map(str, range(N_LAYER)):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from tests.ggufs import make_tiny_gguf
+from bench.inputs.ggufs import make_tiny_gguf
 from tests.test_init import write_text_folder
 from tests.wheels import build_wheel, run
 

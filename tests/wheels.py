@@ -36,5 +36,5 @@ def build_wheel(work: Path) -> Path:
         else:
             source.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, source / name)
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(work / "dist"), str(source)], cwd=work)
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(work / "dist"), str(source)], cwd=work)
     return next((work / "dist").glob("moeheal-*.whl"))

@@ -23,7 +23,8 @@ from tokenizers import Tokenizer
 
 from moeheal.kernels.ngram import ngram_hashes
 from moeheal.pipeline.commands.init import write_windows_csv
-from moeheal.pipeline.stages.corpus import build_docs, generate_windows, read_documents, read_split
+from moeheal.pipeline.data.documents import build_docs, read_documents, read_split
+from moeheal.pipeline.data.windows import generate_windows
 
 DEMO = Path(__file__).resolve().parents[1]
 NGRAM = 16  # the audit's n

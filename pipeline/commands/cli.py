@@ -12,17 +12,36 @@ import errno
 import json
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from moeheal import __version__
 from moeheal.pipeline.errors import InputError, MoehealError
 
+if TYPE_CHECKING:
+    from moeheal.pipeline.config import Config
 
-def _pipeline(args: argparse.Namespace, plan: bool = False, peers_may_be_missing: bool = False):
-    from moeheal.pipeline.config import load_config
+
+# The commands that read the outside (peer) GGUFs a config names: `heal` and `eval` evaluate them,
+# `calibrate` tabulates them (`variants`, `recipe`, `sizes`), `plan` fingerprints them. They need every
+# peer made. The others read none, so they run before a peer is made: an audit before the peers, the
+# `imatrix` and `recipe` that help make one.
+READS_PEERS = ("heal", "plan", "calibrate", "eval")
+
+
+def _config(args: argparse.Namespace) -> Config:
+    """The command's config: for a command that reads the peers, all of them (one missing is one
+    line naming the file and its config key, exit 2); for the others, less those not made yet."""
+    from moeheal.pipeline.config import load_config, without_unmade_peers
+
+    if args.command in READS_PEERS:
+        return load_config(args.config)
+    return without_unmade_peers(load_config(args.config, peers_may_be_missing=True))
+
+
+def _pipeline(args: argparse.Namespace, plan: bool = False):
     from moeheal.pipeline.heal import HealRun
 
-    return HealRun(load_config(args.config, peers_may_be_missing), plan=plan)
+    return HealRun(_config(args), plan=plan)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -109,7 +128,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from moeheal.pipeline.heal import audit_summary
 
     run = _pipeline(args)
-    print(audit_summary(run.audit()))
+    print(audit_summary(run.overlap()))
     run.publish(only=AUDIT_TABLES)
     return 0
 
@@ -117,7 +136,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 def cmd_dump(args: argparse.Namespace) -> int:
     run = _pipeline(args)
     for trace in run.traces_present():  # the unseen trace only when [calibration] unseen_tokens > 0
-        result = run.dump(trace)
+        result = run.result(run.dump(trace))
         print(f"{trace}: {result.path}")
     run.publish(only=DUMP_TABLES)
     return 0
@@ -127,7 +146,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     run = _pipeline(args)
     for variant in run.all_quantized_variants():  # one unit per layer: `quantize:<variant>:<layer>`
         for layer in run.source.moe_layers:
-            print(f"{variant.name}:{layer}: {run.quantize(variant, layer).path}")
+            print(f"{variant.name}:{layer}: {run.result(run.quantize(variant, layer)).path}")
     run.publish(only=DUMP_TABLES + ("sensitivity", "learned_curve"))
     return 0
 
@@ -135,7 +154,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     run = _pipeline(args)
     for variant in run.all_quantized_variants():
-        print(f"{variant.name}: {run.assemble(variant).path}")
+        print(f"{variant.name}: {run.result(run.assemble(variant)).path}")
     run.publish(only=CALIBRATE_TABLES)
     return 0
 
@@ -164,7 +183,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_imatrix(args: argparse.Namespace) -> int:
-    run = _pipeline(args, peers_may_be_missing=True)  # the imatrix comes before the peers made with it
+    run = _pipeline(args)  # the imatrix comes before the peers made with it
     print(run.write_imatrix(Path(args.out)))
     return 0
 
@@ -172,12 +191,9 @@ def cmd_imatrix(args: argparse.Namespace) -> int:
 def cmd_recipe(args: argparse.Namespace) -> int:
     import shlex
 
-    from moeheal.pipeline.config import load_config
     from moeheal.pipeline.heal import HealRun
 
-    # the peer this command helps make may not exist yet
-    run = HealRun(load_config(args.config, peers_may_be_missing=True),
-                  log=lambda message: print(message, file=sys.stderr))
+    run = HealRun(_config(args), log=lambda message: print(message, file=sys.stderr))  # before the peer it makes
     print(shlex.join(run.llama_quantize_command(args.variant, Path(args.imatrix), Path(args.out) if args.out else None,
                                                 args.llama_quantize)))
     return 0
@@ -190,11 +206,10 @@ def cmd_import_dump(args: argparse.Namespace) -> int:
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
-    from moeheal.pipeline.config import load_config
     from moeheal.pipeline.lake.store import Lake
     from moeheal.pipeline.commands.sql import run_user_sql
 
-    lake = Lake(load_config(args.config).lake_root)
+    lake = Lake(_config(args).lake_root)
     fmt, *rest = args.format
     if fmt not in ("table", "csv", "parquet") or len(rest) > (fmt == "parquet"):
         raise InputError(f"sql: --format {' '.join(args.format)}: expected table, csv or parquet OUT")

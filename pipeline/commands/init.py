@@ -55,7 +55,7 @@ from moeheal.pipeline.model import roles
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.sources.package_data import DATA
-from moeheal.pipeline.stages.corpus import clean_score_starts, generate_windows
+from moeheal.pipeline.data.windows import clean_score_starts, generate_windows
 from moeheal.pipeline.gguf.tokenizer import build_tokenizer
 
 BUNDLED_CORPUS = DATA / "corpus" / "docs.jsonl"

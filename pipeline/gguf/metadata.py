@@ -12,17 +12,61 @@ config has the setting, and reads its default otherwise).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from gguf import GGUFValueType
-from gguf.constants import GGML_QUANT_VERSION
+from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType
+from gguf.constants import GGML_QUANT_SIZES, GGML_QUANT_VERSION
 
 KV = tuple[str, Any, GGUFValueType | None]  # a key, its value, its GGUF type (an array's item type)
 
 U32, F32, BOOL, STR = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL, GGUFValueType.STRING
 INT32 = GGUFValueType.INT32
+
+FILE_TYPE_KEY = "general.file_type"
+
+# The file type (llama.cpp's `llama_ftype`) that llama-quantize is given to store a model's
+# weights in a ggml type: `llama_ftype_get_default_type` (llama.cpp, src/llama-quant.cpp) read
+# backwards. Where several file types store one type (Q3_K_S/_M/_L, Q2_K/Q2_K_S, IQ2_XS/IQ2_S,
+# IQ3_XS/IQ3_S/IQ3_M), the one llama.cpp's loader names for a file of that type without the key
+# (`llama_model_loader`): Q2_K, the _M k-quants, IQ2_XS, IQ3_S. IQ2_S is the default type of
+# IQ2_M alone (llama-quantize's IQ2_S stores IQ2_XS), so a file of IQ2_S weights is an IQ2_M.
+FILE_TYPE_OF: dict[GGMLQuantizationType, LlamaFileType] = {
+    GGMLQuantizationType[ggml_type]: LlamaFileType[file_type] for ggml_type, file_type in (
+        ("F32", "ALL_F32"), ("F16", "MOSTLY_F16"), ("BF16", "MOSTLY_BF16"), ("Q4_0", "MOSTLY_Q4_0"),
+        ("Q4_1", "MOSTLY_Q4_1"), ("Q5_0", "MOSTLY_Q5_0"), ("Q5_1", "MOSTLY_Q5_1"), ("Q8_0", "MOSTLY_Q8_0"),
+        ("Q1_0", "MOSTLY_Q1_0"), ("MXFP4", "MOSTLY_MXFP4_MOE"), ("Q2_K", "MOSTLY_Q2_K"), ("Q3_K", "MOSTLY_Q3_K_M"),
+        ("Q4_K", "MOSTLY_Q4_K_M"), ("Q5_K", "MOSTLY_Q5_K_M"), ("Q6_K", "MOSTLY_Q6_K"), ("TQ1_0", "MOSTLY_TQ1_0"),
+        ("TQ2_0", "MOSTLY_TQ2_0"), ("IQ1_S", "MOSTLY_IQ1_S"), ("IQ1_M", "MOSTLY_IQ1_M"),
+        ("IQ2_XXS", "MOSTLY_IQ2_XXS"), ("IQ2_XS", "MOSTLY_IQ2_XS"), ("IQ2_S", "MOSTLY_IQ2_M"),
+        ("IQ3_XXS", "MOSTLY_IQ3_XXS"), ("IQ3_S", "MOSTLY_IQ3_S"), ("IQ4_NL", "MOSTLY_IQ4_NL"),
+        ("IQ4_XS", "MOSTLY_IQ4_XS"))
+}
+
+
+def _bits_per_weight(ggml_type: GGMLQuantizationType) -> float:
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    return 8 * type_size / block_size
+
+
+def experts_file_type(weights: Mapping[GGMLQuantizationType, int]) -> LlamaFileType | None:
+    """The `general.file_type` of a file whose routed experts hold `weights[t]` weights of ggml type
+    t: the file type of the type holding the most of them; None when there are no experts or that
+    type has no file type.
+
+    Tools show a file's type as this key, and users read it as the type of the experts, which are
+    nearly all of an MoE model's weights. llama-quantize writes the file type it was given, the one
+    whose type the bulk of the weights takes (`FILE_TYPE_OF`; its mix puts a few other tensors in
+    other types, a Q2_K file's output matrix in Q6_K). A budget's mix of formats was given no single
+    file type: the type holding the most routed-expert weights sets most of the file's size and
+    error, so it is the one the file is named by. A tie goes to the type of fewer bits per weight,
+    so that a file never claims more precision than half its experts have.
+    """
+    if not weights:
+        return None
+    bulk = max(weights, key=lambda t: (weights[t], -_bits_per_weight(t)))
+    return FILE_TYPE_OF.get(bulk)
 
 
 def _key(name: str, vtype: GGUFValueType, default: Any = None) -> Any:
@@ -43,7 +87,7 @@ class ArchKeys:
     arch: str
     name: str = _required("general.name", STR)
     description: str | None = _key("general.description", STR)
-    file_type: int = _required("general.file_type", U32)
+    file_type: int = _required(FILE_TYPE_KEY, U32)
     quantization_version: int = _key("general.quantization_version", U32, GGML_QUANT_VERSION)
     context_length: int = _required("{arch}.context_length", U32)
     embedding_length: int = _required("{arch}.embedding_length", U32)

@@ -9,6 +9,7 @@ system).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -20,8 +21,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import quantize
 
-from moeheal.pipeline.gguf.metadata import KV
+from moeheal.pipeline.gguf.metadata import FILE_TYPE_KEY, FILE_TYPE_OF, KV, U32, experts_file_type
 from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.model.roles import ROUTED_TENSOR
 
 TensorItem = tuple[str, np.ndarray, GGMLQuantizationType]
 
@@ -33,10 +35,9 @@ _FLOAT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: 
 # A model's weight matrices by the name a user gives their type (`synth --type`, `convert_checkpoint`'s
 # outtype): the ggml type they are stored in and the `general.file_type` a file of them declares.
 MATRIX_TYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
-    "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
-    "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
-    "bf16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),
-    "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
+    name: (ggml_type, FILE_TYPE_OF[ggml_type]) for name, ggml_type in (
+        ("q8_0", GGMLQuantizationType.Q8_0), ("f16", GGMLQuantizationType.F16),
+        ("bf16", GGMLQuantizationType.BF16), ("f32", GGMLQuantizationType.F32))
 }
 
 
@@ -157,6 +158,21 @@ def _add_info(writer: GGUFWriter, name: str, tensor: np.ndarray | Deferred, ggml
         writer.add_tensor_info(name, tensor.shape, tensor.dtype, tensor.nbytes, raw_dtype=ggml_type)
 
 
+def file_type_kv(src: GGUFModel, written: Mapping[str, GGMLQuantizationType]) -> list[KV]:
+    """`general.file_type` for a copy of `src` whose tensors are stored in the types `written`
+    names (every tensor of `src`): the file type of its routed experts' types
+    (`metadata.experts_file_type`, each tensor counting its weights), or none when those are the
+    source's own (its key, copied, still says what they are) or no file type names them."""
+    routed = [name for name in src.tensor_names if ROUTED_TENSOR.match(name)]
+    if all(written[name] == src.raw(name).ggml_type for name in routed):
+        return []
+    weights: dict[GGMLQuantizationType, int] = {}
+    for name in routed:
+        weights[written[name]] = weights.get(written[name], 0) + math.prod(src.shape(name))
+    file_type = experts_file_type(weights)
+    return [] if file_type is None else [(FILE_TYPE_KEY, int(file_type), U32)]
+
+
 def copy_gguf(src: GGUFModel, path: str | os.PathLike[str],
               replace: Mapping[str, Replacement] | None = None,
               extra_kv: Sequence[KV] = ()) -> None:
@@ -166,13 +182,14 @@ def copy_gguf(src: GGUFModel, path: str | os.PathLike[str],
     then each tensor's data in file order, unreplaced ones as views on the
     source's memory map and `Deferred` ones read just before they are written.
     The bytes are those `GGUFWriter.add_tensor` + `write_tensors_to_file` give.
-    `extra_kv` entries are added, or overwrite same-named keys of the source.
+    `extra_kv` entries are added, or overwrite same-named keys of the source. Where the routed
+    experts change type, `general.file_type` says what they are now (`file_type_kv`), unless
+    `extra_kv` sets it.
     """
     replace = replace or {}
     unknown = sorted(set(replace) - set(src.tensor_names))
     if unknown:
         raise KeyError(f"{src.name}: no tensor named {unknown[0]}")
-    extra_keys = {key for key, _, _ in extra_kv}
     given = {name: _stored(value[0], value[1], name) for name, value in replace.items()
              if not isinstance(value, Deferred)}
 
@@ -185,6 +202,10 @@ def copy_gguf(src: GGUFModel, path: str | os.PathLike[str],
             return given[name], value[1]
         raw = src.raw(name)
         return raw.data, raw.ggml_type
+
+    if FILE_TYPE_KEY not in {key for key, _, _ in extra_kv}:
+        extra_kv = [*extra_kv, *file_type_kv(src, {name: tensor_of(name)[1] for name in src.tensor_names})]
+    extra_keys = {key for key, _, _ in extra_kv}
 
     with _atomic_path(Path(path)) as tmp:
         writer = GGUFWriter(tmp, src.arch.name)

@@ -45,11 +45,45 @@ def module_file(module: str, root: Path) -> Path | None:
     return None
 
 
+def _type_checking_only(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): a block that never runs, so its imports
+    name no code the module executes."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _executed_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of `tree` (like `ast.walk`) except the bodies of `if TYPE_CHECKING:` blocks."""
+    found, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        if _type_checking_only(node):
+            todo.extend([node.test, *node.orelse])
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def lazy_api(tree: ast.AST) -> dict[str, str]:
+    """A package's lazily re-exported names, `API = {"name": "module", ...}` in its `__init__`
+    (`kernels/__init__.py`): `from moeheal.kernels import quantize` runs `kernels/encode.py`."""
+    for node in getattr(tree, "body", []):
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
+            node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(target, ast.Name) and target.id == "API" and isinstance(node.value, ast.Dict):
+            pairs = zip(node.value.keys, node.value.values)
+            return {k.value: v.value for k, v in pairs if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)}
+    return {}
+
+
 def _imported_names(tree: ast.AST, module: str, is_package: bool) -> set[str]:
-    """Every module name an `import` or `from ... import` in `tree` may refer to."""
+    """Every module name an `import` or `from ... import` in `tree` may refer to (imports under
+    `if TYPE_CHECKING:` name nothing that runs)."""
     names: set[str] = set()
     package = module if is_package else module.rpartition(".")[0]
-    for node in ast.walk(tree):
+    for node in _executed_nodes(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
@@ -73,11 +107,15 @@ def _string_constants(tree: ast.AST) -> set[str]:
 
 
 @lru_cache(maxsize=4096)
-def _references(source: str, filename: str, module: str, is_package: bool) -> tuple[frozenset[str], frozenset[str]]:
-    """(module names imported, string literals) of one file's source; keyed on the text, so a closure
+def _references(source: str, filename: str, module: str,
+                is_package: bool) -> tuple[frozenset[str], frozenset[str], tuple[tuple[str, str], ...]]:
+    """(module names imported, string literals, a package's lazy API as (name, module) pairs) of one
+    file's source; keyed on the text, so a closure
     re-parses only the files that changed since the last one (a plan computes one per stage module)."""
     tree = ast.parse(source, filename=filename)
-    return frozenset(_imported_names(tree, module, is_package)), frozenset(_string_constants(tree))
+    api = {f"{module}.{name}": f"{module}.{target}" for name, target in lazy_api(tree).items()} if is_package else {}
+    return (frozenset(_imported_names(tree, module, is_package)), frozenset(_string_constants(tree)),
+            tuple(sorted(api.items())))
 
 
 def closure(entry: str, root: Path = SOURCE_ROOT) -> dict[str, Path]:
@@ -88,6 +126,8 @@ def closure(entry: str, root: Path = SOURCE_ROOT) -> dict[str, Path]:
     """
     seen: dict[str, Path] = {}
     files: set[Path] = set()
+    lazy: dict[str, str] = {}  # "moeheal.kernels.quantize" -> "moeheal.kernels.encode", from packages seen
+    wanted: set[str] = set()  # every name imported so far (a package's API may be read after its user)
     todo = [entry]
     while todo:
         module = todo.pop()
@@ -96,7 +136,9 @@ def closure(entry: str, root: Path = SOURCE_ROOT) -> dict[str, Path]:
             continue
         files.add(file)
         seen[module] = file
-        imported, strings = _references(file.read_text(encoding="utf-8"), str(file), module, file.name == "__init__.py")
+        imported, strings, api = _references(file.read_text(encoding="utf-8"), str(file), module,
+                                             file.name == "__init__.py")
+        lazy.update(api)
         for stem in strings:
             sql = root / SUBPACKAGES["sql"] / f"{stem}.sql"
             if stem.isidentifier() and sql.is_file():
@@ -104,6 +146,8 @@ def closure(entry: str, root: Path = SOURCE_ROOT) -> dict[str, Path]:
                 todo.append(f"{PACKAGE}.sql")  # the package the queries are read from
         todo.extend(imported)
         todo.append(module.rpartition(".")[0])  # importing a module runs its package's __init__ first
+        wanted.update(imported)
+        todo.extend(lazy[name] for name in wanted & lazy.keys() if lazy[name] not in seen)
     return seen
 
 

@@ -1,24 +1,29 @@
 """Stages as declarations, and the one runner that caches, locks and builds them.
 
-A `Stage` is what a stage is: its name, where its output lives, its build
-function, the type of its parameters and the files it writes. The build
-function lives in the stage's module, whose import closure and queries are the
-stage's code identity (`pipeline/lake/codeid.py`), so the code that computes an
-output is always in its fingerprint. A `Node` is one invocation of a stage:
-its label (`quantize:v2:3`), one parameters object (a frozen dataclass of
-exactly the knobs that reach the computation), its input files and the nodes
-it reads. The parameters object is the only thing of the configuration that
-is hashed and the only thing of it the build function receives:
+A stage is one module of `pipeline/stages/`: a frozen dataclass of its
+parameters, one build function, and `STAGE = Stage(name, kind, build, ...)`.
+The build function's signature is the stage's declaration (as Hamilton or
+Dagster assets read theirs):
 
-    build(out, params, inputs, log)
+    def build(out: Path, params: QuantizeParams, *, source: Path, dump: Path | None = None,
+              recipe: Path | None = None, log: Log) -> None
 
-where `inputs` maps each input file's and each upstream node's name to its
-path. So key and computation agree by construction, not by hand; and the
-executor records which fields a build reads and fails one that never read a
-hashed knob (which would recompute where the output cannot change). A field
-marked `metadata={"fingerprint": False}` is a setting that cannot change the
-output (how many tokens a forward pass holds, how an error names the
-variant): the build reads it, the fingerprint does not.
+its `params` annotation is the type of its parameters, and each keyword-only
+parameter is an input: a file or an upstream stage's output, optional where it
+defaults to None, one per key where it is a `Mapping`. A `Node` is one
+invocation (`quantize:v2:3`): its parameters object, input files and upstream
+nodes, named as the build's parameters and checked against them when the node
+is declared, so a misspelt, missing or misshaped input fails `moeheal plan`
+instead of being silently dropped. The parameters object (exactly the knobs
+that reach the computation) is the only thing of the configuration that is
+hashed and the only thing of it the build receives; the executor records which
+fields a build reads and fails one that never read a hashed knob (which would
+recompute where the output cannot change). A field marked
+`metadata={"fingerprint": False}` is a setting that cannot change the output
+(how many tokens a forward pass holds, how an error names the variant).
+
+The stage's code is its module's import closure (`pipeline/lake/codeid.py`):
+one stage per module, so no two stages re-key each other.
 
 `Executor.result(node)` derives the fingerprint from the parameters, the
 content digests of the input files, the upstream fingerprints and the code,
@@ -31,40 +36,15 @@ output exists: `moeheal plan`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Union
 
-from moeheal.pipeline.lake.codeid import code_identity
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.lake.fingerprint import content_digest, fingerprint
+from moeheal.pipeline.lake.stage import Stage
 from moeheal.pipeline.lake.store import Lake, StageResult
-
-Build = Callable[[Path, Any, Mapping[str, Path], Callable[[str], None]], None]
-
-
-@dataclass(frozen=True)
-class Stage:
-    """What a stage is: its name, where its output lives, the module that computes it, and (for a
-    stage of the DAG) its build function, the type of its parameters and the files it writes."""
-
-    name: str
-    kind: str  # lake folder: dumps, quant, models, parts
-    suffix: str  # ".zarr", ".gguf", "" (a folder)
-    module: str  # e.g. "moeheal.pipeline.stages.dump": its import closure is the stage's code
-    resumable: bool = False  # True: a killed build's partial work is handed back to `build`
-    build: Build | None = None  # a function of `module`: build(out, params, inputs, log)
-    params: type | None = None  # the frozen dataclass `build` receives
-    outputs: tuple[str, ...] = ()  # files every build writes into its folder ("{layer}": the params' field)
-    check: Callable[[Path], None] | None = None  # raises on an output no run may go past (the audit's leaks)
-
-    def __post_init__(self) -> None:
-        for fn in (self.build, self.check):  # the code that computes an output is in its fingerprint
-            if fn is not None and fn.__module__ != self.module:
-                raise ValueError(f"stage {self.name}: {fn.__name__} is not in {self.module}")
-
-    def code(self) -> str:
-        return code_identity(self.module)
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,25 +58,58 @@ class Use:
         return result.path / self.file if self.file else result.path
 
 
+Upstream = Union[Use, "Node"]
+
+
 @dataclass(frozen=True, eq=False)
 class Node:
-    """One invocation of a stage: the data `Executor` needs to plan, fingerprint and build it."""
+    """One invocation of a stage: the data `Executor` needs to plan, fingerprint and build it.
 
-    label: str  # "dump:calibration", "assemble:v2", "quantize:v2:3" (a per-layer unit)
+    `inputs` (files, fingerprinted by content) and `upstream` (nodes, fingerprinted by fingerprint)
+    are named as the build function's keyword parameters; a node that names one the build does not
+    take, leaves out one it requires, or gives one where it takes one per key (or the reverse) is
+    refused when declared, before anything runs.
+    """
+
     stage: Stage
     params: Any  # an instance of `stage.params`
-    inputs: Mapping[str, Path] = field(default_factory=dict)  # files, fingerprinted by content
-    upstream: Mapping[str, Use | Node] = field(default_factory=dict)  # fingerprinted by fingerprint
+    key: tuple[Any, ...] = ()  # what tells this invocation from the stage's others: (variant, layer)
+    inputs: Mapping[str, Path | Mapping[Any, Path]] = field(default_factory=dict)
+    upstream: Mapping[str, Upstream | Mapping[Any, Upstream]] = field(default_factory=dict)
     after: tuple[Node, ...] = ()  # run (and checked) first, not read: the audit before any dump
     skip: str = ""  # why it cannot run here (llama-check without llama.cpp): planned `skipped`, else logged
+    label: str = ""  # "quantize:v2:3": the stage's name and the key, unless given (an imported dump)
 
-    def __post_init__(self) -> None:  # a node read whole is `Use(node)`
-        object.__setattr__(self, "upstream", {k: u if isinstance(u, Use) else Use(u) for k, u in self.upstream.items()})
-        if self.stage.params is not None and not isinstance(self.params, self.stage.params):
+    def __post_init__(self) -> None:
+        if not self.label:
+            object.__setattr__(self, "label", ":".join([self.stage.name, *map(str, self.key)]))
+        object.__setattr__(self, "upstream", {k: _uses(u) for k, u in self.upstream.items()})
+        if not isinstance(self.params, self.stage.params):
             raise TypeError(f"{self.label}: parameters {type(self.params).__name__}, "
                             f"declared {self.stage.params.__name__}")
         if set(self.inputs) & set(self.upstream):
             raise ValueError(f"{self.label}: {sorted(set(self.inputs) & set(self.upstream))} named twice")
+        given = {**self.inputs, **self.upstream}
+        declared, build = self.stage.inputs, self.stage.build.__qualname__
+        unknown = sorted(set(given) - set(declared))
+        missing = sorted(name for name, i in declared.items() if i.required and name not in given)
+        shape = sorted(name for name, value in given.items()
+                       if name in declared and declared[name].many != isinstance(value, Mapping))
+        for what, names in (("takes no input", unknown), ("needs", missing), ("takes one per key or one of", shape)):
+            if names:
+                raise TypeError(f"{self.label}: {build} {what} {', '.join(names)}")
+
+    def upstream_nodes(self) -> list[Node]:
+        """Every node this one reads, in a stable order."""
+        return [use.node for value in self.upstream.values()
+                for use in (value.values() if isinstance(value, Mapping) else (value,))]
+
+
+def _uses(value: Upstream | Mapping[Any, Upstream]) -> Use | dict[Any, Use]:
+    """A node read whole is `Use(node)`; a mapping of them, each."""
+    if isinstance(value, Mapping):
+        return {k: v if isinstance(v, Use) else Use(v) for k, v in value.items()}
+    return value if isinstance(value, Use) else Use(value)
 
 
 @dataclass(frozen=True)
@@ -174,6 +187,15 @@ def plan_stage(lake: Lake, stage: Stage, params: Any, inputs: Mapping[str, Path]
     return StageResult(stage.name, fp, lake.output_path(stage.kind, fp, stage.suffix), cached=cached)
 
 
+def flat(named: Mapping[str, Any]) -> dict[str, Any]:
+    """Inputs or upstream one per name, a per-key one's as `<name>.<key>` (`calibrated.3`): how
+    fingerprints and provenance name them."""
+    out: dict[str, Any] = {}
+    for name, value in named.items():
+        out |= {f"{name}.{k}": v for k, v in value.items()} if isinstance(value, Mapping) else {name: value}
+    return out
+
+
 class Executor:
     """Runs (or, with `plan=True`, plans) nodes: each once per run, upstream first.
 
@@ -196,12 +218,13 @@ class Executor:
             return self._results[node.label]
         for first in node.after:
             self.result(first)
-        up = {key: self.result(use.node) for key, use in node.upstream.items()}
+        up = {key: self.result(use.node) for key, use in flat(node.upstream).items()}
+        files = flat(node.inputs)
         assert all(r is not None for r in up.values()), f"{node.label} reads a skipped stage"
-        stage, labels = node.stage, tuple(sorted({use.node.label for use in node.upstream.values()}))
+        stage, labels = node.stage, tuple(sorted({n.label for n in node.upstream_nodes()}))
         result: StageResult | None
         if self.planning:
-            result = plan_stage(self.lake, stage, node.params, node.inputs, up)
+            result = plan_stage(self.lake, stage, node.params, files, up)
             status = "skipped" if node.skip else "cached" if result.cached else "compute"
             self.planned.append(PlannedStage(node.label, result.fingerprint, status, labels, stage.name))
             result = None if node.skip else result
@@ -209,9 +232,12 @@ class Executor:
             self.log(f"[{node.label}] skipped: {node.skip}")
             result = None
         else:
-            paths = {**node.inputs, **{key: use.path(up[key]) for key, use in node.upstream.items()}}
+            paths: dict[str, Any] = dict(node.inputs)
+            for name, value in node.upstream.items():
+                paths[name] = ({k: use.path(up[f"{name}.{k}"]) for k, use in value.items()}
+                               if isinstance(value, Mapping) else value.path(up[name]))
             try:
-                result = run_stage(self.lake, stage, node.params, node.inputs, up,
+                result = run_stage(self.lake, stage, node.params, files, up,
                                    lambda out: self.build(node, out, paths), self.log, node.label)
             except InputError as exc:  # the one line a user reads names the invocation: stage, variant, layer
                 raise type(exc)(f"{node.label}: {exc}") from None
@@ -221,13 +247,12 @@ class Executor:
         self._results[node.label] = result
         return result
 
-    def build(self, node: Node, out: Path, paths: Mapping[str, Path]) -> None:
+    def build(self, node: Node, out: Path, paths: Mapping[str, Any]) -> None:
         """The node's build, then two checks: it read every hashed knob of its parameters (else the
         fingerprint would move where the output cannot), and it wrote every file its stage declares."""
         build = node.stage.build
-        assert build is not None, f"{node.label}: stage {node.stage.name} declares no build"
         read: set[str] = set()
-        build(out, recording(node.params, read), paths, self.log)
+        build(out, recording(node.params, read), **paths, log=self.log)
         unread = sorted(set(param_record(node.params)) - read)
         if unread:
             raise RuntimeError(f"{node.label}: {build.__name__} never read {', '.join(unread)} of its parameters, "

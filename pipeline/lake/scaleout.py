@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from moeheal.pipeline.lake.dag import Node
 from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.lake.dag import Node
 
 RAY_MAX_RETRIES = 3  # a task whose worker died is run again this many times
 LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's nodes on 127.0.0.1 (`import_ray`)
@@ -46,8 +46,8 @@ def dag_order(targets: list[Node]) -> list[Node]:
         seen.add(node.label)
         for first in node.after:
             visit(first)
-        for use in node.upstream.values():
-            visit(use.node)
+        for upstream in node.upstream_nodes():
+            visit(upstream)
         order.append(node)
 
     for node in targets:
@@ -57,7 +57,7 @@ def dag_order(targets: list[Node]) -> list[Node]:
 
 def depends_on(node: Node) -> list[str]:
     """The labels of the nodes `node` reads or follows."""
-    return sorted({n.label for n in node.after} | {use.node.label for use in node.upstream.values()})
+    return sorted({n.label for n in node.after} | {n.label for n in node.upstream_nodes()})
 
 
 def unit_memory(run: Any, node: Node) -> int:

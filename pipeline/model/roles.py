@@ -22,10 +22,9 @@ import re
 
 import numpy as np
 
-from moeheal.kernels.importance import gate_up_importance
-from moeheal.pipeline.model.arch import Architecture
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import HParams
+from moeheal.pipeline.model.arch import Architecture
 
 ROUTED = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 SHARED = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
@@ -102,12 +101,6 @@ def matrix_input(role: str, params: dict, data: dict[str, np.ndarray], sequences
     if role == "attn_output":
         return _per_sequence(arch, arch.attention_heads, attention_params(params), data["attn_in"], sequences, hp)  # (N, H*hd)
     return data["attn_in"]
-
-
-def matrix_importance(role: str, x: np.ndarray, beta_gate_up: float, beta_down: float) -> np.ndarray:
-    """Per input-column weight of the squared error: E[x_j^2]^beta, mean 1 (as the routed roles')."""
-    mean_sq = np.mean(np.square(x, dtype=np.float64), axis=0)  # (cols,)
-    return gate_up_importance(mean_sq, beta_down if role in HIDDEN_SIDE else beta_gate_up)  # (cols,)
 
 
 def output_change(role: str, w_q: np.ndarray, params: dict, data: dict[str, np.ndarray], sequences: Sequences,

@@ -6,6 +6,14 @@ names the lake tables and the query it comes from, so a reader can re-run the
 query (`moeheal sql sql/pooled.sql`, or `duckdb lake/lake.duckdb`) and
 find the digits. Python here formats and plots; it computes nothing.
 
+What a section shows is declared in the header of its query file (the
+format: `sections.py`): heading, intro, columns and how each cell prints a
+row, plot. `CONTENTS` lists the sections in report order and `render_section`
+is the one renderer of them all; what a declaration cannot say (a label that
+depends on two columns, a sentence over a whole table, the per-window table
+whose columns are the variants, the plots) is a function registered here by
+the name the declaration uses.
+
 A section whose tables are not in the lake (a stage that has not run yet) says
 "not computed" and names what is missing, instead of failing: the report is
 also how one looks at a half-finished run. In-sample (calibration trace) and
@@ -16,39 +24,49 @@ because only the held-out ones say whether healing generalises.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import matplotlib
 
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402 (the backend must be chosen first)
+import pyarrow as pa  # noqa: E402
 
+from moeheal.pipeline.lake.sqlrun import SQL_DIR  # noqa: E402
 from moeheal.pipeline.lake.store import Lake  # noqa: E402
+from moeheal.pipeline.publish.sections import (  # noqa: E402
+    DASH, DeclarationError, Section, Table, fill, is_named, parse_declaration, template_fields)
 
 Row = dict[str, Any]
 
-# Where each report query reads from: a section runs only when all are present.
-QUERY_TABLES: dict[str, tuple[str, ...]] = {
-    "report_variants": ("variants",),
-    "report_docs": ("docs",),
-    "report_window_sets": ("windows", "overlap"),
-    "report_comparisons": ("comparisons",),
-    "report_stratum_ci": ("comparisons", "variants"),
-    "pooled": ("window_kld",),
-    "report_windows": ("window_kld", "overlap", "variants"),
-    "report_layers": ("layer_metrics",),
-    "report_layer_curves": ("layer_metrics",),
-    "report_ridge": ("ridge_cv",),
-    "report_hitrate": ("hitrate",),
-    "report_rank_check": ("layer_metrics", "window_kld"),
-    "report_sizes": ("sizes", "window_kld"),
-    "report_budget_rank_check": ("recipe", "sensitivity", "window_kld"),
-    "report_llama_numerics": ("activation_peaks", "llama_check"),
-    "report_e2e": ("e2e_curve",),
-    "report_e2e_curve": ("e2e_curve",),
-}
+# The report's sections in order: each a query whose header declares what it shows.
+CONTENTS = ("report_docs", "report_window_sets", "report_comparisons", "pooled", "report_windows", "report_layers",
+            "report_rank_check", "report_sizes", "report_budget_rank_check", "report_ridge", "report_hitrate",
+            "report_e2e", "report_llama_numerics")
+# Read for the variant order and the unhealed baseline every section sorts and compares by.
+CONTEXT_QUERY = "report_variants"
+# Section 2 shows sql/pooled.sql, the comparisons stage's own query (part of that stage's code identity), not
+# one of the report's: it is declared here, in the report's header format, so rewording it re-keys no stage.
+POOLED_SECTION = """
+-- reads: window_kld
+-- heading: 2. Per stratum: KLD / top-1 % (token-pooled)
+-- intro: Each cell: pooled KLD (nats per token) / top-1 agreement (% of tokens); n = windows. All windows
+--   of the set.
+-- group: {set:label}
+-- plot: strata_kld
+-- alt: per-stratum KLD, {set:label}
+-- caption: Bars: pooled KLD per stratum (`sql/pooled.sql`). Whiskers: the 95% window-bootstrap CI of the
+--   comparison against unhealed at the same MoCE bonus, drawn as unhealed's pooled KLD \u00d7 (1 + CI of
+--   \u0394 KLD / 100) (`comparisons` via `sql/report_stratum_ci.sql`); unhealed itself has none.
+-- rows: moce_bonus, variant
+-- columns:
+--   variant                         | {variant}, MoCE {moce_bonus:g}
+--   {stratum:label} (n={n_windows}) | {kld_pooled:.4f} / {top1_pct:.2f} | per stratum
+"""
 
 KIND_ORDER = {"reference": 0, "unhealed": 1, "healed": 2, "external": 3}
 SET_ORDER = {"eval": 0, "canary": 1}
@@ -59,6 +77,7 @@ SPLIT_LABELS = {
     "even_odd": "held-out (even/odd tokens)",
     "in_sample_realized": "in-sample, realized after requantization",
     "unseen_realized": "held-out (unseen trace), realized after requantization",
+    "calibration": "in-sample (calibration probe)",
 }
 BASELINE_KIND = "unhealed"
 # The plots this module writes; only these are replaced in, or exported from, a report folder.
@@ -81,17 +100,17 @@ THIN_NOTE = (f"{THIN} = at least one stratum has a single window in this set and
 # ---- small formatting helpers ---------------------------------------------------------
 def fmt_num(x: float | None, digits: int) -> str:
     """A float with fixed decimals; an em dash for a value the query left NULL."""
-    return "\u2014" if x is None else f"{x:.{digits}f}"
+    return DASH if x is None else f"{x:.{digits}f}"
 
 
 def fmt_signed(x: float | None, digits: int) -> str:
-    return "\u2014" if x is None else f"{x:+.{digits}f}"
+    return DASH if x is None else f"{x:+.{digits}f}"
 
 
 def fmt_ci(point: float | None, lo: float | None, hi: float | None, unit: str = "") -> str:
     """`-28.55% (-33.5, -23.2)`: point with two decimals, interval with one, as in the audit."""
     if point is None:
-        return "\u2014"
+        return DASH
     return f"{point:+.2f}{unit} ({fmt_signed(lo, 1)}, {fmt_signed(hi, 1)})"
 
 
@@ -112,6 +131,11 @@ def figure(path: str, alt: str, caption: str) -> list[str]:
     return [f"![{alt}]({path})", "", f"_{caption}_", ""]
 
 
+def paragraphs(texts: Iterable[str]) -> list[str]:
+    """Report lines: each text, then a blank line."""
+    return [line for text in texts for line in (text, "")]
+
+
 def source_note(stem: str) -> str:
     """The provenance line every report table carries."""
     tables = ", ".join(f"`{t}`" for t in QUERY_TABLES[stem])
@@ -126,34 +150,44 @@ def sorted_sets(names: Iterable[str | None]) -> list[str | None]:
     return sorted(set(names), key=lambda s: (SET_ORDER.get(s or "", 9), s or ""))
 
 
-# ---- queries ---------------------------------------------------------------------------
-class ReportData:
-    """The lake's tables as the report queries see them; knows which are missing."""
+# `{column:label}` in a declaration: the column's value in words.
+LABELS: dict[str, Callable[[Any], str]] = {
+    "set": set_label,
+    "split": lambda split: SPLIT_LABELS.get(split, split),
+    "stratum": lambda stratum: "pooled" if stratum == "all" else stratum,
+    "layer": lambda layer: "output" if layer == -1 else f"layer {layer}",
+    "budget_roles": lambda roles: " (file)" if roles == "all" else "",
+    "configured": lambda configured: " (configured)" if configured else "",
+}
 
-    def __init__(self, lake: Lake):
-        self.lake = lake
-        self.present = set(lake.table_names())
-        self._rows: dict[str, list[Row]] = {}
 
-    def missing(self, stem: str) -> list[str]:
-        return [t for t in QUERY_TABLES[stem] if t not in self.present]
+# ---- what every section sorts and compares by --------------------------------------------
+@dataclass(frozen=True)
+class Context:
+    """The variant order (kind, then config order) and the unhealed baseline, from `report_variants`."""
 
-    def rows(self, stem: str) -> list[Row]:
-        """The query's rows, or [] when a table it reads is absent."""
-        if self.missing(stem):
-            return []
-        if stem not in self._rows:
-            self._rows[stem] = self.lake.query(stem).to_pylist()
-        return self._rows[stem]
+    order: dict[str, int] = field(default_factory=dict)
+    baseline: str | None = None
 
-    def empty(self, stem: str) -> bool:
-        return not self.missing(stem) and not self.rows(stem)
+    def values(self) -> dict[str, Any]:
+        """What a declaration's templates may name besides the query's columns."""
+        return {"baseline": self.baseline}
 
-    def not_computed(self, stem: str) -> list[str]:
-        names = ", ".join(f"`{t}`" for t in self.missing(stem))
-        if names:
-            return [f"_Not computed: the lake has no {names} table yet._", ""]
-        return [f"_Not computed: `sql/{stem}.sql` returns no rows._", ""]
+    def sort_key(self, column: str, value: Any) -> tuple:
+        """How values of `column` sort: sets eval first, variants in report order, splits in-sample first,
+        the pooled stratum 'all' last, anything else by value."""
+        if column == "set":
+            return SET_ORDER.get(value or "", 9), value or ""
+        if column in ("variant", "a", "b"):
+            return self.order.get(value, len(self.order)), value
+        if column == "split":
+            return value != "in_sample", value
+        if column == "stratum":
+            return value == "all", value
+        return value is None, value
+
+
+CONTEXT_NAMES = frozenset(Context().values())
 
 
 def variant_order(variants: list[Row], seen: Iterable[str]) -> dict[str, int]:
@@ -169,49 +203,46 @@ def baseline_name(variants: list[Row]) -> str | None:
     return next((v["variant"] for v in variants if v["kind"] == BASELINE_KIND), None)
 
 
-# ---- section 0: inputs -----------------------------------------------------------------
-def section_inputs(data: ReportData) -> list[str]:
-    lines = ["## 0. Inputs", "", "### Documents by role (frozen split)", ""]
-    if data.missing("report_docs") or data.empty("report_docs"):
-        lines += data.not_computed("report_docs")
-    else:
-        rows = data.rows("report_docs")
-        lines += markdown_table(["role", "stratum", "docs", "tokens"],
-                                ([r["role"], r["stratum"], str(r["n_docs"]), str(r["n_tokens"])] for r in rows))
-        lines += ["", source_note("report_docs"), ""]
-    lines += ["### Evaluation windows", ""]
-    if data.missing("report_window_sets") or data.empty("report_window_sets"):
-        return lines + data.not_computed("report_window_sets")
-    rows = data.rows("report_window_sets")
-    lines += markdown_table(["set", "stratum", "windows", "scored tokens", "clean windows"],
-                            ([r["set"], r["stratum"], str(r["n_windows"]), str(r["scored_tokens"]),
-                              str(r["n_clean"])] for r in rows))
-    return lines + ["", "Clean = no n-gram of the window (context or scored span) occurs in the "
-                    "calibration trace.", "", source_note("report_window_sets"), ""]
+# ---- queries ---------------------------------------------------------------------------
+class ReportData:
+    """The lake's tables as the report queries see them; knows which are missing."""
+
+    def __init__(self, lake: Lake):
+        self.lake = lake
+        self.present = set(lake.table_names())
+        self._results: dict[str, pa.Table] = {}
+
+    def missing(self, stem: str) -> list[str]:
+        return [t for t in QUERY_TABLES[stem] if t not in self.present]
+
+    def result(self, stem: str) -> pa.Table:
+        """The query's result; the caller checks `missing` first."""
+        if stem not in self._results:
+            self._results[stem] = self.lake.query(stem)
+        return self._results[stem]
+
+    def rows(self, stem: str) -> list[Row]:
+        """The query's rows, or [] when a table it reads is absent."""
+        return [] if self.missing(stem) else self.result(stem).to_pylist()
+
+    def not_computed(self, stem: str) -> list[str]:
+        names = ", ".join(f"`{t}`" for t in self.missing(stem))
+        if names:
+            return [f"_Not computed: the lake has no {names} table yet._", ""]
+        return [f"_Not computed: `sql/{stem}.sql` returns no rows._", ""]
 
 
-# ---- section 1: pooled comparisons ------------------------------------------------------
-def comparison_label(row: Row) -> tuple[str, str]:
-    """(what is compared, MoCE bonus column) for one comparisons row."""
-    if row["a"] == row["b"]:
-        return f"isolated MoCE: {row['a']}", f"{fmt_bonus(row['moce_bonus_a'])} \u2192 {fmt_bonus(row['moce_bonus'])}"
-    if row["moce_bonus_a"] != row["moce_bonus"]:
-        return (f"{row['a']} \u2192 {row['b']}",
-                f"{fmt_bonus(row['moce_bonus_a'])} \u2192 {fmt_bonus(row['moce_bonus'])}")
-    return f"{row['a']} \u2192 {row['b']}", fmt_bonus(row["moce_bonus"])
+# ---- registered cells: what a template cannot say ---------------------------------------
+def comparison_cell(row: Row) -> str:
+    """What one comparisons row compares: a -> b, or one variant at two MoCE bonuses."""
+    return f"isolated MoCE: {row['a']}" if row["isolated_moce"] else f"{row['a']} \u2192 {row['b']}"
 
 
-def comparison_cells(row: Row, prefix: str) -> list[str]:
-    """KLD a -> b, delta % with CI, wins/n, top-1 delta with CI, for the full or clean subset."""
-    if row[f"{prefix}n_windows"] is None:
-        return ["no clean windows", "\u2014", "\u2014", "\u2014"]
-    mark = (f" {ZERO_WIDTH}" if zero_width_ci(row, prefix) else "") + (f" {THIN}" if thin(row, prefix) else "")
-    return [
-        f"{fmt_num(row[f'{prefix}kld_a'], 4)} \u2192 {fmt_num(row[f'{prefix}kld_b'], 4)}",
-        fmt_ci(row[f"{prefix}delta_pct"], row[f"{prefix}ci_lo"], row[f"{prefix}ci_hi"], "%") + mark,
-        f"{row[f'{prefix}wins']}/{row[f'{prefix}n_windows']}",
-        fmt_ci(row[f"{prefix}top1_delta"], row[f"{prefix}top1_lo"], row[f"{prefix}top1_hi"]) + mark,
-    ]
+def comparison_moce_cell(row: Row) -> str:
+    """The MoCE bonus of both sides, or of each where they differ."""
+    if row["isolated_moce"] or row["moce_bonus_a"] != row["moce_bonus"]:
+        return f"{fmt_bonus(row['moce_bonus_a'])} \u2192 {fmt_bonus(row['moce_bonus'])}"
+    return fmt_bonus(row["moce_bonus"])
 
 
 def zero_width_ci(row: Row, prefix: str) -> bool:
@@ -225,80 +256,128 @@ def thin(row: Row, prefix: str) -> bool:
     return (row[f"{prefix}thin_strata"] or 0) > 0
 
 
-def strata_windows_line(rows: list[Row]) -> list[str]:
+def change_cell(prefix: str, point: str, lo: str, hi: str, unit: str, row: Row) -> str:
+    """A change with its CI, marked where the CI has zero width or a stratum has one window; an
+    em dash for the clean columns of a pair without clean windows."""
+    if row[f"{prefix}n_windows"] is None:
+        return DASH
+    mark = (f" {ZERO_WIDTH}" if zero_width_ci(row, prefix) else "") + (f" {THIN}" if thin(row, prefix) else "")
+    return fmt_ci(row[prefix + point], row[prefix + lo], row[prefix + hi], unit) + mark
+
+
+CELLS: dict[str, Callable[[Row], str]] = {
+    "comparison": comparison_cell,
+    "comparison_moce": comparison_moce_cell,
+    **{f"{prefix}{name}": partial(change_cell, prefix, *columns)
+       for prefix in ("", "clean_")
+       for name, columns in (("kld_change", ("delta_pct", "ci_lo", "ci_hi", "%")),
+                             ("top1_change", ("top1_delta", "top1_lo", "top1_hi", "")))},
+}
+
+
+# ---- registered paragraphs: sentences over a whole group or table -------------------------
+def strata_windows(rows: list[Row]) -> list[str]:
     """Windows per stratum behind a set's rows, all windows and clean ones (the same for every pair)."""
     full = next((r["strata_windows"] for r in rows if r["strata_windows"] is not None), None)
     if full is None:
         return []
     clean = next((r["clean_strata_windows"] for r in rows if r["clean_strata_windows"] is not None), None)
-    return [f"Windows per stratum: all windows {full}; clean windows {clean or 'none'}.", ""]
+    return [f"Windows per stratum: all windows {full}; clean windows {clean or 'none'}."]
 
 
-def section_comparisons(data: ReportData, order: dict[str, int]) -> list[str]:
-    lines = ["## 1. Pooled comparisons (95% CI = window bootstrap)", ""]
-    if data.missing("report_comparisons") or data.empty("report_comparisons"):
-        return lines + data.not_computed("report_comparisons")
-    rows = data.rows("report_comparisons")
-    lines += [
-        "KLD is KL(reference || variant) in nats per scored token, pooled over tokens. "
-        "\u0394 KLD = 100 (pooled_b / pooled_a \u2212 1); \u0394 top-1 is in percentage points; "
-        "wins = windows where b's KLD is below a's. CIs resample windows with replacement within "
-        "each stratum, paired. The clean columns repeat the comparison on the windows that share "
-        "no n-gram with the calibration trace.", ""]
-    header = ["comparison", "MoCE", "KLD a \u2192 b", "\u0394 KLD % (95% CI)", "b wins", "\u0394 top-1 pt (95% CI)",
-              "clean: KLD a \u2192 b", "clean: \u0394 KLD %", "clean: b wins", "clean: \u0394 top-1 pt"]
-    for name in sorted_sets(r["set"] for r in rows):
-        subset = sorted((r for r in rows if r["set"] == name),
-                        key=lambda r: (r["a"] == r["b"], order.get(r["a"], 99), order.get(r["b"], 99),
-                                       r["moce_bonus"], r["moce_bonus_a"]))
-        lines += [f"### {set_label(name)}", ""]
-        lines += markdown_table(header, ([*comparison_label(r), *comparison_cells(r, ""),
-                                          *comparison_cells(r, "clean_")] for r in subset))
-        lines += [""] + strata_windows_line(subset)
+def ci_marks(rows: list[Row]) -> list[str]:
+    """The footnotes of the marks some CI of the comparisons carries."""
     measured = [(r, p) for r in rows for p in ("", "clean_") if r[f"{p}n_windows"] is not None]
-    if any(zero_width_ci(r, p) for r, p in measured):
-        lines += [ZERO_WIDTH_NOTE, ""]
-    if any(thin(r, p) for r, p in measured):
-        lines += [THIN_NOTE, ""]
-    return lines + [source_note("report_comparisons"), ""]
+    return ([ZERO_WIDTH_NOTE] if any(zero_width_ci(r, p) for r, p in measured) else []) + \
+        ([THIN_NOTE] if any(thin(r, p) for r, p in measured) else [])
 
 
-# ---- section 2: per stratum -------------------------------------------------------------
-def strata_table(rows: list[Row], order: dict[str, int]) -> list[str]:
-    """One row per (MoCE bonus, variant), one column per stratum and the pooled 'all'."""
-    strata = sorted({r["stratum"] for r in rows if r["stratum"] != "all"})
-    cell = {(r["variant"], r["moce_bonus"], r["stratum"]): r for r in rows}
-    keys = sorted({(r["moce_bonus"], r["variant"]) for r in rows}, key=lambda k: (k[0], order.get(k[1], 99)))
+def rank_agreement(rows: list[Row]) -> list[str]:
+    """Whether the local metric and KLD rank one set's variants alike."""
+    agree = all(r["rank_local"] == r["rank_kld"] for r in rows)
+    return [f"{set_label(rows[0]['set'])}: ranks {'agree' if agree else 'DISAGREE'} for {len(rows)} variants."]
+
+
+def set_disagreement(rows: list[Row]) -> list[str]:
+    """The sentence saying where the eval and canary KLD rankings differ (nothing with one set);
+    variants in eval-rank order, as the query returns them."""
+    by_set: dict[str | None, dict[str, Row]] = {}
+    for r in rows:
+        by_set.setdefault(r["set"], {})[r["variant"]] = r
+    if "eval" not in by_set or "canary" not in by_set:
+        return []
+    ev, ca = by_set["eval"], by_set["canary"]
+    differ = [v for v in ev if v in ca and ev[v]["rank_kld"] != ca[v]["rank_kld"]]
+    if not differ:
+        return ["Eval and canary KLD rank these variants the same way."]
+    where = ", ".join(f"{v} ({ev[v]['rank_kld']} on eval, {ca[v]['rank_kld']} on canary)" for v in differ)
+    return [f"Eval and canary KLD DISAGREE on the ranks of {where}."]
+
+
+def budget_check(rows: list[Row]) -> list[str]:
+    """One sensitivity measurement on one set: the Spearman correlation over the variants it covers,
+    and the variants it leaves out."""
+    covered = [r for r in rows if r["covered"]]
+    left_out = [r["variant"] for r in rows if not r["covered"]]
+    where = f"sensitivity `{rows[0]['sensitivity']}`"
+    if not covered:
+        return [f"{where}, {set_label(rows[0]['set'])}: no variant's formats are all measured."]
+    first = covered[0]
+    return [f"{where} ({first['n_roles']} roles per layer), {set_label(first['set'])}: Spearman rank correlation "
+            f"{fmt_signed(first['spearman'], 3)} over {first['n_variants']} variants."
+            + (f" Left out (a format not measured): {', '.join(left_out)}." if left_out else "")]
+
+
+def llama_skipped(rows: list[Row]) -> list[str]:
+    """Why no llama-perplexity column has a number, when none has."""
+    if any(r["llama_chunks"] is not None for r in rows):
+        return []
+    return ["llama-perplexity: skipped (llama.cpp is not installed: set LLAMA_CPP_DIR to a build folder "
+            "holding bin/llama-perplexity)."]
+
+
+TEXTS: dict[str, Callable[[list[Row]], list[str]]] = {
+    "strata_windows": strata_windows, "ci_marks": ci_marks, "rank_agreement": rank_agreement,
+    "set_disagreement": set_disagreement, "budget_check": budget_check, "llama_skipped": llama_skipped,
+}
+
+
+# ---- registered tables: columns that are the data's values --------------------------------
+def window_label(row: Row) -> str:
+    """Window id, with a dagger when its context shares n-grams with the calibration trace."""
+    if row["clean"] is None:
+        return f"{row['window_id']} (no overlap row)"
+    return row["window_id"] if row["clean"] else f"{row['window_id']} {DAGGER}"
+
+
+def per_window_table(rows: list[Row], ctx: Context) -> tuple[list[str], list[list[str]]]:
+    """One row per window: overlap counts, KLD per variant, change against the baseline per other
+    variant, top-1 of every variant in one cell. Its columns are the variants of the rows and which
+    one is the baseline, which a declaration cannot name."""
+    variants = sorted({r["variant"] for r in rows}, key=lambda v: ctx.sort_key("variant", v))
+    baseline = ctx.baseline
+    others = [v for v in variants if v != baseline]
+    by_window: dict[str, dict[str, Row]] = {}
+    for r in rows:
+        by_window.setdefault(r["window_id"], {})[r["variant"]] = r
+    header = ["window", "stratum", "shared ctx / scored", *(f"KLD {v}" for v in variants),
+              *(f"{v} vs {baseline}" for v in others if baseline), f"top-1 % {'/'.join(variants)}"]
     body = []
-    for bonus, variant in keys:
-        cells = []
-        for stratum in [*strata, "all"]:
-            r = cell.get((variant, bonus, stratum))
-            cells.append("\u2014" if r is None else f"{fmt_num(r['kld_pooled'], 4)} / {fmt_num(r['top1_pct'], 2)}")
-        body.append([f"{variant}, MoCE {fmt_bonus(bonus)}", *cells])
-    n_windows = {r["stratum"]: r["n_windows"] for r in rows}
-    header = ["variant", *(f"{s} (n={n_windows[s]})" for s in strata), f"pooled (n={n_windows['all']})"]
-    return markdown_table(header, body)
+    for cells in by_window.values():
+        first = next(iter(cells.values()))
+        shared = (DASH if first["clean"] is None
+                  else f"{first['shared_context']} / {first['shared_scored']} of {first['ngrams_whole']}")
+        kld = [fmt_num(cells[v]["kld_mean"], 4) if v in cells else DASH for v in variants]
+        delta = [f"{fmt_signed(cells[v]['delta_pct'], 1)}%" if v in cells and cells[v]["delta_pct"] is not None
+                 else DASH for v in others if baseline]
+        top1 = "/".join(fmt_num(cells[v]["top1_pct"], 1) if v in cells else DASH for v in variants)
+        body.append([window_label(first), first["stratum"], shared, *kld, *delta, top1])
+    return header, body
 
 
-def section_strata(data: ReportData, order: dict[str, int], plots: dict[str, str]) -> list[str]:
-    lines = ["## 2. Per stratum: KLD / top-1 % (token-pooled)", ""]
-    if data.missing("pooled") or data.empty("pooled"):
-        return lines + data.not_computed("pooled")
-    rows = data.rows("pooled")
-    lines += ["Each cell: pooled KLD (nats per token) / top-1 agreement (% of tokens); "
-              "n = windows. All windows of the set.", ""]
-    for name in sorted_sets(r["set"] for r in rows):
-        lines += [f"### {set_label(name)}", ""]
-        lines += strata_table([r for r in rows if r["set"] == name], order)
-        lines += [""]
-        if name in plots:
-            lines += figure(plots[name], f"per-stratum KLD, {set_label(name)}",
-                            "Bars: pooled KLD per stratum (`sql/pooled.sql`). Whiskers: the 95% window-"
-                            "bootstrap CI of the comparison against unhealed at the same MoCE bonus, drawn as "
-                            "unhealed's pooled KLD \u00d7 (1 + CI of \u0394 KLD / 100) (`comparisons` via "
-                            "`sql/report_stratum_ci.sql`); unhealed itself has none.")
-    return lines + [source_note("pooled"), ""]
+TABLES: dict[str, Callable[[list[Row], Context], tuple[list[str], list[list[str]]]]] = {
+    "per_window": per_window_table,
+}
 
 
 def plot_strata(strata_rows: list[Row], ci_rows: list[Row], order: dict[str, int], out: Path) -> None:
@@ -327,59 +406,6 @@ def plot_strata(strata_rows: list[Row], ci_rows: list[Row], order: dict[str, int
     plt.close(fig)
 
 
-# ---- section 3: per window --------------------------------------------------------------
-def window_label(row: Row) -> str:
-    """Window id, with a dagger when its context shares n-grams with the calibration trace."""
-    if row["clean"] is None:
-        return f"{row['window_id']} (no overlap row)"
-    return row["window_id"] if row["clean"] else f"{row['window_id']} {DAGGER}"
-
-
-def windows_table(rows: list[Row], order: dict[str, int], baseline: str | None) -> list[str]:
-    """One row per window: overlap counts, KLD per variant, change vs baseline, top-1 per variant."""
-    variants = sorted({r["variant"] for r in rows}, key=lambda v: order.get(v, 99))
-    others = [v for v in variants if v != baseline]
-    by_window: dict[str, dict[str, Row]] = {}
-    for r in rows:
-        by_window.setdefault(r["window_id"], {})[r["variant"]] = r
-    header = ["window", "stratum", "shared ctx / scored", *(f"KLD {v}" for v in variants),
-              *(f"{v} vs {baseline}" for v in others if baseline), f"top-1 % {'/'.join(variants)}"]
-    body = []
-    for window_id, cells in by_window.items():
-        first = next(iter(cells.values()))
-        shared = ("\u2014" if first["clean"] is None
-                  else f"{first['shared_context']} / {first['shared_scored']} of {first['ngrams_whole']}")
-        kld = [fmt_num(cells[v]["kld_mean"], 4) if v in cells else "\u2014" for v in variants]
-        delta = [f"{fmt_signed(cells[v]['delta_pct'], 1)}%" if v in cells and cells[v]["delta_pct"] is not None
-                 else "\u2014" for v in others if baseline]
-        top1 = "/".join(fmt_num(cells[v]["top1_pct"], 1) if v in cells else "\u2014" for v in variants)
-        body.append([window_label(first), first["stratum"], shared, *kld, *delta, top1])
-    return markdown_table(header, body)
-
-
-def section_windows(data: ReportData, order: dict[str, int], baseline: str | None,
-                    plots: dict[str, str]) -> list[str]:
-    lines = ["## 3. Per window", ""]
-    if data.missing("report_windows") or data.empty("report_windows"):
-        return lines + data.not_computed("report_windows")
-    rows = data.rows("report_windows")
-    n = next((r["n"] for r in rows if r["n"] is not None), None)
-    lines += [f"{DAGGER} = the window shares {n}-grams with the calibration trace (not clean). "
-              "\"shared ctx / scored\" counts shared n-grams wholly in the context / touching the scored "
-              "span, of all n-grams of the window. KLD = mean over the window's scored tokens.", ""]
-    for name in sorted_sets(r["set"] for r in rows):
-        for bonus in sorted({r["moce_bonus"] for r in rows if r["set"] == name}):
-            lines += [f"### {set_label(name)}, MoCE {fmt_bonus(bonus)}", ""]
-            lines += windows_table([r for r in rows if r["set"] == name and r["moce_bonus"] == bonus],
-                                   order, baseline)
-            lines += [""]
-        if name in plots:
-            lines += figure(plots[name], f"per-window change vs {baseline}, {set_label(name)}",
-                            f"Per-window KLD change against {baseline} on the same window and MoCE bonus, "
-                            f"sorted; below 0 = better than {baseline}.")
-    return lines + [source_note("report_windows"), ""]
-
-
 def plot_window_deltas(rows: list[Row], order: dict[str, int], baseline: str, out: Path) -> None:
     """Sorted per-window KLD change vs the baseline, one line per variant, one panel per bonus."""
     bonuses = sorted({r["moce_bonus"] for r in rows})
@@ -398,34 +424,6 @@ def plot_window_deltas(rows: list[Row], order: dict[str, int], baseline: str, ou
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
-
-
-# ---- section 4: layer metrics -----------------------------------------------------------
-def section_layers(data: ReportData, order: dict[str, int], plot: str | None) -> list[str]:
-    lines = ["## 4. Local MoE metrics (relative residual of the routed output, mean over layers)", ""]
-    if data.missing("report_layers") or data.empty("report_layers"):
-        return lines + data.not_computed("report_layers")
-    rows = sorted(data.rows("report_layers"),
-                  key=lambda r: (order.get(r["variant"], 99), r["split"] != "in_sample", r["split"]))
-    lines += ["Residual = \u2016y_ref \u2212 y\u2016\u00b2 / \u2016y_ref\u2016\u00b2 of the routed-expert output, "
-              "in %, averaged over layers. Alpha is fitted on the calibration trace; on the held-out "
-              "(unseen) trace, the oracle alpha is the best alpha for that data and the last column "
-              "counts layers where the fitted alpha does worse than alpha = 1.", ""]
-    header = ["variant", "data", "layers", "resid. \u03b1 = 1", "mean fitted \u03b1", "resid. fitted \u03b1",
-              "mean oracle \u03b1", "resid. oracle \u03b1", "resid. fitted \u03b1 + ridge",
-              "layers where fitted \u03b1 is worse than 1"]
-    lines += markdown_table(header, ([
-        r["variant"], SPLIT_LABELS.get(r["split"], r["split"]), str(r["n_layers"]),
-        f"{fmt_num(r['resid_alpha1_pct'], 2)}%", fmt_num(r["alpha_mean"], 4),
-        f"{fmt_num(r['resid_alpha_pct'], 2)}%", fmt_num(r["alpha_oracle_mean"], 4),
-        f"{fmt_num(r['resid_oracle_pct'], 2)}%", f"{fmt_num(r['resid_ridge_pct'], 2)}%",
-        f"{r['layers_alpha_worse']}/{r['n_layers']}"] for r in rows))
-    lines += ["", source_note("report_layers"), ""]
-    if plot:
-        lines += figure(plot, "alpha and residuals by layer",
-                        "Per layer (`sql/report_layer_curves.sql`): left, fitted and oracle alpha; right, "
-                        "residuals; solid = held-out (unseen), dashed = in-sample.")
-    return lines
 
 
 def plot_layers(rows: list[Row], order: dict[str, int], out: Path) -> None:
@@ -454,129 +452,6 @@ def plot_layers(rows: list[Row], order: dict[str, int], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
-
-
-# ---- section 5: ridge CV ----------------------------------------------------------------
-def section_ridge(data: ReportData, order: dict[str, int]) -> list[str]:
-    lines = ["## 5. Ridge cross-validation", ""]
-    if data.missing("report_ridge") or data.empty("report_ridge"):
-        return lines + data.not_computed("report_ridge")
-    rows = data.rows("report_ridge")
-    lines += ["Mean over layers of the relative change of the residual from the ridge correction "
-              "(negative = better). In-sample fits and scores on the same calibration tokens; lobo4 "
-              "and even/odd score on calibration tokens the fit did not see, with alpha refitted on the "
-              "fit's tokens only; \"realized\" rows are the configured \u03c1 after requantizing the "
-              "shared expert, in-sample and on the unseen trace. The configured \u03c1 is the one applied; "
-              "\"layers best\" counts the layers where a \u03c1 had the best held-out (lobo4) gain of the "
-              "grid.", ""]
-    for variant in sorted({r["variant"] for r in rows}, key=lambda v: order.get(v, 99)):
-        mine = [r for r in rows if r["variant"] == variant]
-        rhos = sorted({r["rho"] for r in mine})
-        cell = {(r["split"], r["rho"]): r for r in mine}
-        splits = sorted({r["split"] for r in mine}, key=lambda s: (s != "in_sample", s))
-        lines += [f"### {variant}", ""]
-        lines += markdown_table(["split", *(f"\u03c1={fmt_bonus(p)}" for p in rhos)], (
-            [SPLIT_LABELS.get(s, s), *(f"{fmt_signed(cell[(s, p)]['rel_gain_pct'], 2)}%" if (s, p) in cell
-                                       else "\u2014" for p in rhos)] for s in splits))
-        lines += [""]
-        lines += ["The fit on the calibration trace at each \u03c1, over layers:", ""]
-        lines += markdown_table(["\u03c1", "layers", "rank(Z) min\u2013max", "dof min\u2013max", "layers applied",
-                                 "layers best (lobo4)"], (
-            [fmt_bonus(r["rho"]) + (" (configured)" if r["configured"] else ""), str(r["n_layers"]),
-             f"{r['rank_z_min']}\u2013{r['rank_z_max']}",
-             f"{fmt_num(r['dof_min'], 1)}\u2013{fmt_num(r['dof_max'], 1)}",
-             "\u2014" if r["layers_applied"] is None else f"{r['layers_applied']}/{r['n_layers']}",
-             "\u2014" if r["layers_best"] is None else f"{r['layers_best']}/{r['n_layers']}"]
-            for r in sorted((r for r in mine if r["split"] == "in_sample"), key=lambda r: r["rho"])))
-        lines += [""]
-    return lines + [source_note("report_ridge"), ""]
-
-
-def section_rank_check(data: ReportData) -> list[str]:
-    """Whether the local residual (in-sample, unseen) orders the variants as pooled KLD does, on the
-    eval and canary sets apart, and where the two sets' KLD rankings part ways."""
-    lines = ["## 4b. Does the local metric rank variants as KLD does?", ""]
-    if data.missing("report_rank_check") or data.empty("report_rank_check"):
-        return lines + data.not_computed("report_rank_check")
-    rows = data.rows("report_rank_check")
-    lines += ["Each window set is checked on its own: a ranking that holds on the eval windows but not on "
-              "the canary windows is not one to choose knobs by.", ""]
-    for split in sorted({r["split"] for r in rows}):
-        lines += [f"### {SPLIT_LABELS.get(split, split)}", ""]
-        by_set: dict[str | None, dict[str, Row]] = {}
-        for name in sorted_sets(r["set"] for r in rows if r["split"] == split):
-            mine = [r for r in rows if r["split"] == split and r["set"] == name]
-            by_set[name] = {r["variant"]: r for r in mine}
-            agree = all(r["rank_local"] == r["rank_kld"] for r in mine)
-            lines += [f"{set_label(name)}: ranks {'agree' if agree else 'DISAGREE'} for {len(mine)} variants.", ""]
-            lines += markdown_table(["variant", "residual after alpha + ridge", f"pooled KLD ({name}, bonus 0)",
-                                     "rank (local)", "rank (KLD)"],
-                                    ([r["variant"], f"{fmt_num(r['resid_pct'], 2)}%", fmt_num(r["kld"], 4),
-                                      str(r["rank_local"]), str(r["rank_kld"])] for r in mine))
-            lines += [""]
-        lines += set_disagreement(by_set)
-    return lines + [source_note("report_rank_check"), ""]
-
-
-def section_budget(data: ReportData, order: dict[str, int], plot: str | None) -> list[str]:
-    """Achieved sizes against KLD for every variant, and whether the summed sensitivity ranks recipes
-    as KLD does."""
-    lines = ["## 4c. Size and budget recipes", ""]
-    if data.missing("report_sizes") or data.empty("report_sizes"):
-        lines += data.not_computed("report_sizes")
-    else:
-        rows = data.rows("report_sizes")
-        lines += ["Bits per weight as each GGUF stores them: tensor bytes over tensor weights, summed over the "
-                  "routed-expert tensors and over the whole file. Budget = the `budget_bpw` a recipe was "
-                  "chosen under, in bits per routed weight, or per weight of the file where marked (file).", ""]
-        for name in sorted_sets(r["set"] for r in rows):
-            mine = [r for r in rows if r["set"] == name]
-            lines += [f"### {set_label(name)}", ""]
-            lines += markdown_table(["variant", "kind", "budget", "bits / routed weight", "bits / weight (file)",
-                                     "MiB", f"pooled KLD ({name}, bonus 0)"],
-                                    ([r["variant"], r["kind"], fmt_budget(r), fmt_num(r["routed_bpw"], 4),
-                                      fmt_num(r["total_bpw"], 4), fmt_num(r["file_bytes"] / 2**20, 2),
-                                      fmt_num(r["kld"], 4)] for r in mine))
-            lines += [""]
-        lines += [source_note("report_sizes"), ""]
-        if plot:
-            lines += figure(plot, "KLD against bits per routed weight",
-                            "Pooled KLD (bonus 0) against bits per routed-expert weight read from each GGUF; "
-                            "line: our variants chosen under a budget; points: every other variant.")
-    lines += ["### Does the summed sensitivity rank recipes as KLD does?", ""]
-    if "sensitivity" not in data.present and "recipe" in data.present:
-        return lines + ["No variant of this run is chosen under a budget: there is no `sensitivity` table.", ""]
-    if data.missing("report_budget_rank_check") or data.empty("report_budget_rank_check"):
-        return lines + data.not_computed("report_budget_rank_check")
-    rows = data.rows("report_budget_rank_check")
-    lines += ["Predicted error = the sum over a recipe's tensors in the measured roles (the routed experts', "
-              "and for a budget over the whole file also the shared expert's and attention's) of the relative "
-              "output error each tensor causes alone in its format (table `sensitivity`, held-out unseen trace), measured "
-              "with the quantizer knobs of the budget variants that share the measurement; every variant whose "
-              "formats it covers takes part, ours (whatever their knobs) and outside GGUFs alike.", ""]
-    for measured in sorted({r["sensitivity"] for r in rows}):
-        for name in sorted_sets(r["set"] for r in rows if r["sensitivity"] == measured):
-            here = [r for r in rows if r["sensitivity"] == measured and r["set"] == name]
-            mine = [r for r in here if r["covered"]]
-            left_out = [r["variant"] for r in here if not r["covered"]]
-            if not mine:
-                lines += [f"sensitivity `{measured}`, {set_label(name)}: no variant's formats are all measured.", ""]
-                continue
-            lines += [f"sensitivity `{measured}` ({mine[0]['n_roles']} roles per layer), {set_label(name)}: "
-                      f"Spearman rank correlation "
-                      f"{fmt_signed(mine[0]['spearman'], 3)} over {mine[0]['n_variants']} variants."
-                      + (f" Left out (a format not measured): {', '.join(left_out)}." if left_out else ""), ""]
-            lines += markdown_table(["variant", "predicted error (sum)", f"pooled KLD ({name}, bonus 0)",
-                                     "rank (predicted)", "rank (KLD)"],
-                                    ([r["variant"], fmt_num(r["pred_err"], 4), fmt_num(r["kld"], 4),
-                                      str(r["rank_pred"]), str(r["rank_kld"])] for r in mine))
-            lines += [""]
-    return lines + [source_note("report_budget_rank_check"), ""]
-
-
-def fmt_budget(row: Row) -> str:
-    """`2.30`, or `3.80 (file)` for a budget over every tensor of the file."""
-    return fmt_num(row["budget_bpw"], 2) + (" (file)" if row["budget_roles"] == "all" else "")
 
 
 def plot_kld_size(rows: list[Row], order: dict[str, int], out: Path) -> None:
@@ -613,45 +488,6 @@ def plot_kld_size(rows: list[Row], order: dict[str, int], out: Path) -> None:
     plt.close(fig)
 
 
-def set_disagreement(by_set: dict[str | None, dict[str, Row]]) -> list[str]:
-    """The sentence saying where the eval and canary KLD rankings differ (nothing with one set);
-    variants in eval-rank order, as the query returns them."""
-    if "eval" not in by_set or "canary" not in by_set:
-        return []
-    ev, ca = by_set["eval"], by_set["canary"]
-    differ = [v for v in ev if v in ca and ev[v]["rank_kld"] != ca[v]["rank_kld"]]
-    if not differ:
-        return ["Eval and canary KLD rank these variants the same way.", ""]
-    where = ", ".join(f"{v} ({ev[v]['rank_kld']} on eval, {ca[v]['rank_kld']} on canary)" for v in differ)
-    return [f"Eval and canary KLD DISAGREE on the ranks of {where}.", ""]
-
-
-# ---- section 6: hit rates ---------------------------------------------------------------
-def section_hitrate(data: ReportData, order: dict[str, int], plot: str | None) -> list[str]:
-    lines = ["## 6. Expert-cache hit rates", ""]
-    if data.missing("report_hitrate") or data.empty("report_hitrate"):
-        return lines + data.not_computed("report_hitrate")
-    rows = sorted(data.rows("report_hitrate"),
-                  key=lambda r: (r["moce_bonus"], order.get(r["variant"], 99), r["cache_experts"]))
-    lines += ["Means over prompts and repetitions. LRU and Belady (optimal eviction) replay the "
-              "plain (bonus 0) routing of the same model with an ordinary cache, as references. "
-              "Repeat runs bit-identical = runs after the first (rep > 0) whose logits and routing "
-              "equal the first run's on the same prompt; the first run is what they are compared with "
-              "and is not counted.", ""]
-    lines += markdown_table(
-        ["variant", "MoCE", "cache experts", "prompts", "hit rate", "misses/token", "LRU", "Belady",
-         "repeat runs bit-identical"],
-        ([r["variant"], fmt_bonus(r["moce_bonus"]), str(r["cache_experts"]), str(r["n_prompts"]),
-          f"{fmt_num(100 * r['hit_rate'], 2)}%", fmt_num(r["misses_per_token"], 2),
-          f"{fmt_num(100 * r['hit_rate_lru'], 2)}%", f"{fmt_num(100 * r['hit_rate_belady'], 2)}%",
-          f"{r['reps_same']} of {r['reps_checked']}"] for r in rows))
-    lines += ["", source_note("report_hitrate"), ""]
-    if plot:
-        lines += figure(plot, "hit rates", "Bars: mean hit rate per variant and MoCE bonus; markers: "
-                        "LRU (x) and Belady (^) on the plain routing.")
-    return lines
-
-
 def column_of(rows: dict[str, Row], variants: list[str], key: str) -> list[float]:
     """One value per variant, NaN (a gap in the plot) where the variant has no row."""
     return [rows[v][key] if v in rows else float("nan") for v in variants]
@@ -679,124 +515,6 @@ def plot_hitrate(rows: list[Row], order: dict[str, int], out: Path) -> None:
     plt.close(fig)
 
 
-# ---- the whole report -------------------------------------------------------------------
-def draw_plots(data: ReportData, order: dict[str, int], baseline: str | None,
-               out_dir: Path) -> dict[str, dict[str, str]]:
-    """Write every plot the lake has data for; returns {section: {key: file name}}."""
-    plots: dict[str, dict[str, str]] = {"strata": {}, "windows": {}, "layers": {}, "hitrate": {}, "budget": {},
-                                        "e2e": {}}
-    strata = data.rows("pooled")
-    ci = data.rows("report_stratum_ci")
-    for name in sorted_sets(r["set"] for r in strata):
-        file = f"strata_kld_{name or 'all'}.png"
-        plot_strata([r for r in strata if r["set"] == name], [r for r in ci if r["set"] == name],
-                    order, out_dir / file)
-        plots["strata"][name] = file
-    windows = data.rows("report_windows")
-    if baseline is not None:
-        for name in sorted_sets(r["set"] for r in windows):
-            file = f"window_deltas_{name or 'all'}.png"
-            plot_window_deltas([r for r in windows if r["set"] == name], order, baseline, out_dir / file)
-            plots["windows"][name] = file
-    curves = data.rows("report_layer_curves")
-    if curves:
-        plot_layers(curves, order, out_dir / "layers.png")
-        plots["layers"]["all"] = "layers.png"
-    sizes = [r for r in data.rows("report_sizes") if r["kld"] is not None and r["kld"] > 0]
-    if sizes:
-        plot_kld_size(sizes, order, out_dir / "kld_size.png")
-        plots["budget"]["all"] = "kld_size.png"
-    if data.rows("report_e2e_curve"):
-        plot_e2e_curve(data.rows("report_e2e_curve"), order, out_dir / "e2e_curve.png")
-        plots["e2e"]["all"] = "e2e_curve.png"
-    hits = data.rows("report_hitrate")
-    if hits:
-        plot_hitrate(hits, order, out_dir / "hitrate.png")
-        plots["hitrate"]["all"] = "hitrate.png"
-    return plots
-
-
-def render_report(data: ReportData, plots: dict[str, dict[str, str]] | None, order: dict[str, int],
-                  baseline: str | None) -> str:
-    """report.md's text; `plots` None: the plots were not drawn (`MOEHEAL_PLOTS=0`), which it says."""
-    lines = ["# moeheal report", "",
-             "Every table below is computed by a query in `sql/report_*.sql` over the lake's tables "
-             "(named under each table) and only rounded here. Tables present: "
-             + (", ".join(f"`{t}`" for t in sorted(data.present)) or "none") + ".", ""]
-    if plots is None:
-        lines += [f"Plots not drawn: `{PLOTS_ENV}=0` was set when this report was written.", ""]
-        plots = {section: {} for section in ("strata", "windows", "layers", "hitrate", "budget", "e2e")}
-    lines += section_inputs(data)
-    lines += section_comparisons(data, order)
-    lines += section_strata(data, order, plots["strata"])
-    lines += section_windows(data, order, baseline, plots["windows"])
-    lines += section_layers(data, order, plots["layers"].get("all"))
-    lines += section_rank_check(data)
-    lines += section_budget(data, order, plots["budget"].get("all"))
-    lines += section_ridge(data, order)
-    lines += section_hitrate(data, order, plots["hitrate"].get("all"))
-    lines += section_e2e(data, order, plots["e2e"].get("all"))
-    lines += section_llama_numerics(data, order)
-    return "\n".join(lines).rstrip() + "\n"
-
-
-def section_llama_numerics(data: ReportData, order: dict[str, int]) -> list[str]:
-    """Per variant, how close its activations come to where llama.cpp's narrower arithmetic overflows,
-    and llama-perplexity's own run on the unseen trace's documents (or that it was skipped)."""
-    lines = ["## 7. Does llama.cpp run every file?", ""]
-    if data.missing("report_llama_numerics") or data.empty("report_llama_numerics"):
-        return lines + data.not_computed("report_llama_numerics")
-    rows = sorted(data.rows("report_llama_numerics"), key=lambda r: (order.get(r["variant"], len(order)), r["variant"]))
-    lines += ["llama.cpp's CPU backend converts the activations entering a matrix product to 8 bits with an fp16 "
-              "scale per 32 (Q8_0, IQ4_NL weights) or a float32 scale per 256 (k-, i- and TQ quants), and keeps "
-              "keys and values in an f16 cache: a value our float32 forward pass keeps finite can be inf there "
-              "(docs/llamacpp-numerics.md). Headroom: the smallest overflowing value over the largest |activation| "
-              "seen on the evaluation windows, at the closest site; a run fails below 1. llama-perplexity: its "
-              "perplexity on the unseen trace's documents (a run fails on a non-finite one).", ""]
-    if all(r["llama_chunks"] is None for r in rows):
-        lines += ["llama-perplexity: skipped (llama.cpp is not installed: set LLAMA_CPP_DIR to a build folder "
-                  "holding bin/llama-perplexity).", ""]
-
-    def llama(r: Row) -> str:
-        if r["llama_chunks"] is None:
-            return "skipped"
-        return f"{fmt_num(r['llama_ppl'], 2)} ({r['llama_chunks']} x {r['llama_ctx']} tokens)"
-
-    def where(r: Row) -> str:
-        return "output" if r["layer"] == -1 else f"layer {r['layer']}"
-
-    lines += markdown_table(["variant", "closest site", "weight type", "activations to", "max |x|", "headroom",
-                             "sites overflowing", "llama-perplexity"],
-                            ([r["variant"], f"{where(r)} {r['site']}", r["ggml_type"], r["activation"],
-                              f"{r['peak']:.4g}", f"{r['headroom']:.3g}x", f"{r['n_overflow']} of {r['n_sites']}",
-                              llama(r)] for r in rows))
-    return lines + ["", source_note("report_llama_numerics"), ""]
-
-
-def section_e2e(data: ReportData, order: dict[str, int], plot: str | None) -> list[str]:
-    """The end-to-end tuning's KL before and after, for variants with `e2e = true` (none: no section)."""
-    if "e2e_curve" not in data.present:
-        return []
-    lines = ["## End-to-end tuning (`e2e = true`)", "",
-             "Mean KL(reference ‖ tuned model) per token, in nats, while the file's fp16 scales, norms and "
-             "routers are tuned on the calibration trace. Held-out: the whole unseen trace, which also chooses "
-             "the kept step (the lowest, step 0 included). In-sample: a fixed probe of calibration sequences "
-             "that are trained on. Seconds: the tuning's CPU time.", ""]
-    rows = sorted(data.rows("report_e2e"), key=lambda r: (order.get(r["variant"], 99), r["split"] != "unseen"))
-    label = {"unseen": "held-out (unseen trace)", "calibration": "in-sample (calibration probe)"}
-    lines += markdown_table(
-        ["variant", "data", "tokens", "KL step 0", "kept step", "KL kept", "change", "KL last step", "CPU s"],
-        ([r["variant"], label.get(r["split"], r["split"]), str(r["tokens"]), fmt_num(r["kl_start"], 5),
-          f"{r['kept_step']} of {r['steps']}", fmt_num(r["kl_kept"], 5),
-          fmt_signed(100 * (r["kl_kept"] / r["kl_start"] - 1), 2) + "%", fmt_num(r["kl_last"], 5),
-          fmt_num(r["seconds"], 0)] for r in rows))
-    lines += ["", source_note("report_e2e"), ""]
-    if plot:
-        lines += figure(plot, "e2e loss curves", "KL per measured step (`e2e_curve`): solid = held-out "
-                        "(unseen trace), dashed = in-sample (calibration probe); the dot marks the kept step.")
-    return lines
-
-
 def plot_e2e_curve(rows: list[Row], order: dict[str, int], out: Path) -> None:
     """KL against step per variant, both splits, the kept step marked."""
     variants = sorted({r["variant"] for r in rows}, key=lambda v: order.get(v, 99))
@@ -816,6 +534,232 @@ def plot_e2e_curve(rows: list[Row], order: dict[str, int], out: Path) -> None:
     plt.close(fig)
 
 
+# ---- plots -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plot:
+    """A registered plot: `draw` writes its PNGs and returns {value of `per`: file name}, or {None: file
+    name} for one plot of the whole section; `queries`: what it reads."""
+
+    draw: Callable[[ReportData, Context, Path], dict[Any, str]]
+    queries: tuple[str, ...]
+    per: str | None = None
+
+
+def draw_strata(data: ReportData, ctx: Context, out_dir: Path) -> dict[Any, str]:
+    strata, ci = data.rows("pooled"), data.rows("report_stratum_ci")
+    files = {}
+    for name in sorted_sets(r["set"] for r in strata):
+        files[name] = f"strata_kld_{name or 'all'}.png"
+        plot_strata([r for r in strata if r["set"] == name], [r for r in ci if r["set"] == name],
+                    ctx.order, out_dir / files[name])
+    return files
+
+
+def draw_window_deltas(data: ReportData, ctx: Context, out_dir: Path) -> dict[Any, str]:
+    if ctx.baseline is None:
+        return {}
+    windows = data.rows("report_windows")
+    files = {}
+    for name in sorted_sets(r["set"] for r in windows):
+        files[name] = f"window_deltas_{name or 'all'}.png"
+        plot_window_deltas([r for r in windows if r["set"] == name], ctx.order, ctx.baseline, out_dir / files[name])
+    return files
+
+
+def one_plot(plot: Callable[[list[Row], dict[str, int], Path], None], stem: str, file: str,
+             keep: Callable[[Row], bool] = lambda row: True) -> Plot:
+    """A section-wide plot of one query's rows (those `keep` accepts), drawn when there are any."""
+    def draw(data: ReportData, ctx: Context, out_dir: Path) -> dict[Any, str]:
+        rows = [r for r in data.rows(stem) if keep(r)]
+        if not rows:
+            return {}
+        plot(rows, ctx.order, out_dir / file)
+        return {None: file}
+    return Plot(draw, (stem,))
+
+
+PLOTS: dict[str, Plot] = {
+    "strata_kld": Plot(draw_strata, ("pooled", "report_stratum_ci"), per="set"),
+    "window_deltas": Plot(draw_window_deltas, ("report_windows",), per="set"),
+    "layers": one_plot(plot_layers, "report_layer_curves", "layers.png"),
+    "kld_size": one_plot(plot_kld_size, "report_sizes", "kld_size.png",
+                         lambda r: r["kld"] is not None and r["kld"] > 0),  # a log axis
+    "e2e_curve": one_plot(plot_e2e_curve, "report_e2e_curve", "e2e_curve.png"),
+    "hitrate": one_plot(plot_hitrate, "report_hitrate", "hitrate.png"),
+}
+
+
+def draw_plots(data: ReportData, ctx: Context, out_dir: Path) -> dict[str, dict[Any, str]]:
+    """Write every plot the lake has data for; returns {plot name: {key: file name}}."""
+    return {name: plot.draw(data, ctx, out_dir) for name, plot in PLOTS.items()}
+
+
+# ---- the declarations and the one renderer --------------------------------------------------
+def load_sections() -> dict[str, Section]:
+    """Every `sql/report_*.sql`'s declaration, and section 2's (`POOLED_SECTION`), by query name."""
+    files = sorted(f for f in SQL_DIR.iterdir() if f.name.startswith("report_") and f.name.endswith(".sql"))
+    sections = {f.name.removesuffix(".sql"): f.read_text(encoding="utf-8") for f in files}
+    sections["pooled"] = POOLED_SECTION
+    return {stem: parse_declaration(stem, text) for stem, text in sections.items()}
+
+
+SECTIONS = load_sections()
+# Where each report query reads from: a section runs only when all are present.
+QUERY_TABLES: dict[str, tuple[str, ...]] = {stem: section.reads for stem, section in SECTIONS.items()}
+
+
+def check_declaration(section: Section, columns: list[str]) -> None:
+    """Refuse a declaration that names a column the query does not return, a label or a registered
+    name that does not exist: a report that prints a wrong cell must not be written."""
+    where = f"sql/{section.query}.sql"
+    unknown = sorted(section.columns_named() - set(columns) - CONTEXT_NAMES)
+    if unknown:
+        raise DeclarationError(f"{where}: the declaration names {', '.join(unknown)}, which the query does not "
+                               f"return (it returns {', '.join(columns)})")
+    labelled = {name for t in section.templates() for name, spec in template_fields(t) if spec == "label"}
+    if labelled - LABELS.keys():
+        raise DeclarationError(f"{where}: no label for {', '.join(sorted(labelled - LABELS.keys()))}")
+    registered = CELLS.keys() | TEXTS.keys() | TABLES.keys()
+    if section.names() - registered:
+        raise DeclarationError(f"{where}: nothing is registered as @{', @'.join(sorted(section.names() - registered))}")
+    if section.plot is not None and section.plot not in PLOTS:
+        raise DeclarationError(f"{where}: plot: no plot is registered as {section.plot}")
+
+
+def grouped(rows: list[Row], columns: Iterable[str], ctx: Context) -> list[list[Row]]:
+    """The rows split by their values of `columns`, groups in sort order, rows in query order."""
+    columns = list(columns)
+    if not columns:
+        return [rows]
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[c] for c in columns), []).append(r)
+    return [groups[k] for k in sorted(groups, key=lambda k: tuple(ctx.sort_key(c, v) for c, v in zip(columns, k)))]
+
+
+def template_columns(template: str | None) -> list[str]:
+    """The query columns a template names, in order, once each."""
+    names = [name for name, _ in template_fields(template or "") if name not in CONTEXT_NAMES]
+    return list(dict.fromkeys(names))
+
+
+def text(template: str, rows: list[Row], ctx: Context) -> list[str]:
+    """A paragraph (a registered `@name` may give none or several), filled from the first row that has
+    every value it names."""
+    if not template:
+        return []
+    if is_named(template):
+        return TEXTS[template[1:]](rows)
+    columns = template_columns(template)
+    return [filled(template, next((r for r in rows if all(r[c] is not None for c in columns)), rows[0]), ctx)]
+
+
+def filled(template: str, row: Row, ctx: Context) -> str:
+    """The template filled from one row and the context."""
+    return fill(template, {**ctx.values(), **row}, LABELS)
+
+
+def cell(spec: str, row: Row, ctx: Context) -> str:
+    return CELLS[spec[1:]](row) if is_named(spec) else filled(spec, row, ctx)
+
+
+def table_cells(table: Table, rows: list[Row], ctx: Context) -> tuple[list[str], list[list[str]]]:
+    """Header and body of one table: a row per query row, or per `rows` value with pivot columns."""
+    if table.builder:
+        return TABLES[table.builder](rows, ctx)
+    rows = sorted(rows, key=lambda r: tuple(ctx.sort_key(c, r[c]) for c in table.order))
+    lines = grouped(rows, table.rows, ctx) if table.rows else [[r] for r in rows]
+    values = {c.per: sorted({r[c.per] for r in rows}, key=partial(ctx.sort_key, c.per))
+              for c in table.columns if c.per}
+    header = []
+    for column in table.columns:
+        if column.per is None:
+            header.append(filled(column.header, rows[0], ctx))
+        else:  # filled from the last row of each value, as one reads a column's n from any of its rows
+            last = {r[column.per]: r for r in rows}
+            header += [filled(column.header, last[v], ctx) for v in values[column.per]]
+    body = []
+    for line in lines:
+        cells = []
+        for column in table.columns:
+            if column.per is None:
+                cells.append(cell(column.cell, line[0], ctx))
+            else:
+                by_value = {r[column.per]: r for r in line}
+                cells += [cell(column.cell, by_value[v], ctx) if v in by_value else DASH for v in values[column.per]]
+        body.append(cells)
+    return header, body
+
+
+def keeps(table: Table, row: Row) -> bool:
+    if table.where is None:
+        return True
+    column, value = table.where
+    return bool(row[column]) if value is None else str(row[column]) == value
+
+
+def render_tables(table: Table, rows: list[Row], ctx: Context) -> list[str]:
+    """The table's paragraph and table for each of its `per` values among `rows`; a paragraph alone where
+    `where` keeps no row."""
+    lines = []
+    for part in grouped(rows, table.per, ctx):
+        lines += paragraphs(text(table.title, part, ctx))
+        kept = [r for r in part if keeps(table, r)]
+        if kept:
+            lines += markdown_table(*table_cells(table, kept, ctx)) + [""]
+    return lines
+
+
+def render_section(section: Section, data: ReportData, ctx: Context,
+                   plots: dict[str, dict[Any, str]]) -> list[str]:
+    """One declared section: heading, intro, its groups of tables, notes, the line naming the query, and
+    its plot (after each group of its `per` value, or after the section)."""
+    stem = section.query
+    missing = data.missing(stem)
+    if section.optional in missing:
+        return []
+    lines = [f"## {section.heading}", ""] if section.heading else []
+    lines += [f"### {section.subheading}", ""] if section.subheading else []
+    if section.missing and missing == [section.missing[0]]:
+        return lines + [section.missing[1], ""]
+    if missing or not data.rows(stem):
+        return lines + data.not_computed(stem)
+    check_declaration(section, data.result(stem).column_names)
+    rows = data.rows(stem)
+    lines += paragraphs(text(section.intro or "", rows, ctx))
+    plot = PLOTS[section.plot] if section.plot else None
+    files = plots.get(section.plot or "", {})
+    groups = grouped(rows, template_columns(section.group), ctx)
+    for i, mine in enumerate(groups):
+        if section.group:
+            lines += [f"### {filled(section.group, mine[0], ctx)}", ""]
+        for table in section.tables:
+            lines += render_tables(table, mine, ctx)
+        lines += paragraphs(text(section.after or "", mine, ctx))
+        if plot and plot.per:  # after the last group of its value
+            value = mine[0][plot.per]
+            if (i + 1 == len(groups) or groups[i + 1][0][plot.per] != value) and value in files:
+                lines += figure(files[value], filled(section.alt, mine[0], ctx), filled(section.caption, mine[0], ctx))
+    lines += paragraphs(text(section.note or "", rows, ctx))
+    lines += [source_note(stem), ""]
+    if plot and not plot.per and None in files:
+        lines += figure(files[None], filled(section.alt, rows[0], ctx), filled(section.caption, rows[0], ctx))
+    return lines
+
+
+def render_report(data: ReportData, plots: dict[str, dict[Any, str]] | None, ctx: Context) -> str:
+    """report.md's text; `plots` None: the plots were not drawn (`MOEHEAL_PLOTS=0`), which it says."""
+    lines = ["# moeheal report", "",
+             "Every table below is computed by a query in `sql/report_*.sql` over the lake's tables "
+             "(named under each table) and only rounded here. Tables present: "
+             + (", ".join(f"`{t}`" for t in sorted(data.present)) or "none") + ".", ""]
+    if plots is None:
+        lines += [f"Plots not drawn: `{PLOTS_ENV}=0` was set when this report was written.", ""]
+    for stem in CONTENTS:
+        lines += render_section(SECTIONS[stem], data, ctx, plots or {})
+    return "\n".join(lines).rstrip() + "\n"
+
+
 def plot_files(report_dir: Path) -> list[Path]:
     """The plots of the report in `report_dir`, in name order."""
     return sorted(p for pattern in PLOT_PATTERNS for p in report_dir.glob(pattern))
@@ -832,13 +776,12 @@ def write_report(lake: Lake, out_dir: Path) -> Path:
     for old in plot_files(out_dir):  # a plot whose data is gone must not linger
         old.unlink()
     data = ReportData(lake)
-    variants = data.rows("report_variants")
+    variants = data.rows(CONTEXT_QUERY)
     seen = {r["variant"] for r in data.rows("pooled")}
-    order = variant_order(variants, seen)
-    baseline = baseline_name(variants)
-    plots = None if os.environ.get(PLOTS_ENV) == "0" else draw_plots(data, order, baseline, out_dir)
-    text = render_report(data, plots, order, baseline)
+    ctx = Context(variant_order(variants, seen), baseline_name(variants))
+    plots = None if os.environ.get(PLOTS_ENV) == "0" else draw_plots(data, ctx, out_dir)
+    markdown = render_report(data, plots, ctx)
     tmp = out_dir / f".report.md.{os.getpid()}.tmp"
-    tmp.write_text(text, encoding="utf-8")
+    tmp.write_text(markdown, encoding="utf-8")
     os.replace(tmp, out_dir / "report.md")
     return out_dir

@@ -12,28 +12,53 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import pyarrow as pa
 
-from moeheal.pipeline.model import roles
 from moeheal.pipeline.config import Variant
+from moeheal.pipeline.data.dumps import read_routing
 from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.gguf.model import open_model
+from moeheal.pipeline.gguf.sizes import GGUF_RECIPE_SCHEMA, SIZES_SCHEMA, gguf_recipe, gguf_size
+from moeheal.pipeline.lake.dag import Node
 from moeheal.pipeline.lake.files import read_part
 from moeheal.pipeline.lake.fingerprint import content_digest
-from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.lake.store import Publication, StageResult, read_sources
+from moeheal.pipeline.model import roles
 from moeheal.pipeline.model.numerics import overflow_message
-from moeheal.pipeline.stages import dump, e2e, llamacheck, quantize, sensitivity
+from moeheal.pipeline.stages import e2e, llama_check, quantize
 
 if TYPE_CHECKING:
     from moeheal.pipeline.heal import HealRun
 
 
-def _identities(sources: list[Any]) -> list[str]:
+Source = Node | Path  # a stage invocation, or an outside GGUF (by its content)
+Result = StageResult | Path
+
+
+@dataclass(frozen=True)
+class Published:
+    """One table of the contract: the stage outputs (and outside GGUFs) it is read from, and how it
+    is read from exactly those. The set's `sources.json` records their fingerprints (an outside
+    file's digest), derived here and nowhere else."""
+
+    sources: Callable[[], list[Source]]
+    read: Callable[[list[Result]], pa.Table]
+
+
+def resolve(run: HealRun, sources: list[Source]) -> list[Result]:
+    """Each source's result (built unless it is in the lake; planned only, in plan mode); a skipped
+    stage (llama-check without llama.cpp) is left out."""
+    results = [run.result(s) if isinstance(s, Node) else s for s in sources]
+    return [r for r in results if r is not None]
+
+
+def identities(results: list[Result]) -> list[str]:
     """Stage results by fingerprint, outside GGUFs by digest: what a published table was computed from."""
-    return [s.fingerprint if isinstance(s, StageResult) else str(s) for s in sources]
+    return [r.fingerprint if isinstance(r, StageResult) else content_digest(r) for r in results]
 
 
 def read_parts(result: StageResult, name: str) -> pa.Table:
@@ -41,54 +66,65 @@ def read_parts(result: StageResult, name: str) -> pa.Table:
     return read_part(result.path / f"{name}.parquet", ())
 
 
-def check_numerics(run: HealRun, variants: list[Variant], evaluations: list[StageResult]) -> pa.Table:
+def concat_parts(name: str) -> Callable[[list[Result]], pa.Table]:
+    """`<name>.parquet` of every source, concatenated in order."""
+    return lambda results: pa.concat_tables([read_parts(r, name) for r in results])
+
+
+def named_by(variants: list[str], results: list[Result], name: str) -> pa.Table:
+    """`<name>.parquet` of each unit, a `variant` column first naming whose unit it is (a unit can
+    serve two variants with the same knobs)."""
+    parts = [read_parts(r, name) for r in results]
+    return pa.concat_tables([part.add_column(0, "variant", pa.array([v] * part.num_rows, pa.string()))
+                             for part, v in zip(parts, variants, strict=True)])
+
+
+def model_source(run: HealRun, variant: Variant) -> Source:
+    """Where a variant's GGUF comes from: an outside file, or the stage of ours that writes it."""
+    return variant.gguf if variant.kind == "external" else run.model_use(variant).node
+
+
+def model_path(run: HealRun, variant: Variant, result: Result) -> Path:
+    """The variant's GGUF, given its `model_source`'s result."""
+    return result if isinstance(result, Path) else run.model_use(variant).path(result)
+
+
+def check_numerics(run: HealRun, variants: list[Variant], ggufs: list[Path], evaluations: list[Result]) -> pa.Table:
     """The `activation_peaks` of `variants` (their evaluations, in the same order); an input error
     naming the first variant (and its GGUF) whose peaks would overflow where llama.cpp narrows
     activations (`pipeline.model.numerics`)."""
     tables = []
-    for variant, result in zip(variants, evaluations, strict=True):
+    for variant, gguf, result in zip(variants, ggufs, evaluations, strict=True):
         table = read_parts(result, "activation_peaks")
-        message = overflow_message(variant.name, str(run.variant_gguf(variant)), table.to_pylist())
+        message = overflow_message(variant.name, str(gguf), table.to_pylist())
         if message is not None:
             raise InputError(message)
         tables.append(table)
     return pa.concat_tables(tables)
 
 
-def variants_table(run: HealRun) -> pa.Table:
+def variants_table(run: HealRun, models: list[Result]) -> pa.Table:
+    """The reference, then every evaluated variant in config order (the ladder every table follows),
+    from each variant's GGUF (`models`, in `evaluated_variants` order)."""
     rows = [{"variant": "reference", "kind": "reference", "fingerprint": run.reference.digest()[:32],
              "params": "{}", "gguf": str(run.cfg.reference)}]
-    for variant in run.evaluated_variants():  # config order: the ladder every table follows
+    for variant, result in zip(run.evaluated_variants(), models, strict=True):
+        gguf = model_path(run, variant, result)
         if variant.kind == "external":
-            rows.append({"variant": variant.name, "kind": "external",
-                         "fingerprint": open_model(variant.gguf).digest()[:32],
-                         "params": json.dumps(variant.knobs()), "gguf": str(variant.gguf)})
+            rows.append({"variant": variant.name, "kind": "external", "fingerprint": open_model(gguf).digest()[:32],
+                         "params": json.dumps(variant.knobs()), "gguf": str(gguf)})
         else:
-            result, gguf = run.final_model(variant)
             rows.append({"variant": variant.name, "kind": variant.kind, "fingerprint": result.fingerprint,
                          "params": json.dumps(variant.knobs() | variant.e2e_knobs(), sort_keys=True),
                          "gguf": str(gguf)})
     return pa.Table.from_pylist(rows)
 
 
-def learned_curve_table(run: HealRun) -> pa.Table:
-    """`learned_curve`: every learned-rounding unit's curve, each row named by its variant."""
-    parts = []
-    for variant in run.cfg.healed_variants:
-        if variant.round != quantize.LEARNED:
-            continue
-        for layer in run.source.moe_layers:
-            part = read_parts(run.quantize(variant, layer), "learned_curve")
-            parts.append(part.add_column(0, "variant", pa.array([variant.name] * part.num_rows, pa.string())))
-    return pa.concat_tables(parts)
-
-
-def sensitivity_table(run: HealRun) -> pa.Table:
+def sensitivity_table(results: list[Result]) -> pa.Table:
     """Every distinct sensitivity measurement of the run (budget variants with the same knobs share
     one), its rows keyed by `sensitivity`, the stage's fingerprint prefix."""
     parts, seen = [], set()
-    for variant in run.budget_variants():
-        result = run.sensitivity(variant)
+    for result in results:
         if result.fingerprint not in seen:
             seen.add(result.fingerprint)
             part = read_parts(result, "sensitivity")
@@ -96,19 +132,21 @@ def sensitivity_table(run: HealRun) -> pa.Table:
     return pa.concat_tables(parts)
 
 
-def recipe_table(run: HealRun) -> pa.Table:
+def recipe_table(run: HealRun, models: list[Result], measured: list[Result], allocations: list[Result]) -> pa.Table:
     """The formats of every evaluated variant's tensors in a role a recipe may choose, read from its
-    GGUF. chosen_by: "allocation" (a budget's choice, with its predicted error and sensitivity,
-    which must match the GGUF), "config" (a routed tensor's configured format), "source" (a
-    tensor our variant left as the source stores it, or the shared down projection's
-    `shexp_down`), "gguf" (an outside GGUF's)."""
+    GGUF (`models`, in `evaluated_variants` order; `measured` and `allocations`, the budget
+    variants' sensitivity and allocate results in `budget_variants` order). chosen_by: "allocation"
+    (a budget's choice, with its predicted error and sensitivity, which must match the GGUF),
+    "config" (a routed tensor's configured format), "source" (a tensor our variant left as the
+    source stores it, or the shared down projection's `shexp_down`), "gguf" (an outside GGUF's)."""
+    budget = {v.name: (m, a) for v, m, a in zip(run.budget_variants(), measured, allocations, strict=True)}
     rows = []
-    for variant in run.evaluated_variants():
-        written = sensitivity.gguf_recipe(open_model(run.variant_gguf(variant)))
-        measured, predicted = None, {}
-        if variant.budgeted:
-            measured = run.sensitivity(variant).fingerprint[:16]
-            predicted = {r["tensor"]: r for r in read_parts(run.allocation(variant), "recipe").to_pylist()}
+    for variant, result in zip(run.evaluated_variants(), models, strict=True):
+        written = gguf_recipe(open_model(model_path(run, variant, result)))
+        sensitivity, predicted = None, {}
+        if variant.name in budget:
+            sensitivity = budget[variant.name][0].fingerprint[:16]
+            predicted = {r["tensor"]: r for r in read_parts(budget[variant.name][1], "recipe").to_pylist()}
             if {r["tensor"]: r["format"] for r in written if r["tensor"] in predicted} != \
                     {t: r["format"] for t, r in predicted.items()}:
                 raise AssertionError(f"{variant.name}: the written GGUF's formats differ from its recipe")
@@ -117,79 +155,78 @@ def recipe_table(run: HealRun) -> pa.Table:
             chosen_by = ("gguf" if variant.kind == "external" else "allocation" if mine
                          else "config" if r["role"] in roles.ROUTED else "source")
             rows.append({"variant": variant.name, **r, "chosen_by": chosen_by,
-                         "sensitivity": measured if mine else None, "pred_err": mine["pred_err"] if mine else None})
-    return pa.Table.from_pylist(rows, schema=sensitivity.GGUF_RECIPE_SCHEMA)
+                         "sensitivity": sensitivity if mine else None, "pred_err": mine["pred_err"] if mine else None})
+    return pa.Table.from_pylist(rows, schema=GGUF_RECIPE_SCHEMA)
 
 
-def sizes_table(run: HealRun) -> pa.Table:
+def sizes_table(run: HealRun, models: list[Result]) -> pa.Table:
     """Achieved sizes of every evaluated variant and the reference, summed from each GGUF's tensor table."""
     rows = [{"variant": "reference", "kind": "reference", "budget_bpw": None, "budget_roles": None,
-             **sensitivity.gguf_size(run.reference)}]
-    for variant in run.evaluated_variants():
+             **gguf_size(run.reference)}]
+    for variant, result in zip(run.evaluated_variants(), models, strict=True):
         rows.append({"variant": variant.name, "kind": variant.kind, "budget_bpw": variant.budget_bpw,
                      "budget_roles": variant.budget_roles if variant.budgeted else None,
-                     **sensitivity.gguf_size(open_model(run.variant_gguf(variant)))})
-    return pa.Table.from_pylist(rows, schema=sensitivity.SIZES_SCHEMA)
+                     **gguf_size(open_model(model_path(run, variant, result)))})
+    return pa.Table.from_pylist(rows, schema=SIZES_SCHEMA)
 
 
-def table_declarations(run: HealRun) -> dict[str, tuple[Callable[[], list[Any]], Callable[[], pa.Table]]]:
-    """Every table of the contract: what it is computed from (the stage results and outside GGUFs,
-    in plan mode only their fingerprints) and how it is read from them; the audit's first, so that
-    a leak stops a run before anything else is read."""
-    quantized, evaluated = run.all_quantized_variants(), run.evaluated_variants()
+def table_declarations(run: HealRun) -> dict[str, Published]:
+    """Every table of the contract, each from the stage invocations it names; the audit's first, so
+    that a leak stops a run before anything else is read."""
+    quantized, evaluated, budgets = run.all_quantized_variants(), run.evaluated_variants(), run.budget_variants()
+    n_models, n_budgets = len(evaluated), len(budgets)
+    units = [(v, layer) for v in quantized for layer in run.source.moe_layers]
 
-    def dumps() -> list[StageResult]:
-        return [run.dump(t) for t in run.traces_present()]
+    def models() -> list[Source]:
+        return [model_source(run, v) for v in evaluated]
 
-    def calibrated() -> list[StageResult]:
-        return [unit for v in quantized for unit in run.calibrated_layers(v)]
+    def evaluations() -> list[Source]:
+        return [run.evaluate(v) for v in evaluated]
 
-    def ggufs() -> list[Any]:
-        # an outside file by the digest its evaluation is keyed on: no GGUF parsed (plan lists these)
-        return [content_digest(v.gguf) if v.kind == "external" else run.final_model(v)[0] for v in evaluated]
+    def sensitivities() -> list[Source]:
+        return [run.sensitivity(v) for v in budgets]
 
-    def measured() -> list[Any]:
-        return ggufs() + [run.sensitivity(v) for v in run.budget_variants()]
+    def one(name: str) -> Callable[[list[Result]], pa.Table]:
+        return lambda results: read_parts(results[0], name)
 
-    def evaluations() -> list[StageResult]:
-        return [run.evaluate_variant(v) for v in evaluated]
+    def units_of(name: str) -> Published:
+        return Published(lambda: [run.calibrate(v, layer) for v, layer in units],
+                         lambda results: named_by([v.name for v, _ in units], results, name))
 
-    def llama_checks() -> list[StageResult]:
-        return [r for r in (run.llama_check(v) for v in evaluated) if r is not None]
-
-    def evaluated_parts(name: str) -> Callable[[], pa.Table]:
-        return lambda: pa.concat_tables([read_parts(r, name) for r in evaluations()])
-
-    declared: dict[str, tuple[Callable[[], list[Any]], Callable[[], pa.Table]]] = {
-        "overlap": (lambda: [run.audit_stage()], run.audit),
-        "docs": (lambda: [run.corpus()], lambda: read_parts(run.corpus(), "docs")),
-        "cal_trace": (lambda: [run.traces()], lambda: read_parts(run.traces(), "cal_trace")),
-        "windows": (lambda: [run.windows()], lambda: read_parts(run.windows(), "windows")),
-        "routing": (dumps, lambda: pa.concat_tables([dump.read_routing(r.path) for r in dumps()])),
-        "layer_metrics": (calibrated, lambda: run.calibrated_table(quantized, "layer_metrics")),
-        "ridge_cv": (calibrated, lambda: run.calibrated_table(quantized, "ridge_cv")),
-        "variants": (ggufs, lambda: variants_table(run)),
-        "recipe": (measured, lambda: recipe_table(run)),
-        "sizes": (ggufs, lambda: sizes_table(run)),
-        "token_kld": (evaluations, evaluated_parts("token_kld")),
-        "hitrate": (evaluations, evaluated_parts("hitrate")),
-        "activation_peaks": (evaluations, lambda: check_numerics(run, evaluated, evaluations())),
-        "llama_check": (llama_checks, lambda: pa.concat_tables(
-            [read_parts(r, "llama_check") for r in llama_checks()] or [llamacheck.SCHEMA.empty_table()])),
-        "window_kld": (lambda: [run.comparisons()], lambda: read_parts(run.comparisons(), "window_kld")),
-        "comparisons": (lambda: [run.comparisons()], lambda: read_parts(run.comparisons(), "comparisons")),
+    declared: dict[str, Published] = {
+        "overlap": Published(lambda: [run.audit()], one("overlap")),
+        "docs": Published(lambda: [run.corpus()], one("docs")),
+        "cal_trace": Published(lambda: [run.traces()], one("cal_trace")),
+        "windows": Published(lambda: [run.windows()], one("windows")),
+        "routing": Published(lambda: [run.dump(t) for t in run.traces_present()],
+                             lambda results: pa.concat_tables([read_routing(r.path) for r in results])),
+        "layer_metrics": units_of("layer_metrics"),
+        "ridge_cv": units_of("ridge_cv"),
+        "variants": Published(models, lambda results: variants_table(run, results)),
+        "recipe": Published(lambda: models() + sensitivities() + [run.allocate(v) for v in budgets],
+                            lambda r: recipe_table(run, r[:n_models], r[n_models:n_models + n_budgets],
+                                                   r[n_models + n_budgets:])),
+        "sizes": Published(models, lambda results: sizes_table(run, results)),
+        "token_kld": Published(evaluations, concat_parts("token_kld")),
+        "hitrate": Published(evaluations, concat_parts("hitrate")),
+        "activation_peaks": Published(lambda: models() + evaluations(), lambda r: check_numerics(
+            run, evaluated, [model_path(run, v, m) for v, m in zip(evaluated, r[:n_models])], r[n_models:])),
+        "llama_check": Published(lambda: [run.llama_check(v) for v in evaluated], lambda results: pa.concat_tables(
+            [read_parts(r, "llama_check") for r in results] or [llama_check.SCHEMA.empty_table()])),
+        "window_kld": Published(lambda: [run.comparisons()], one("window_kld")),
+        "comparisons": Published(lambda: [run.comparisons()], one("comparisons")),
     }
-    if run.budget_variants():
-        declared["sensitivity"] = (lambda: [run.sensitivity(v) for v in run.budget_variants()],
-                                   lambda: sensitivity_table(run))
+    if budgets:
+        declared["sensitivity"] = Published(sensitivities, sensitivity_table)
     tuned = [v for v in run.cfg.healed_variants if v.e2e]
     if tuned:
-        declared["e2e_curve"] = (lambda: [run.e2e(v) for v in tuned], lambda: pa.concat_tables(
-            [read_part(run.e2e(v).path / e2e.CURVE_FILE, ()) for v in tuned]))
-    learners = [v for v in quantized if v.round == quantize.LEARNED]
+        declared["e2e_curve"] = Published(lambda: [run.e2e(v) for v in tuned], lambda results: pa.concat_tables(
+            [read_part(r.path / e2e.CURVE_FILE, ()) for r in results]))
+    learners = [(v, layer) for v, layer in units if v.round == quantize.LEARNED]
     if learners:
-        declared["learned_curve"] = (lambda: [run.quantize(v, layer) for v in learners
-                                              for layer in run.source.moe_layers], lambda: learned_curve_table(run))
+        declared["learned_curve"] = Published(lambda: [run.quantize(v, layer) for v, layer in learners],
+                                              lambda results: named_by([v.name for v, _ in learners], results,
+                                                                       "learned_curve"))
     return declared
 
 
@@ -210,8 +247,8 @@ def publish(run: HealRun, with_report: bool = True, only: tuple[str, ...] | None
             declared = table_declarations(run)
             names = [name for name in declared if only is None or name in only]
             for name in names:
-                sources, read = declared[name]
-                publication.write_table(name, read(), _identities(sources()))
+                results = resolve(run, declared[name].sources())
+                publication.write_table(name, declared[name].read(results), identities(results))
             if only is not None:
                 carry_forward(run, publication, names)
             elif with_report:
@@ -230,9 +267,11 @@ def carry_forward(run: HealRun, publication: Publication, computed: list[str]) -
     previous = run.lake.sources()
     if not previous:
         return
-    planned = table_declarations(type(run)(run.cfg, log=run.log, plan=True))
+    plan = type(run)(run.cfg, log=run.log, plan=True)
+    planned = table_declarations(plan)
     for name, sources in previous.items():
-        if name not in computed and name in planned and _identities(planned[name][0]()) == sources:
+        if name not in computed and name in planned and \
+                identities(resolve(plan, planned[name].sources())) == sources:
             publication.carry(name, run.lake.table_path(name), sources)
     if read_sources(publication.folder) == previous and run.lake.report_dir.is_dir():
         shutil.copytree(run.lake.report_dir, publication.report_dir, copy_function=os.link)

@@ -15,17 +15,17 @@ scored span is a violation. Python here only moves arrays in and out.
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 
 from moeheal.kernels import ngram
+from moeheal.pipeline.data.documents import window_tokens
 from moeheal.pipeline.errors import AuditViolation, InputError
 from moeheal.pipeline.lake.files import read_part, write_parquet
 from moeheal.pipeline.lake.sqlrun import run_sql
-from moeheal.pipeline.stages.corpus import window_tokens
+from moeheal.pipeline.lake.stage import Log, Stage
 
 SPLIT_CHECKS = (
     "split_roles",
@@ -211,17 +211,17 @@ class AuditParams:
     ngram: int
 
 
-def build_audit(out: Path, params: AuditParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+def build_audit(out: Path, params: AuditParams, *, corpus: Path, traces: Path, windows: Path, log: Log) -> None:
     """`overlap.parquet` and `violations.parquet` from the corpus, traces and windows stages' outputs.
 
     The checks read this run's stage outputs, never the published tables, so a
     rejected config's rows never reach `tables/`.
     """
-    corpus_dir, windows_dir = inputs["corpus"], inputs["windows"]
+    corpus_dir, windows_dir = corpus, windows
     con = duckdb.connect()
     try:
         con.register("docs", read_part(corpus_dir / "docs.parquet", ()))
-        con.register("cal_trace", read_part(inputs["traces"] / "cal_trace.parquet", ()))
+        con.register("cal_trace", read_part(traces / "cal_trace.parquet", ()))
         con.register("windows", read_part(windows_dir / "windows.parquet", ()))
         overlap, violations = find_violations(con, window_tokens(windows_dir, corpus_dir), params.ngram)
     finally:
@@ -240,3 +240,6 @@ def read_violations(audit_dir: Path) -> list[Violation]:
 def check_audit(audit_dir: Path) -> None:
     """The audit stage's check: raise (exit 3) on any split violation or scored-span leak it found."""
     raise_on(read_violations(audit_dir))
+
+
+STAGE = Stage("audit", "parts", build_audit, outputs=("overlap.parquet", "violations.parquet"), check=check_audit)

@@ -31,10 +31,9 @@ every unit and streams the GGUF a tensor at a time.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -43,14 +42,14 @@ import pyarrow as pa
 from moeheal.kernels import decode, encode
 from moeheal.kernels.alpha import fit_alpha, oracle_alpha, relative_residual
 from moeheal.kernels.ridge import alpha_ridge_cv_sweep, effective_dof, matrix_rank, ridge_stats, solve_ridge
+from moeheal.pipeline.data.dumps import open_dump, read_layer
+from moeheal.pipeline.data.units import EXPERT_TENSORS, load_quantized
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.lake.files import write_parquet
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
-from moeheal.pipeline.gguf.writer import Deferred, copy_gguf
+from moeheal.pipeline.lake.files import write_parquet
+from moeheal.pipeline.lake.stage import Log, Stage
 from moeheal.pipeline.model.layers import swiglu
-from moeheal.pipeline.stages.dump import open_dump, read_layer
-from moeheal.pipeline.stages.quantize import EXPERT_TENSORS, load_quantized
-from moeheal.pipeline.stages.routed import routed_output
+from moeheal.pipeline.model.routed import routed_output
 
 OUTPUTS = ("layer_<i>.npz", "layer_metrics.parquet", "ridge_cv.parquet")  # a unit's: its layer and its rows
 
@@ -86,13 +85,21 @@ METRICS_SCHEMA = pa.schema([("variant", pa.string()), ("layer", pa.int64()), ("s
                             ("resid_alpha1", pa.float64()), ("alpha", pa.float64()), ("resid_alpha", pa.float64()),
                             ("alpha_oracle", pa.float64()), ("resid_oracle", pa.float64()),
                             ("resid_ridge", pa.float64())])
+
+
 RIDGE_CV_SCHEMA = pa.schema([("variant", pa.string()), ("layer", pa.int32()), ("rho", pa.float64()),
                              ("split", pa.string()), ("rel_gain", pa.float64()), ("rank_z", pa.int32()),
                              ("dof", pa.float64()), ("chosen", pa.bool_()), ("configured", pa.bool_()),
                              ("applied", pa.bool_())])
+
+
 # A unit writes its rows without the variant column (the first of both schemas), added when read.
 UNIT_COLUMNS = 1
+
+
 RHO_GRID = (0.25, 1.0, 6.0, 24.0)
+
+
 CV_SPLITS = ("in_sample", "lobo4", "even_odd")
 
 
@@ -235,77 +242,16 @@ def ridge_cv_rows(z: np.ndarray, y_ref: np.ndarray, y_q: np.ndarray, gram: np.nd
     return rows, best, applied
 
 
-def layer_replacements(calibrated: Path, layer: int) -> dict[str, Deferred]:
-    """The tensors one calibrate unit replaces, keyed by GGUF name, each read only when written.
-
-    Only the small `.shape` and `.format` members are read here (an npz reads members one at a
-    time): the byte shape follows from the format's block geometry.
-    """
-    file = calibrated / f"layer_{layer}.npz"
-    with np.load(file) as data:
-        names = [key.removesuffix(".format") for key in data.files if key.endswith(".format")]
-        shapes = {name: tuple(int(n) for n in data[f"{name}.shape"]) for name in names}  # numpy order, weights
-        formats = {name: decode.format_of(str(data[f"{name}.format"])) for name in names}
-    replace = {}
-    for name in names:
-        fmt, shape = formats[name], shapes[name]
-        byte_shape = (*shape[:-1], shape[-1] // fmt.block_size * fmt.type_size)  # (..., row bytes)
-        replace[f"blk.{layer}.{name}.weight"] = Deferred(byte_shape, fmt.ggml_type, _npz_member(file, name))
-    return replace
-
-
-def _npz_member(file: Path, name: str) -> Callable[[], np.ndarray]:
-    def read() -> np.ndarray:
-        with np.load(file) as data:
-            return data[name]
-    return read
-
-
-def assemble_gguf(out: Path, source: GGUFModel, calibrated: list[Path], variant: str, params: dict[str, Any]) -> None:
-    """The healed model: the source GGUF with every tensor the variant quantized replaced, each in
-    the format recorded beside it (routed experts, the shared down projection, any other role a
-    recipe chose); `moeheal.*` keys record the variant and its knobs. `calibrated[i]` is the i-th MoE
-    layer's calibrate unit (`GGUFModel.moe_layers`; dense layers are copied as they are). Tensors are
-    streamed: one replaced tensor is in memory at a time."""
-    replace: dict[str, Deferred] = {}
-    if len(calibrated) != len(source.moe_layers):
-        raise ValueError(f"{len(calibrated)} calibrate units for {len(source.moe_layers)} MoE layers")
-    for layer, unit in zip(source.moe_layers, calibrated):
-        replace |= layer_replacements(unit, layer)
-    copy_gguf(source, out, replace, extra_kv=[
-        ("moeheal.variant", variant, None),
-        ("moeheal.params", json.dumps(params, sort_keys=True), None),
-        ("moeheal.source_sha256", source.digest(), None),
-    ])
-
-
-def build_calibrate(out: Path, params: CalibrateParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+def build_calibrate(out: Path, params: CalibrateParams, *, source: Path, quantized: Path, dump: Path,
+                    unseen: Path | None = None, log: Log) -> None:
     """One unit of the calibrate stage: alpha and ridge for layer `params.layer` of one variant's
     quantized experts (`quantized`, the quantize unit of that layer), on the dumps (`dump`, and
     `unseen` if there is one), from the `source`."""
     assert params.layer is not None, "a calibrate unit is one layer"
-    model = open_model(inputs["source"])
-    calibrate_layer(out, model, inputs["quantized"], open_dump(inputs["dump"], model.hp, model.moe_layers),
-                    open_dump(inputs["unseen"], model.hp, model.moe_layers) if "unseen" in inputs else None,
+    model = open_model(source)
+    calibrate_layer(out, model, quantized, open_dump(dump, model.hp, model.moe_layers),
+                    open_dump(unseen, model.hp, model.moe_layers) if unseen is not None else None,
                     params, params.layer)
 
 
-@dataclass(frozen=True)
-class AssembleParams:
-    """The variant's name and knobs, written into the GGUF's `moeheal.*` keys."""
-
-    variant: str
-    knobs: dict[str, Any]
-
-
-def calibrated_units(inputs: Mapping[str, Path]) -> list[Path]:
-    """The `calibrated.<layer>` inputs of an assembly, in layer order."""
-    keys = [key for key in inputs if key.startswith("calibrated.")]
-    return [inputs[key] for key in sorted(keys, key=lambda key: int(key.split(".")[1]))]
-
-
-def build_assembly(out: Path, params: AssembleParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
-    """The assemble stage: the healed GGUF from the `source` and every layer's calibrate unit
-    (`calibrated.<layer>`)."""
-    assemble_gguf(out, open_model(inputs["source"]), calibrated_units(inputs), params.variant,
-                  {"variant": params.variant, "knobs": params.knobs})
+STAGE = Stage("calibrate", "quant", build_calibrate, outputs=("layer_{layer}.npz", "layer_metrics.parquet"))

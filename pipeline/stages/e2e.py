@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -48,11 +48,12 @@ from gguf import GGMLQuantizationType
 from moeheal.kernels.adam import adam_init, adam_step
 from moeheal.kernels.decode import FORMATS, format_of
 from moeheal.kernels.e2e import fp16_ste, kl_sum_topk, relative
-from moeheal.pipeline.model import layers as M
-from moeheal.pipeline.lake.files import write_parquet
+from moeheal.pipeline.data.documents import trace_tokens
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.gguf.writer import copy_gguf
-from moeheal.pipeline.stages.corpus import trace_tokens
+from moeheal.pipeline.lake.files import write_parquet
+from moeheal.pipeline.lake.stage import Log, Stage
+from moeheal.pipeline.model import layers as M
 from moeheal.pipeline.stages.reference_topk import padded_sequences, read_topk
 
 # Per-layer (or global) F32 tensors that are tuned, by short name: norms and the router.
@@ -445,8 +446,11 @@ def e2e_model(out: Path, assembled: GGUFModel, source: GGUFModel, traces_dir: Pa
     write_parquet(out / CURVE_FILE, pa.Table.from_pylist(rows, schema=CURVE_SCHEMA))
 
 
-def build_e2e(out: Path, params: E2EParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+def build_e2e(out: Path, params: E2EParams, *, source: Path, model: Path, traces: Path, topk: Path, log: Log) -> None:
     """The e2e stage: `e2e_model` on one variant's assembled GGUF (`model`), against the reference's
     top-k distribution (`topk`, the reference-topk stage's) over the traces stage's output (`traces`)."""
-    e2e_model(out, open_model(inputs["model"]), open_model(inputs["source"]), inputs["traces"], inputs["topk"],
+    e2e_model(out, open_model(model), open_model(source), traces, topk,
               params, log)
+
+
+STAGE = Stage("e2e", "models", build_e2e, outputs=(MODEL_FILE, CURVE_FILE))

@@ -24,82 +24,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 
 from moeheal.kernels.kld import token_kld
 from moeheal.kernels.moce import belady_hits, lru_hits, make_routing_hook
+from moeheal.pipeline.data.documents import window_tokens
+from moeheal.pipeline.data.window_batches import scored_positions, scored_union, window_batches, within_union
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.lake.files import read_part, write_parquet
+from moeheal.pipeline.lake.stage import Log, Stage
 from moeheal.pipeline.model.numerics import PEAKS_SCHEMA, ActivationPeaks, peak_rows
-from moeheal.pipeline.progress import progress
 from moeheal.pipeline.model.runner import Runner
-from moeheal.pipeline.stages.corpus import window_tokens
+from moeheal.pipeline.progress import progress
 
-BUCKET = 64
-BATCH = 8
 HITRATE_SCHEMA = pa.schema([
     ("variant", pa.string()), ("moce_bonus", pa.float64()), ("cache_experts", pa.int64()),
     ("prompt_id", pa.string()), ("rep", pa.int64()), ("hit_rate", pa.float64()),
     ("misses_per_token", pa.float64()), ("hit_rate_lru", pa.float64()), ("hit_rate_belady", pa.float64()),
     ("same_as_rep0", pa.bool_()),  # NULL on repetition 0 (nothing to compare with), so it stays typed
 ])
-
-
-def _batches(windows: list[dict], tokens: dict[str, np.ndarray]) -> list[tuple[list[dict], np.ndarray]]:
-    """Windows grouped by padded length: (windows, tokens (B, T_pad) int32)."""
-    by_len: dict[int, list[dict]] = {}
-    for w in windows:
-        n = len(tokens[w["window_id"]])
-        by_len.setdefault(-(-n // BUCKET) * BUCKET, []).append(w)
-    out = []
-    for length, group in sorted(by_len.items()):
-        for i in range(0, len(group), BATCH):
-            chunk = group[i:i + BATCH]
-            batch = np.zeros((len(chunk), length), np.int32)  # (B, T_pad)
-            for row, w in enumerate(chunk):
-                seq = tokens[w["window_id"]]
-                batch[row, :len(seq)] = seq
-            out.append((chunk, batch))
-    return out
-
-
-def _scored_union(chunk: list[dict]) -> slice:
-    """The positions a batch's logits are needed at: from the first scored position of any of
-    its windows to the last (the context before them only feeds attention)."""
-    spans = [_scored(w) for w in chunk]
-    return slice(min(s.start for s in spans), max(s.stop for s in spans))
-
-
-def _within(span: slice, union: slice) -> slice:
-    """`span` (window positions) as positions of logits computed at `union`."""
-    return slice(span.start - union.start, span.stop - union.start)
-
-
-def _scored(w: dict) -> slice:
-    """Positions (within the window) whose next-token logits are scored.
-
-    The logits at position p predict token p+1, so scoring tokens
-    [score_start, score_end) of the doc uses logits at window positions
-    [score_start - ctx_start - 1, score_end - ctx_start - 1).
-    """
-    lo = w["score_start"] - w["ctx_start"]
-    return slice(max(lo - 1, 0), w["score_end"] - w["ctx_start"] - 1)
-
-
-def reference_logits(out: Path, reference: GGUFModel, windows: pa.Table, tokens: dict[str, np.ndarray],
-                     log: Callable[[str], None] = print) -> None:
-    """`<window_id>.npy`: the reference's float32 logits at the scored positions (n, V)."""
-    out.mkdir(parents=True, exist_ok=True)
-    runner = Runner(reference)
-    for chunk, batch in progress(_batches(windows.to_pylist(), tokens), desc="reference", unit="batch"):
-        union = _scored_union(chunk)
-        logits = runner.forward(batch, positions=union)  # (B, scored span, V)
-        for row, w in enumerate(chunk):
-            np.save(out / f"{w['window_id']}.npy", np.asarray(logits[row, _within(_scored(w), union)], np.float32))
 
 
 def _forward_with_cache(runner: Runner, batch: np.ndarray, bonus: float, cache_experts: int, positions: slice,
@@ -142,18 +89,18 @@ def evaluate_model(out: Path, model: GGUFModel, variant: str, ref_dir: Path, win
     peaks = ActivationPeaks()  # over the plain-routing passes (the lowest bonus, repetition 0)
     plain_experts: dict[str, dict[int, np.ndarray]] = {}
     for bonus in sorted(bonuses):  # 0 first: its routing is the baselines' trace
-        for chunk, batch in progress(_batches(windows.to_pylist(), tokens), desc=f"{variant}@{bonus}",
+        for chunk, batch in progress(window_batches(windows.to_pylist(), tokens), desc=f"{variant}@{bonus}",
                                      unit="batch"):
-            union = _scored_union(chunk)
+            union = scored_union(chunk)
             runs = [_forward_with_cache(runner, batch, bonus, cache_experts, union,
                                         peaks if rep == 0 and bonus == min(bonuses) else None)
                     for rep in range(reps)]
             logits, experts, _ = runs[0]  # logits (B, scored span, V)
             for row, w in enumerate(chunk):
                 wid, n = w["window_id"], len(tokens[w["window_id"]])
-                span = _scored(w)
+                span = scored_positions(w)
                 ref = np.load(ref_dir / f"{wid}.npy")  # (n_scored, V)
-                kld, ref_top1, top1 = (np.asarray(a) for a in token_kld(ref, logits[row, _within(span, union)]))
+                kld, ref_top1, top1 = (np.asarray(a) for a in token_kld(ref, logits[row, within_union(span, union)]))
                 positions = np.arange(span.start, span.stop, dtype=np.int32) + 1 + w["ctx_start"]
                 kld_parts.append(pa.table({
                     "variant": pa.array([variant] * len(kld), pa.string()),
@@ -204,19 +151,6 @@ def hitrate_rows(runs: list, row: int, n: int, layers: tuple[int, ...], lru: int
 
 
 @dataclass(frozen=True)
-class ReferenceParams:
-    """Nothing: the reference's logits are its file's and the windows' (inputs and upstream)."""
-
-
-def build_reference_logits(out: Path, params: ReferenceParams, inputs: Mapping[str, Path],
-                           log: Callable[[str], None]) -> None:
-    """The reference-logits stage: `reference_logits` of the `reference` over the windows stage's
-    output (`windows`, their tokens from `corpus`)."""
-    reference_logits(out, open_model(inputs["reference"]), read_part(inputs["windows"] / "windows.parquet", ()),
-                     window_tokens(inputs["windows"], inputs["corpus"]), log)
-
-
-@dataclass(frozen=True)
 class EvaluateParams:
     """The variant (names the rows), the cache-aware routing bonuses, the expert cache's size and how
     many times each window is rerun to check determinism."""
@@ -227,10 +161,14 @@ class EvaluateParams:
     reps: int
 
 
-def build_evaluation(out: Path, params: EvaluateParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+def build_evaluation(out: Path, params: EvaluateParams, *, model: Path, reference: Path, windows: Path, corpus: Path,
+                     log: Log) -> None:
     """The evaluate stage: `evaluate_model` for one variant's GGUF (`model`) over the windows stage's
     output, against the reference-logits stage's (`reference`)."""
-    evaluate_model(out, open_model(inputs["model"]), params.variant, inputs["reference"],
-                   read_part(inputs["windows"] / "windows.parquet", ()),
-                   window_tokens(inputs["windows"], inputs["corpus"]), tuple(params.bonus), params.cache_experts,
+    evaluate_model(out, open_model(model), params.variant, reference, read_part(windows / "windows.parquet", ()),
+                   window_tokens(windows, corpus), tuple(params.bonus), params.cache_experts,
                    params.reps, log)
+
+
+STAGE = Stage("evaluate", "parts", build_evaluation,
+              outputs=("token_kld.parquet", "hitrate.parquet", "activation_peaks.parquet"))

@@ -66,33 +66,51 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import jax
 import numpy as np
 import pyarrow as pa
 
-from moeheal.kernels import encode
+from moeheal.kernels import encode, learned
 from moeheal.kernels import importance as imp
-from moeheal.kernels import learned
 from moeheal.kernels.gptq import damp_hessian
-from moeheal.pipeline.model import roles
-from moeheal.pipeline.lake.files import read_part, write_parquet
+from moeheal.pipeline.data.dumps import open_dump, read_layer
+from moeheal.pipeline.data.units import EXPERT_TENSORS, read_recipe
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
-from moeheal.pipeline.stages.dump import open_dump, read_layer
+from moeheal.pipeline.lake.files import write_parquet
+from moeheal.pipeline.lake.stage import Log, Stage
+from moeheal.pipeline.model import roles
 
-EXPERT_TENSORS = roles.ROUTED
 # the unit's layer: each quantized tensor's block bytes, its shape and the importance used; with learned
 # rounding, its learning curve
 OUTPUTS = ("layer_<i>.npz", "learned_curve.parquet")
+
+
 LEARNED = "learned"
+
+
 LEARNED_BATCH_TOKENS = 256  # tokens per step of learned rounding
+
+
 LEARNED_HOLDOUT = 8  # the last 1/8 of the calibration rows pick the best step
+
+
 LEARNED_OPTIMIZER = "adam"  # chosen over AutoRound's signed steps by the unseen dump (docs/learned-rounding.md)
+
+
 LEARNED_LR = 0.01  # step of a weight's code offset (in codes), decaying linearly to 0
+
+
 LEARNED_SUB_LR = 0.01  # step of a sub-block scale (min) code's offset
+
+
 LEARNED_SCALE_LR = 0.001  # step of an fp16 scale's multiplier
+
+
 LEARNED_EVALS = 8  # held-out measurements per run (the best step is chosen among them and step 0)
+
+
 CURVE_SCHEMA = pa.schema([("layer", pa.int64()), ("step", pa.int64()), ("split", pa.string()), ("loss", pa.float64())])
 
 
@@ -189,6 +207,12 @@ def importance_plan(weights: dict[str, jax.Array], dump_root, layer: int, params
     return layer_importance(weights, group["mixed"][rows], group["experts"][rows], group["weights"][rows], params)
 
 
+def matrix_importance(role: str, x: np.ndarray, beta_gate_up: float, beta_down: float) -> np.ndarray:
+    """Per input-column weight of the squared error: E[x_j^2]^beta, mean 1 (as the routed roles')."""
+    mean_sq = np.mean(np.square(x, dtype=np.float64), axis=0)  # (cols,)
+    return imp.gate_up_importance(mean_sq, beta_down if role in roles.HIDDEN_SIDE else beta_gate_up)  # (cols,)
+
+
 def layer_matrices(model: GGUFModel, layer: int) -> dict[str, np.ndarray]:
     """One layer's tensors outside the routed experts and the router (attention, its norms and
     biases, the shared expert), dequantized, keyed by short name (`attn_q.weight`)."""
@@ -204,7 +228,7 @@ def matrix_plan(role: str, matrices: dict[str, np.ndarray], data: dict[str, np.n
     if data is None:
         return None, None
     x = roles.matrix_input(role, matrices, data, sequences, hp, arch)  # (N, cols)
-    importance = roles.matrix_importance(role, x, params.beta_gate_up, params.beta_down)  # (cols,)
+    importance = matrix_importance(role, x, params.beta_gate_up, params.beta_down)  # (cols,)
     if not params.uses_gptq:
         return importance, None
     x64 = x.astype(np.float64)
@@ -325,17 +349,6 @@ def learn_layer_rounding(arrays: dict[str, np.ndarray], source: GGUFModel, dump_
     return [{"layer": layer, **row} for row in curve]
 
 
-def read_recipe(allocation: Path) -> dict[tuple[int, str], str]:
-    """An allocation stage's `recipe.parquet` as {(layer, tensor role): format}, every chosen role."""
-    rows = read_part(allocation / "recipe.parquet", ("layer", "role", "format")).to_pylist()
-    return {(r["layer"], r["role"]): r["format"] for r in rows}
-
-
-def load_quantized(path: Path, layer: int) -> dict[str, np.ndarray]:
-    with np.load(path / f"layer_{layer}.npz") as data:
-        return {key: data[key] for key in data.files}
-
-
 def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size: int, cal_tokens: int = 0) -> None:
     """The calibration statistics as a llama.cpp importance matrix (sum of x^2 per input column).
 
@@ -378,13 +391,17 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
                   chunk_size=chunk_size)
 
 
-def build_quantize(out: Path, params: QuantizeParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+def build_quantize(out: Path, params: QuantizeParams, *, source: Path, dump: Path | None = None,
+                   recipe: Path | None = None, unseen: Path | None = None, log: Log) -> None:
     """One unit of the quantize stage: layer `params.layer` of the `source`'s routed experts, with the
     calibration dump's (`dump`) statistics if any, in the formats of the allocation stage's output
     (`recipe`) when given (learned rounding also measures itself on the `unseen` dump, if given)."""
     assert params.layer is not None, "a quantize unit is one layer"
-    model = open_model(inputs["source"])
-    recipe = read_recipe(inputs["recipe"]) if "recipe" in inputs else None
-    dump = open_dump(inputs["dump"], model.hp, model.moe_layers) if params.importance else None
-    unseen = open_dump(inputs["unseen"], model.hp, model.moe_layers) if "unseen" in inputs else None
-    quantize_layer(out, model, dump, params, params.layer, layer_formats(params, params.layer, recipe), unseen, log)
+    model = open_model(source)
+    chosen = read_recipe(recipe) if recipe is not None else None
+    cal = open_dump(dump, model.hp, model.moe_layers) if params.importance and dump is not None else None
+    held_out = open_dump(unseen, model.hp, model.moe_layers) if unseen is not None else None
+    quantize_layer(out, model, cal, params, params.layer, layer_formats(params, params.layer, chosen), held_out, log)
+
+
+STAGE = Stage("quantize", "quant", build_quantize, outputs=("layer_{layer}.npz",))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +24,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from moeheal.kernels.e2e import top_k_distribution
-from moeheal.pipeline.lake.files import read_part, write_parquet
+from moeheal.pipeline.data.documents import trace_tokens
 from moeheal.pipeline.gguf.model import open_model
-from moeheal.pipeline.progress import progress
+from moeheal.pipeline.lake.files import read_part, write_parquet
+from moeheal.pipeline.lake.stage import Log, Stage
 from moeheal.pipeline.model.runner import Runner
-from moeheal.pipeline.stages.corpus import trace_tokens
+from moeheal.pipeline.progress import progress
 
 TOPK_FILE = "topk.parquet"
 REFERENCE_BATCH_SEQS = 8  # sequences per reference forward pass
@@ -85,13 +85,13 @@ def reference_rows(runner: Runner, trace: str, tokens: np.ndarray, mask: np.ndar
         "log_rest": flat["log_rest"].astype(np.float32)})
 
 
-def build_reference_topk(out: Path, params: TopKParams, inputs: Mapping[str, Path], log: Callable[[str], None]) -> None:
+def build_reference_topk(out: Path, params: TopKParams, *, reference: Path, traces: Path, log: Log) -> None:
     """The reference-topk stage: the `reference` GGUF's top-k distribution over the `traces` stage's traces."""
     out.mkdir(parents=True, exist_ok=True)
-    runner = Runner(open_model(inputs["reference"]))
+    runner = Runner(open_model(reference))
     tables = []
     for trace in params.traces:
-        tokens, mask = padded_sequences(*trace_tokens(inputs["traces"], trace), params.seq_tokens)
+        tokens, mask = padded_sequences(*trace_tokens(traces, trace), params.seq_tokens)
         tables.append(reference_rows(runner, trace, tokens, mask, params.k))
         log(f"[reference-topk] {trace}: {int(mask.sum())} tokens, top {params.k}")
     write_parquet(out / TOPK_FILE, pa.concat_tables(tables))
@@ -111,3 +111,6 @@ def read_topk(folder: Path, trace: str, shape: tuple[int, int]) -> tuple[np.ndar
     logp[seq, pos] = rows.column("logp").combine_chunks().flatten().to_numpy().reshape(-1, k)
     log_rest[seq, pos] = rows.column("log_rest").to_numpy()
     return ids, logp, log_rest
+
+
+STAGE = Stage("reference-topk", "parts", build_reference_topk, outputs=(TOPK_FILE,))

@@ -1,0 +1,120 @@
+"""One layer's learned-rounding unit against its GPTQ unit, timed in the same run.
+
+    python bench/speed/bench_learned.py                        # CPU: the demo's layer, 32 experts 256 x 256, top-4
+    python bench/speed/bench_learned.py --gpu --shape 30b      # CUDA JAX: a Qwen3-30B-A3B layer, 128 experts,
+                                                               # d = 2048, f = 768, top-8
+
+The layer is synthetic at the real shape: heavy-tailed expert weights, MoE
+inputs from correlated random directions, a random top-k routing with softmax
+weights, and the reference routed output yr computed from the float weights.
+The GPTQ unit is what `round = "gptq"` runs for a layer
+(`quantize.layer_importance`: the per-expert statistics and damped Hessians,
+then `kernels.quantize_experts` for gate, up and down); the learned unit is
+that plus `kernels.learned.learn_layer` with the pipeline's settings
+(`learned_steps` default, `quantize.LEARNED_*`), on the calibration rows less
+the held-out 1/8. Times (wall seconds, or CPU seconds with --cpu-time) exclude compilation (each is run once before), best
+of ``--repeats``; the printed ratio is learned unit / GPTQ unit. Also printed:
+the held-out relative error of the layer's output at GPTQ's bytes and at the
+learned ones (in-sample selection: the held-out rows pick the step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.append(str(Path(__file__).resolve().parents[2]))
+
+from bench.tools.timing import best_of  # noqa: E402
+
+SHAPES = {"small": (4, 256, 256, 2), "demo": (32, 256, 256, 4), "30b": (128, 2048, 768, 8)}  # experts, d, f, k
+
+
+def synthetic_layer(n_expert: int, d: int, f: int, k: int, tokens: int, seed: int = 0):
+    """Float experts gate/up (E, f, d), down (E, d, f) on the device; inputs (T, d), routing (T, k) x2 and
+    the reference routed output yr (T, d) on the host. Drawn on the device (a 30B layer is 604M weights)."""
+    import jax
+    import jax.numpy as jnp
+
+    from moeheal.pipeline.model.layers import moe_forward
+
+    keys = jax.random.split(jax.random.key(seed), 6)
+    gate = 0.02 * jax.random.t(keys[0], 4.0, (n_expert, f, d), jnp.float32)
+    up = 0.02 * jax.random.t(keys[1], 4.0, (n_expert, f, d), jnp.float32)
+    down = 0.02 * jax.random.t(keys[2], 4.0, (n_expert, d, f), jnp.float32)
+    mix = jax.random.normal(keys[3], (d, d), jnp.float32) / np.sqrt(d)
+    x = 4.0 * jax.random.normal(keys[4], (tokens, d), jnp.float32) @ mix  # (T, d), correlated directions
+    logits = 2.0 * jax.random.normal(keys[5], (tokens, n_expert), jnp.float32)  # (T, E)
+    top, experts = jax.lax.top_k(logits, k)  # (T, k) x2
+    weights = jax.nn.softmax(top, axis=-1)  # (T, k)
+    w = {"ffn_gate_exps": gate, "ffn_up_exps": up, "ffn_down_exps": down}
+    yr = jax.jit(moe_forward)({"gate_exps": gate, "up_exps": up, "down_exps": down}, x, experts, weights)
+    return w, np.asarray(x), np.asarray(experts, np.int32), np.asarray(weights), np.asarray(yr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu", action="store_true", help="time on a CUDA JAX device")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="demo")
+    parser.add_argument("--tokens", type=int, default=8192, help="calibration rows of the layer")
+    parser.add_argument("--formats", nargs="*", default=["q2_k", "iq2_xxs", "tq2_0"])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=None, help="learned_steps (default: the config's)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time CPU seconds of every thread (time.process_time): on a shared machine the wall "
+                             "clock counts other people's work too")
+    args = parser.parse_args()
+
+    import jax
+
+    from moeheal.kernels import encode
+    from moeheal.kernels import learned
+    from moeheal.pipeline.config import LEARNED_STEPS
+    from moeheal.pipeline.stages import quantize as Q
+
+    device = jax.devices("gpu")[0] if args.gpu else jax.devices("cpu")[0]
+    n_expert, d, f, k = SHAPES[args.shape]
+    steps = args.steps or LEARNED_STEPS
+    print(f"device: {device.device_kind}; layer: {n_expert} experts, d = {d}, f = {f}, top-{k}, {args.tokens} "
+          f"calibration rows; learned: {steps} steps of {Q.LEARNED_BATCH_TOKENS} tokens; best of {args.repeats} "
+          f"after a compiling call; {'CPU seconds of every thread' if args.cpu_time else 'wall seconds'}\n")
+    print("| format | GPTQ unit s | learned unit s | learned / GPTQ | learning alone s | ms per step "
+          "| held-out rel. error GPTQ | held-out rel. error learned |")
+    print("|---|---|---|---|---|---|---|---|")
+    with jax.default_device(device):
+        w, x, experts, weights, yr = synthetic_layer(n_expert, d, f, k, args.tokens)
+        cut = args.tokens - args.tokens // Q.LEARNED_HOLDOUT
+        cal = learned.TokenSet(x, experts, weights, yr, yr)
+        train, held = cal.take(np.arange(cut)), cal.take(np.arange(cut, args.tokens))
+        for fmt in args.formats:
+            params = Q.QuantizeParams(quant=dict.fromkeys(Q.EXPERT_TENSORS, fmt), round="gptq", importance=True,
+                                      beta_gate_up=0.5, beta_down=0.5, down_blend_tokens=16.0, cal_tokens=0,
+                                      gptq_damp=1.0, gptq_shrink=64.0, gptq_router_weighted=False)
+            out: dict = {}
+
+            def gptq() -> None:
+                plan = Q.layer_importance(w, x, experts, weights, params)
+                out["raw"] = {name: encode.quantize_experts(w[name], fmt, *plan[name]) for name in w}
+
+            def learn() -> None:
+                tensors = {name: learned.LearnedTensor(fmt, tuple(w[name].shape), out["raw"][name]) for name in w}
+                settings = learned.Settings(steps=steps, batch_tokens=Q.LEARNED_BATCH_TOKENS, lr=Q.LEARNED_LR,
+                                            eval_every=max(1, steps // Q.LEARNED_EVALS), sub_lr=Q.LEARNED_SUB_LR,
+                                            scale_lr=Q.LEARNED_SCALE_LR, optimizer=Q.LEARNED_OPTIMIZER)
+                out["learned"], out["curve"] = learned.learn_layer(tensors, {}, train, held, settings)
+
+            gptq(), learn()  # compile
+            clock = time.process_time if args.cpu_time else time.perf_counter
+            t_gptq, t_learn = best_of(gptq, args.repeats, clock), best_of(learn, args.repeats, clock)
+            held_rows = [r["loss"] for r in out["curve"] if r["split"] == "heldout"]
+            chosen = next(r["loss"] for r in out["curve"] if r["split"] == "chosen")
+            print(f"| {fmt} | {t_gptq:.2f} | {t_gptq + t_learn:.2f} | {(t_gptq + t_learn) / t_gptq:.2f}x "
+                  f"| {t_learn:.2f} | {1e3 * t_learn / steps:.1f} | {held_rows[0]:.5f} | {chosen:.5f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

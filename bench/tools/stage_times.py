@@ -1,0 +1,73 @@
+"""Where a heal spent its time, per stage kind, from the lake's provenance records.
+
+    python bench/tools/stage_times.py lake/runs                                           # this machine's lake
+    python bench/tools/stage_times.py lake/runs bench/results/demo-h200/stage_times.csv   # beside another run's
+    python bench/tools/stage_times.py lake/runs --csv stage_times.csv                     # keep a run's figures
+
+Every stage writes ``runs/<fingerprint>.json`` with its start and finish
+times (``Lake`` provenance); summing them per stage kind (quantize, calibrate,
+evaluate, ...) says where a run's wall time went, whatever the variant or
+layer. A source is a lake's ``runs/`` folder or a CSV this script wrote.
+Columns: units built, total seconds, and for the second source its ratio to
+the first. A run killed and resumed counts only the units that finished. A
+``runs/`` folder holds every record the lake keeps, earlier runs' too: time one
+run on an empty lake (``make clean``) for its figures alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def stage_seconds(source: Path) -> dict[str, tuple[int, float]]:
+    """stage kind -> (units, seconds) from a lake's ``runs/`` folder or a CSV written by ``--csv``."""
+    if source.suffix == ".csv":
+        with source.open(newline="", encoding="utf-8") as f:
+            return {r["stage"]: (int(r["units"]), float(r["seconds"])) for r in csv.DictReader(f)}
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for path in source.glob("*.json"):
+        run = json.loads(path.read_text(encoding="utf-8"))
+        totals[run["stage"]][0] += 1
+        totals[run["stage"]][1] += run["finished"] - run["started"]
+    if not totals:
+        raise SystemExit(f"{source}: no provenance records (runs/<fingerprint>.json)")
+    return {stage: (int(n), s) for stage, (n, s) in totals.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sources", type=Path, nargs="+", help="a lake's runs/ folder or a CSV, one or two")
+    parser.add_argument("--csv", type=Path, help="write the first source's figures here")
+    args = parser.parse_args()
+    if len(args.sources) > 2:
+        parser.error("one or two sources")
+    tables = [stage_seconds(s) for s in args.sources]
+    if args.csv:
+        with args.csv.open("w", newline="", encoding="utf-8") as f:
+            out = csv.writer(f, lineterminator="\n")
+            out.writerow(["stage", "units", "seconds"])
+            out.writerows([stage, n, f"{s:.2f}"] for stage, (n, s) in sorted(tables[0].items()))
+    labels = [s.parent.name for s in args.sources]  # lake/runs -> lake, demo-h200/stage_times.csv -> demo-h200
+    header = " | ".join(f"{label} units | {label} s" for label in labels)
+    print(f"| stage | {header} |{f' {labels[1]} / {labels[0]} |' if len(tables) == 2 else ''}")
+    print("|---" * (1 + 2 * len(tables) + (len(tables) == 2)) + "|")
+    stages = sorted(set().union(*tables), key=lambda st: -tables[0].get(st, (0, 0.0))[1])
+    for stage in stages + ["all"]:
+        cells, seconds = [], []
+        for table in tables:
+            n, s = (sum(v[0] for v in table.values()), sum(v[1] for v in table.values())) if stage == "all" \
+                else table.get(stage, (0, 0.0))
+            cells += [str(n), f"{s:.1f}"]
+            seconds.append(s)
+        ratio = f" {seconds[1] / seconds[0]:.2f}x |" if len(tables) == 2 and seconds[0] else (" |" if len(tables) == 2 else "")
+        print(f"| {stage} | {' | '.join(cells)} |{ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
