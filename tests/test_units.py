@@ -21,7 +21,7 @@ from moeheal.kernels import decode
 from moeheal.pipeline.commands.cli import main
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.gguf.model import GGUFModel
-from moeheal.pipeline.gguf.writer import WRITER_OWNED_KEYS, add_kv
+from moeheal.pipeline.gguf.writer import WRITER_OWNED_KEYS, add_kv, file_type_kv
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.stages import quantize
 from moeheal.pipeline.data.dumps import ARRAYS, open_dump
@@ -151,6 +151,8 @@ def reference_assembly(path: Path, source: GGUFModel, calibrated: list[Path], va
             for name in (k.removesuffix(".format") for k in data.files if k.endswith(".format")):
                 fmt = decode.format_of(str(data[f"{name}.format"]))
                 replaced[f"blk.{layer}.{name}.weight"] = (data[name], fmt.ggml_type)
+    extra += file_type_kv(source, {name: replaced[name][1] if name in replaced else source.raw(name).ggml_type
+                                   for name in source.tensor_names})  # the experts' type, as llama-quantize names it
     writer = GGUFWriter(path, source.arch.name)
     for key, field in source.metadata_fields().items():
         if key not in WRITER_OWNED_KEYS and key not in {k for k, _, _ in extra}:

@@ -42,7 +42,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))
 from bench.tools.timing import best_of  # noqa: E402
 
 FORMATS = ("tq2_0", "q2_k", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs")  # every format GPTQ rounds
-DEFAULT_FORMATS = ("tq2_0", "q2_k", "iq2_xxs")  # the demo's: two minutes on a 2-core CPU
+DEFAULT_FORMATS = ("tq2_0", "q2_k", "iq2_xxs")  # the demo's: about a minute on a 2-core CPU
 SHAPES = {
     "small": [(4, 64, 256)],
     "demo": [(32, 256, 256)],
