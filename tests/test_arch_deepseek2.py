@@ -218,12 +218,12 @@ def test_healing_skips_the_dense_layer_and_the_assembled_gguf_runs(healed_deepse
 def test_the_budget_recipe_and_the_expert_cache_cover_the_moe_layers(healed_deepseek2):
     """The budget's recipe names the MoE layers' routed tensors only; evaluation counts the expert
     cache at bonus 0 on the family's own routing, where cache-aware routing's hits are LRU's."""
-    from moeheal.pipeline.heal import _read_parts
+    from moeheal.pipeline.publish.tables import read_parts
 
     _, run = healed_deepseek2
     budget = next(v for v in run.cfg.variants if v.budgeted)
     assert sorted({int(name.split(".")[1]) for name in run.recipe_formats(budget)}) == [1, 2]
-    rows = _read_parts(run.result(run.evaluate(budget)), "hitrate").to_pylist()
+    rows = read_parts(run.result(run.evaluate(budget)), "hitrate").to_pylist()
     assert rows and {r["moce_bonus"] for r in rows} == {0.0}
     assert all(r["hit_rate"] == r["hit_rate_lru"] <= r["hit_rate_belady"] for r in rows)
 

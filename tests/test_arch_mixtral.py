@@ -356,7 +356,7 @@ def test_a_budget_over_every_tensor_measures_attention_through_the_familys_rope(
                if r["sensitivity"] == key and (r["layer"], r["role"], r["format"]) == (1, "attn_q", "q2_k"))
     assert row["rel_err"] == pytest.approx(expected, rel=1e-5)  # NEOX RoPE here would be 3e-3 off
     healed = GGUFModel(run.result(run.assemble(b_all)).path)
-    chosen = {r["role"]: r["format"] for r in tables.recipe_table(run).to_pylist()
+    chosen = {r["role"]: r["format"] for r in tables.compute(run, "recipe").to_pylist()
               if r["variant"] == "b_all" and r["layer"] == 1 and r["chosen_by"] == "allocation"}
     assert {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_down_exps"} <= set(chosen)
     assert healed.raw("blk.1.attn_q.weight").ggml_type.name == chosen["attn_q"].upper()

@@ -12,6 +12,7 @@ import numpy as np
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.heal import HealRun
+from moeheal.pipeline.data.units import load_quantized
 from moeheal.pipeline.stages import quantize
 from bench.inputs.healworld import write_world
 
@@ -40,6 +41,6 @@ def test_a_learned_variant_heals_end_to_end(tmp_path):
     healed = open_model(run.result(run.assemble(run.cfg.variants[0])).path)
     variant = run.cfg.variants[0]
     for layer in layers:  # the GGUF's down projection is the learned unit's bytes with alpha in its scales
-        unit = quantize.load_quantized(run.result(run.quantize(variant, layer)).path, layer)
+        unit = load_quantized(run.result(run.quantize(variant, layer)).path, layer)
         stored = np.asarray(healed.raw(f"blk.{layer}.ffn_gate_exps.weight").data)
         assert np.array_equal(stored.reshape(-1), unit["ffn_gate_exps"].reshape(-1))

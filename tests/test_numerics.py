@@ -117,10 +117,10 @@ def test_probes_leave_the_forward_pass_unchanged_and_see_the_plant(world):
 def test_evaluation_fails_the_planted_variant_without_llama_cpp(world):
     run = HealRun(load_config(world), log=lambda m: None)
     planted, copy = run.cfg.variants
-    table = tables.check_numerics(run, [copy], [run.result(run.evaluate(copy))])
+    table = tables.check_numerics(run, [copy], [run.variant_gguf(copy)], [run.result(run.evaluate(copy))])
     assert table.num_rows > 0 and not any(table.column("overflow").to_pylist())
     with pytest.raises(InputError, match=r"variant planted: .*planted\.gguf: .*layer 0 ffn_down"):
-        tables.check_numerics(run, [planted], [run.result(run.evaluate(planted))])
+        tables.check_numerics(run, [planted], [run.variant_gguf(planted)], [run.result(run.evaluate(planted))])
 
 
 def test_plan_lists_the_llama_check_of_every_variant(world, monkeypatch):

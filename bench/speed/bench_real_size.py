@@ -12,11 +12,11 @@ over the demo's corpus, split and a few of its windows (the synthetic vocabulary
 with the demo's, so the demo text tokenizes the same), and runs every stage:
 corpus, traces, dumps of the calibration and unseen traces, quantize and
 calibrate per (variant, layer), assembly, reference logits, evaluation,
-comparisons. Two variants by default: `ls_q2_k` (Q2_K, importance, least
-squares, alpha and ridge) and `gptq_iq2_xxs` (IQ2_XXS, importance, GPTQ, alpha
-and ridge; ridge only where the model has a shared expert); `--variants` picks,
-`ls_tq2_0` (TQ2_0, importance, least squares, alpha and ridge) being the
-cheapest healed one. `--shards N` first runs N `moeheal heal --shard i/N`
+comparisons. One variant by default, `ls_q2_k` (Q2_K, importance, least
+squares, alpha and ridge); `--variants` picks among it, `gptq_iq2_xxs`
+(IQ2_XXS, importance, GPTQ, alpha and ridge; ridge only where the model has a
+shared expert) and `ls_tq2_0` (TQ2_0, importance, least squares, alpha and
+ridge), the cheapest healed one. `--shards N` first runs N `moeheal heal --shard i/N`
 workers at once on the lake (worker i on GPU i mod the GPU count), as a
 machine with several GPUs runs a real model; the in-process heal then finds
 every unit cached, and the figures add the workers' phase (its wall time,
@@ -230,8 +230,8 @@ def main() -> int:
                         help="routed experts per layer (default 8 for a CPU; the real model's count, e.g. 128, on a GPU)")
     parser.add_argument("--windows", type=int, default=1, help="eval windows per stratum (and one canary)")
     parser.add_argument("--no-eval", action="store_true", help="stop at the healed GGUFs (no logits)")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["ls_q2_k", "gptq_iq2_xxs"],
-                        help="which variants to heal (default ls_q2_k gptq_iq2_xxs; the unhealed baseline always runs)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["ls_q2_k"],
+                        help="which variants to heal (default ls_q2_k; the unhealed baseline always runs)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="synth's worker processes")
     parser.add_argument("--vocab", type=int, default=8192,
                         help="vocabulary size (default 8192 for a CPU; the real model's, e.g. 151936, on a GPU)")

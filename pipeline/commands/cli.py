@@ -201,7 +201,7 @@ def cmd_recipe(args: argparse.Namespace) -> int:
 
 def cmd_import_dump(args: argparse.Namespace) -> int:
     run = _pipeline(args)
-    print(run.import_dump(Path(args.spec).resolve()).path)
+    print(run.result(run.import_dump(Path(args.spec).resolve())).path)
     return 0
 
 

@@ -230,6 +230,12 @@ def table_declarations(run: HealRun) -> dict[str, Published]:
     return declared
 
 
+def compute(run: HealRun, name: str) -> pa.Table:
+    """One table of the run, computed from its declared sources (built unless in the lake), not published."""
+    published = table_declarations(run)[name]
+    return published.read(resolve(run, published.sources()))
+
+
 def publish(run: HealRun, with_report: bool = True, only: tuple[str, ...] | None = None) -> Path:
     """Run what the tables need, stage them (and the report), then publish them as one set.
 
