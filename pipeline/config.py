@@ -31,7 +31,7 @@ BUDGET_ROLES = ("routed", "all")
 # `quant = { gate = ..., up = ..., down = ... }`: the routed-expert tensor of each role.
 EXPERT_ROLES = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 # `e2e = true`'s defaults, chosen on the demo's unseen trace (never its evaluation windows) by
-# bench/e2e_sweep.py (docs/e2e-tuning.md): the norms and routers at 2e-3; the fp16 block scales, most
+# bench/experiments/e2e_sweep.py (docs/e2e-tuning.md): the norms and routers at 2e-3; the fp16 block scales, most
 # of the tuned values and the quickest to fit the calibration text, at a quarter of it; 40 steps,
 # where IQ2_XXS still gains and Q2_K has passed its best (the stage keeps the best measured step).
 E2E_STEPS = 40
@@ -40,7 +40,7 @@ E2E_SCALE_LR = 5e-4
 # The reference's distribution e2e tunes against: its top E2E_TOPK tokens per position plus one bucket
 # for the rest (pipeline/stages/reference_topk.py); at or above the vocabulary, the whole of it. On the
 # demo's unseen trace the loss at 1024 is 99.93-99.94% of the full-vocabulary KL (256: 99.3%; 64: 96.5%;
-# bench/e2e_topk.py, docs/e2e-tuning.md); stored, 8 KB per token, 100 MB for 12,288 tokens at any vocabulary.
+# bench/experiments/e2e_topk.py, docs/e2e-tuning.md); stored, 8 KB per token, 100 MB for 12,288 tokens at any vocabulary.
 E2E_TOPK = 1024
 
 

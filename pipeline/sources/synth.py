@@ -40,7 +40,7 @@ refits it from the demo model and checks the constant. A role's standard
 deviation is rescaled by sqrt(demo fan-in / fan-in), as trained matrices' are
 (the token embedding, a lookup table, is not). Norm weights are 1 + N(0, 0.1^2),
 near 1 as trained models have them. The demo model is small and nearly Gaussian,
-and so are these weights: `bench/synth_tails.py` measures kurtosis 2.98 to 4.00
+and so are these weights: `bench/experiments/synth_tails.py` measures kurtosis 2.98 to 4.00
 (a Gaussian's is 3) in every role but the shared expert's down projection and
 gate, in the demo and in synth's files alike. They give a real model's shapes
 and per-role spread, not a large trained model's heavy tails.
@@ -133,7 +133,7 @@ class LikeModel:
     description: str
 
 
-# What the weights are (bench/synth_tails.py measures them), in every file's general.description.
+# What the weights are (bench/experiments/synth_tails.py measures them), in every file's general.description.
 _WEIGHTS = ("random weights with each role's spread and kurtosis from the small demo model (nearly Gaussian "
             "routed experts)")
 _MADE = "made by moeheal synth, not a trained model"
