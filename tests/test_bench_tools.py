@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from bench.experiments import format_floor, hadamard_rotation
-from bench.tools import compare_runs, stage_times
+from bench.tools import compare_runs, llama_kld, stage_times
 from tests.reference_quants import routed_output
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,3 +189,42 @@ def test_no_format_beats_the_gaussian_bound_and_iq2_xxs_costs_more_than_q2_k() -
         assert err > 2.0 ** (-2 * format_floor.bits_per_weight(fmt)), fmt
     assert errors["q8_0"] < 1e-3
     assert 1.3 < errors["iq2_xxs"] / errors["q2_k"] < 1.9
+
+
+def test_llama_kld_reads_each_chunks_kld_back_from_llama_cpps_running_means():
+    """llama-perplexity --kl-divergence prints running means after every chunk (its own format:
+    `%4d`, then `%9.4lf ± %9.4lf`, `%10.5lf ± %10.5lf` twice, `%6.3lf ± %6.3lf %%` twice); each
+    chunk's own KLD and same-top-1 come back from them to the printed precision."""
+    rng = np.random.default_rng(1)
+    kld, top = rng.uniform(0.05, 0.6, 40), rng.uniform(0.5, 0.9, 40)
+    lines = []
+    for i in range(1, 41):
+        m_kld, m_top = kld[:i].mean(), top[:i].mean()
+        lines.append(f"{i:4d}    {12.3456:9.4f} ± {0.1234:9.4f}    {0.01234:10.5f} ± {0.00123:10.5f}"
+                     f"    {m_kld:10.5f} ± {0.01:10.5f}    {3.5:6.3f} ± {0.2:6.3f} %    {100 * m_top:6.3f} ± {1.0:6.3f} %")
+    log = "\n".join(lines) + "\nMean    KLD:   0.312345 ±   0.004321\n"
+    got_kld, got_top = llama_kld.per_chunk(log, 40)
+    i = np.arange(1, 41)
+    assert np.all(np.abs(got_kld - kld) <= 1e-5 * (2 * i))  # each running mean to 5 decimals
+    assert np.all(np.abs(got_top - top) <= 1e-5 * (2 * i))
+    assert llama_kld.per_chunk(log, 41) is None  # a chunk's line missing: retried, never read short
+
+
+def test_llama_kld_gives_each_eval_document_one_chunk():
+    """The text handed to llama.cpp tokenizes (with the demo model's tokenizer, llama.cpp's) to one
+    chunk of CTX tokens per eval document, chunk i opening with document i's tokens."""
+    from moeheal.pipeline.data.documents import read_documents
+    from moeheal.pipeline.gguf.model import open_model
+    from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode
+
+    tokenizer = build_tokenizer(open_model(REPO / "demo" / "model" / "demo-q8_0.gguf"))
+    ids, text = llama_kld.document_chunks(REPO / "demo" / "docs.jsonl", REPO / "demo" / "split.csv", tokenizer, 0)
+    tokens = encode(tokenizer, text)
+    ctx = llama_kld.CTX
+    assert len(ids) > 50 and len(tokens) == ctx * len(ids)
+    texts = {d["doc_id"]: d["text"] for d in read_documents(REPO / "demo" / "docs.jsonl")}
+    for i in (0, len(ids) // 2, len(ids) - 1):
+        assert tokens[i * ctx:(i + 1) * ctx - 1] == encode(tokenizer, texts[ids[i]])[:ctx - 1]
+    a, b = np.array([1.0, 2.0, 3.0]), np.array([2.0, 2.0, 2.0])
+    ratio, lo, hi = llama_kld.bootstrap_ratio(a, b, np.random.default_rng(0))
+    assert ratio == 1.0 and lo < 1.0 < hi
