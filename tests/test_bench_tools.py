@@ -191,40 +191,30 @@ def test_no_format_beats_the_gaussian_bound_and_iq2_xxs_costs_more_than_q2_k() -
     assert 1.3 < errors["iq2_xxs"] / errors["q2_k"] < 1.9
 
 
-def test_llama_kld_reads_each_chunks_kld_back_from_llama_cpps_running_means():
-    """llama-perplexity --kl-divergence prints running means after every chunk (its own format:
-    `%4d`, then `%9.4lf ± %9.4lf`, `%10.5lf ± %10.5lf` twice, `%6.3lf ± %6.3lf %%` twice); each
-    chunk's own KLD and same-top-1 come back from them to the printed precision."""
-    rng = np.random.default_rng(1)
-    kld, top = rng.uniform(0.05, 0.6, 40), rng.uniform(0.5, 0.9, 40)
-    lines = []
-    for i in range(1, 41):
-        m_kld, m_top = kld[:i].mean(), top[:i].mean()
-        lines.append(f"{i:4d}    {12.3456:9.4f} ± {0.1234:9.4f}    {0.01234:10.5f} ± {0.00123:10.5f}"
-                     f"    {m_kld:10.5f} ± {0.01:10.5f}    {3.5:6.3f} ± {0.2:6.3f} %    {100 * m_top:6.3f} ± {1.0:6.3f} %")
-    log = "\n".join(lines) + "\nMean    KLD:   0.312345 ±   0.004321\n"
-    got_kld, got_top = llama_kld.per_chunk(log, 40)
-    i = np.arange(1, 41)
-    assert np.all(np.abs(got_kld - kld) <= 1e-5 * (2 * i))  # each running mean to 5 decimals
-    assert np.all(np.abs(got_top - top) <= 1e-5 * (2 * i))
-    assert llama_kld.per_chunk(log, 41) is None  # a chunk's line missing: retried, never read short
+def test_llama_kld_reads_llama_cpps_kl_summary():
+    """The KL summary llama-perplexity prints (its own format), and a log that lost it (retried)."""
+    log = ("====== KL divergence statistics ======\nMean    KLD:   0.196636 ±   0.026310\n"
+           "Maximum KLD:   4.890461\n====== Token probability statistics ======\n"
+           "RMS Δp    : 14.606 ± 1.368 %\nSame top p: 92.126 ± 1.196 %\n")
+    assert llama_kld.summary(log) == pytest.approx((0.196636, 0.92126))
+    assert llama_kld.summary(log.split("Same top p")[0]) is None
 
 
-def test_llama_kld_gives_each_eval_document_one_chunk():
-    """The text handed to llama.cpp tokenizes (with the demo model's tokenizer, llama.cpp's) to one
-    chunk of CTX tokens per eval document, chunk i opening with document i's tokens."""
-    from moeheal.pipeline.data.documents import read_documents
+def test_llama_kld_scores_each_long_enough_eval_document_once():
+    """Every eval document of at least 2 x CTX tokens (plus the margin) and no other, each once in
+    id order; the document bootstrap of a ratio brackets it."""
+    from moeheal.pipeline.data.documents import read_split
     from moeheal.pipeline.gguf.model import open_model
     from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode
 
     tokenizer = build_tokenizer(open_model(REPO / "demo" / "model" / "demo-q8_0.gguf"))
-    ids, text = llama_kld.document_chunks(REPO / "demo" / "docs.jsonl", REPO / "demo" / "split.csv", tokenizer, 0)
-    tokens = encode(tokenizer, text)
-    ctx = llama_kld.CTX
-    assert len(ids) > 50 and len(tokens) == ctx * len(ids)
-    texts = {d["doc_id"]: d["text"] for d in read_documents(REPO / "demo" / "docs.jsonl")}
-    for i in (0, len(ids) // 2, len(ids) - 1):
-        assert tokens[i * ctx:(i + 1) * ctx - 1] == encode(tokenizer, texts[ids[i]])[:ctx - 1]
+    docs = llama_kld.eval_documents(REPO / "demo" / "docs.jsonl", REPO / "demo" / "split.csv", tokenizer, 0)
+    ids = [d["doc_id"] for d in docs]
+    eval_ids = {d for d, role in read_split(REPO / "demo" / "split.csv") if role == "eval"}
+    assert ids == sorted(set(ids)) and set(ids) <= eval_ids and len(ids) > 0.9 * len(eval_ids)
+    assert all(len(encode(tokenizer, d["text"])) >= 2 * llama_kld.CTX + llama_kld.MARGIN for d in docs)
+    assert [d["doc_id"] for d in llama_kld.eval_documents(REPO / "demo" / "docs.jsonl", REPO / "demo" / "split.csv",
+                                                          tokenizer, 3)] == ids[:3]
     a, b = np.array([1.0, 2.0, 3.0]), np.array([2.0, 2.0, 2.0])
     ratio, lo, hi = llama_kld.bootstrap_ratio(a, b, np.random.default_rng(0))
     assert ratio == 1.0 and lo < 1.0 < hi

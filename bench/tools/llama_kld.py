@@ -11,22 +11,20 @@ so this runs ``llama-perplexity --kl-divergence`` on every variant in the lake's
 **Documents, not tokens.** The per-window KLD ratio between two quantizers
 ranges from 0.4 to 1.5 across documents, so a figure from the first chunks of a
 concatenation (a handful of documents) is a small sample however many tokens
-it scores. Here every held-out document (role ``eval``) with at least one
-chunk's worth of tokens gives exactly one llama.cpp chunk of ``CTX`` tokens: its
-first ``CTX - 1`` tokens and a newline, so that chunk i of llama.cpp's
-tokenization is document i (checked with the reference's tokenizer, which is
-llama.cpp's: ``pipeline/gguf/tokenizer.py``). llama.cpp replaces each chunk's
-first token by BOS where the file says to add one, and scores the second half.
-Its per-chunk KLD is recovered from the running mean it prints after every
-chunk (``i * mean_i - (i - 1) * mean_(i-1)``; five decimals, so each document's
-value is good to about 1e-5 times its index).
+it scores. Here every held-out document (role ``eval``) long enough for
+llama.cpp (2 x ``CTX`` tokens) is its own llama-perplexity run with
+``--chunks 1``: llama.cpp tokenizes the document itself, its first ``CTX``
+tokens are the chunk (the first replaced by BOS where the file says to add
+one) and the second half is scored, against the reference's logits for the
+same document. So each document counts once, whatever its length, and no chunk
+straddles two documents. Runs go two at a time, one thread each.
 
 Printed (markdown):
 - per variant: llama.cpp's mean KLD over the documents with a document-bootstrap
   95% CI, same top-1, and moeheal's pooled KLD (eval, all strata, bonus 0);
   the Spearman rank correlation between the two;
 - per compared pair of the lake's ``comparisons`` table (eval, all strata, all
-  windows, bonus 0): the KLD ratio a/b by llama.cpp over documents (document
+  windows, bonus 0): the KLD ratio b/a by llama.cpp over documents (document
   bootstrap) and by moeheal over windows (its window bootstrap), and whether the
   two intervals are disjoint (the evaluators disagree beyond their CIs).
 
@@ -39,6 +37,7 @@ from __future__ import annotations
 import argparse
 import csv
 import re
+from concurrent.futures import ThreadPoolExecutor
 import subprocess
 import sys
 import tempfile
@@ -50,82 +49,60 @@ from scipy.stats import spearmanr
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.data.documents import read_documents, read_split
 from moeheal.pipeline.gguf.model import open_model
-from moeheal.pipeline.gguf.tokenizer import build_tokenizer, decode, encode
+from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode
 from moeheal.pipeline.lake.store import Lake
 from moeheal.pipeline.stages.llama_check import perplexity_binary
 
 CTX = 256  # llama.cpp's chunk length, also its batch: tokens per forward pass
-THREADS = 2
+MARGIN = 16  # tokens beyond 2 x CTX (ours), so that llama.cpp's count of a document reaches 2 x CTX
+WORKERS = 2  # llama-perplexity runs at once, one thread each
 BOOT = 2000  # bootstrap draws, over documents
 SEED = 0
-SEPARATOR = "\n"  # ends every document's chunk: its own token, so no word runs across two documents
 ATTEMPTS = 8  # llama.cpp's log thread can drop the last lines at exit; the summary is at the end
 
-CHUNK_LINE = re.compile(r"^\s*(\d+)\s+\S+\s+±\s+\S+\s+\S+\s+±\s+\S+\s+(\S+)\s+±\s+\S+\s+\S+\s+±\s+\S+\s+%"
-                        r"\s+(\S+)\s+±\s+\S+\s+%\s*$", re.MULTILINE)
 MEAN_KLD = re.compile(r"^Mean\s+KLD:\s+(\S+)\s+±\s+(\S+)", re.MULTILINE)
+SAME_TOP = re.compile(r"^Same top p:\s+(\S+)\s+±\s+(\S+)\s+%", re.MULTILINE)
 
 
-def document_chunks(docs: Path, split: Path, tokenizer, limit: int) -> tuple[list[str], str]:
-    """(doc ids, text): every eval document with at least CTX - 1 tokens, in id order (the first
-    ``limit`` where > 0), each as its first CTX - 1 tokens and the separator, so that the text
-    tokenizes to exactly one CTX-token chunk per document. A document whose piece would merge
-    with its neighbour's at the seam (it ends in white space the separator joins) is left out:
-    checked by tokenizing the text as it grows."""
+def eval_documents(docs: Path, split: Path, tokenizer, limit: int) -> list[dict[str, str]]:
+    """The eval documents llama.cpp can score one chunk of (2 x CTX tokens, with a margin for a
+    tokenizer that splits a little differently), in id order; the first ``limit`` where > 0."""
     eval_ids = {doc_id for doc_id, role in read_split(split) if role == "eval"}
-    ids, text, tokens = [], "", []
-    for doc in sorted(read_documents(docs), key=lambda d: d["doc_id"]):
-        if doc["doc_id"] not in eval_ids:
-            continue
-        own = encode(tokenizer, doc["text"])
-        if len(own) < CTX - 1:
-            continue
-        grown = text + decode(tokenizer, own[:CTX - 1]) + SEPARATOR
-        grown_tokens = encode(tokenizer, grown)
-        if len(grown_tokens) != len(tokens) + CTX or grown_tokens[:len(tokens)] != tokens:
-            continue
-        ids.append(doc["doc_id"])
-        text, tokens = grown, grown_tokens
-        if 0 < limit == len(ids):
-            break
-    if len(ids) < 2:
-        raise SystemExit(f"{split}: fewer than 2 eval documents of {CTX - 1} tokens")
-    return ids, text
+    chosen = [d for d in sorted(read_documents(docs), key=lambda d: d["doc_id"])
+              if d["doc_id"] in eval_ids and len(encode(tokenizer, d["text"])) >= 2 * CTX + MARGIN]
+    chosen = chosen[:limit] if limit > 0 else chosen
+    if len(chosen) < 2:
+        raise SystemExit(f"{split}: fewer than 2 eval documents of {2 * CTX + MARGIN} tokens")
+    return chosen
 
 
 def run_perplexity(binary: Path, model: str, text: Path, base: Path, kld: bool) -> str:
-    """One llama-perplexity run; its log (stdout and stderr together). With ``kld`` it scores
-    ``model`` against the logits in ``base``, without it writes them there."""
-    cmd = [str(binary), "-m", model, "-f", str(text), "-c", str(CTX), "-b", str(CTX), "-t", str(THREADS),
+    """One llama-perplexity run over the first chunk of ``text``; its log (stdout and stderr
+    together). With ``kld`` it scores ``model`` against the logits in ``base``, without it
+    writes them there."""
+    cmd = [str(binary), "-m", model, "-f", str(text), "-c", str(CTX), "-b", str(CTX), "-t", "1", "--chunks", "1",
            "--kl-divergence-base", str(base), *(["--kl-divergence"] if kld else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     log = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        raise SystemExit(f"llama-perplexity failed on {model} (exit {proc.returncode}):\n{log[-2000:]}")
+    if proc.returncode != 0 or not base.is_file():
+        raise SystemExit(f"llama-perplexity failed on {model}, {text.name} (exit {proc.returncode}):\n{log[-2000:]}")
     return log
 
 
-def per_chunk(log: str, n_chunks: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """(KLD, same top-1 fraction) of every chunk, from the running means llama.cpp prints after each;
-    None if the log lacks a chunk's line or the summary."""
-    rows = {int(m[1]): (float(m[2]), float(m[3]) / 100) for m in CHUNK_LINE.finditer(log)}
-    if sorted(rows) != list(range(1, n_chunks + 1)) or not MEAN_KLD.search(log):
-        return None
-    running = np.array([rows[i] for i in range(1, n_chunks + 1)], np.float64)  # (n, 2) running means
-    i = np.arange(1, n_chunks + 1, dtype=np.float64)[:, None]  # (n, 1)
-    totals = running * i  # (n, 2) running sums
-    values = np.diff(totals, axis=0, prepend=0.0)  # (n, 2) each chunk's own
-    return values[:, 0], values[:, 1]
+def summary(log: str) -> tuple[float, float] | None:
+    """(mean KLD, same top-1 fraction) from a KL run's summary; None where llama.cpp's log thread
+    dropped it."""
+    kld, top = MEAN_KLD.search(log), SAME_TOP.search(log)
+    return (float(kld[1]), float(top[1]) / 100) if kld and top else None
 
 
-def llama_per_document(binary: Path, model: str, text: Path, base: Path,
-                       n_chunks: int) -> tuple[np.ndarray, np.ndarray]:
-    """(KLD, same top-1) of ``model`` per document: retried where llama.cpp's log lost lines."""
+def document_kld(binary: Path, model: str, text: Path, base: Path) -> tuple[float, float]:
+    """(KLD, same top-1) of ``model`` on one document's chunk, retried where the log lost its summary."""
     for _ in range(ATTEMPTS):
-        parsed = per_chunk(run_perplexity(binary, model, text, base, kld=True), n_chunks)
-        if parsed is not None:
-            return parsed
-    raise SystemExit(f"llama-perplexity printed no complete per-chunk KL table for {model} in {ATTEMPTS} runs")
+        found = summary(run_perplexity(binary, model, text, base, kld=True))
+        if found is not None:
+            return found
+    raise SystemExit(f"llama-perplexity printed no KL summary for {model} on {text.name} in {ATTEMPTS} runs")
 
 
 def bootstrap_ratio(a: np.ndarray, b: np.ndarray, rng: np.random.Generator) -> tuple[float, float, float]:
@@ -148,7 +125,7 @@ def moeheal_kld(lake: Lake) -> dict[str, float]:
 
 def moeheal_pairs(lake: Lake) -> list[dict]:
     """The comparisons table's pairs on eval, all strata, all windows, both at bonus 0: a, b and the
-    ratio kld_a / kld_b with its window-bootstrap interval."""
+    ratio kld_b / kld_a (its `delta_pct` is b's change from a) with its window-bootstrap interval."""
     rows = lake.read_table("comparisons").to_pylist()
     return [{"a": r["a"], "b": r["b"], "ratio": 1 + r["delta_pct"] / 100, "lo": 1 + r["ci_lo"] / 100,
              "hi": 1 + r["ci_hi"] / 100} for r in rows
@@ -171,23 +148,26 @@ def main() -> None:
     lake = Lake(cfg.lake_root)
     variants = lake.read_table("variants").to_pylist()
     reference = next(v["gguf"] for v in variants if v["kind"] == "reference")
-    doc_ids, text = document_chunks(Path(cfg.docs), Path(cfg.split), build_tokenizer(open_model(reference)),
-                                    args.docs)
+    documents = eval_documents(Path(cfg.docs), Path(cfg.split), build_tokenizer(open_model(reference)), args.docs)
+    doc_ids = [d["doc_id"] for d in documents]
     ours, rng = moeheal_kld(lake), np.random.default_rng(SEED)
+    models = {v["variant"]: v["gguf"] for v in variants if v["kind"] != "reference"}
 
-    kld: dict[str, np.ndarray] = {}
-    top: dict[str, np.ndarray] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        text_file, base = Path(tmp, "eval.txt"), Path(tmp, "base.dat")
-        text_file.write_text(text, encoding="utf-8")
-        run_perplexity(binary, reference, text_file, base, kld=False)
-        for v in variants:
-            if v["kind"] == "reference":
-                continue
-            print(f"  {v['variant']} ...", file=sys.stderr, flush=True)
-            kld[v["variant"]], top[v["variant"]] = llama_per_document(binary, v["gguf"], text_file, base, len(doc_ids))
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(WORKERS) as pool:
+        texts = [Path(tmp, f"doc{i}.txt") for i in range(len(documents))]
+        bases = [Path(tmp, f"doc{i}.dat") for i in range(len(documents))]
+        for doc, text in zip(documents, texts):
+            text.write_text(doc["text"], encoding="utf-8")
+        list(pool.map(lambda i: run_perplexity(binary, reference, texts[i], bases[i], kld=False), range(len(texts))))
+        kld: dict[str, np.ndarray] = {}
+        top: dict[str, np.ndarray] = {}
+        for name, gguf in models.items():
+            print(f"  {name} ...", file=sys.stderr, flush=True)
+            found = list(pool.map(lambda i: document_kld(binary, gguf, texts[i], bases[i]), range(len(texts))))
+            kld[name], top[name] = (np.array(column, np.float64) for column in zip(*found))
 
-    print(f"llama.cpp: {len(doc_ids)} eval documents, one chunk of {CTX} tokens each (the second half scored)\n")
+    print(f"llama.cpp: {len(doc_ids)} eval documents, each its own run: its first chunk of {CTX} tokens, "
+          "the second half scored\n")
     print("| variant | llama.cpp mean KLD [95% CI, documents] | same top-1 (%) | moeheal pooled KLD (eval, bonus 0) |")
     print("|---|---|---|---|")
     for name, values in kld.items():
@@ -199,13 +179,13 @@ def main() -> None:
     rho = spearmanr([a for a, _ in paired], [b for _, b in paired]).statistic
     print(f"\nSpearman rank correlation, llama.cpp vs moeheal KLD: {rho:.3f} ({len(paired)} variants)\n")
 
-    print("| a | b | llama.cpp KLD a/b [95% CI, documents] | moeheal KLD a/b [95% CI, windows] | agree |")
+    print("| a | b | llama.cpp KLD b/a [95% CI, documents] | moeheal KLD b/a [95% CI, windows] | agree |")
     print("|---|---|---|---|---|")
     disagree = 0
     for pair in moeheal_pairs(lake):
         if pair["a"] not in kld or pair["b"] not in kld:
             continue
-        ratio, lo, hi = bootstrap_ratio(kld[pair["a"]], kld[pair["b"]], rng)
+        ratio, lo, hi = bootstrap_ratio(kld[pair["b"]], kld[pair["a"]], rng)
         apart = hi < pair["lo"] or lo > pair["hi"]
         disagree += apart
         print(f"| {pair['a']} | {pair['b']} | {ratio:.3f} [{lo:.3f}, {hi:.3f}] | "
