@@ -13,7 +13,6 @@ from moeheal.pipeline.config import load_config
 from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.data.units import load_quantized
-from moeheal.pipeline.stages import quantize
 from bench.inputs.healworld import write_world
 
 VARIANTS = """

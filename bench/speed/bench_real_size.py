@@ -59,7 +59,8 @@ from moeheal.pipeline.sources.synth import LIKE, write_synth
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 
-from bench.tools.llama_kld import held_out_text, llama_kld, perplexity_binary, run_perplexity  # noqa: E402
+from bench.tools.llama_kld import document_kld, perplexity_binary, run_perplexity  # noqa: E402
+from moeheal.pipeline.data.documents import read_documents, read_split  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[2] / "demo"
 STAGE_LINE = re.compile(r"^\[(?P<label>[^\]]+)\] (?P<what>computing|cache hit) ")
@@ -208,17 +209,20 @@ def device_peak_bytes() -> int | None:
 
 
 def llama_cpp_kld(source: Path, healed: dict[str, Path], work: Path) -> dict[str, list[float]]:
-    """llama.cpp's own run of every healed GGUF: {variant: [mean KLD, its +-, same top-1 %]} against
-    the source on 2 chunks of the demo's held-out text (random weights: proof that llama.cpp loads and
-    runs the file, not a quality figure)."""
+    """llama.cpp's own run of every healed GGUF: {variant: [KLD, same top-1 %]} against the source on
+    one chunk of the demo's longest held-out document (random weights: proof that llama.cpp loads
+    and runs the file, not a quality figure)."""
     binary = perplexity_binary()
     if binary is None:
         raise SystemExit("--llama-kld: $LLAMA_CPP_DIR/bin/llama-perplexity not found")
+    eval_ids = {doc_id for doc_id, role in read_split(DEMO / "split.csv") if role == "eval"}
+    longest = max((d["text"] for d in read_documents(DEMO / "docs.jsonl") if d["doc_id"] in eval_ids), key=len)
     text = work / "held_out.txt"
-    text.write_text(held_out_text(DEMO / "docs.jsonl", DEMO / "split.csv"), encoding="utf-8")
+    text.write_text(longest, encoding="utf-8")
     base = work / "source.kld"
-    run_perplexity(binary, str(source), text, base, chunks=2, kld=False)
-    return {name: list(llama_kld(binary, str(path), text, base, chunks=2)) for name, path in healed.items()}
+    run_perplexity(binary, str(source), text, base, kld=False)
+    return {name: [kld, 100 * top] for name, (kld, top) in
+            ((name, document_kld(binary, str(path), text, base)) for name, path in healed.items())}
 
 
 def main() -> int:
