@@ -44,7 +44,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import spearmanr
+from scipy.stats import bootstrap, spearmanr
 
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.data.documents import read_documents, read_split
@@ -107,14 +107,15 @@ def document_kld(binary: Path, model: str, text: Path, base: Path) -> tuple[floa
 
 def bootstrap_ratio(a: np.ndarray, b: np.ndarray, rng: np.random.Generator) -> tuple[float, float, float]:
     """sum(a) / sum(b) over documents, and its 95% percentile interval resampling documents (paired)."""
-    draws = rng.integers(0, len(a), (BOOT, len(a)))  # (BOOT, n)
-    ratios = a[draws].sum(axis=1) / b[draws].sum(axis=1)  # (BOOT,)
-    return float(a.sum() / b.sum()), float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
+    ci = bootstrap((a, b), lambda x, y, axis: x.sum(axis) / y.sum(axis), paired=True, vectorized=True,
+                   n_resamples=BOOT, method="percentile", rng=rng).confidence_interval
+    return float(a.sum() / b.sum()), float(ci.low), float(ci.high)
 
 
 def bootstrap_mean(a: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
-    means = a[rng.integers(0, len(a), (BOOT, len(a)))].mean(axis=1)  # (BOOT,)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+    """The 95% percentile interval of the mean over documents."""
+    ci = bootstrap((a,), np.mean, n_resamples=BOOT, method="percentile", rng=rng).confidence_interval
+    return float(ci.low), float(ci.high)
 
 
 def moeheal_kld(lake: Lake) -> dict[str, float]:
