@@ -24,6 +24,13 @@ LEARNED = "learned"
 # The default `learned_steps`: on the demo's layers the unseen dump's error stops improving within this
 # many steps of 256 tokens (docs/learned-rounding.md).
 LEARNED_STEPS = 32
+# `inputs`: what a variant's layer L is quantized and healed on. "reference": the reference's MoE inputs
+# (the calibration dump), every (variant, layer) unit independent; "healed": the inputs the model with its
+# layers before L already healed makes (pipeline/stages/healed_dump.py), the reference's output still the
+# target, so the layers of such a variant are built in order (AutoRound's quantized inputs, GPTQ's
+# sequential mode).
+INPUTS = ("reference", "healed")
+HEALED_INPUTS = "healed"
 # `budget_roles`: which tensors a `budget_bpw` covers and the allocation chooses formats for: "routed"
 # the routed experts; "all" every tensor of the file, the formats chosen for the routed experts', the
 # shared expert's and attention's (`pipeline.model.roles`), the rest counted as the source stores it.
@@ -65,6 +72,7 @@ class Variant:
     learned_steps: int = LEARNED_STEPS  # round = "learned": Adam steps of 256 tokens on the layer's output
     importance: bool = True
     cal_tokens: int = 0  # 0 = the whole calibration dump; else its first cal_tokens rows
+    inputs: str = "reference"  # INPUTS: the reference's MoE inputs, or those of the model healed up to the layer
     budget_bpw: float | None = None  # set: one format per (layer, role) chosen from `candidates` under this budget
     candidates: tuple[str, ...] = ()  # `formats = [...]`: the formats the allocation may choose from
     budget_roles: str = "routed"  # which tensors the budget counts and chooses formats for (BUDGET_ROLES)
@@ -120,7 +128,13 @@ class Variant:
             "gptq_router_weighted": self.gptq_router_weighted,
             "importance": self.importance, "cal_tokens": self.cal_tokens,
             **({"learned_steps": self.learned_steps} if self.round == LEARNED else {}),
+            **({"inputs": self.inputs} if self.healed_inputs else {}),
         }
+
+    @property
+    def healed_inputs(self) -> bool:
+        """Whether layer L is quantized and healed on the inputs of the model healed up to it."""
+        return self.inputs == HEALED_INPUTS
 
     def e2e_knobs(self) -> dict[str, Any]:
         """The end-to-end tuning's knobs (empty without it): apart from `knobs`, which the assembled
@@ -188,7 +202,7 @@ _SCHEMA: dict[str, set[str]] = {
     "moce": {"bonus", "cache_experts", "reps"},
     "variant": {"name", "quant", "beta_gate_up", "beta_down", "down_blend_tokens", "alpha",
                 "ridge_rho", "ridge_eta", "shexp_down", "round", "gptq_damp", "gptq_shrink",
-                "gptq_router_weighted", "importance", "cal_tokens", "budget_bpw", "formats", "budget_roles",
+                "gptq_router_weighted", "importance", "cal_tokens", "inputs", "budget_bpw", "formats", "budget_roles",
                 "sensitivity_round", "gguf", "learned_steps", "e2e", "e2e_steps", "e2e_lr",
                 "e2e_scale_lr", "e2e_topk"},
 }
@@ -264,6 +278,7 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any], peers_ma
         gptq_router_weighted=r.get("gptq_router_weighted", bool, False),
         importance=r.get("importance", bool, True),
         cal_tokens=r.number("cal_tokens", int, 0, 0, 1 << 26),
+        inputs=r.choice("inputs", INPUTS, "reference"),
         learned_steps=r.number("learned_steps", int, LEARNED_STEPS, 1, 1 << 20),
         e2e=r.get("e2e", bool, False),
         e2e_steps=r.number("e2e_steps", int, E2E_STEPS, 0, 1 << 20),
@@ -328,6 +343,7 @@ _CONDITIONAL_KNOBS = {
     "gptq_shrink": (lambda v: v.uses_gptq, 'is only used with round = "gptq" or "learned"'),
     "gptq_router_weighted": (lambda v: v.uses_gptq, 'is only used with round = "gptq" or "learned"'),
     "learned_steps": (lambda v: v.round == LEARNED, 'is only used with round = "learned"'),
+    "inputs": (lambda v: v.importance, "has no effect with importance = false: no calibration rows are read"),
     "beta_gate_up": (lambda v: v.importance, "has no effect with importance = false"),
     "beta_down": (lambda v: v.importance, "has no effect with importance = false"),
     "down_blend_tokens": (lambda v: v.importance, "has no effect with importance = false"),

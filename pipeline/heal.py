@@ -55,6 +55,7 @@ from moeheal.pipeline.stages import (
     dump,
     e2e,
     evaluate,
+    healed_dump,
     import_dump,
     llama_check,
     quantize,
@@ -67,9 +68,9 @@ from moeheal.pipeline.stages import (
 from moeheal.pipeline.validate import budget_fixed, chosen_roles, validate_models
 
 # The DAG's stages, one module each under pipeline/stages/ (its parameters, its build, its `STAGE`).
-STAGES = tuple(m.STAGE for m in (corpus, traces, windows, audit, dump, import_dump, sensitivity, allocate, quantize,
-                                 calibrate, assemble, reference_topk, e2e, reference_logits, evaluate, comparisons,
-                                 llama_check))
+STAGES = tuple(m.STAGE for m in (corpus, traces, windows, audit, dump, import_dump, sensitivity, allocate,
+                                 healed_dump, quantize, calibrate, assemble, reference_topk, e2e, reference_logits,
+                                 evaluate, comparisons, llama_check))
 
 
 def audit_summary(overlap: pa.Table) -> str:
@@ -201,10 +202,29 @@ class HealRun:
         return self.declare(Node(allocate.STAGE, params, key=(variant.name,),
                                  upstream={"sensitivity": self.sensitivity(variant)}))
 
+    def calibration_rows(self, variant: Variant, layer: int) -> Node:
+        """What the (variant, layer) unit is quantized and healed on: the calibration dump, or with
+        `inputs = "healed"` that layer's healed-inputs dump."""
+        return self.healed_dump(variant, layer) if variant.healed_inputs else self.dump("calibration")
+
+    def healed_dump(self, variant: Variant, layer: int) -> Node:
+        """Layer `layer`'s inputs as the source with the variant's earlier MoE layers healed makes them:
+        a chain through the previous MoE layer's unit and its calibrate unit."""
+        cfg, moe = self.cfg, self.source.moe_layers
+        params = healed_dump.HealedDumpParams(layer, cfg.seq_tokens, variant.cal_tokens, cfg.dump_chunk_tokens,
+                                              attention_inputs=True if self.attention_inputs() else None,
+                                              dump_dtype=None if cfg.dump_dtype == "float32" else cfg.dump_dtype)
+        up = {"traces": self.traces(), "dump": self.dump("calibration")}
+        if layer != moe[0]:
+            previous = moe[moe.index(layer) - 1]
+            up |= {"previous": self.healed_dump(variant, previous), "calibrated": self.calibrate(variant, previous)}
+        return self.declare(Node(healed_dump.STAGE, params, key=(variant.name, layer),
+                                 inputs={"source": cfg.source}, upstream=up))
+
     def quantize(self, variant: Variant, layer: int) -> Node:
         """The (variant, layer) unit of quantization: that layer's tensors, from that layer's dump rows."""
         params = dataclasses.replace(quantize.QuantizeParams.of(variant), layer=layer)
-        up = {"dump": self.dump("calibration")} if params.importance else {}  # no statistics: no dump
+        up = {"dump": self.calibration_rows(variant, layer)} if params.importance else {}  # no statistics: no dump
         if variant.budgeted:
             up["recipe"] = self.allocate(variant)
         if params.round == quantize.LEARNED and self.cfg.unseen_tokens:  # measured there, never fitted
@@ -215,7 +235,7 @@ class HealRun:
     def calibrate(self, variant: Variant, layer: int) -> Node:
         """The (variant, layer) unit of healing: alpha and ridge on the quantize unit of the same layer."""
         params = calibrate.CalibrateParams.of(variant, shared_expert=self.source.arch.has_shared_expert)
-        up = {"quantized": self.quantize(variant, layer), "dump": self.dump("calibration")}
+        up = {"quantized": self.quantize(variant, layer), "dump": self.calibration_rows(variant, layer)}
         if self.cfg.unseen_tokens:
             up["unseen"] = self.dump("unseen")
         return self.declare(Node(calibrate.STAGE, dataclasses.replace(params, layer=layer), key=(variant.name, layer),

@@ -36,8 +36,8 @@ from moeheal.pipeline.heal import STAGES, HealRun
 from moeheal.pipeline.lake.store import Lake
 from bench.inputs.healworld import write_world
 
-# Every kind of variant a config can hold: least squares, GPTQ, learned rounding, a budget over every
-# role, end-to-end tuning; windows generated, the unseen dump imported from another engine.
+# Every kind of variant a config can hold: least squares, GPTQ, learned rounding on healed inputs, a
+# budget over every role, end-to-end tuning; windows generated, the unseen dump imported from another engine.
 VARIANTS = """
 [[variant]]
 name = "ls"
@@ -51,6 +51,7 @@ gptq_router_weighted = true
 name = "learned"
 round = "learned"
 learned_steps = 2
+inputs = "healed"
 [[variant]]
 name = "budget"
 budget_bpw = 3.8

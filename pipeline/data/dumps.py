@@ -68,7 +68,7 @@ DUMP_DTYPES = ("float32", "bfloat16")  # how the activations (mixed, yr, hh, att
 BFLOAT16_BITS = "uint16"  # how a bfloat16 array is stored: its bit pattern
 
 
-def _widths(hp, k: int, dump_dtype: str = "float32") -> dict[str, tuple[int, str]]:
+def array_widths(hp, k: int, dump_dtype: str = "float32") -> dict[str, tuple[int, str]]:
     """Every array's (width, dtype as read back: float32/int32, or bfloat16 for stored activations)."""
     return {"mixed": (hp.d_model, dump_dtype), "yr": (hp.d_model, dump_dtype),
             "hh": (hp.d_shexp, dump_dtype), "experts": (k, "int32"), "weights": (k, "float32"),
@@ -166,7 +166,7 @@ def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: st
     hp = runner.hp
     k = hp.n_expert_used
     names = ARRAYS + (ATTENTION_ARRAYS if attention_inputs else ())
-    widths = {name: width for name, width in _widths(hp, k, dump_dtype).items() if name in names}
+    widths = {name: width for name, width in array_widths(hp, k, dump_dtype).items() if name in names}
     total = int(len(tokens))
     layers = runner.model.moe_layers  # a dense layer has no experts to heal
     root = _open_or_create(out, trace, layers, widths, seq_tokens, total, dump_dtype)
@@ -213,6 +213,28 @@ def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: st
         write_parquet(routing_dir / f"{lo:012d}.parquet", pa.concat_tables(routing_rows))
         root.attrs["rows_done"] = hi  # last: the chunk is complete
     root.attrs["complete"] = True
+
+
+def create_layer_dump(out: Path, trace: str, layer: int, widths: dict[str, tuple[int, str]], seq_tokens: int,
+                      total: int, dump_dtype: str) -> zarr.Group:
+    """An empty dump of one layer's arrays (`widths`: name -> (width, dtype as read back)), in the
+    layout of a full one: what the healed-inputs dump of a layer writes, `open_dump(out, hp, (layer,))`
+    reads it."""
+    return _open_or_create(out, trace, (layer,), widths, seq_tokens, total, dump_dtype)
+
+
+def append_rows(group: zarr.Group, lo: int, hi: int, values: dict[str, np.ndarray]) -> None:
+    """Rows [lo, hi) of each named array of one layer's group, stored as the array declares."""
+    for name, block in values.items():  # (hi - lo, width) each
+        arr = group[name]
+        arr.resize((hi, arr.shape[1]))
+        arr[lo:hi] = to_stored(block, _read_dtype(arr))
+
+
+def finish_dump(root: zarr.Group, seq_starts: list[int]) -> None:
+    """Mark a dump written to its end: every row there, the sequences' first rows recorded."""
+    root.attrs.update({"rows_done": int(root.attrs["total_rows"]), "seq_starts": [int(s) for s in seq_starts],
+                       "complete": True})
 
 
 def read_layer(group, rows: slice, extra: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
@@ -344,7 +366,7 @@ def open_dump(path: Path, hp: HParams | None = None, layers: tuple[int, ...] | N
     dump_dtype = attrs.get("dump_dtype", "float32")
     if dump_dtype not in DUMP_DTYPES:
         raise InputError(f"{path}: attribute dump_dtype {dump_dtype!r} is not one of {', '.join(DUMP_DTYPES)}")
-    expected = _widths(hp, hp.n_expert_used, dump_dtype) if hp is not None else None
+    expected = array_widths(hp, hp.n_expert_used, dump_dtype) if hp is not None else None
     first: dict[str, tuple[int, str]] = {}
     # the optional arrays are there when layer 0 has their folder (each array is then checked below)
     names = ARRAYS + tuple(name for name in ATTENTION_ARRAYS if (Path(path) / str(indices[0]) / name).is_dir())

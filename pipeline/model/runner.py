@@ -58,7 +58,8 @@ LayerCallback = Callable[[int, LayerCapture], None]
 
 
 class Runner:
-    """Runs `model` layer by layer; `overrides` replace GGUF tensors by name (float32 arrays).
+    """Runs `model` layer by layer; `overrides` replace GGUF tensors by name (float32 arrays, NumPy or
+    on a JAX device).
 
     `cache_bytes` bounds the dequantized tensors kept between forward passes;
     `output_cache_bytes` the output matrix's copy, kept apart from them.
@@ -73,7 +74,9 @@ class Runner:
         self._cache: OrderedDict[str, np.ndarray | jax.Array] = OrderedDict()
         self.hp = model.hp
         self.arch = model.arch  # the family's attention, routing and shared expert
-        self.overrides = {name: np.asarray(w, np.float32) for name, w in (overrides or {}).items()}
+        # an override already on a device stays there (a healed layer's experts are GBs at real sizes)
+        self.overrides = {name: w.astype(jnp.float32) if isinstance(w, jax.Array) else np.asarray(w, np.float32)
+                          for name, w in (overrides or {}).items()}
         for name, w in self.overrides.items():
             if name not in model.tensor_names:
                 raise InputError(f"{model.name}: override {name}: no such tensor")
@@ -172,27 +175,37 @@ class Runner:
         would overflow. The probes are compiled in only for such passes.
         """
         tokens = self._check_tokens(tokens)
-        hp = self.hp
         with recording(peaks) if peaks is not None else nullcontext():
-            cos, sin = self.arch.rope_tables(tokens.shape[1], hp)  # (T, rotated dims / 2) each
+            cos, sin = self.arch.rope_tables(tokens.shape[1], self.hp)  # (T, rotated dims / 2) each
             h = self.embed(tokens)  # (B, T, d)
-            for i in range(hp.n_layer):
-                params = self.layer_params(i)  # the only layer resident
-                if peaks is not None:  # a dict key: static under jit, so only probing passes trace the probes
-                    params = {**params, PEAK_LAYER: jnp.int32(i)}
-                h_attn, attn_in, mixed, router_logits = self.arch.layer_attention_block(i, params, h, cos, sin, hp)  # (B,T,d) x3, (B,T,E)
-                if not self.arch.is_moe_layer(i, hp):
-                    h = self.arch.dense_ffn_block(params, h_attn, mixed)  # (B, T, d)
-                    continue
-                experts, weights = self._routing(i, params, router_logits, routing_hook)  # (B, T, k) each
-                h, yr, hh, gate = self.arch.moe_block(params, h_attn, mixed, experts, weights)  # (B,T,d) x2, (B,T,f_s), (B,T)
-                if capture and on_layer is not None:
-                    on_layer(i, LayerCapture(
-                        attn_in=np.asarray(attn_in), mixed=np.asarray(mixed), router_logits=np.asarray(router_logits),
-                        experts=np.asarray(experts, np.int32), weights=np.asarray(weights, np.float32),
-                        yr=np.asarray(yr), hh=np.asarray(hh), shexp_gate=np.asarray(gate)))
-                del params
+            for i in range(self.hp.n_layer):
+                h, cap = self.layer(i, h, cos, sin, routing_hook, peaks, capture=capture and on_layer is not None)
+                if cap is not None:
+                    on_layer(i, cap)
             return self.logits(h[:, positions], probing=peaks is not None) if logits else None  # (B, T', V)
+
+    def layer(self, i: int, h: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray,
+              routing_hook: RoutingHook | None = None, peaks: ActivationPeaks | None = None,
+              capture: bool = False) -> tuple[jnp.ndarray, LayerCapture | None]:
+        """Layer i on the residual stream h (B, T, d) of sequences from position 0 (`cos`, `sin` the
+        family's rotary tables for T): the stream after it, and with `capture` a MoE layer's
+        activations on the host (None for a dense layer, or without `capture`). `forward` is
+        this from layer 0; the healed-inputs dump runs it from where the previous one stopped."""
+        hp = self.hp
+        params = self.layer_params(i)  # the only layer resident
+        if peaks is not None:  # a dict key: static under jit, so only probing passes trace the probes
+            params = {**params, PEAK_LAYER: jnp.int32(i)}
+        h_attn, attn_in, mixed, router_logits = self.arch.layer_attention_block(i, params, h, cos, sin, hp)  # (B,T,d) x3, (B,T,E)
+        if not self.arch.is_moe_layer(i, hp):
+            return self.arch.dense_ffn_block(params, h_attn, mixed), None  # (B, T, d)
+        experts, weights = self._routing(i, params, router_logits, routing_hook)  # (B, T, k) each
+        h, yr, hh, gate = self.arch.moe_block(params, h_attn, mixed, experts, weights)  # (B,T,d) x2, (B,T,f_s), (B,T)
+        if not capture:
+            return h, None
+        return h, LayerCapture(attn_in=np.asarray(attn_in), mixed=np.asarray(mixed),
+                               router_logits=np.asarray(router_logits), experts=np.asarray(experts, np.int32),
+                               weights=np.asarray(weights, np.float32), yr=np.asarray(yr), hh=np.asarray(hh),
+                               shexp_gate=np.asarray(gate))
 
     def logits(self, h: jnp.ndarray, probing: bool = False) -> np.ndarray:
         """Final norm and output projection, h (B, T, d) -> (B, T, V), a chunk of vocabulary rows at a time;

@@ -68,16 +68,18 @@ class CalibrateParams:
     ridge_eta: float | None = None
     shexp_down: str | None = None
     layer: int | None = None  # the unit's layer
+    inputs: str | None = None  # "healed": `dump` is the layer's healed-inputs dump (stages/healed_dump.py)
 
     @classmethod
     def of(cls, variant, shared_expert: bool) -> "CalibrateParams":
-        base = cls(alpha=variant.alpha, cal_tokens=variant.cal_tokens)
+        inputs = variant.inputs if variant.healed_inputs else None
+        base = cls(alpha=variant.alpha, cal_tokens=variant.cal_tokens, inputs=inputs)
         if not shared_expert:
             return base
         recipe_chooses = variant.budgeted and variant.budget_roles == "all"  # roles.chosen_roles: SHARED too
         return cls(alpha=variant.alpha, cal_tokens=variant.cal_tokens,
                    ridge_rho=variant.ridge_rho, ridge_eta=variant.ridge_eta,
-                   shexp_down=None if recipe_chooses else variant.shexp_down)
+                   shexp_down=None if recipe_chooses else variant.shexp_down, inputs=inputs)
 
 
 # Each layer's unit writes its own rows; declared, so every unit's part concatenates with the others.
@@ -245,11 +247,13 @@ def ridge_cv_rows(z: np.ndarray, y_ref: np.ndarray, y_q: np.ndarray, gram: np.nd
 def build_calibrate(out: Path, params: CalibrateParams, *, source: Path, quantized: Path, dump: Path,
                     unseen: Path | None = None, log: Log) -> None:
     """One unit of the calibrate stage: alpha and ridge for layer `params.layer` of one variant's
-    quantized experts (`quantized`, the quantize unit of that layer), on the dumps (`dump`, and
+    quantized experts (`quantized`, the quantize unit of that layer), on the dumps (`dump`: with
+    healed inputs, the layer's healed-inputs dump; and
     `unseen` if there is one), from the `source`."""
     assert params.layer is not None, "a calibrate unit is one layer"
     model = open_model(source)
-    calibrate_layer(out, model, quantized, open_dump(dump, model.hp, model.moe_layers),
+    cal_layers = (params.layer,) if params.inputs is not None else model.moe_layers  # a healed-inputs dump: one layer
+    calibrate_layer(out, model, quantized, open_dump(dump, model.hp, cal_layers),
                     open_dump(unseen, model.hp, model.moe_layers) if unseen is not None else None,
                     params, params.layer)
 

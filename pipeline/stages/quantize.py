@@ -64,7 +64,7 @@ layer's memory map, the block bytes and the layer's dumped rows it reads
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -137,6 +137,7 @@ class QuantizeParams:
     gptq_router_weighted: bool | None = None
     learned_steps: int | None = None  # round = "learned" only
     layer: int | None = None  # the unit's layer (None: the knobs alone, as sensitivity measures them)
+    inputs: str | None = None  # "healed": `dump` is the layer's healed-inputs dump (stages/healed_dump.py)
 
     @property
     def uses_gptq(self) -> bool:
@@ -146,7 +147,8 @@ class QuantizeParams:
     @classmethod
     def of(cls, variant) -> "QuantizeParams":
         """The quantize parameters of a `Variant` (config validation already refused no-effect knobs)."""
-        return cls.knobs_of(variant, None if variant.budgeted else variant.formats())
+        params = cls.knobs_of(variant, None if variant.budgeted else variant.formats())
+        return replace(params, inputs=variant.inputs) if variant.healed_inputs else params
 
     @classmethod
     def knobs_of(cls, variant, quant: dict[str, str] | None) -> "QuantizeParams":
@@ -394,12 +396,13 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
 def build_quantize(out: Path, params: QuantizeParams, *, source: Path, dump: Path | None = None,
                    recipe: Path | None = None, unseen: Path | None = None, log: Log) -> None:
     """One unit of the quantize stage: layer `params.layer` of the `source`'s routed experts, with the
-    calibration dump's (`dump`) statistics if any, in the formats of the allocation stage's output
+    calibration dump's (`dump`; with healed inputs, that layer's healed-inputs dump) statistics if any, in the formats of the allocation stage's output
     (`recipe`) when given (learned rounding also measures itself on the `unseen` dump, if given)."""
     assert params.layer is not None, "a quantize unit is one layer"
     model = open_model(source)
     chosen = read_recipe(recipe) if recipe is not None else None
-    cal = open_dump(dump, model.hp, model.moe_layers) if params.importance and dump is not None else None
+    cal_layers = (params.layer,) if params.inputs is not None else model.moe_layers  # a healed-inputs dump: one layer
+    cal = open_dump(dump, model.hp, cal_layers) if params.importance and dump is not None else None
     held_out = open_dump(unseen, model.hp, model.moe_layers) if unseen is not None else None
     quantize_layer(out, model, cal, params, params.layer, layer_formats(params, params.layer, chosen), held_out, log)
 
