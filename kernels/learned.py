@@ -516,7 +516,7 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
             if now["heldout"] < best_loss:
                 best, best_loss, best_step = theta, now["heldout"], i + 1
     if log is not None:
-        log(f"learned rounding: {settings.steps} steps, held-out relative error {first['heldout']:.5f} -> "
+        log(f"learned rounding: {settings.steps} steps of {settings.batch_tokens} tokens, held-out relative error {first['heldout']:.5f} -> "
             f"{best_loss:.5f} (step {best_step})")
     rows.append({"step": best_step, "split": "chosen", "loss": best_loss})
     if extra and not measure_extra and best_step > 0:

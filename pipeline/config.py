@@ -21,9 +21,9 @@ ROUNDINGS = ("ls", "gptq")
 # `round = "learned"`: GPTQ's codes and scales (least squares' where a format has no GPTQ) tuned on the
 # MoE layer's output (kernels/learned.py); a budget's sensitivity is still measured with "ls" or "gptq".
 LEARNED = "learned"
-# The default `learned_steps`: on the demo's layers the unseen dump's error stops improving within this
-# many steps of 256 tokens (docs/learned-rounding.md).
-LEARNED_STEPS = 32
+# The default `learned_steps`, 0: one pass over the calibration rows it trains on, at least 32 steps
+# (pipeline/stages/quantize.py, `learned_schedule`); a number sets that many steps of 256 tokens.
+LEARNED_STEPS = 0
 # `inputs`: what a variant's layer L is quantized and healed on. "reference": the reference's MoE inputs
 # (the calibration dump), every (variant, layer) unit independent; "healed": the inputs the model with its
 # layers before L already healed makes (pipeline/stages/healed_dump.py), the reference's output still the
@@ -69,7 +69,7 @@ class Variant:
     gptq_damp: float = 1.0
     gptq_shrink: float = 64.0
     gptq_router_weighted: bool = False  # weight each token's share of an expert's H by its routing weight
-    learned_steps: int = LEARNED_STEPS  # round = "learned": Adam steps of 256 tokens on the layer's output
+    learned_steps: int = LEARNED_STEPS  # round = "learned": Adam steps of 256 tokens on the layer's output; 0 one pass
     importance: bool = True
     cal_tokens: int = 0  # 0 = the whole calibration dump; else its first cal_tokens rows
     inputs: str = "reference"  # INPUTS: the reference's MoE inputs, or those of the model healed up to the layer
@@ -279,7 +279,7 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any], peers_ma
         importance=r.get("importance", bool, True),
         cal_tokens=r.number("cal_tokens", int, 0, 0, 1 << 26),
         inputs=r.choice("inputs", INPUTS, "reference"),
-        learned_steps=r.number("learned_steps", int, LEARNED_STEPS, 1, 1 << 20),
+        learned_steps=r.number("learned_steps", int, LEARNED_STEPS, 0, 1 << 20),
         e2e=r.get("e2e", bool, False),
         e2e_steps=r.number("e2e_steps", int, E2E_STEPS, 0, 1 << 20),
         e2e_lr=r.number("e2e_lr", float, E2E_LR, 0.0, 1.0),

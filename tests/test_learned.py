@@ -68,7 +68,7 @@ def test_learned_bytes_decode_to_the_values_the_loss_saw(fmt):
 @pytest.mark.parametrize("knobs, key, why", [
     ('round = "gptq"\nlearned_steps = 10', "learned_steps", 'only used with round = "learned"'),
     ('round = "ls"\nlearned_steps = 10', "learned_steps", 'only used with round = "learned"'),
-    ('round = "learned"\nlearned_steps = 0', "learned_steps", "out of range"),
+    ('round = "learned"\nlearned_steps = -1', "learned_steps", "out of range"),
     ('round = "learned"\nimportance = false', "round", "needs calibration statistics"),
     ('round = "learned"\ngptq_damp = 0.0', "gptq_damp", "must be > 0"),
     ('round = "learnt"', "round", "is not one of"),
@@ -191,3 +191,19 @@ def test_relative_error_is_the_layers_output_error_in_float64():
     expected = np.sum((y - data.target) ** 2) / np.sum(np.square(data.yr, dtype=np.float64))
     assert expected > 1e-3  # the perturbation is visible
     np.testing.assert_allclose(L.relative_error(moved, data, batch_tokens=300), expected, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows, steps, expected", [
+    (7168, 0, (32, 256)),  # the demo's 8,192 tokens less the held-out eighth: at least 32 steps
+    (57344, 0, (224, 256)),  # 65,536 tokens: one pass of 256-token steps
+    (114688, 0, (224, 512)),  # 131,072: past 256 steps of a pass, the batch doubles
+    (1 << 22, 0, (256, 16384)),
+    (57344, 7, (7, 256)),  # learned_steps given: that many steps of 256 tokens
+])
+def test_the_default_schedule_is_one_pass_over_the_training_rows(rows, steps, expected):
+    from moeheal.pipeline.stages.quantize import LEARNED_MAX_STEPS, learned_schedule
+
+    got = learned_schedule(rows, steps)
+    assert got == expected
+    if not steps:  # one pass: every training row is reached, in at most LEARNED_MAX_STEPS steps
+        assert got[0] * got[1] >= rows and (got[0] <= LEARNED_MAX_STEPS or got[1] == 256)

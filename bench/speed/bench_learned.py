@@ -63,7 +63,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="calibration rows of the layer")
     parser.add_argument("--formats", nargs="*", default=["q2_k", "iq2_xxs", "tq2_0"])
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=None, help="learned_steps (default: the config's)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="learned_steps (default: the config's, one pass over the training rows)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time CPU seconds of every thread (time.process_time): on a shared machine the wall "
                              "clock counts other people's work too")
@@ -73,14 +74,13 @@ def main() -> None:
 
     from moeheal.kernels import encode
     from moeheal.kernels import learned
-    from moeheal.pipeline.config import LEARNED_STEPS
     from moeheal.pipeline.stages import quantize as Q
 
     device = jax.devices("gpu")[0] if args.gpu else jax.devices("cpu")[0]
     n_expert, d, f, k = SHAPES[args.shape]
-    steps = args.steps or LEARNED_STEPS
+    steps, batch = Q.learned_schedule(args.tokens - args.tokens // Q.LEARNED_HOLDOUT, args.steps or 0)
     print(f"device: {device.device_kind}; layer: {n_expert} experts, d = {d}, f = {f}, top-{k}, {args.tokens} "
-          f"calibration rows; learned: {steps} steps of {Q.LEARNED_BATCH_TOKENS} tokens; best of {args.repeats} "
+          f"calibration rows; learned: {steps} steps of {batch} tokens; best of {args.repeats} "
           f"after a compiling call; {'CPU seconds of every thread' if args.cpu_time else 'wall seconds'}\n")
     print("| format | GPTQ unit s | learned unit s | learned / GPTQ | learning alone s | ms per step "
           "| held-out rel. error GPTQ | held-out rel. error learned |")
@@ -102,7 +102,7 @@ def main() -> None:
 
             def learn() -> None:
                 tensors = {name: learned.LearnedTensor(fmt, tuple(w[name].shape), out["raw"][name]) for name in w}
-                settings = learned.Settings(steps=steps, batch_tokens=Q.LEARNED_BATCH_TOKENS, lr=Q.LEARNED_LR,
+                settings = learned.Settings(steps=steps, batch_tokens=batch, lr=Q.LEARNED_LR,
                                             eval_every=max(1, steps // Q.LEARNED_EVALS), sub_lr=Q.LEARNED_SUB_LR,
                                             scale_lr=Q.LEARNED_SCALE_LR, optimizer=Q.LEARNED_OPTIMIZER)
                 out["learned"], out["curve"] = learned.learn_layer(tensors, {}, train, held, settings)

@@ -26,15 +26,13 @@ inconsistencies fixed and both exponents explicit):
   MoE output (the routed experts; the shared expert's matrices where a
   recipe chose their formats) has its codes and scales tuned together on
   the layer's output error over the calibration rows (`kernels.learned`):
-  `learned_steps` Adam steps on batches of LEARNED_BATCH_TOKENS
-  tokens, the best step by the last 1/LEARNED_HOLDOUT of the rows (held out
+  Adam steps, by default one pass over the training rows (`learned_schedule`),
+  the best step by the last 1/LEARNED_HOLDOUT of the rows (held out
   from the steps; step 0, GPTQ's bytes, is a candidate, so the result is
   never worse there). Attention's matrices (a recipe's) stay as GPTQ left
-  them: the dump's MoE inputs cannot see them. The inputs are the
-  reference's (the dump), not those of the already quantized layers before:
-  that keeps every (variant, layer) unit independent of the others (a
-  quantized-input dump would be one more dump per variant, rebuilt whenever
-  an earlier layer changes, and the layers could no longer be built apart).
+  them: the dump's MoE inputs cannot see them. With `inputs = "healed"` the
+  rows (for importance, Hessians and the learning) are the layer's healed-inputs
+  dump (`stages/healed_dump.py`), the target still the reference's output.
   The unit also writes `learned_curve.parquet` (step, split, loss), with the
   unseen dump's error at step 0 and at the chosen step when there is one.
 
@@ -90,7 +88,13 @@ OUTPUTS = ("layer_<i>.npz", "learned_curve.parquet")
 LEARNED = "learned"
 
 
-LEARNED_BATCH_TOKENS = 256  # tokens per step of learned rounding
+LEARNED_BATCH_TOKENS = 256  # tokens per step of learned rounding, up to LEARNED_MAX_STEPS steps in a pass
+
+
+LEARNED_MIN_STEPS = 32  # the fewest steps of the default schedule: where the demo's 8,192 tokens chose it
+
+
+LEARNED_MAX_STEPS = 256  # past one pass of this many steps the batch grows instead (a step decodes the layer)
 
 
 LEARNED_HOLDOUT = 8  # the last 1/8 of the calibration rows pick the best step
@@ -135,7 +139,7 @@ class QuantizeParams:
     gptq_damp: float | None = None
     gptq_shrink: float | None = None
     gptq_router_weighted: bool | None = None
-    learned_steps: int | None = None  # round = "learned" only
+    learned_steps: int | None = None  # round = "learned" only; 0: one pass over the rows (`learned_schedule`)
     layer: int | None = None  # the unit's layer (None: the knobs alone, as sensitivity measures them)
     inputs: str | None = None  # "healed": `dump` is the layer's healed-inputs dump (stages/healed_dump.py)
 
@@ -324,6 +328,19 @@ def token_set(source: GGUFModel, layer: int, data: dict[str, np.ndarray], shared
     return learned.TokenSet(data["mixed"], data["experts"], data["weights"], target, data["yr"], gate)
 
 
+def learned_schedule(train_rows: int, steps: int) -> tuple[int, int]:
+    """(steps, tokens per step) of learned rounding over `train_rows` rows: `steps` of
+    LEARNED_BATCH_TOKENS when given, else one pass over the rows (docs/learned-rounding.md: a pass
+    over 65,536 tokens moves codes that generalise, 32 steps there see an eighth of them), at least
+    LEARNED_MIN_STEPS steps, the batch doubled as often as it takes to stay within LEARNED_MAX_STEPS."""
+    if steps:
+        return steps, LEARNED_BATCH_TOKENS
+    batch = LEARNED_BATCH_TOKENS
+    while train_rows > batch * LEARNED_MAX_STEPS:
+        batch *= 2
+    return max(LEARNED_MIN_STEPS, -(-train_rows // batch)), batch
+
+
 def learn_layer_rounding(arrays: dict[str, np.ndarray], source: GGUFModel, dump_root, unseen_root,
                          params: QuantizeParams, layer: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Replace, in `arrays`, the bytes of every tensor whose effect reaches the MoE output by their
@@ -340,8 +357,8 @@ def learn_layer_rounding(arrays: dict[str, np.ndarray], source: GGUFModel, dump_
     extra = {}
     if unseen_root is not None:
         extra["unseen"] = token_set(source, layer, read_layer(unseen_root[str(layer)], slice(None)), bool(shared_roles))
-    steps = params.learned_steps
-    settings = learned.Settings(steps=steps, batch_tokens=LEARNED_BATCH_TOKENS, lr=LEARNED_LR,
+    steps, batch = learned_schedule(cut, params.learned_steps or 0)
+    settings = learned.Settings(steps=steps, batch_tokens=batch, lr=LEARNED_LR,
                                 eval_every=max(1, steps // LEARNED_EVALS), sub_lr=LEARNED_SUB_LR,
                                 scale_lr=LEARNED_SCALE_LR, optimizer=LEARNED_OPTIMIZER)
     raw, curve = learned.learn_layer(tensors, fixed, cal.take(np.arange(cut)), cal.take(np.arange(cut, n)), settings,
