@@ -370,3 +370,25 @@ def test_a_steps_device_memory_does_not_grow_with_depth(tmp_path):
     shallow, deep = peak_extra_bytes(2), peak_extra_bytes(6)
     assert shallow > 0
     assert deep <= shallow * 1.05, (shallow, deep)
+
+
+def test_steps_draw_only_the_sequences_of_the_variants_calibration_rows():
+    """With `cal_tokens`, e2e trains on the sequences quantization read, never the trace's rest."""
+    from types import SimpleNamespace
+
+    from moeheal.pipeline.config import Variant
+    from moeheal.pipeline.stages.e2e import E2EParams, tune
+
+    assert E2EParams.of(Variant(name="v", kind="healed", cal_tokens=2048, e2e=True), 512).cal_tokens == 2048
+    assert E2EParams.of(Variant(name="v", kind="healed", e2e=True), 512).cal_tokens is None  # keys kept
+    drawn = []
+    tuner = SimpleNamespace(theta0={"scales": {}, "floats": {}},
+                            trace_kl=lambda theta, trace, n=None: (1.0, 1),
+                            step=lambda theta, batch: drawn.append(batch[0].tolist()) or (0.0, theta))
+    calibration = SimpleNamespace(n_seqs=16, batch=lambda b, rows: (rows,))
+    params = E2EParams("v", steps=40, lr=1e-3, scale_lr=1e-3, seq_tokens=512, cal_tokens=2048)
+    tune(tuner, calibration, SimpleNamespace(), params, log=lambda _: None, train_seqs=4)
+    assert len(drawn) == 40 and {row for rows in drawn for row in rows} == {0, 1, 2, 3}
+    drawn.clear()
+    tune(tuner, calibration, SimpleNamespace(), params, log=lambda _: None)
+    assert {row for rows in drawn for row in rows} == set(range(16))

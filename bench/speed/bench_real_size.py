@@ -59,8 +59,9 @@ from moeheal.pipeline.sources.synth import LIKE, write_synth
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 
-from bench.tools.llama_kld import document_kld, perplexity_binary, run_perplexity  # noqa: E402
 from moeheal.pipeline.data.documents import read_documents, read_split  # noqa: E402
+from moeheal.pipeline.model.llama_kld import document_kld, run_perplexity  # noqa: E402
+from moeheal.pipeline.stages.llama_check import perplexity_binary  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[2] / "demo"
 STAGE_LINE = re.compile(r"^\[(?P<label>[^\]]+)\] (?P<what>computing|cache hit) ")
@@ -90,6 +91,15 @@ VARIANTS = {
     "ls_tq2_0": '[[variant]]\nname = "ls_tq2_0"\nquant = "tq2_0"\nround = "ls"\n',
     "ls_q2_k": '[[variant]]\nname = "ls_q2_k"\nquant = "q2_k"\nround = "ls"\n',
     "gptq_iq2_xxs": '[[variant]]\nname = "gptq_iq2_xxs"\nquant = "iq2_xxs"\nround = "gptq"\n',
+    "gptq_q2_k": '[[variant]]\nname = "gptq_q2_k"\nquant = "q2_k"\nround = "gptq"\n',
+    # the levers of calibration that scales, each beside GPTQ's unit: healed inputs, learned rounding (its
+    # default schedule, one pass over the rows), both, and end-to-end tuning on top
+    "healed_gptq_q2_k": '[[variant]]\nname = "healed_gptq_q2_k"\nquant = "q2_k"\nround = "gptq"\ninputs = "healed"\n',
+    "learned_q2_k": '[[variant]]\nname = "learned_q2_k"\nquant = "q2_k"\nround = "learned"\n',
+    "healed_learned_q2_k": ('[[variant]]\nname = "healed_learned_q2_k"\nquant = "q2_k"\nround = "learned"\n'
+                            'inputs = "healed"\n'),
+    "healed_learned_e2e_q2_k": ('[[variant]]\nname = "healed_learned_e2e_q2_k"\nquant = "q2_k"\nround = "learned"\n'
+                                'inputs = "healed"\ne2e = true\n'),
 }
 
 
@@ -266,7 +276,7 @@ def main() -> int:
             run.overlap()
         else:
             run.heal()
-        healed = {variant.name: run.result(run.assemble(variant)).path for variant in run.all_quantized_variants()}
+        healed = {variant.name: run.final_model(variant)[1] for variant in run.all_quantized_variants()}
     end = time.perf_counter()
     heal_s = end - start
 

@@ -2,7 +2,8 @@
 
 After assembly every integer code of the file is frozen (weight codes, sub-block scale and min
 codes, grid points, signs). What is still a free float is tuned by gradient descent on
-KL(reference || variant) over the calibration trace, the reference kept as its top-k tokens plus
+KL(reference || variant) over the calibration trace (the sequences of its first `cal_tokens` rows
+where the variant sets it, as quantization reads), the reference kept as its top-k tokens plus
 one bucket for the rest of its mass (the reference-topk stage; the full vocabulary when k is):
 
 - the fp16 scales of every tensor the variant quantized (the format's ``fp16_parts``: a k-quant's
@@ -77,11 +78,12 @@ class E2EParams:
     lr: float  # the norms' and routers' Adam step (relative)
     scale_lr: float  # the fp16 block scales'
     seq_tokens: int
+    cal_tokens: int | None = None  # the variant's `cal_tokens`: steps draw only the sequences starting below it
 
     @classmethod
     def of(cls, variant, seq_tokens: int) -> "E2EParams":
         return cls(variant=variant.name, steps=variant.e2e_steps, lr=variant.e2e_lr,
-                   scale_lr=variant.e2e_scale_lr, seq_tokens=seq_tokens)
+                   scale_lr=variant.e2e_scale_lr, seq_tokens=seq_tokens, cal_tokens=variant.cal_tokens or None)
 
 
 def short_name(name: str) -> str:
@@ -400,9 +402,10 @@ def adam_by_layer(theta: dict, grad: dict, states: dict[int, Any], lr: dict) -> 
 
 
 def tune(tuner: Tuner, calibration: Trace, unseen: Trace, params: E2EParams,
-         log: Callable[[str], None] = print) -> tuple[dict, list[dict[str, Any]]]:
-    """Adam on the calibration trace for `params.steps` steps; returns the theta of the measured
-    step with the lowest unseen KL (step 0 included) and the curve's rows."""
+         log: Callable[[str], None] = print, train_seqs: int | None = None) -> tuple[dict, list[dict[str, Any]]]:
+    """Adam on the calibration trace's first `train_seqs` sequences (all by default) for
+    `params.steps` steps; returns the theta of the measured step with the lowest unseen KL (step 0
+    included) and the curve's rows."""
     rng = np.random.default_rng(SEED)
     theta, states = tuner.theta0, {}
     lr = learning_rates(theta, params)
@@ -425,7 +428,7 @@ def tune(tuner: Tuner, calibration: Trace, unseen: Trace, params: E2EParams,
         if step == params.steps:
             break
         if len(order) < BATCH_SEQS:  # a new pass over the calibration sequences, in a new order
-            order += list(rng.permutation(calibration.n_seqs))
+            order += list(rng.permutation(train_seqs or calibration.n_seqs))
         picked, order = np.array(order[:BATCH_SEQS]), order[BATCH_SEQS:]
         _, grad = tuner.step(theta, calibration.batch(0, picked))
         theta = adam_by_layer(theta, grad, states, lr)
@@ -440,8 +443,11 @@ def e2e_model(out: Path, assembled: GGUFModel, source: GGUFModel, traces_dir: Pa
     out.mkdir(parents=True, exist_ok=True)
     calibration, unseen = (Trace(*trace_tokens(traces_dir, name), params.seq_tokens, topk_dir, name)
                            for name in ("calibration", "unseen"))
+    _, seq = trace_tokens(traces_dir, "calibration")
+    starts = np.flatnonzero(np.diff(seq, prepend=-1))  # each calibration sequence's first row
+    train_seqs = int(np.sum(starts < params.cal_tokens)) if params.cal_tokens else None
     tuner = Tuner(assembled, source)
-    theta, rows = tune(tuner, calibration, unseen, params, log)
+    theta, rows = tune(tuner, calibration, unseen, params, log, train_seqs)
     copy_gguf(assembled, out / MODEL_FILE, tuner.replacements(theta))
     write_parquet(out / CURVE_FILE, pa.Table.from_pylist(rows, schema=CURVE_SCHEMA))
 
