@@ -58,6 +58,8 @@ from moeheal.pipeline.stages import (
     healed_dump,
     import_dump,
     llama_check,
+    llama_pairs,
+    llama_reference,
     quantize,
     reference_logits,
     reference_topk,
@@ -70,7 +72,7 @@ from moeheal.pipeline.validate import budget_fixed, chosen_roles, validate_model
 # The DAG's stages, one module each under pipeline/stages/ (its parameters, its build, its `STAGE`).
 STAGES = tuple(m.STAGE for m in (corpus, traces, windows, audit, dump, import_dump, sensitivity, allocate,
                                  healed_dump, quantize, calibrate, assemble, reference_topk, e2e, reference_logits,
-                                 evaluate, comparisons, llama_check))
+                                 evaluate, comparisons, llama_reference, llama_check, llama_pairs))
 
 
 def audit_summary(overlap: pa.Table) -> str:
@@ -328,19 +330,44 @@ class HealRun:
                "corpus": Use(self.corpus())}
         return self.declare(Node(evaluate.STAGE, params, key=(variant.name,), inputs=inputs, upstream=up))
 
+    def llama_skip(self) -> str:
+        """Why llama.cpp's stages do not run here ("" where they do)."""
+        return ("LLAMA_CPP_DIR/bin/llama-perplexity not found" if llama_check.perplexity_binary() is None
+                else "" if self.cfg.unseen_tokens else "no unseen trace")
+
+    def llama_binary(self) -> dict[str, Path]:
+        """The `llama_perplexity` input of llama.cpp's stages, where it is built."""
+        binary = llama_check.perplexity_binary()
+        return {"llama_perplexity": binary} if binary is not None else {}
+
+    def llama_reference(self) -> Node:
+        """`llama-reference`: the reference's logits in llama.cpp on each long enough eval and canary
+        document, once for every variant's llama-check; skipped where llama-check is."""
+        return self.declare(Node(llama_reference.STAGE, llama_reference.LlamaReferenceParams(),
+                                 inputs={"reference": self.cfg.reference, "docs": self.cfg.docs} | self.llama_binary(),
+                                 upstream={"corpus": self.corpus()}, skip=self.llama_skip()))
+
     def llama_check(self, variant: Variant) -> Node:
         """`llama-check`: the variant's GGUF through llama.cpp's llama-perplexity on the unseen trace's
-        documents (an input error if it prints a non-finite value). Where llama.cpp is not installed
-        (or there is no unseen trace) it is skipped (its result is None), said once in the log, and
-        `moeheal plan` lists it as `skipped` under the fingerprint it would have without a binary."""
-        binary = llama_check.perplexity_binary()
+        documents (an input error if it prints a non-finite value), then its KLD per evaluation document
+        against `llama-reference`. Where llama.cpp is not installed (or there is no unseen trace) it is
+        skipped (its result is None), said once in the log, and `moeheal plan` lists it as `skipped`
+        under the fingerprint it would have without a binary."""
         inputs, up = self._model(variant)
-        inputs |= {"docs": self.cfg.docs} | ({"llama_perplexity": binary} if binary is not None else {})
-        up |= {"traces": Use(self.traces()), "corpus": Use(self.corpus())}
-        skip = ("LLAMA_CPP_DIR/bin/llama-perplexity not found" if binary is None
-                else "" if self.cfg.unseen_tokens else "no unseen trace")
+        inputs |= {"docs": self.cfg.docs} | self.llama_binary()
+        up |= {"traces": Use(self.traces()), "corpus": Use(self.corpus()), "reference": Use(self.llama_reference())}
         return self.declare(Node(llama_check.STAGE, llama_check.LlamaCheckParams(variant.name), key=(variant.name,),
-                                 inputs=inputs, upstream=up, skip=skip))
+                                 inputs=inputs, upstream=up, skip=self.llama_skip()))
+
+    def llama_pairs(self) -> Node:
+        """`llama-pairs`: llama.cpp's KLD ratio of every compared pair with a document-bootstrap CI, beside
+        ours; skipped where llama-check is."""
+        cfg = self.cfg
+        names = [v.name for v in self.evaluated_variants()]
+        up = {"checks": {v.name: self.llama_check(v) for v in self.evaluated_variants()},
+              "comparisons": self.comparisons()}
+        return self.declare(Node(llama_pairs.STAGE, llama_pairs.LlamaPairsParams(names, cfg.bootstrap, cfg.eval_seed),
+                                 upstream=up, skip=self.llama_skip()))
 
     def comparisons(self) -> Node:
         """window_kld and the paired bootstrap comparisons; the provenance records every knob of them."""

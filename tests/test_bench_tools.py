@@ -22,6 +22,7 @@ import pytest
 
 from bench.experiments import format_floor, hadamard_rotation
 from bench.tools import compare_runs, llama_kld, stage_times
+from moeheal.pipeline.model import llama_kld as llama_kld_method
 from tests.reference_quants import routed_output
 
 REPO = Path(__file__).resolve().parents[1]
@@ -192,12 +193,13 @@ def test_no_format_beats_the_gaussian_bound_and_iq2_xxs_costs_more_than_q2_k() -
 
 
 def test_llama_kld_reads_llama_cpps_kl_summary():
-    """The KL summary llama-perplexity prints (its own format), and a log that lost it (retried)."""
+    """The KL summary llama-perplexity prints (its own format), and a log that lost it (retried): the
+    pipeline's reader, which the script runs."""
     log = ("====== KL divergence statistics ======\nMean    KLD:   0.196636 ±   0.026310\n"
            "Maximum KLD:   4.890461\n====== Token probability statistics ======\n"
            "RMS Δp    : 14.606 ± 1.368 %\nSame top p: 92.126 ± 1.196 %\n")
-    assert llama_kld.summary(log) == pytest.approx((0.196636, 0.92126))
-    assert llama_kld.summary(log.split("Same top p")[0]) is None
+    assert llama_kld_method.summary(log) == pytest.approx((0.196636, 0.92126))
+    assert llama_kld_method.summary(log.split("Same top p")[0]) is None
 
 
 def test_llama_kld_scores_each_long_enough_eval_document_once():

@@ -7,22 +7,22 @@ import shutil
 from pathlib import Path
 
 import duckdb
-import pyarrow.parquet as pq
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from gguf import GGMLQuantizationType
 
+from bench.inputs.healworld import write_world
 from moeheal.kernels import decode
 from moeheal.kernels.alpha import fit_alpha, relative_residual
 from moeheal.pipeline.commands.cli import main
 from moeheal.pipeline.config import load_config
+from moeheal.pipeline.data.dumps import open_dump
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.model.layers import moe_forward
-from moeheal.pipeline.data.dumps import open_dump
 from moeheal.pipeline.stages.llama_check import perplexity_binary
-from bench.inputs.healworld import write_world
 
 TABLES = ("docs", "cal_trace", "windows", "overlap", "routing", "variants", "token_kld", "window_kld",
           "layer_metrics", "ridge_cv", "comparisons", "hitrate")
@@ -155,7 +155,8 @@ def test_one_knob_recomputes_its_variant_and_nothing_else(healed, tmp_path):
     config.write_text(text)
     _, log = rerun(config)
     units = [f"{stage}:v1:{layer}" for stage in ("quantize", "calibrate") for layer in (0, 1)]
-    checked = ["llama-check:v1"] if perplexity_binary() else []  # the new file runs in llama.cpp where it is built
+    # the new file runs in llama.cpp where it is built, and its pairs with llama.cpp's figures are compared again
+    checked = ["llama-check:v1", "llama-pairs"] if perplexity_binary() else []
     assert sorted(log.computed()) == sorted(["assemble:v1", *units, *checked, "comparisons", "evaluate:v1"])
 
 

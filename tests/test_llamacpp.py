@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.inputs.healworld import write_world
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.model.runner import Runner
-from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode
-from bench.inputs.healworld import write_world
 
 pytestmark = pytest.mark.llamacpp
 REPO = Path(__file__).resolve().parents[1]
@@ -105,3 +105,38 @@ def test_healed_model_runs_in_llama_cpp_and_agrees(tmp_path, variants):
     # Mean NLL within 0.05 nats: llama.cpp rounds activations to 8 bits for these dot products, and on a
     # random-weight model (perplexity ~5e4, NLL ~11 nats) that moves the perplexity by a few percent.
     assert np.isfinite(theirs) and np.log(ours) == pytest.approx(np.log(theirs), abs=0.05)
+
+
+def test_heal_scores_every_long_enough_document_in_llama_cpp_and_compares_every_pair(healed_world):
+    """The test world healed with llama.cpp: `llama_kld` holds each variant's KLD on every eval and canary
+    document of 2 x 256 tokens and a margin (all 16 here), finite and positive (every variant is
+    quantized), GPTQ's below the unhealed baseline's; `llama_kld_pairs` holds every pair of the
+    comparisons table at bonus 0 per set, its ratio mean_b / mean_a (sql/llama_kld_pairs_check.sql finds
+    no offending row), and the report counts the pairs whose CIs are disjoint."""
+    from moeheal.pipeline.model.llama_kld import long_enough
+
+    _, run = healed_world
+    lake = run.lake
+    docs = {d["doc_id"]: d for d in lake.read_table("docs").to_pylist()
+            if d["role"] in ("eval", "canary") and long_enough(d["n_tokens"])}
+    kld = lake.read_table("llama_kld").to_pylist()
+    variants = ("unhealed", "v1", "v2")
+    assert len(docs) == 16
+    assert sorted((r["variant"], r["doc_id"]) for r in kld) == sorted((v, d) for v in variants for d in docs)
+    assert all((r["set"], r["stratum"], r["tokens"]) == (docs[r["doc_id"]]["role"], docs[r["doc_id"]]["stratum"],
+                                                        docs[r["doc_id"]]["n_tokens"]) for r in kld)
+    assert all(np.isfinite(r["kld"]) and r["kld"] > 0 and r["scored"] == 127 for r in kld)
+    mean = {v: np.mean([r["kld"] for r in kld if r["variant"] == v and r["set"] == "eval"]) for v in variants}
+    assert mean["v2"] < 0.9 * mean["unhealed"]  # ours: -25% (CI -29%, -20%)
+
+    assert lake.query("llama_kld_pairs_check").to_pylist() == []
+    compared = {(r["set"], r["a"], r["b"]) for r in lake.read_table("comparisons").to_pylist()
+                if r["stratum"] == "all" and r["subset"] == "all" and r["moce_bonus_a"] == 0 and r["moce_bonus"] == 0
+                and r["a"] != r["b"]}
+    pairs = lake.read_table("llama_kld_pairs").to_pylist()
+    assert len(compared) == 6 and sorted((r["set"], r["a"], r["b"]) for r in pairs) == sorted(compared)
+    report = (lake.report_dir / "report.md").read_text(encoding="utf-8")
+    block = report[report.index("## 8. Does llama.cpp agree, pair by pair?"):]
+    apart = sum(r["disagree"] for r in pairs)
+    assert (f"DISAGREE beyond their CIs on {apart} of 6 pairs" if apart else "agree within their CIs on all 6") \
+        in block

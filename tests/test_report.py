@@ -27,12 +27,13 @@ import pytest
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.lake.store import Lake
 from moeheal.pipeline.model.numerics import PEAKS_SCHEMA
-from moeheal.pipeline.publish.export import COLUMN_DOCS, UNDOCUMENTED, export_bundle, undocumented_columns
-from moeheal.pipeline.stages.evaluate import HITRATE_SCHEMA, hitrate_rows
-from moeheal.pipeline.stages.llama_check import SCHEMA as LLAMA_CHECK_SCHEMA
 from moeheal.pipeline.publish import report as report_module
+from moeheal.pipeline.publish.export import COLUMN_DOCS, UNDOCUMENTED, export_bundle, undocumented_columns
 from moeheal.pipeline.publish.report import write_report
 from moeheal.pipeline.publish.sections import DeclarationError, fill, parse_declaration
+from moeheal.pipeline.stages.evaluate import HITRATE_SCHEMA, hitrate_rows
+from moeheal.pipeline.stages.llama_check import SCHEMA as LLAMA_CHECK_SCHEMA
+from moeheal.pipeline.stages.llama_pairs import SCHEMA as LLAMA_PAIRS_SCHEMA
 
 STRATA = ("chat", "code", "ja")
 VARIANTS = ("unhealed", "v1", "v2")
@@ -266,6 +267,24 @@ def make_llama_check() -> pa.Table:
     return pa.Table.from_pylist(rows, schema=LLAMA_CHECK_SCHEMA)
 
 
+def make_llama_kld_pairs(comparisons: pa.Table) -> pa.Table:
+    """Every pooled pair at bonus 0 per set: llama.cpp's ratio 2% above ours with our CI's width, except
+    v1 -> v2 on eval, put above our CI (disjoint), and the canary set's, from one document (no CI)."""
+    rows = []
+    for r in comparisons.to_pylist():
+        if r["stratum"] != "all" or r["subset"] != "all" or r["moce_bonus"] != 0 or r["a"] == r["b"]:
+            continue
+        ours, lo, hi = 1 + r["delta_pct"] / 100, 1 + r["ci_lo"] / 100, 1 + r["ci_hi"] / 100
+        ratio = hi + 0.1 if (r["set"], r["a"], r["b"]) == ("eval", "v1", "v2") else 1.02 * ours
+        one = r["set"] == "canary"
+        rows.append({"set": r["set"], "a": r["a"], "b": r["b"], "n_docs": 1 if one else 20, "llama_kld_a": 0.5,
+                     "llama_kld_b": 0.5 * ratio, "llama_ratio": ratio, "llama_lo": None if one else ratio - (ours - lo),
+                     "llama_hi": None if one else ratio + (hi - ours), "n_windows": r["n_windows"],
+                     "kld_a": r["kld_a"], "kld_b": r["kld_b"], "ours_ratio": ours, "ours_lo": lo, "ours_hi": hi})
+        rows[-1]["disagree"] = None if one else rows[-1]["llama_lo"] > hi or rows[-1]["llama_hi"] < lo
+    return pa.Table.from_pylist(rows, schema=LLAMA_PAIRS_SCHEMA)
+
+
 def write_run(lake: Lake, fingerprint: str, upstream: dict[str, str]) -> None:
     record = {"stage": "assemble", "fingerprint": fingerprint,
               "upstream": {k: {"stage": k, "fingerprint": fp} for k, fp in upstream.items()}}
@@ -292,6 +311,7 @@ def lake(tmp_path_factory) -> tuple[Lake, dict[str, pa.Table]]:
         "sizes": make_sizes(), "recipe": make_recipe(), "activation_peaks": make_activation_peaks(),
         "llama_check": make_llama_check(),
     }
+    tables["llama_kld_pairs"] = make_llama_kld_pairs(tables["comparisons"])
     for name, table in tables.items():
         lake.write_table(name, table)
     write_run(lake, fps["v1"], {"calibrated": "d" * 64})
@@ -662,6 +682,27 @@ def test_llama_numerics_section_gives_headroom_and_llama_perplexity(report):
     assert row_of(block, "v2") == ["v2", "layer 0 attn_q.weight", "Q8_0", "q8_0", "120", "6.93e+04x", "0 of 2",
                                    "22.00 (2 x 512 tokens)"]
     assert "skipped" not in block
+
+
+def test_llama_kld_section_compares_every_pair_and_names_the_disagreeing_ones(lake, report):
+    """Section 8: per set, every pooled pair at bonus 0 with llama.cpp's ratio and CI beside ours, and
+    one sentence counting and naming the pairs whose CIs are disjoint (a pair without a llama.cpp CI is
+    not counted)."""
+    _, text = report
+    _, tables = lake
+    block = declared(text, "report_llama_kld")
+    pairs = {(r["set"], r["a"], r["b"]): r for r in tables["llama_kld_pairs"].to_pylist()}
+    eval_rows = the_table(section(block, "### eval set"))
+    assert [row[0] for row in eval_rows[1:]] == ["unhealed \u2192 v1", "unhealed \u2192 v2", "v1 \u2192 v2"]
+    r = pairs[("eval", "v1", "v2")]
+    assert row_of(section(block, "### eval set"), "v1 \u2192 v2")[1:] == [
+        f"{r['llama_kld_a']:.4f} \u2192 {r['llama_kld_b']:.4f}",
+        f"{r['llama_ratio']:.3f} ({r['llama_lo']:.3f}, {r['llama_hi']:.3f})", "20",
+        f"{r['ours_ratio']:.3f} ({r['ours_lo']:.3f}, {r['ours_hi']:.3f})", "**disjoint**"]
+    canary = the_table(section(block, "### canary set"))
+    assert len(canary) == 4 and all(row[3] == "1" and "(" not in row[2] and row[-1] == "\u2014" for row in canary[1:])
+    assert "DISAGREE beyond their CIs on 1 of 3 pairs (the two intervals are disjoint): v1 \u2192 v2 (eval set)." \
+        in block
 
 
 def test_e2e_section_shows_the_kept_step_and_its_change(tmp_path):

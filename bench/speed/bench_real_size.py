@@ -159,23 +159,22 @@ def run_shard_workers(config: Path, shards: int) -> dict[str, object]:
 
 
 class StageClock:
-    """A log that stamps every line; a stage's time runs from its `computing` line to the next line."""
+    """A log that stamps every line; a stage's time runs from its `computing` line to the next stage's line."""
 
     def __init__(self) -> None:
         self.lines: list[tuple[float, str]] = []
+        self.start = time.perf_counter()
 
     def __call__(self, message: str) -> None:
-        self.lines.append((time.perf_counter(), message))
-        print(message, flush=True)
+        now = time.perf_counter()
+        self.lines.append((now, message))
+        print(f"{now - self.start:9.1f} s  {message}", flush=True)  # stamped: a run stopped early still has its times
 
     def durations(self, end: float) -> list[tuple[str, float]]:
-        out = []
-        for i, (start, message) in enumerate(self.lines):
-            match = STAGE_LINE.match(message)
-            if match and match.group("what") == "computing":
-                stop = self.lines[i + 1][0] if i + 1 < len(self.lines) else end
-                out.append((match.group("label"), stop - start))
-        return out
+        """(label, seconds) of every stage computed: to the next stage's line, past its own log lines."""
+        stages = [(t, STAGE_LINE.match(message)) for t, message in self.lines if STAGE_LINE.match(message)]
+        return [(match.group("label"), (stages[i + 1][0] if i + 1 < len(stages) else end) - start)
+                for i, (start, match) in enumerate(stages) if match.group("what") == "computing"]
 
 
 class HostMemory:

@@ -30,92 +30,60 @@ Printed (markdown):
 
 ``--out`` also writes the per-document values (CSV). Skips with a message, exit
 status 0, where ``$LLAMA_CPP_DIR/bin/llama-perplexity`` is not built.
+
+The method (documents, runs, summaries, bootstrap) is the pipeline's own,
+``moeheal.pipeline.model.llama_kld``, which the llama-reference, llama-check and
+llama-pairs stages run on every heal where llama.cpp is installed (the lake's
+``llama_kld`` and ``llama_kld_pairs`` tables); this script prints it for a lake
+made without it, with its own bootstrap draws (``BOOT``, ``SEED``).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import re
-from concurrent.futures import ThreadPoolExecutor
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import bootstrap, spearmanr
+from scipy.stats import spearmanr
 
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.data.documents import read_documents, read_split
+from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode
 from moeheal.pipeline.lake.store import Lake
+from moeheal.pipeline.model import llama_kld as method
+from moeheal.pipeline.model.llama_kld import CTX, MARGIN, WORKERS, scorable, score_documents, write_bases
 from moeheal.pipeline.stages.llama_check import perplexity_binary
 
-CTX = 256  # llama.cpp's chunk length, also its batch: tokens per forward pass
-MARGIN = 16  # tokens beyond 2 x CTX (ours), so that llama.cpp's count of a document reaches 2 x CTX
-WORKERS = 2  # llama-perplexity runs at once, one thread each
 BOOT = 2000  # bootstrap draws, over documents
 SEED = 0
-ATTEMPTS = 8  # llama.cpp's log thread can drop the last lines at exit; the summary is at the end
-
-MEAN_KLD = re.compile(r"^Mean\s+KLD:\s+(\S+)\s+±\s+(\S+)", re.MULTILINE)
-SAME_TOP = re.compile(r"^Same top p:\s+(\S+)\s+±\s+(\S+)\s+%", re.MULTILINE)
 
 
 def eval_documents(docs: Path, split: Path, tokenizer, limit: int) -> list[dict[str, str]]:
     """The eval documents llama.cpp can score one chunk of (2 x CTX tokens, with a margin for a
     tokenizer that splits a little differently), in id order; the first ``limit`` where > 0."""
     eval_ids = {doc_id for doc_id, role in read_split(split) if role == "eval"}
-    chosen = [d for d in sorted(read_documents(docs), key=lambda d: d["doc_id"])
-              if d["doc_id"] in eval_ids and len(encode(tokenizer, d["text"])) >= 2 * CTX + MARGIN]
+    chosen = scorable({**d, "n_tokens": len(encode(tokenizer, d["text"]))} for d in read_documents(docs)
+                      if d["doc_id"] in eval_ids)
+    chosen = [{k: d[k] for k in ("doc_id", "stratum", "text")} for d in chosen]
     chosen = chosen[:limit] if limit > 0 else chosen
     if len(chosen) < 2:
         raise SystemExit(f"{split}: fewer than 2 eval documents of {2 * CTX + MARGIN} tokens")
     return chosen
 
 
-def run_perplexity(binary: Path, model: str, text: Path, base: Path, kld: bool) -> str:
-    """One llama-perplexity run over the first chunk of ``text``; its log (stdout and stderr
-    together). With ``kld`` it scores ``model`` against the logits in ``base``, without it
-    writes them there."""
-    cmd = [str(binary), "-m", model, "-f", str(text), "-c", str(CTX), "-b", str(CTX), "-t", "1", "--chunks", "1",
-           "--kl-divergence-base", str(base), *(["--kl-divergence"] if kld else [])]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
-    if proc.returncode != 0 or not base.is_file():
-        raise SystemExit(f"llama-perplexity failed on {model}, {text.name} (exit {proc.returncode}):\n{log[-2000:]}")
-    return log
-
-
-def summary(log: str) -> tuple[float, float] | None:
-    """(mean KLD, same top-1 fraction) from a KL run's summary; None where llama.cpp's log thread
-    dropped it."""
-    kld, top = MEAN_KLD.search(log), SAME_TOP.search(log)
-    return (float(kld[1]), float(top[1]) / 100) if kld and top else None
-
-
-def document_kld(binary: Path, model: str, text: Path, base: Path) -> tuple[float, float]:
-    """(KLD, same top-1) of ``model`` on one document's chunk, retried where the log lost its summary."""
-    for _ in range(ATTEMPTS):
-        found = summary(run_perplexity(binary, model, text, base, kld=True))
-        if found is not None:
-            return found
-    raise SystemExit(f"llama-perplexity printed no KL summary for {model} on {text.name} in {ATTEMPTS} runs")
-
-
 def bootstrap_ratio(a: np.ndarray, b: np.ndarray, rng: np.random.Generator) -> tuple[float, float, float]:
     """sum(a) / sum(b) over documents, and its 95% percentile interval resampling documents (paired)."""
-    ci = bootstrap((a, b), lambda x, y, axis: x.sum(axis) / y.sum(axis), paired=True, vectorized=True,
-                   n_resamples=BOOT, method="percentile", rng=rng).confidence_interval
-    return float(a.sum() / b.sum()), float(ci.low), float(ci.high)
+    return method.bootstrap_ratio(a, b, rng, BOOT)
 
 
 def bootstrap_mean(a: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
     """The 95% percentile interval of the mean over documents."""
-    ci = bootstrap((a,), np.mean, n_resamples=BOOT, method="percentile", rng=rng).confidence_interval
-    return float(ci.low), float(ci.high)
+    return method.bootstrap_mean(a, rng, BOOT)
 
 
 def moeheal_kld(lake: Lake) -> dict[str, float]:
@@ -154,18 +122,17 @@ def main() -> None:
     ours, rng = moeheal_kld(lake), np.random.default_rng(SEED)
     models = {v["variant"]: v["gguf"] for v in variants if v["kind"] != "reference"}
 
-    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(WORKERS) as pool:
-        texts = [Path(tmp, f"doc{i}.txt") for i in range(len(documents))]
-        bases = [Path(tmp, f"doc{i}.dat") for i in range(len(documents))]
-        for doc, text in zip(documents, texts):
-            text.write_text(doc["text"], encoding="utf-8")
-        list(pool.map(lambda i: run_perplexity(binary, reference, texts[i], bases[i], kld=False), range(len(texts))))
-        kld: dict[str, np.ndarray] = {}
-        top: dict[str, np.ndarray] = {}
-        for name, gguf in models.items():
-            print(f"  {name} ...", file=sys.stderr, flush=True)
-            found = list(pool.map(lambda i: document_kld(binary, gguf, texts[i], bases[i]), range(len(texts))))
-            kld[name], top[name] = (np.array(column, np.float64) for column in zip(*found))
+    kld: dict[str, np.ndarray] = {}
+    top: dict[str, np.ndarray] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            bases = write_bases(binary, reference, [d["text"] for d in documents], Path(tmp), CTX, WORKERS)
+            for name, gguf in models.items():
+                print(f"  {name} ...", file=sys.stderr, flush=True)
+                found = score_documents(binary, gguf, bases, CTX, WORKERS)
+                kld[name], top[name] = (np.array(column, np.float64) for column in zip(*found))
+        except InputError as exc:
+            raise SystemExit(str(exc)) from None
 
     print(f"llama.cpp: {len(doc_ids)} eval documents, each its own run: its first chunk of {CTX} tokens, "
           "the second half scored\n")

@@ -94,7 +94,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         todo = sum(p.status == "compute" for p in planned)
         skipped = sum(p.status == "skipped" for p in planned)
         print(f"{len(planned)} stage invocations: {len(planned) - todo - skipped} cached, {todo} to compute"
-              + (f", {skipped} skipped (llama-check: llama.cpp not installed, or no unseen trace)" if skipped else ""))
+              + (f", {skipped} skipped (llama.cpp's stages: llama.cpp not installed, or no unseen trace)"
+                 if skipped else ""))
     return 0
 
 
@@ -206,8 +207,8 @@ def cmd_import_dump(args: argparse.Namespace) -> int:
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
-    from moeheal.pipeline.lake.store import Lake
     from moeheal.pipeline.commands.sql import run_user_sql
+    from moeheal.pipeline.lake.store import Lake
 
     lake = Lake(_config(args).lake_root)
     fmt, *rest = args.format

@@ -154,11 +154,12 @@ def recording(params: Any, read: set[str]) -> Any:
 
 
 def stage_fingerprint(stage: Stage, params: Any, inputs: Mapping[str, Path],
-                      upstream: Mapping[str, StageResult]) -> tuple[str, dict[str, Any]]:
-    """The fingerprint and the provenance record of one stage invocation."""
+                      upstream: Mapping[str, StageResult | None]) -> tuple[str, dict[str, Any]]:
+    """The fingerprint and the provenance record of one stage invocation; a skipped upstream (None,
+    read only by a skipped node, which is planned and never built) is left out."""
     record = param_record(params)
     digests = {key: content_digest(path) for key, path in sorted(inputs.items())}
-    upstream_fps = {key: result.fingerprint for key, result in sorted(upstream.items())}
+    upstream_fps = {key: result.fingerprint for key, result in sorted(upstream.items()) if result is not None}
     fp = fingerprint(stage.name, stage.code(), record, digests, upstream_fps)
     provenance = {
         "params": record,
@@ -180,7 +181,7 @@ def run_stage(lake: Lake, stage: Stage, params: Any, inputs: Mapping[str, Path],
 
 
 def plan_stage(lake: Lake, stage: Stage, params: Any, inputs: Mapping[str, Path],
-               upstream: Mapping[str, StageResult]) -> StageResult:
+               upstream: Mapping[str, StageResult | None]) -> StageResult:
     """The result `run_stage` would return, without building: `cached` says whether it exists."""
     fp, _ = stage_fingerprint(stage, params, inputs, upstream)
     cached = lake.is_complete(stage.kind, fp, stage.suffix)
@@ -218,9 +219,14 @@ class Executor:
             return self._results[node.label]
         for first in node.after:
             self.result(first)
+        if node.skip and not self.planning:  # nothing it reads is needed: a skipped stage it reads stays unread
+            self.log(f"[{node.label}] skipped: {node.skip}")
+            self.nodes.append(node)
+            self._results[node.label] = None
+            return None
         up = {key: self.result(use.node) for key, use in flat(node.upstream).items()}
         files = flat(node.inputs)
-        assert all(r is not None for r in up.values()), f"{node.label} reads a skipped stage"
+        assert node.skip or all(r is not None for r in up.values()), f"{node.label} reads a skipped stage"
         stage, labels = node.stage, tuple(sorted({n.label for n in node.upstream_nodes()}))
         result: StageResult | None
         if self.planning:
@@ -228,9 +234,6 @@ class Executor:
             status = "skipped" if node.skip else "cached" if result.cached else "compute"
             self.planned.append(PlannedStage(node.label, result.fingerprint, status, labels, stage.name))
             result = None if node.skip else result
-        elif node.skip:
-            self.log(f"[{node.label}] skipped: {node.skip}")
-            result = None
         else:
             paths: dict[str, Any] = dict(node.inputs)
             for name, value in node.upstream.items():

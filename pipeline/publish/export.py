@@ -24,8 +24,8 @@ import duckdb
 import pyarrow.parquet as pq
 
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.lake.store import Lake
 from moeheal.pipeline.lake.sqlrun import SQL_DIR
+from moeheal.pipeline.lake.store import Lake
 from moeheal.pipeline.publish.report import plot_files
 
 BUNDLE_TITLE = "# moeheal reviewer bundle"
@@ -54,6 +54,10 @@ TABLE_DOCS: dict[str, str] = {
                         "|activation| on the evaluation windows and whether it would overflow there.",
     "llama_check": "Per variant: llama.cpp's llama-perplexity on the unseen trace's documents, chunk by chunk "
                    "(empty where llama.cpp is not installed).",
+    "llama_kld": "Per variant and evaluation document: llama.cpp's mean KL(reference || variant) on the "
+                 "document's first chunk (empty where llama.cpp is not installed).",
+    "llama_kld_pairs": "Per compared pair and set: llama.cpp's KLD ratio b/a over documents with a document-"
+                       "bootstrap 95% CI, beside ours (empty where llama.cpp is not installed).",
 }
 
 _VARIANT = "variant name (see `variants`)"
@@ -271,6 +275,34 @@ COLUMN_DOCS: dict[str, dict[str, str]] = {
         "ctx": "tokens per chunk",
         "ppl": "llama-perplexity's running perplexity after the chunk",
         "finite": "true when finite (a non-finite one fails the run)",
+    },
+    "llama_kld": {
+        "variant": _VARIANT,
+        "doc_id": "document id (see `docs`)",
+        "set": "the document's role: eval or canary",
+        "stratum": _STRATUM,
+        "tokens": "document length in tokens (reference tokenizer)",
+        "scored": "tokens llama.cpp scored: the second half of the document's first chunk",
+        "kld": "llama.cpp's mean KL(reference || variant) over the scored tokens, nats",
+        "same_top1": "fraction of the scored tokens whose top-1 token is the reference's",
+    },
+    "llama_kld_pairs": {
+        "set": "the documents' and windows' set: eval or canary",
+        "a": "the variant compared against (MoCE bonus 0)",
+        "b": "the variant compared (MoCE bonus 0)",
+        "n_docs": "documents llama.cpp scored both variants on",
+        "llama_kld_a": "a's mean llama.cpp KLD over those documents",
+        "llama_kld_b": "b's mean llama.cpp KLD over those documents",
+        "llama_ratio": "llama_kld_b / llama_kld_a",
+        "llama_lo": "2.5% percentile of the ratio over document-bootstrap resamples (paired)",
+        "llama_hi": "97.5% percentile of the same",
+        "n_windows": "windows behind our ratio",
+        "kld_a": "a's pooled KLD by our evaluation (see `comparisons`)",
+        "kld_b": "b's pooled KLD by our evaluation",
+        "ours_ratio": "our pooled KLD ratio b/a: 1 + delta_pct / 100 of `comparisons`",
+        "ours_lo": "1 + ci_lo / 100: our window-bootstrap CI's lower end",
+        "ours_hi": "1 + ci_hi / 100: its upper end",
+        "disagree": "true when the two CIs are disjoint (NULL without a llama.cpp CI)",
     },
 }
 

@@ -46,7 +46,7 @@ Row = dict[str, Any]
 # The report's sections in order: each a query whose header declares what it shows.
 CONTENTS = ("report_docs", "report_window_sets", "report_comparisons", "pooled", "report_windows", "report_layers",
             "report_rank_check", "report_sizes", "report_budget_rank_check", "report_ridge", "report_hitrate",
-            "report_e2e", "report_llama_numerics")
+            "report_e2e", "report_llama_numerics", "report_llama_kld")
 # Read for the variant order and the unhealed baseline every section sorts and compares by.
 CONTEXT_QUERY = "report_variants"
 # Section 2 shows sql/pooled.sql, the comparisons stage's own query (part of that stage's code identity), not
@@ -265,9 +265,31 @@ def change_cell(prefix: str, point: str, lo: str, hi: str, unit: str, row: Row) 
     return fmt_ci(row[prefix + point], row[prefix + lo], row[prefix + hi], unit) + mark
 
 
+def llama_ratio_cell(row: Row) -> str:
+    """llama.cpp's ratio b/a with its document-bootstrap CI (none with one document)."""
+    if row["llama_ratio"] is None:
+        return DASH
+    ci = "" if row["llama_lo"] is None else f" ({row['llama_lo']:.3f}, {row['llama_hi']:.3f})"
+    return f"{row['llama_ratio']:.3f}{ci}"
+
+
+def ours_zero_width(row: Row) -> bool:
+    """True when our CI of the pair is a single point (every stratum of the set has one window)."""
+    return row["ours_lo"] is not None and row["ours_lo"] == row["ours_hi"]
+
+
+def llama_agree_cell(row: Row) -> str:
+    """Whether llama.cpp's CI and ours overlap; marked where ours has zero width."""
+    if row["disagree"] is None:
+        return DASH
+    return ("**disjoint**" if row["disagree"] else "overlap") + (f" {ZERO_WIDTH}" if ours_zero_width(row) else "")
+
+
 CELLS: dict[str, Callable[[Row], str]] = {
     "comparison": comparison_cell,
     "comparison_moce": comparison_moce_cell,
+    "llama_ratio": llama_ratio_cell,
+    "llama_agree": llama_agree_cell,
     **{f"{prefix}{name}": partial(change_cell, prefix, *columns)
        for prefix in ("", "clean_")
        for name, columns in (("kld_change", ("delta_pct", "ci_lo", "ci_hi", "%")),
@@ -336,9 +358,30 @@ def llama_skipped(rows: list[Row]) -> list[str]:
             "holding bin/llama-perplexity)."]
 
 
+def llama_disagreement(rows: list[Row]) -> list[str]:
+    """How many pairs llama.cpp and we disagree on beyond both CIs, and which; or why there is no
+    llama.cpp figure. The zero-width mark's footnote where a pair carries it."""
+    if not any(r["llama_ran"] for r in rows):
+        return ["llama.cpp's KLD: skipped (the llama-check stage did not run: llama.cpp is not installed, set "
+                "LLAMA_CPP_DIR to a build folder holding bin/llama-perplexity, or there is no unseen trace)."]
+    checked = [r for r in rows if r["disagree"] is not None]
+    if not checked:
+        return ["llama.cpp's KLD: no pair has a CI (no set has 2 documents long enough for a chunk)."]
+    apart = [r for r in checked if r["disagree"]]
+    note = [ZERO_WIDTH_NOTE] if any(map(ours_zero_width, checked)) else []
+    if not apart:
+        return [f"llama.cpp and ours agree within their CIs on all {len(checked)} pairs (every pair's two "
+                "intervals overlap).", *note]
+    names = ", ".join(f"{r['a']} \u2192 {r['b']} ({set_label(r['set'])}"
+                      f"{', ' + ZERO_WIDTH if ours_zero_width(r) else ''})" for r in apart)
+    return [f"llama.cpp and ours DISAGREE beyond their CIs on {len(apart)} of {len(checked)} pairs (the two "
+            f"intervals are disjoint): {names}.", *note]
+
+
 TEXTS: dict[str, Callable[[list[Row]], list[str]]] = {
     "strata_windows": strata_windows, "ci_marks": ci_marks, "rank_agreement": rank_agreement,
     "set_disagreement": set_disagreement, "budget_check": budget_check, "llama_skipped": llama_skipped,
+    "llama_disagreement": llama_disagreement,
 }
 
 

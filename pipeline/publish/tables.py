@@ -29,7 +29,7 @@ from moeheal.pipeline.lake.fingerprint import content_digest
 from moeheal.pipeline.lake.store import Publication, StageResult, read_sources
 from moeheal.pipeline.model import roles
 from moeheal.pipeline.model.numerics import overflow_message
-from moeheal.pipeline.stages import e2e, llama_check, quantize
+from moeheal.pipeline.stages import e2e, llama_check, llama_pairs, quantize
 
 if TYPE_CHECKING:
     from moeheal.pipeline.heal import HealRun
@@ -213,8 +213,12 @@ def table_declarations(run: HealRun) -> dict[str, Published]:
             run, evaluated, [model_path(run, v, m) for v, m in zip(evaluated, r[:n_models])], r[n_models:])),
         "llama_check": Published(lambda: [run.llama_check(v) for v in evaluated], lambda results: pa.concat_tables(
             [read_parts(r, "llama_check") for r in results] or [llama_check.SCHEMA.empty_table()])),
+        "llama_kld": Published(lambda: [run.llama_check(v) for v in evaluated], lambda results: pa.concat_tables(
+            [read_parts(r, "llama_kld") for r in results] or [llama_check.KLD_SCHEMA.empty_table()])),
         "window_kld": Published(lambda: [run.comparisons()], one("window_kld")),
         "comparisons": Published(lambda: [run.comparisons()], one("comparisons")),
+        "llama_kld_pairs": Published(lambda: [run.llama_pairs()], lambda results: pa.concat_tables(
+            [read_parts(r, "llama_kld_pairs") for r in results] or [llama_pairs.SCHEMA.empty_table()])),
     }
     if budgets:
         declared["sensitivity"] = Published(sensitivities, sensitivity_table)

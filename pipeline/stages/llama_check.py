@@ -10,9 +10,18 @@ raises an input error naming the variant and its file as soon as a chunk's
 perplexity is not finite: nothing is published then. Its output,
 `llama_check.parquet`, holds the running perplexity after each chunk.
 
+Then llama.cpp's KLD per evaluation document (`pipeline/model/llama_kld.py`):
+one `llama-perplexity --kl-divergence --chunks 1` run per document against the
+reference's logits on it, which the llama-reference stage (`reference`) wrote
+once for every variant. `llama_kld.parquet`: per document (in doc id order)
+its set, stratum and tokens, the tokens llama.cpp scored, the mean KLD over
+them and the share of them whose top-1 token is the reference's; a non-finite
+KLD is an input error like a non-finite perplexity.
+
 Cached like any stage: the fingerprint covers the GGUF (its assembly's
-fingerprint, or an outside file's digest), the text's inputs and the
-`llama-perplexity` binary's digest (an input), so rebuilding llama.cpp checks again.
+fingerprint, or an outside file's digest), the text's inputs, the
+llama-reference output's fingerprint and the `llama-perplexity` binary's
+digest (an input), so rebuilding llama.cpp checks again.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from moeheal.pipeline.data.documents import read_documents
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.lake.files import read_part, write_parquet
 from moeheal.pipeline.lake.stage import Log, Stage
+from moeheal.pipeline.model.llama_kld import score_documents, scored_tokens
 
 CTX = 512  # tokens per chunk (llama-perplexity -c), at most; fewer when the text is short
 CHUNKS = 4  # chunks scored
@@ -42,6 +52,9 @@ FINAL = re.compile(r"Final estimate: PPL = " + NUMBER, re.IGNORECASE)
 SCORING = re.compile(r"calculating perplexity over (\d+) chunks")
 SCHEMA = pa.schema([("variant", pa.string()), ("gguf", pa.string()), ("chunk", pa.int32()),
                     ("ctx", pa.int32()), ("ppl", pa.float64()), ("finite", pa.bool_())])
+KLD_SCHEMA = pa.schema([("variant", pa.string()), ("doc_id", pa.string()), ("set", pa.string()),
+                        ("stratum", pa.string()), ("tokens", pa.int32()), ("scored", pa.int32()),
+                        ("kld", pa.float64()), ("same_top1", pa.float64())])
 
 
 def perplexity_binary() -> Path | None:
@@ -112,18 +125,35 @@ def run_perplexity(binary: Path, gguf: Path, text: Path, ctx: int, chunks: int,
 
 @dataclass(frozen=True)
 class LlamaCheckParams:
-    """The variant (names the rows and the error), how many chunks are scored and on how many threads.
-    The `llama-perplexity` binary is an input: its digest is in the fingerprint."""
+    """The variant (names the rows and the error), how many chunks are scored and on how many threads
+    (the KLD's runs: how many at once, one thread each). The `llama-perplexity` binary is an input: its
+    digest is in the fingerprint."""
 
     variant: str
     chunks: int = CHUNKS
     threads: int = THREADS
 
 
+def document_klds(binary: Path, variant: str, gguf: Path, reference: Path, threads: int) -> pa.Table:
+    """The `llama_kld.parquet` rows of one GGUF: its KLD on every document of the llama-reference output
+    (`reference`), `threads` runs at a time; an input error on a non-finite one."""
+    documents = read_part(reference / "documents.parquet", ()).to_pylist()
+    ctx = documents[0]["ctx"] if documents else 0  # the reference's chunk length, every document's
+    found = score_documents(binary, gguf, [reference / d["base"] for d in documents], ctx, threads)
+    bad = next(((d, k) for d, (k, _) in zip(documents, found) if not finite(k)), None)
+    if bad is not None:
+        raise InputError(f"variant {variant}: {gguf}: llama.cpp's KL divergence from the reference is {bad[1]} on "
+                         f"document {bad[0]['doc_id']}: the file gives non-finite logits in llama.cpp")
+    return pa.Table.from_pylist([{"variant": variant, "doc_id": d["doc_id"], "set": d["set"], "stratum": d["stratum"],
+                                  "tokens": d["tokens"], "scored": scored_tokens(ctx), "kld": k, "same_top1": t}
+                                 for d, (k, t) in zip(documents, found)], schema=KLD_SCHEMA)
+
+
 def build_llama_check(out: Path, params: LlamaCheckParams, *, model: Path, docs: Path, traces: Path, corpus: Path,
-                      llama_perplexity: Path | None = None, log: Log) -> None:
+                      reference: Path, llama_perplexity: Path | None = None, log: Log) -> None:
     """`llama_check.parquet` for one variant's GGUF (`model`), over the text of the documents (`docs`)
-    the unseen trace (`traces`, `corpus`) drew from; an input error when a chunk is not finite."""
+    the unseen trace (`traces`, `corpus`) drew from, an input error when a chunk is not finite; then
+    `llama_kld.parquet`, its KLD per document of the llama-reference output (`reference`)."""
     assert llama_perplexity is not None, "without llama.cpp the node is skipped, never built"
     out.mkdir(parents=True, exist_ok=True)
     variant, gguf = params.variant, model
@@ -143,6 +173,10 @@ def build_llama_check(out: Path, params: LlamaCheckParams, *, model: Path, docs:
     write_parquet(out / "llama_check.parquet", pa.Table.from_pylist(
         [{"variant": variant, "gguf": str(gguf), "chunk": i, "ctx": ctx, "ppl": v, "finite": True}
          for i, v in values], schema=SCHEMA))
+    klds = document_klds(llama_perplexity, variant, gguf, reference, params.threads)
+    if klds.num_rows:
+        log(f"[llama-check:{variant}] KLD on {klds.num_rows} documents: mean {pc.mean(klds.column('kld')).as_py():.4g}")
+    write_parquet(out / "llama_kld.parquet", klds)
 
 
-STAGE = Stage("llama-check", "parts", build_llama_check, outputs=("llama_check.parquet",))
+STAGE = Stage("llama-check", "parts", build_llama_check, outputs=("llama_check.parquet", "llama_kld.parquet"))
