@@ -4,7 +4,7 @@
   ``dequantize``) over the layouts in ``formats``, ``kquants``, ``iquants``;
 - writing them: ``encode`` (``quantize``, ``quantize_experts``, the registry
   of encoders) over the searches in ``formats_encode``, ``kquants_encode``,
-  ``iquants_encode``, GPTQ in ``gptq``, learned rounding in ``learned``;
+  ``iquants_encode``, ``iq1m_encode``, GPTQ in ``gptq``, learned rounding in ``learned``;
 - routing (``routing``), cache-aware routing (``moce``), and the statistics
   the stages fit (``importance``, ``alpha``, ``ridge``, ``allocate``, ``kld``,
   ``ngram``, ``narrow``, ``e2e``), and the optimiser both learners use (``adam``).

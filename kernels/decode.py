@@ -17,11 +17,11 @@ from gguf import GGMLQuantizationType
 
 from moeheal.kernels.chunks import ACCELERATOR_CHUNK_WEIGHTS, CHUNK_WEIGHTS, map_chunks, on_accelerator
 from moeheal.kernels.formats import IQ4_NL, Q8_0, TQ2_0, BlockFormat
-from moeheal.kernels.iquants import IQ2_S, IQ2_XS, IQ2_XXS, IQ3_XXS
+from moeheal.kernels.iquants import IQ1_M, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_XXS
 from moeheal.kernels.kquants import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 
 DECODERS: tuple[type[BlockFormat], ...] = (TQ2_0, IQ4_NL, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
-                                           IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS)
+                                           IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ1_M)
 FORMATS: dict[str, type[BlockFormat]] = {cls.name: cls for cls in DECODERS}
 FORMATS_BY_TYPE: dict[GGMLQuantizationType, type[BlockFormat]] = {cls.ggml_type: cls for cls in DECODERS}
 

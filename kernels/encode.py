@@ -34,13 +34,14 @@ from moeheal.kernels.chunks import ACCELERATOR_CHUNK_WEIGHTS, CHUNK_WEIGHTS, map
 from moeheal.kernels.decode import format_of
 from moeheal.kernels.formats_encode import Encoder, IQ4_NLEncoder, Q8_0Encoder, TQ2_0Encoder
 from moeheal.kernels.gptq import CPU_SCHEDULE, GptqSchedule, factor_is_finite, gptq_factor, gptq_round
+from moeheal.kernels.iq1m_encode import IQ1_MEncoder
 from moeheal.kernels.iquants_encode import IQ2_SEncoder, IQ2_XSEncoder, IQ2_XXSEncoder, IQ3_XXSEncoder
 from moeheal.kernels.kquants_encode import Q2_KEncoder, Q3_KEncoder, Q4_KEncoder, Q5_KEncoder, Q6_KEncoder
 
 # Every format's encoder, by name: the same names as ``decode.FORMATS``, each a subclass of its decoder.
 ENCODERS: dict[str, type[Encoder]] = {cls.name: cls for cls in (
     TQ2_0Encoder, IQ4_NLEncoder, Q8_0Encoder, Q2_KEncoder, Q3_KEncoder, Q4_KEncoder, Q5_KEncoder, Q6_KEncoder,
-    IQ2_XXSEncoder, IQ2_XSEncoder, IQ2_SEncoder, IQ3_XXSEncoder)}
+    IQ2_XXSEncoder, IQ2_XSEncoder, IQ2_SEncoder, IQ3_XXSEncoder, IQ1_MEncoder)}
 
 
 def encoder_of(fmt: str | GGMLQuantizationType) -> type[Encoder]:

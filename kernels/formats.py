@@ -65,6 +65,9 @@ class BlockFormat:
     ``scale_offsets`` are the byte offsets in a block of the fp16 super-block
     scales that a global factor multiplies (the scale d; for formats with a min
     also dmin, so that every dequantized value is multiplied by the factor).
+    ``fp16_scale_bits`` / ``with_fp16_scale_bits`` read and write those scales;
+    a format that spreads its fp16 scale over other fields (iq1_m) leaves
+    ``scale_offsets`` empty and overrides the two.
 
     ``unpack`` splits blocks into their parts (fp16 scales, integer scale codes,
     weight codes, as float or integer arrays), ``pack`` writes them back, and
@@ -119,6 +122,22 @@ class BlockFormat:
         return cls.dequantize_parts(cls.unpack(blocks))
 
     @classmethod
+    def fp16_scale_bits(cls, blocks: np.ndarray) -> np.ndarray:
+        """The stored fp16 super-block scales of (n, type_size) uint8 blocks, as bits: (n, S) uint16."""
+        blocks = np.asarray(blocks, np.uint8)
+        return np.stack([np.ascontiguousarray(blocks[:, off:off + 2]).view("<u2")[:, 0] for off in cls.scale_offsets],
+                        axis=1).astype(np.uint16) if cls.scale_offsets else np.zeros((blocks.shape[0], 0), np.uint16)
+
+    @classmethod
+    def with_fp16_scale_bits(cls, blocks: np.ndarray, bits: np.ndarray) -> np.ndarray:
+        """A copy of (n, type_size) uint8 blocks with the fp16 scales ``bits`` (n, S) uint16 stored."""
+        out = np.array(blocks, np.uint8)
+        bits = np.asarray(bits, np.uint16)
+        for j, off in enumerate(cls.scale_offsets):
+            out[:, off:off + 2] = bits[:, j:j + 1].astype("<u2").view(np.uint8)
+        return out
+
+    @classmethod
     def scale_scales(cls, raw: np.ndarray, factor: float) -> np.ndarray:
         """ggml bytes with every super-block scale multiplied by ``factor``.
 
@@ -134,9 +153,10 @@ class BlockFormat:
         raw = np.asarray(raw)
         if raw.dtype != np.uint8 or raw.size % cls.type_size != 0:
             raise ValueError(f"{cls.name}: {raw.size} {raw.dtype} values are not whole {cls.type_size}-byte blocks")
-        blocks = raw.reshape(-1, cls.type_size).copy()  # (n, type_size)
-        for off in cls.scale_offsets:
-            old = blocks[:, off:off + 2].view(np.float16)[:, 0].astype(np.float32)  # (n,)
+        blocks = raw.reshape(-1, cls.type_size)  # (n, type_size)
+        scales = cls.fp16_scale_bits(blocks).view(np.float16)  # (n, S)
+        for j in range(scales.shape[1]):
+            old = scales[:, j].astype(np.float32)  # (n,)
             with np.errstate(over="ignore", invalid="ignore"):
                 new = (old * np.float32(factor)).astype(np.float16)  # (n,)
             bad = ~np.isfinite(new)  # (n,)
@@ -149,8 +169,8 @@ class BlockFormat:
                 i = int(np.argmax(lost))
                 raise ValueError(f"{cls.name}: scale {old[i]!r} of block {i} times {factor!r} underflows fp16 to zero "
                                  f"({np.count_nonzero(lost)} blocks)")
-            blocks[:, off:off + 2] = new[:, None].view(np.uint8)
-        return blocks.reshape(raw.shape)
+            scales[:, j] = new
+        return cls.with_fp16_scale_bits(blocks, scales.view(np.uint16)).reshape(raw.shape)
 
 
 class GridFormat(BlockFormat):

@@ -1,5 +1,5 @@
 """ggml codebook i-quants, the reading half: the block layouts and values of iq2_xxs, iq2_xs,
-iq2_s, iq3_xxs.
+iq2_s, iq3_xxs and iq1_m.
 
 An i-quant super-block holds 256 weights and one fp16 scale d. Its weights
 come in groups (8, or 4 for iq3_xxs) whose magnitudes are one point of a
@@ -10,8 +10,15 @@ l. A weight's value is
     (d * (0.5 + l) * unit) * grid[point][i] * sign,   unit = 1/4 (1/2 for iq3_xxs)
 
 iq2_xxs, iq2_xs and iq3_xxs store 7 sign bits per 8 weights; the eighth makes
-the count of negatives even (gguf-py's ``ksigns``). iq2_s stores all 8. How
-the points, signs and scales are chosen is ``iquants_encode.py``.
+the count of negatives even (gguf-py's ``ksigns``). iq2_s stores all 8.
+
+iq1_m stores no signs: a group of 8 takes one of 2048 points of {-1, 0, 1}^8
+(gguf-py's iq1s grid) shifted by a stored delta of +-1/8, so its grid here
+is the 4096 shifted points (``grid_values``); its sub-blocks of 16 carry a
+3-bit code l with the scale d * (2 l + 1), i.e. unit 2, and its fp16 d is
+spread over the top nibbles of the four 16-bit words of sub-block codes
+(``fp16_scale_bits``). How the points, signs and scales are chosen is
+``iquants_encode.py`` (iq1_m's: ``iq1m_encode.py``).
 """
 
 from __future__ import annotations
@@ -98,7 +105,8 @@ class IQuant(BlockFormat):
     A subclass names its gguf-py class (``quant``, whose grid it uses), the
     weights per grid point (``group``) and per scale code (``sub_block``),
     the ``unit`` of the scale codes, whether the signs have even parity, and
-    ``pack`` / ``unpack``.
+    ``pack`` / ``unpack``. A format whose grid carries the signs (iq1_m) sets
+    ``signed`` False: its ``neg`` part is all False.
     """
 
     llama_activation = "q8_k"
@@ -108,11 +116,18 @@ class IQuant(BlockFormat):
     group: ClassVar[int]
     unit: ClassVar[float]
     parity: ClassVar[bool]
+    signed: ClassVar[bool] = True  # a sign per weight is stored beside the grid point
+    scale_levels: ClassVar[int] = 16  # sub-block scale codes l in [0, scale_levels)
+
+    @classmethod
+    def grid_values(cls) -> np.ndarray:
+        """(K, group) float32 grid values, as NumPy (what ``grid`` puts on the device)."""
+        return gguf_grid(cls.quant)
 
     @classmethod
     def grid(cls) -> jax.Array:
         """(K, group) float32 grid values."""
-        return jnp.asarray(gguf_grid(cls.quant))
+        return jnp.asarray(cls.grid_values())
 
     @classmethod
     def pack(cls, d: jax.Array, l: jax.Array, idx: jax.Array, neg: jax.Array) -> jax.Array:
@@ -230,3 +245,75 @@ class IQ3_XXS(IQuant, ggml_type=GGMLQuantizationType.IQ3_XXS):
     def unpack(cls, blocks):
         l, neg = _word_scales_signs(_bytes_u32(blocks[:, 66:98]))  # (n, J), (n, 256)
         return bytes_to_fp16(blocks[:, :2]), l, blocks[:, 2:66].astype(jnp.int32), neg
+
+
+IQ1M_DELTA = 0.125  # ggml's IQ1M_DELTA (= IQ1S_DELTA, gguf-py's IQ1_M.delta)
+IQ1M_GRID_POINTS = 2048  # points of the unshifted {-1, 0, 1}^8 grid; index + 2048 is the point shifted by -delta
+
+
+class IQ1_M(IQuant, ggml_type=GGMLQuantizationType.IQ1_M):
+    """ggml IQ1_M: qs[32] (low 8 bits of the 11-bit points), qh[16] (per 16 weights two nibbles: the
+    point's 3 high bits, then the delta's sign), scales[8] (four u16: 4 x 3-bit l, then a nibble of fp16 d).
+
+    A group's value is d * (2 l + 1) * (grid[point] +- 1/8): ``grid_values`` lists the 2048 points
+    shifted by +1/8, then by -1/8, so the point index here is the stored one plus 2048 where the delta
+    bit is set, and the value is d * (0.5 + l) * 2 * grid[index] (exactly gguf-py's float32 products:
+    doubling is exact). No sign bits: ``neg`` is all False.
+    """
+
+    quant = gguf.quants.IQ1_M
+    group = 8
+    sub_block = 16
+    unit = 2.0
+    parity = False
+    signed = False
+    scale_levels = 8
+    scale_offsets = ()  # d is not stored in two whole bytes: ``fp16_scale_bits``
+
+    @classmethod
+    def grid_values(cls) -> np.ndarray:
+        base = gguf_grid(cls.quant)  # (2048, 8) in {-1, 0, 1}
+        return np.concatenate([base + np.float32(IQ1M_DELTA), base - np.float32(IQ1M_DELTA)])  # (4096, 8), exact
+
+    @classmethod
+    def pack(cls, d, l, idx, neg):
+        """``neg`` is not stored (the grid carries the signs) and must be all False."""
+        n = idx.shape[0]
+        idx = idx.astype(jnp.uint32)  # (n, 32)
+        point, shift = idx % IQ1M_GRID_POINTS, idx // IQ1M_GRID_POINTS  # (n, 32) x2
+        nib = ((point >> 8) | (shift << 3)).reshape(n, 16, 2)  # (n, 16, 2)
+        qh = (nib[..., 0] | (nib[..., 1] << 4)).astype(jnp.uint8)  # (n, 16)
+        words = jnp.sum(l.astype(jnp.uint32).reshape(n, 4, 4) << jnp.array([0, 3, 6, 9], jnp.uint32), axis=-1,
+                        dtype=jnp.uint32)  # (n, 4): disjoint bits, sum == or
+        bits = jax.lax.bitcast_convert_type(d.reshape(n).astype(jnp.float16), jnp.uint16).astype(jnp.uint32)  # (n,)
+        words = words | (((bits[:, None] >> jnp.array([0, 4, 8, 12], jnp.uint32)) & 0xF) << 12)  # (n, 4)
+        sc = jnp.stack([words & 0xFF, words >> 8], axis=-1).astype(jnp.uint8).reshape(n, 8)  # (n, 8)
+        return jnp.concatenate([(point & 0xFF).astype(jnp.uint8), qh, sc], axis=-1)  # (n, 56)
+
+    @classmethod
+    def unpack(cls, blocks):
+        n = blocks.shape[0]
+        qh = blocks[:, 32:48, None].astype(jnp.int32) >> jnp.array([0, 4], jnp.int32)  # (n, 16, 2)
+        qh = qh.reshape(n, 32)  # (n, 32): the nibble of each group
+        idx = blocks[:, :32].astype(jnp.int32) | ((qh & 7) << 8) | (((qh >> 3) & 1) * IQ1M_GRID_POINTS)  # (n, 32)
+        words = blocks[:, 48:56].reshape(n, 4, 2).astype(jnp.uint32)  # (n, 4, 2)
+        words = words[..., 0] | (words[..., 1] << 8)  # (n, 4)
+        l = (words[..., None] >> jnp.array([0, 3, 6, 9], jnp.uint32)) & 7  # (n, 4, 4)
+        bits = jnp.sum((words >> 12) << jnp.array([0, 4, 8, 12], jnp.uint32), axis=-1, dtype=jnp.uint32)  # (n,)
+        d = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)[:, None]  # (n, 1)
+        return d, l.reshape(n, 16).astype(jnp.float32), idx, jnp.zeros((n, QK_K), bool)
+
+    @classmethod
+    def fp16_scale_bits(cls, blocks: np.ndarray) -> np.ndarray:
+        words = np.ascontiguousarray(np.asarray(blocks, np.uint8)[:, 48:56]).view("<u2")  # (n, 4)
+        bits = (words[:, 0] >> 12) | ((words[:, 1] >> 8) & 0xF0) | ((words[:, 2] >> 4) & 0xF00) | (words[:, 3] & 0xF000)
+        return bits.astype(np.uint16)[:, None]  # (n, 1)
+
+    @classmethod
+    def with_fp16_scale_bits(cls, blocks: np.ndarray, bits: np.ndarray) -> np.ndarray:
+        out = np.array(blocks, np.uint8)  # (n, 56), a copy
+        words = np.ascontiguousarray(out[:, 48:56]).view("<u2") & np.uint16(0x0FFF)  # (n, 4): the codes kept
+        b = np.asarray(bits, np.uint16).reshape(-1, 1)  # (n, 1)
+        words |= ((b >> np.array([0, 4, 8, 12], np.uint16)) & np.uint16(0xF)) << np.uint16(12)
+        out[:, 48:56] = words.astype("<u2").view(np.uint8)
+        return out

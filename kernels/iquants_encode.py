@@ -1,5 +1,5 @@
 """ggml codebook i-quants, the writing half: how iq2_xxs, iq2_xs, iq2_s, iq3_xxs blocks are chosen
-(the layouts are ``iquants.py``'s).
+(the layouts are ``iquants.py``'s; iq1_m's search is ggml's own, ``iq1m_encode.py``).
 
 The layout: per group of 8 (iq3_xxs: 4) weights a point of
 gguf-py's grid of magnitudes and the signs, per sub-block a 4-bit scale code l,
@@ -250,7 +250,8 @@ class IQuantEncoder(Encoder, IQuant):
                          upper: jax.Array) -> tuple[jax.Array, jax.Array]:
         """One sign group (n, 8): signs from the weights, the parity's flip on the weight with the least
         P_ii x_i^2 (ggml's rule under P = U^-1 U^-T), then each grid group's point minimising
-        ``|| e U_t^-1 ||^2`` over the whole grid, its error fed to the rest of the sign group.
+        ``|| e U_t^-1 ||^2`` over the whole grid, its error fed to the rest of the sign group. A grid
+        that carries the signs (not ``signed``: iq1_m) takes every sign +.
 
         Codes (n, 8): grid index << 1 | negative, per column.
         """
@@ -259,7 +260,7 @@ class IQuantEncoder(Encoder, IQuant):
         grid = cls.grid()  # (K, g)
         outer = (grid[:, :, None] * grid[:, None, :]).reshape(grid.shape[0], g * g)  # (K, g*g)
         inv_u = jax.scipy.linalg.solve_triangular(upper, jnp.eye(8, dtype=upper.dtype))  # (8, 8) upper
-        neg = cols < 0  # (n, 8)
+        neg = (cols < 0) & cls.signed  # (n, 8)
         if cls.parity:
             cost = jnp.sum(inv_u * inv_u, axis=1) * cols * cols  # (n, 8): P_ii x_i^2
             odd = jnp.sum(neg, axis=-1) % 2 == 1  # (n,)

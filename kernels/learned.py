@@ -19,7 +19,7 @@ each part is made continuous (``Relaxation``, one per format family):
 - every stored fp16 scale (``fp16_parts``: d, dmin) is the stored value times
   (1 + m), m learned in [-SCALE_RANGE, SCALE_RANGE], rounded to fp16;
 - every integer code (k-quant and q8_0 weight codes, the k-quants' 4/6-bit
-  sub-block scale and min codes, the i-quants' 4-bit sub-block scale codes,
+  sub-block scale and min codes, the i-quants' 4-bit (iq1_m: 3-bit) sub-block scale codes,
   the grid formats' level indices) is the stored code plus a learned offset
   V in [-CODE_RANGE, CODE_RANGE], rounded to the nearest integer in the
   format's range;
@@ -28,7 +28,9 @@ each part is made continuous (``Relaxation``, one per format family):
   and the group takes the grid point nearest to its target among the
   ``NEIGHBOURS`` grid points nearest to the stored one (the straight-through
   re-assignment); the signs stay as stored (a sign flip would move the
-  parity bit of another weight).
+  parity bit of another weight). iq1_m's grid carries the signs and the
+  delta: a neighbour may flip the group's delta, and a grid step is one
+  level of its {-1, 0, 1} lattice.
 
 The forward pass uses the rounded parts, decoded with the same float32
 products as gguf-py (``dequantize_parts``, or the family's own formula where
@@ -51,6 +53,7 @@ Every function here is a pure function of arrays: no files, no config.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, Callable, ClassVar
 
 import jax
@@ -208,8 +211,17 @@ class GridRelaxation(Relaxation):
 
 def grid_neighbours(grid: np.ndarray, count: int) -> np.ndarray:
     """(K, count) indices of each grid point's nearest grid points, itself first."""
-    dist = np.sum((grid[:, None, :] - grid[None, :, :]) ** 2, axis=-1)  # (K, K)
+    g = np.asarray(grid, np.float64)  # the grids' values are multiples of 1/8: these sums are exact
+    sq = np.sum(g * g, axis=1)  # (K,)
+    dist = sq[:, None] + sq[None, :] - 2 * (g @ g.T)  # (K, K), without a (K, K, g) difference array
     return np.argsort(dist, axis=1, kind="stable")[:, :count].astype(np.int32)  # (K, count)
+
+
+@cache
+def format_neighbours(cls: type[IQuant]) -> np.ndarray:
+    """``grid_neighbours`` of a codebook format's grid, computed once per format."""
+    grid = cls.grid_values()  # (K, g)
+    return grid_neighbours(grid, min(NEIGHBOURS, grid.shape[0]))
 
 
 def grid_step(grid: np.ndarray) -> float:
@@ -224,8 +236,7 @@ class CodebookRelaxation(Relaxation):
 
     def const(self, blocks):
         d, l, idx, neg = self.cls.unpack(blocks)
-        grid = gguf_grid(self.cls.quant)  # (K, g)
-        nbrs = jnp.asarray(grid_neighbours(grid, min(NEIGHBOURS, grid.shape[0])))[idx]  # (n, G, N)
+        nbrs = jnp.asarray(format_neighbours(self.cls))[idx]  # (n, G, N)
         return {"d": d, "l": l, "idx": idx, "neg": neg, "nbrs": nbrs}
 
     def init(self, const):
@@ -243,14 +254,14 @@ class CodebookRelaxation(Relaxation):
         cls = self.cls
         n = const["idx"].shape[0]
         grid = cls.grid()  # (K, g)
-        step = grid_step(gguf_grid(cls.quant))
+        step = grid_step(gguf_grid(cls.quant))  # the lattice's step (iq1_m: 1, not its delta's 1/4)
         target = grid[const["idx"]] + step * theta["mag"].reshape(n, -1, cls.group)  # (n, G, g)
         cand = grid[const["nbrs"]]  # (n, G, N, g)
         dist = jnp.sum((cand - target[:, :, None, :]) ** 2, axis=-1)  # (n, G, N)
         pick = jnp.argmin(dist, axis=-1)  # (n, G); the stored point first: ties keep it
         idx = jnp.take_along_axis(const["nbrs"], pick[..., None], axis=-1)[..., 0]  # (n, G)
         l_c = const["l"] + theta["l"]  # (n, J)
-        return ste(l_c, round_code(l_c, 0, 15)), idx, target
+        return ste(l_c, round_code(l_c, 0, cls.scale_levels - 1)), idx, target
 
     def parts(self, theta, const):
         l, idx, _ = self._choice(theta, const)
@@ -359,9 +370,14 @@ def _batch_layout(experts: np.ndarray, weights: np.ndarray, n_expert: int, rows:
 
 
 def _capacity(experts: np.ndarray, n_expert: int, batches: list[np.ndarray]) -> int:
-    """Largest count of one expert's pairs in any batch, rounded up to 8 (one compiled shape)."""
+    """Largest count of one expert's pairs in any batch, rounded up to the next 2^k or 1.5 x 2^k (at
+    least 8): one compiled shape per layer, and the same one for most layers of a model, so the
+    programs one layer compiled serve the next (at most a third more padded rows)."""
     most = max(int(np.bincount(experts[b].reshape(-1), minlength=n_expert).max()) for b in batches)
-    return max(8, -(-most // 8) * 8)
+    size = 8
+    while size < most:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size // 3 * 4  # 8, 12, 16, 24, 32, 48, ...
+    return size
 
 
 def _pack_batches(data: TokenSet, batches: list[np.ndarray], n_expert: int, capacity: int, batch: int
@@ -432,6 +448,39 @@ def relative_error(weights: dict[str, np.ndarray], data: TokenSet, batch_tokens:
     return float(total) / max(data.energy(), 1e-30)
 
 
+@cache
+def _programs(layout: tuple[tuple[str, str, tuple[int, ...]], ...], optimizer: str) -> tuple[Callable, Callable]:
+    """The jitted step and held-out error for a layer whose learned tensors are ``layout`` (name,
+    format, shape): built once per layout, so every layer of a model (alike in shapes) runs the
+    programs the first one compiled, instead of tracing and compiling its own (seconds per layer on a
+    GPU, more than the steps at a real shape). The stored parts, the bounds and the steps travel as
+    arguments: closed over, XLA would fold them into the program as constants."""
+    relax = {name: relaxation(fmt) for name, fmt, _ in layout}
+    shapes = {name: shape for name, _, shape in layout}
+
+    def weights(theta, consts, fixed):
+        return _weights(theta, consts, shapes, relax, fixed)
+
+    @jax.jit
+    def step(theta, moments, consts, fixed, b, lr, t, bounds, rates):
+        loss, grad = jax.value_and_grad(lambda th: layer_error(weights(th, consts, fixed), b))(theta)
+        if optimizer == "adam":
+            direction, m, v = adam_direction(moments[0], moments[1], grad, t, ADAM_B1, ADAM_B2, ADAM_EPS)
+            moments = (m, v)
+        else:
+            direction = jax.tree.map(jnp.sign, grad)
+        theta = jax.tree.map(lambda p, g, lim, rate: jnp.clip(p - rate * lr * g, -lim, lim),
+                             theta, direction, bounds, rates)
+        return theta, moments, loss
+
+    @jax.jit
+    def set_error(theta, consts, fixed, stacked):
+        w = weights(theta, consts, fixed)
+        return jax.lax.map(lambda b: layer_error(w, b), stacked).sum()
+
+    return step, set_error
+
+
 def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray], train: TokenSet,
                 heldout: TokenSet, settings: Settings, extra: dict[str, TokenSet] | None = None,
                 log: Callable[[str], None] | None = None, measure_extra: bool = False
@@ -475,27 +524,8 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
     norm = {name: max(s.energy(), 1e-30) for name, s in sets.items()}
     train_norm = max(train.energy() / len(train) * batch, 1e-30)  # a batch's expected energy
 
-    # the stored parts travel as arguments: closed over, XLA would fold them into the program as constants
-    def weights(theta, consts, fixed):
-        return _weights(theta, consts, shapes, relax, fixed)
-
-    @jax.jit
-    def step(theta, moments, consts, fixed, b, lr, t):
-        loss, grad = jax.value_and_grad(lambda th: layer_error(weights(th, consts, fixed), b))(theta)
-        if settings.optimizer == "adam":
-            direction, m, v = adam_direction(moments[0], moments[1], grad, t, ADAM_B1, ADAM_B2, ADAM_EPS)
-            moments = (m, v)
-        else:
-            direction = jax.tree.map(jnp.sign, grad)
-        theta = jax.tree.map(lambda p, g, lim, rate: jnp.clip(p - rate * lr * g, -lim, lim),
-                             theta, direction, bounds, rates)
-        return theta, moments, loss
-
-    @jax.jit
-    def set_error(theta, consts, fixed, stacked):
-        w = weights(theta, consts, fixed)
-        return jax.lax.map(lambda b: layer_error(w, b), stacked).sum()
-
+    step, set_error = _programs(tuple((name, t.fmt, tuple(t.shape)) for name, t in tensors.items()),
+                                settings.optimizer)
     def measure(theta, names) -> dict[str, float]:
         return {name: float(set_error(theta, consts, fixed_dev, eval_batches[name])) / norm[name] for name in names}
 
@@ -508,7 +538,8 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
     for i in range(settings.steps):
         decay = 1.0 - i / settings.steps
         b = {k: v[0] for k, v in _pack_batches(train, [order[i]], n_expert, capacity, batch).items()}
-        theta, moments, loss = step(theta, moments, consts, fixed_dev, b, jnp.float32(decay), jnp.float32(i + 1))
+        theta, moments, loss = step(theta, moments, consts, fixed_dev, b, jnp.float32(decay), jnp.float32(i + 1),
+                                    bounds, rates)
         rows.append({"step": i + 1, "split": "train", "loss": float(loss) / train_norm})
         if (i + 1) % settings.eval_every == 0 or i + 1 == settings.steps:
             now = measure(theta, sets if measure_extra else ["heldout"])

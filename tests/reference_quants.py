@@ -103,6 +103,160 @@ def ggml_iq4_nl(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
+IQ1M_KMAP_SIZE = 43692  # ggml's kmap_size: every 2-bit packed group of 8 levels
+
+
+def iq1m_tables(grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+    """ggml's ``iq2xs_init_impl`` for IQ1_M from the grid of values in {-1, 0, 1} (2048, 8): each point's
+    positions 2 L + 1 (L = value + 1), the map kmap[u] from the 2-bit packed levels u = sum_j L_j << 2j
+    to the point (-1 off the grid) and, per off-grid u with levels 0..2, its neighbours: the points at
+    the three smallest squared distances of positions, ordered by (distance, index)."""
+    levels = (np.asarray(grid) + 1).astype(np.int64)  # (2048, 8)
+    pos = 2 * levels + 1  # (2048, 8)
+    kmap = np.full(IQ1M_KMAP_SIZE, -1, np.int64)
+    kmap[np.sum(levels << (2 * np.arange(8)), axis=1)] = np.arange(levels.shape[0])
+    neighbours = {}
+    for u in np.flatnonzero(kmap < 0):
+        lu = (u >> (2 * np.arange(8))) & 3  # (8,)
+        if (lu == 3).any():
+            continue
+        d2 = np.sum((pos - (2 * lu + 1)) ** 2, axis=1)  # (2048,)
+        order = np.lexsort((np.arange(d2.size), d2))
+        shells = np.unique(d2)[:3]
+        neighbours[int(u)] = order[: np.count_nonzero(d2 <= shells[-1])]
+    return pos, kmap, neighbours
+
+
+def ggml_iq1_m(x: np.ndarray, qw: np.ndarray, grid: np.ndarray, tables=None) -> tuple[np.ndarray, dict]:
+    """ggml's ``quantize_row_iq1_m_impl`` (ggml-quants.c, with quant_weights) in float32 NumPy, one
+    vector operation per C statement, over all blocks at once: x, qw (n, 256) -> the bytes (n, 56) and
+    the intermediates {"scales": (n, 16) sub-block scales, "d": (n,) d before the fp16 rounding}.
+
+    NumPy rounds every product and sum to float32 on its own, as ggml's C (built without FMA
+    contraction) does; sums run in C's order; the sort is stable (glibc's qsort merge-sorts)."""
+    f32 = np.float32
+    x, qw = np.asarray(x, f32), np.asarray(qw, f32)
+    n = x.shape[0]
+    rows = np.arange(n)
+    pos, kmap, neighbours = tables if tables is not None else iq1m_tables(grid)
+    delta = f32(0.125)
+    x_p = np.array([f32(-1) + delta, delta, f32(1) + delta], f32)
+    x_m = np.array([f32(-1) - delta, -delta, f32(1) - delta], f32)
+    p2, m2 = x_p[2], x_m[2]
+    cp1, cp2 = x_p[0] * x_p[0] - x_p[1] * x_p[1], x_p[1] * x_p[1] - x_p[2] * x_p[2]
+    cm1, cm2 = x_m[0] * x_m[0] - x_m[1] * x_m[1], x_m[1] * x_m[1] - x_m[2] * x_m[2]
+    masks = np.array([0x00, 0x80, 0x08, 0x88], np.uint8)
+    flt_max = f32(np.finfo(f32).max)
+    qs, qh, sc = np.zeros((n, 32), np.uint8), np.zeros((n, 16), np.uint8), np.zeros((n, 4), np.uint16)
+
+    sumx2 = np.zeros(n, f32)
+    for i in range(256):
+        sumx2 = sumx2 + x[:, i] * x[:, i]
+    sigma2 = f32(2) * sumx2 / f32(256)  # (n,)
+    weight = qw * np.sqrt(sigma2[:, None] + x * x)  # (n, 256)
+    scales, shifts = np.zeros((n, 16), f32), np.zeros((n, 16), np.int64)
+    max_scale = np.zeros(n, f32)
+    for ib in range(16):
+        xb, wb = x[:, 16 * ib:16 * ib + 16], weight[:, 16 * ib:16 * ib + 16]  # (n, 16)
+        amax = np.max(np.abs(xb), axis=1)
+        order = np.argsort(xb, axis=1, kind="stable")
+        px, pw = np.zeros((n, 2, 17), f32), np.zeros((n, 2, 17), f32)
+        for j in range(16):
+            i = order[:, j]
+            h = (i >= 8).astype(np.int64)
+            px[:, :, j + 1], pw[:, :, j + 1] = px[:, :, j], pw[:, :, j]
+            px[rows, h, j + 1] = px[rows, h, j] + wb[rows, i] * xb[rows, i]
+            pw[rows, h, j + 1] = pw[rows, h, j] + wb[rows, i]
+        txs, tws = px[:, :, 16], pw[:, :, 16]  # (n, 2)
+        best, scale = np.full(n, -flt_max, f32), amax.copy()
+        b1, b2, bk = np.full(n, -1), np.full(n, -1), np.full(n, -1)
+        for i1 in range(17):
+            for i2 in range(i1, 17):
+                sx = px[:, :, i1] + px[:, :, i2]  # (n, 2)
+                qx_p, qx_m = txs * p2 - sx, txs * m2 - sx
+                q2_p = tws * p2 * p2 + pw[:, :, i1] * cp1 + pw[:, :, i2] * cp2
+                q2_m = tws * m2 * m2 + pw[:, :, i1] * cm1 + pw[:, :, i2] * cm2
+                sumqx = (qx_p[:, 0] + qx_p[:, 1], qx_p[:, 0] + qx_m[:, 1], qx_m[:, 0] + qx_p[:, 1],
+                         qx_m[:, 0] + qx_m[:, 1])
+                sumq2 = (q2_p[:, 0] + q2_p[:, 1], q2_p[:, 0] + q2_m[:, 1], q2_m[:, 0] + q2_p[:, 1],
+                         q2_m[:, 0] + q2_m[:, 1])
+                for k in range(4):
+                    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                        take = (sumq2[k] > 0) & (sumqx[k] * sumqx[k] > best * sumq2[k])
+                        s = sumqx[k] / sumq2[k]
+                        best = np.where(take, s * sumqx[k], best)
+                    scale = np.where(take, s, scale)
+                    b1, b2, bk = np.where(take, i1, b1), np.where(take, i2, b2), np.where(take, k, bk)
+        empty = (amax < f32(1e-7)) | (bk < 0)
+        L = np.zeros((n, 16), np.int64)
+        for j in range(16):
+            L[rows, order[:, j]] = np.where(j < b1, 0, np.where(j < b2, 1, 2))
+        flip = scale < 0
+        L = np.where(flip[:, None], 2 - L, L)
+        scale = np.where(flip, -scale, scale)
+        bk = np.where(flip, 3 - bk, bk)
+        index = np.zeros((n, 2), np.int64)
+        off_grid = np.zeros(n, bool)
+        for k in range(2):
+            minus = bk >= 2 if k == 0 else bk % 2 == 1  # (n,): the group's levels are x_m
+            u = np.sum(L[:, 8 * k:8 * k + 8] << (2 * np.arange(8)), axis=1)
+            index[:, k] = kmap[u]
+            for r in np.flatnonzero((kmap[u] < 0) & ~empty):
+                off_grid[r] = True
+                xx = x_m if minus[r] else x_p
+                cand = neighbours[int(u[r])]
+                d2 = np.zeros(cand.size, f32)
+                for i in range(8):
+                    q = xx[(pos[cand, i] - 1) // 2]
+                    diff = scale[r] * q - xb[r, 8 * k + i]
+                    d2 = d2 + wb[r, 8 * k + i] * diff * diff
+                index[r, k] = cand[np.argmin(np.where(d2 < flt_max, d2, np.inf))]  # the first least
+                L[r, 8 * k:8 * k + 8] = (pos[index[r, k]] - 1) // 2
+        sqx, sq2 = np.zeros(n, f32), np.zeros(n, f32)
+        for k in range(2):
+            xx = np.where(((bk >= 2) if k == 0 else (bk % 2 == 1))[:, None], x_m, x_p)  # (n, 3)
+            for j in range(8):
+                q = xx[rows, L[:, 8 * k + j]]
+                sqx = sqx + wb[:, 8 * k + j] * q * xb[:, 8 * k + j]
+                sq2 = sq2 + wb[:, 8 * k + j] * q * q
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = np.where(off_grid & (sqx > 0) & (sq2 > 0), sqx / sq2, scale)
+        scale = np.where(empty, f32(0), scale)
+        index = np.where(empty[:, None], 0, index)
+        qs[:, 2 * ib], qs[:, 2 * ib + 1] = index[:, 0] & 255, index[:, 1] & 255
+        qh[:, ib] = (index[:, 0] >> 8) | ((index[:, 1] >> 8) << 4)
+        scales[:, ib], shifts[:, ib] = scale, np.where(empty, 0, bk)
+        max_scale = np.where(max_scale > scale, max_scale, scale)
+
+    live = max_scale != 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d = max_scale / f32(15)
+        inv = f32(1) / d
+    sqx, sq2 = np.zeros(n, f32), np.zeros(n, f32)
+    for ib in range(16):
+        with np.errstate(invalid="ignore"):
+            fval = f32(0.5) * (inv * scales[:, ib] - f32(1))
+        val = np.where(live, fval, f32(0)) + f32(12582912)  # ggml's nearest_int
+        l = np.clip((val.view(np.int32) & 0x007FFFFF) - 0x00400000, 0, 7)
+        sc[:, ib // 4] |= np.where(live, l << (3 * (ib % 4)), 0).astype(np.uint16)
+        qh[:, ib] |= np.where(live, masks[shifts[:, ib]], 0).astype(np.uint8)
+        for k in range(2):
+            xx = np.where(((shifts[:, ib] >= 2) if k == 0 else (shifts[:, ib] % 2 == 1))[:, None], x_m, x_p)
+            point = qs[:, 2 * ib + k].astype(np.int64) + ((qh[:, ib].astype(np.int64) << (8 - 4 * k)) & 0x700)
+            for j in range(8):
+                q = xx[rows, (pos[point, j] - 1) // 2] * (2 * l + 1).astype(f32)
+                w = weight[:, 16 * ib + 8 * k + j]
+                sqx = sqx + w * q * x[:, 16 * ib + 8 * k + j]
+                sq2 = sq2 + w * q * q
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d = np.where(sq2 > 0, sqx / sq2, d)
+    bits = (d * f32(1.1125)).astype(np.float16).view(np.uint16)
+    for t in range(4):
+        sc[:, t] |= np.where(live, (bits >> (4 * t)) & 0xF, 0).astype(np.uint16) << 12
+    raw = np.concatenate([qs, qh, sc.astype("<u2").view(np.uint8).reshape(n, 8)], axis=1)
+    return raw, {"scales": scales, "d": np.where(live, d, f32(0))}
+
+
 def gptq(
     w: np.ndarray, hessian: np.ndarray, levels: np.ndarray, divisors: np.ndarray, block: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -206,7 +360,7 @@ def best_group_errors(x: np.ndarray, w: np.ndarray, scale: np.ndarray, grid: np.
 
 
 def gptq_codebook(w: np.ndarray, hessian: np.ndarray, importance: np.ndarray, block: int, sub: int,
-                  grid: np.ndarray, parity: bool, block_plan, sub_plan) -> np.ndarray:
+                  grid: np.ndarray, parity: bool, block_plan, sub_plan, signed: bool = True) -> np.ndarray:
     """Textbook (unblocked) GPTQ in float64 for codebook formats.
 
     Columns go in sign groups of 8: ``block_plan(W_block, importance_block)``
@@ -217,7 +371,8 @@ def gptq_codebook(w: np.ndarray, hessian: np.ndarray, importance: np.ndarray, bl
     group's block of H^-1. Then each grid group of the sign group takes the
     point minimising e P_t e^T over the whole grid (P_t the inverse of its
     block of the remaining H^-1, e against its error-updated weights), and
-    its columns' errors are fed forward one column at a time.
+    its columns' errors are fed forward one column at a time. Without ``signed`` (iq1_m) the grid
+    carries the signs: every sign is +.
     Returns the dequantized values (rows, cols)."""
     W = np.array(w, np.float64)
     H = np.asarray(hessian, np.float64)
@@ -234,7 +389,7 @@ def gptq_codebook(w: np.ndarray, hessian: np.ndarray, importance: np.ndarray, bl
         if i0 % sub == 0:
             scale = sub_plan(plan, W[:, i0:i0 + sub], imp[:, i0:i0 + sub])
         x = W[:, i0:i0 + 8]
-        sign = np.where(x < 0, -1.0, 1.0)  # (rows, 8)
+        sign = np.where((x < 0) & signed, -1.0, 1.0)  # (rows, 8)
         if parity:
             u8 = U[i0:i0 + 8, i0:i0 + 8]
             p_diag = np.diag(np.linalg.inv(u8.T @ u8))

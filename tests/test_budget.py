@@ -338,6 +338,49 @@ def test_a_budget_at_the_cheapest_format_takes_it_everywhere(budget_world):
         choose_recipe(table, AllocateParams(2.06, tuple(FORMATS), "routed"), "test")
 
 
+IQ1_FORMATS = ["iq1_m", "iq2_xxs", "iq2_xs", "iq2_s"]
+
+
+def test_a_budget_below_two_bits_validates_and_allocates_iq1_m(tmp_path):
+    """iq1_m (1.75 bits per weight) in a budget variant's formats: the config validates at 2.1 and 2.0
+    bits, refuses 1.7 (below iq1_m, now the cheapest); the allocation over each routed tensor's
+    measured relative error in the four formats (the world's experts quantized with each) stays within
+    the budget, and at 2.0 bits, below iq2_xxs's 2.0625, it must choose iq1_m for some tensors."""
+    import pyarrow as pa
+
+    from moeheal.pipeline.stages.allocate import AllocateParams, choose_recipe
+
+    budgets = (2.1, 2.0)
+    body = "".join(f'[[variant]]\nname = "b{i}"\nbudget_bpw = {b}\nformats = {IQ1_FORMATS}\n'
+                   for i, b in enumerate(budgets))
+    cfg = load_config(write_world(tmp_path / "w", variants=body))
+    assert [v.candidate_formats() for v in cfg.variants] == [tuple(IQ1_FORMATS)] * 2
+    with pytest.raises(InputError, match="infeasible: the cheapest of formats, iq1_m, takes 1.75"):
+        load_config(write_world(tmp_path / "low", variants=f'[[variant]]\nname = "b"\nbudget_bpw = 1.7\n'
+                                                            f'formats = {IQ1_FORMATS}\n'))
+    model = GGUFModel(cfg.source)
+    rows = []
+    for layer in range(model.hp.n_layer):
+        for role in EXPERT_TENSORS:
+            name = f"blk.{layer}.{role}.weight"
+            w = model.tensor(name)  # (E, rows, cols)
+            for fmt in IQ1_FORMATS:
+                raw = encode.quantize_experts(w, fmt)
+                err = float(np.sum((decode.dequantize(raw, fmt, w.shape) - w) ** 2, dtype=np.float64))
+                rows.append({"layer": layer, "role": role, "tensor": name, "format": fmt, "n_weights": w.size,
+                             "bytes": raw.size, "rel_err": err / float(np.sum(np.square(w, dtype=np.float64)))})
+    table = pa.Table.from_pylist(rows)
+    mean_err = {fmt: np.mean([r["rel_err"] for r in rows if r["format"] == fmt]) for fmt in IQ1_FORMATS}
+    assert mean_err["iq1_m"] > mean_err["iq2_xxs"] > mean_err["iq2_s"]  # fewer bits, more error
+    for variant, budget in zip(cfg.variants, budgets):
+        recipe, summary = choose_recipe(table, AllocateParams.of(variant), variant.name)
+        chosen = recipe.to_pylist()
+        bpw = 8 * sum(r["bytes"] for r in chosen) / sum(r["n_weights"] for r in chosen)
+        assert bpw == summary["bpw"] <= budget and summary["exact"]
+        if budget < decode.bits_per_weight("iq2_xxs"):
+            assert "iq1_m" in {r["format"] for r in chosen}
+
+
 # ---- the llama-quantize command -------------------------------------------------------------
 def recipe_argv(config: Path, name: str, capsys, *extra: str) -> list[str]:
     assert main(["recipe", "-c", str(config), "--variant", name, *extra]) == 0

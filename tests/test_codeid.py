@@ -28,7 +28,8 @@ CORPUS_CLOSURE = {
 }
 DECODERS = {"moeheal.kernels.decode", "moeheal.kernels.formats", "moeheal.kernels.kquants", "moeheal.kernels.iquants"}
 ENCODERS = {"moeheal.kernels.encode", "moeheal.kernels.formats_encode", "moeheal.kernels.kquants_encode",
-            "moeheal.kernels.iquants_encode", "moeheal.kernels.gptq", "moeheal.kernels.learned"}
+            "moeheal.kernels.iquants_encode", "moeheal.kernels.iq1m_encode", "moeheal.kernels.gptq",
+            "moeheal.kernels.learned"}
 
 
 @pytest.fixture(scope="module")

@@ -68,10 +68,12 @@ def test_dequantize_is_bit_identical_to_gguf_py(fmt: str) -> None:
     cls = ENCODERS[fmt]
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, (3072, cls.type_size), dtype=np.uint8)  # random codes and scales
-    for off in cls.scale_offsets:  # d (and dmin)
+    bits = cls.fp16_scale_bits(raw)  # (n, S): d (and dmin)
+    for j in range(bits.shape[1]):
         scales = (rng.standard_normal(1500) * 0.01).astype(np.float16)  # finite, both signs
-        raw[:1500, off:off + 2] = scales.view(np.uint8).reshape(-1, 2)
-        raw[1500:1500 + SPECIAL_FP16.size, off:off + 2] = SPECIAL_FP16.view(np.uint8).reshape(-1, 2)
+        bits[:1500, j] = scales.view(np.uint16)
+        bits[1500:1500 + SPECIAL_FP16.size, j] = SPECIAL_FP16
+    raw = cls.with_fp16_scale_bits(raw, bits)
     raw[-1] = 0  # an all-zero block
     shape = (3072 * cls.block_size // 1024, 1024)
     ours = dequantize(raw, fmt, shape)
@@ -121,17 +123,19 @@ def quantized(fmt: str) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("fmt", sorted(ENCODERS))
 def test_parts_round_trip_and_name_the_stored_scales(fmt: str) -> None:
-    """pack(unpack(b)) == b for quantizer-made blocks, and ``fp16_parts`` are the fp16 numbers at ``scale_offsets``:
-    what tunes parts and packs them (learned rounding, end-to-end tuning) writes the bytes it decoded."""
+    """pack(unpack(b)) == b for quantizer-made blocks, and ``fp16_parts`` are the stored fp16 numbers
+    (``fp16_scale_bits``): what tunes parts and packs them (learned rounding, end-to-end tuning) writes
+    the bytes it decoded."""
     cls = ENCODERS[fmt]
     _, raw = quantized(fmt)
     raw = raw.reshape(-1, cls.type_size)  # (n, type_size)
     parts = cls.unpack(raw)
     assert np.array_equal(np.asarray(cls.pack(*parts)), raw)
     assert np.array_equal(np.asarray(cls.dequantize_parts(parts)), np.asarray(cls.dequantize_blocks(raw)))
-    for index, off in zip(cls.fp16_parts, cls.scale_offsets):
-        stored = raw[:, off:off + 2].copy().view(np.float16).astype(np.float32)  # (n, 1)
-        assert np.array_equal(np.asarray(parts[index]).reshape(-1, 1), stored)
+    stored = cls.fp16_scale_bits(raw).view(np.float16).astype(np.float32)  # (n, S)
+    assert stored.shape[1] >= 1
+    for index, column in zip(cls.fp16_parts, stored.T):
+        assert np.array_equal(np.asarray(parts[index]).reshape(-1), column)
 
 
 @pytest.mark.parametrize("fmt", sorted(ENCODERS))
@@ -142,17 +146,16 @@ def test_scale_scales_multiplies_every_value(fmt: str) -> None:
     x, raw = quantized(fmt)
     scaled = cls.scale_scales(raw, 0.8)
     assert scaled.shape == raw.shape and scaled.dtype == np.uint8
-    scale_bytes = np.zeros(cls.type_size, bool)
-    for off in cls.scale_offsets:
-        scale_bytes[off:off + 2] = True
+    n_scales = cls.fp16_scale_bits(raw.reshape(-1, cls.type_size)[:1]).shape[1]
+    scale_bits = cls.with_fp16_scale_bits(np.zeros((1, cls.type_size), np.uint8),
+                                          np.full((1, n_scales), 0xFFFF, np.uint16))[0]  # (type_size,)
     blocks, blocks_scaled = raw.reshape(-1, cls.type_size), scaled.reshape(-1, cls.type_size)
-    assert np.array_equal(blocks[:, ~scale_bytes], blocks_scaled[:, ~scale_bytes])  # codes untouched
+    assert np.array_equal(blocks & ~scale_bits, blocks_scaled & ~scale_bits)  # codes untouched
     before, after = dequantize(raw, fmt, x.shape), dequantize(scaled, fmt, x.shape)
     np.testing.assert_allclose(after, 0.8 * before, rtol=2e-3, atol=1e-3 * np.abs(before).max())
-    for off in cls.scale_offsets:
-        old = blocks[:, off:off + 2].copy().view(np.float16).astype(np.float32)
-        expected = (old * np.float32(0.8)).astype(np.float16)
-        assert np.array_equal(blocks_scaled[:, off:off + 2].copy().view(np.float16), expected)
+    old = cls.fp16_scale_bits(blocks).view(np.float16).astype(np.float32)  # (n, S)
+    expected = (old * np.float32(0.8)).astype(np.float16)
+    assert np.array_equal(cls.fp16_scale_bits(blocks_scaled).view(np.float16), expected)
     assert np.array_equal(cls.scale_scales(raw, 1.0), raw)
 
 
@@ -280,6 +283,7 @@ def test_registry_answers_what_the_pipeline_asks(fmt: str) -> None:
     assert encoder_of(fmt) is enc and encoder_of(cls.ggml_type) is enc and issubclass(enc, cls)
     assert enc.supports_gptq == (fmt != "q8_0")
     assert all(0 <= off <= cls.type_size - 2 for off in cls.scale_offsets)
+    assert cls.fp16_scale_bits(np.zeros((1, cls.type_size), np.uint8)).shape[1] == max(1, len(cls.scale_offsets))
 
 
 def test_bits_per_weight() -> None:
@@ -288,6 +292,7 @@ def test_bits_per_weight() -> None:
     assert bits_per_weight("q8_0") == 8.5
     assert bits_per_weight("q2_k") == 2.625
     assert bits_per_weight("q4_k") == 4.5
+    assert bits_per_weight("iq1_m") == 1.75  # 56 bytes per 256
 
 
 def test_bad_input_is_refused() -> None:

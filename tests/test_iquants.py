@@ -1,14 +1,20 @@
-"""Codebook i-quants (iq2_xxs, iq2_xs, iq2_s, iq3_xxs): ggml bytes, the grid search, vector GPTQ, llama.cpp.
+"""Codebook i-quants (iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq1_m): ggml bytes, the grid search, vector GPTQ,
+llama.cpp.
 
 Outside references: gguf-py's dequantizers (bit for bit, also on random
 bytes in test_formats.py), float64 brute force over the whole grid and a
 float64 textbook vector GPTQ (tests/reference_quants.py) and, where llama.cpp
 is built (LLAMA_CPP_DIR), ``llama-quantize --imatrix``'s bytes of the demo
-model's routed experts.
+model's routed experts. iq1_m's search is ggml's own, ported: its bytes are
+compared with a float32 NumPy port of ``quantize_row_iq1_m_impl``
+(tests/reference_quants.py) and, where llama.cpp is built, with ggml's
+``quantize_iq1_m`` and ``dequantize_row_iq1_m`` themselves (libggml-base).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import subprocess
 from pathlib import Path
@@ -21,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moeheal.kernels import iq1m_encode
 from moeheal.kernels.decode import dequantize
 from moeheal.kernels.encode import ENCODERS, quantize, quantize_experts
 from moeheal.kernels.gptq import damp_hessian
-from moeheal.kernels.iquants import IQuant, gguf_grid
+from moeheal.kernels.iquants import IQ1_M, IQuant, gguf_grid
 from moeheal.kernels.kquants_encode import ggml_weights
 from tests import reference_quants as ref
 from tests.test_gptq import correlated_hessian
@@ -32,7 +39,8 @@ from tests.test_kquants import DEMO_MODEL, demo_experts, gguf_values, t3_weights
 
 pytestmark = pytest.mark.compile_bound  # tests/conftest.py
 
-IQUANTS = ["iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs"]
+IQUANTS = ["iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq1_m"]
+SIGNED = [fmt for fmt in IQUANTS if ENCODERS[fmt].signed]  # a sign bit per weight (iq1_m's grid carries them)
 
 
 def block_scales(raw: np.ndarray, cls: type[IQuant]) -> np.ndarray:
@@ -63,10 +71,10 @@ def test_our_bytes_read_back_as_gguf_py_reads_them(fmt: str) -> None:
         assert np.array_equal(np.asarray(cls.pack(d[:, 0], l, idx, neg)), raw.reshape(-1, cls.type_size))
         rel = np.sum((weights - theirs) ** 2) / np.sum(weights.astype(np.float64) ** 2)
         if importance is uniform:
-            assert rel < {"iq2_xxs": 0.26, "iq2_xs": 0.22, "iq2_s": 0.18, "iq3_xxs": 0.1}[fmt]
+            assert rel < {"iq2_xxs": 0.26, "iq2_xs": 0.22, "iq2_s": 0.18, "iq3_xxs": 0.1, "iq1_m": 0.4}[fmt]
 
 
-@pytest.mark.parametrize("fmt", IQUANTS)
+@pytest.mark.parametrize("fmt", SIGNED)
 def test_signs_are_the_weights_but_for_the_parity_flip(fmt: str) -> None:
     cls = ENCODERS[fmt]
     x = t3_weights(np.random.default_rng(2), (16, 256))
@@ -111,10 +119,10 @@ def test_gptq_equals_float64_reference(fmt: str) -> None:
     block_plan = jax.jit(cls.gptq_block_plan)
     sub_plan = jax.jit(cls.gptq_sub_plan)
     theirs = ref.gptq_codebook(
-        w, h, importance, cls.block_size, cls.sub_block, gguf_grid(cls.quant), cls.parity,
+        w, h, importance, cls.block_size, cls.sub_block, cls.grid_values(), cls.parity,
         lambda x, imp: block_plan(jnp.asarray(x, jnp.float32), jnp.asarray(imp, jnp.float32)),
         lambda plan, x, imp: np.asarray(sub_plan(plan, jnp.asarray(x, jnp.float32),
-                                                 jnp.asarray(imp, jnp.float32))["s"], np.float64))
+                                                 jnp.asarray(imp, jnp.float32))["s"], np.float64), cls.signed)
     err_ours, err_ref = ref.output_error(w, ours, h), ref.output_error(w, theirs, h)
     same_rows = np.mean(np.all(np.isclose(ours, theirs, rtol=1e-6, atol=0), axis=1))
     assert abs(err_ours / err_ref - 1) < 2e-2
@@ -139,6 +147,7 @@ def test_our_bytes_beat_llama_quantize_with_the_same_imatrix(tmp_path: Path, fmt
     Measured on all 32 experts: iq2_xxs 0.66-0.69, iq2_xs 0.82, iq2_s 0.84-0.85,
     iq3_xxs 0.83 of llama.cpp's error (with the demo's own imatrix, summed
     over all 9 expert tensors: 0.91-0.95, bench/speed/bench_quant.py --iquants).
+    iq1_m's search is ggml's: there the bytes are llama-quantize's, byte for byte.
     """
     from moeheal.pipeline.gguf.imatrix import write_imatrix
 
@@ -161,9 +170,150 @@ def test_our_bytes_beat_llama_quantize_with_the_same_imatrix(tmp_path: Path, fmt
         assert theirs[name].tensor_type == cls.ggml_type
         w, q = w[:8], qw[name][:8]  # (8, rows, cols), (8, cols)
         ours = quantize_experts(w, fmt, q)  # (8, rows, bytes)
-        err = [float(np.sum(q[:, None, :] * (w - gguf_values(raw, fmt, w.shape)) ** 2))
-               for raw in (ours, np.asarray(theirs[name].data).reshape(len(qw[name]), -1)[:8])]
+        llama = np.asarray(theirs[name].data).reshape(len(qw[name]), -1)[:8]  # (8, rows * bytes)
+        if fmt == "iq1_m":
+            assert np.array_equal(ours.reshape(llama.shape), llama), name
+            continue
+        err = [float(np.sum(q[:, None, :] * (w - gguf_values(raw, fmt, w.shape)) ** 2)) for raw in (ours, llama)]
         assert err[0] <= err[1], f"{name}: ours {err[0]:.6g} > llama.cpp {err[1]:.6g}"
+
+
+# --------------------------------------------------------------------------- iq1_m: ggml's search, ported
+
+
+@functools.cache
+def iq1m_reference_tables():
+    return ref.iq1m_tables(gguf_grid(IQ1_M.quant))
+
+
+def iq1m_cases(seed: int, rows: int = 32, cols: int = 1024) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Matrices (rows, cols) and per-column importance for ggml's iq1_m search: heavy tails, outliers,
+    skew; rows of degenerate blocks (zero, constant, a lone spike, a sub-block below ggml's 1e-7, values
+    rounded to few levels, so the sort meets ties); importance drawn wide, all ones (ours without
+    importance) and with a sub-block of zeros (no candidate then has sumq2 > 0)."""
+    rng = np.random.default_rng(seed)
+    kinds = [rng.standard_t(3, (rows, cols)), rng.standard_normal((rows, cols)) * np.where(
+        rng.random((rows, cols)) < 0.003, 30.0, 1.0), rng.gamma(0.5, 1.0, (rows, cols)) - 0.3]
+    cases = []
+    for i, x in enumerate(kinds):
+        x = (0.02 * x).astype(np.float32)
+        x[0] = 0.0
+        x[1] = 0.375
+        x[2, :] = 0.0
+        x[2, 7] = 1.5
+        x[3, :16] = 1e-8
+        x[4] = np.round(x[4] * 100) / 100
+        x[5, ::2] = 0.0
+        qw = (rng.gamma(0.7, 1.0, cols), np.ones(cols), np.exp(3.0 * rng.standard_normal(cols)))[i].astype(np.float32)
+        qw[16:32] = 0.0
+        cases.append((x, qw))
+    return cases
+
+
+def test_iq1_m_float32_order_is_ggmls():
+    """The helpers that keep ggml's float32 arithmetic: a product rounded before the sum it feeds (XLA's
+    CPU backend would fuse the two into one FMA), sums in order, a division by a constant as a division
+    (XLA would multiply by the reciprocal): each equal to NumPy's separately rounded operations."""
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.standard_normal((4096, 16)).astype(np.float32) for _ in range(3))
+    fused = jax.jit(lambda a, b, c: iq1m_encode.product(a, b) + c)(a, b, c)
+    assert np.array_equal(np.asarray(fused), a * b + c)
+    total = np.zeros(4096, np.float32)
+    for j in range(16):
+        total = total + a[:, j] * b[:, j]
+    summed = jax.jit(lambda a, b: iq1m_encode.ordered_sum(list(iq1m_encode.product(a, b).T)))(a, b)
+    assert np.array_equal(np.asarray(summed), total)
+    divided = jax.jit(lambda a: iq1m_encode.divide_exactly(a, 15.0))(a)
+    assert np.array_equal(np.asarray(divided), a / np.float32(15))
+
+
+def test_iq1_m_neighbour_tables_are_ggmls():
+    """The grid map and neighbour lists, by ternary code, against the reference's by ggml's 2-bit index."""
+    on_grid, start, count, flat = iq1m_encode.neighbour_tables()
+    pos, kmap, neighbours = iq1m_reference_tables()
+    codes = np.arange(3 ** 8)
+    levels = (codes[:, None] // 3 ** np.arange(8)) % 3  # (6561, 8)
+    u = np.sum(levels << (2 * np.arange(8)), axis=1)  # ggml's index of the same levels
+    assert np.array_equal(on_grid, kmap[u])
+    for code in np.flatnonzero(on_grid < 0):
+        assert np.array_equal(flat[start[code]:start[code] + count[code]], neighbours[int(u[code])])
+    assert count.max() == iq1m_encode.NEIGHBOURS_MAX
+    assert np.array_equal((pos - 1) // 2, iq1m_encode.grid_levels())
+
+
+def test_iq1_m_search_is_ggmls_in_float32():
+    """Our bytes and every sub-block scale (bit for bit) equal the float32 NumPy port of ggml's
+    quantize_row_iq1_m_impl, which test_iq1_m_bytes_are_llama_cpps ties to ggml's own."""
+    cls = ENCODERS["iq1_m"]
+
+    @jax.jit
+    def scales(x, qw):
+        w, _ = iq1m_encode.search_weights(x, qw)
+        return iq1m_encode.search_sub_blocks(x.reshape(-1, 16), w.reshape(-1, 16))[0].reshape(x.shape[0], 16)
+
+    for x, qw in iq1m_cases(1, rows=16):
+        blocks = x.reshape(-1, 256)  # (n, 256)
+        imp = np.broadcast_to(qw.reshape(1, -1, 256), (x.shape[0], x.shape[1] // 256, 256)).reshape(blocks.shape)
+        theirs, inter = ref.ggml_iq1_m(blocks, imp, None, iq1m_reference_tables())
+        assert np.array_equal(quantize(x, "iq1_m", qw).reshape(-1, cls.type_size), theirs)
+        assert np.array_equal(np.asarray(scales(blocks, imp)).view(np.uint32), inter["scales"].view(np.uint32))
+
+
+@pytest.fixture(scope="module")
+def ggml_base():
+    """llama.cpp's libggml-base (LLAMA_CPP_DIR/bin) through ctypes, its IQ1_M tables initialised."""
+    path = Path(os.environ["LLAMA_CPP_DIR"]) / "bin" / "libggml-base.so"
+    if not path.is_file():
+        pytest.skip(f"no {path}")
+    lib = ctypes.CDLL(str(path))
+    lib.ggml_quantize_init.argtypes = [ctypes.c_int]
+    lib.quantize_iq1_m.restype = ctypes.c_size_t
+    lib.quantize_iq1_m.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.dequantize_row_iq1_m.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.ggml_quantize_init(int(gguf.GGMLQuantizationType.IQ1_M))
+    return lib
+
+
+def ggml_quantize_iq1_m(lib, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+    """ggml's quantize_iq1_m of x (rows, cols) with quant_weights qw (cols,): (rows, cols / 256 * 56) uint8."""
+    x, qw = np.ascontiguousarray(x, np.float32), np.ascontiguousarray(qw, np.float32)
+    out = np.zeros((x.shape[0], x.shape[1] // 256 * 56), np.uint8)
+    assert lib.quantize_iq1_m(x.ctypes.data, out.ctypes.data, x.shape[0], x.shape[1], qw.ctypes.data) == out.size
+    return out
+
+
+@pytest.mark.llamacpp
+def test_iq1_m_bytes_are_llama_cpps(ggml_base):
+    """ggml's quantize_iq1_m (with quant_weights; all ones for ours without importance) on 3 x 3
+    matrices of 64 x 1024 (768 blocks): our bytes and the NumPy port's are ggml's, every block."""
+    for seed in range(3):
+        for x, qw in iq1m_cases(10 + seed, rows=64):
+            theirs = ggml_quantize_iq1_m(ggml_base, x, qw)
+            assert np.array_equal(quantize(x, "iq1_m", qw), theirs)
+            if np.all(qw == 1):
+                assert np.array_equal(quantize(x, "iq1_m"), theirs)
+            if seed == 0:
+                blocks = x.reshape(-1, 256)
+                imp = np.broadcast_to(qw.reshape(1, -1, 256), (64, 4, 256)).reshape(blocks.shape)
+                assert np.array_equal(ref.ggml_iq1_m(blocks, imp, None, iq1m_reference_tables())[0],
+                                      theirs.reshape(-1, 56))
+
+
+@pytest.mark.llamacpp
+def test_iq1_m_values_are_ggmls(ggml_base):
+    """ggml's dequantize_row_iq1_m, bit for bit, on its own quantizer's blocks and on random bytes
+    (finite fp16 d, every other field random)."""
+    rng = np.random.default_rng(3)
+    x, qw = iq1m_cases(4, rows=64)[0]
+    blocks = [ggml_quantize_iq1_m(ggml_base, x, qw).reshape(-1, 56)]
+    raw = rng.integers(0, 256, (1024, 56), dtype=np.uint8)
+    d = (rng.standard_normal(1024) * 0.01).astype(np.float16).view(np.uint16)[:, None]
+    blocks.append(IQ1_M.with_fp16_scale_bits(raw, d))
+    for b in blocks:
+        theirs = np.zeros(b.shape[0] * 256, np.float32)
+        ggml_base.dequantize_row_iq1_m(np.ascontiguousarray(b).ctypes.data, theirs.ctypes.data, theirs.size)
+        ours = dequantize(b, "iq1_m", (b.shape[0], 256)).reshape(-1)
+        assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
 
 
 # --------------------------------------------------------------------------- importance of routed experts

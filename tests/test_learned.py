@@ -40,8 +40,10 @@ def test_learned_bytes_decode_to_the_values_the_loss_saw(fmt):
     x = (0.02 * rng.standard_t(4, (4, 512))).astype(np.float32)
     # random blocks: every byte pattern is a valid code of these formats; the fp16 scales set to small values
     blocks = rng.integers(0, 256, (x.size // cls.block_size, cls.type_size), dtype=np.uint8)  # (n, type_size)
-    for off in cls.scale_offsets:
-        blocks[:, off:off + 2] = rng.uniform(0.001, 0.01, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
+    for j in range(cls.fp16_scale_bits(blocks).shape[1]):
+        bits = cls.fp16_scale_bits(blocks)
+        bits[:, j] = rng.uniform(0.001, 0.01, (blocks.shape[0], 1)).astype(np.float16).view(np.uint16)[:, 0]
+        blocks = cls.with_fp16_scale_bits(blocks, bits)
     raw = blocks.reshape(x.shape[0], -1)  # (4, bytes)
     relax = L.relaxation(fmt)
     const = relax.const(jnp.asarray(raw.reshape(-1, cls.type_size)))
