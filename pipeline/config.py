@@ -31,6 +31,10 @@ LEARNED_STEPS = 0
 # sequential mode).
 INPUTS = ("reference", "healed")
 HEALED_INPUTS = "healed"
+# `[calibration] tokens` when the file does not say, and what `moeheal init` writes: AutoRound's default
+# (128 x 512), where every method of the demo's curve still gains and its cost is one pass of learned
+# rounding (demo/ablations/data-curve.toml, bench/experiments/data_curve.py, README "How much text").
+CAL_TOKENS = 65536
 # `budget_roles`: which tensors a `budget_bpw` covers and the allocation chooses formats for: "routed"
 # the routed experts; "all" every tensor of the file, the formats chosen for the routed experts', the
 # shared expert's and attention's (`pipeline.model.roles`), the rest counted as the source stores it.
@@ -460,7 +464,7 @@ def load_config(path: str | Path, peers_may_be_missing: bool = False) -> Config:
         lake_root=(base / lake.get("root", str, "lake")).resolve(),
         reference=reference, source=source,
         docs=corpus.path("docs", base), split=corpus.path("split", base),
-        cal_tokens=cal.number("tokens", int, 16384, 1, 1 << 26),
+        cal_tokens=cal.number("tokens", int, CAL_TOKENS, 1, 1 << 26),
         seq_tokens=seq_tokens,
         mix={k: float(v) for k, v in mix.items()},
         unseen_tokens=cal.number("unseen_tokens", int, 8192, 0, 1 << 26),

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from moeheal.pipeline.commands.cli import main
-from moeheal.pipeline.config import load_config
+from moeheal.pipeline.config import CAL_TOKENS, load_config
 from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.sources.package_data import DATA
 from moeheal.pipeline.data.documents import read_documents, read_split
@@ -183,7 +183,7 @@ def test_without_text_the_bundled_corpus_is_split_by_its_four_strata(qwen2moe, t
     assert all(m["licence"] for m in manifest)
     demo = {d["doc_id"]: d for d in read_documents(Path(__file__).resolve().parents[1] / "demo" / "docs.jsonl")}
     assert all(demo[d["doc_id"]] == d for d in bundled)  # verbatim demo documents (demo/corpus/bundle.py)
-    assert load_config(tmp_path / "out" / "heal.toml").cal_tokens == 32768
+    assert load_config(tmp_path / "out" / "heal.toml").cal_tokens == CAL_TOKENS  # the one default
 
 
 def test_a_long_text_file_is_cut_at_blank_lines_into_documents(qwen2moe, tmp_path, capsys):

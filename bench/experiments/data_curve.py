@@ -9,7 +9,8 @@ pooled KLD (scored tokens' KL summed over windows / their tokens, moce bonus 0, 
 bootstrap (the config's `[eval] bootstrap` replicates and seed), and the seconds the variant's
 own units took (its quantize, calibrate, healed-dump and e2e stages, from the lake's provenance
 records: what more data costs). Writes `curve.csv`, `curve.md` and `curve.png` (eval KLD against
-tokens, log scale) to `--out`.
+tokens, log scale) to `--out`, and the table between demo/README.md's `<!-- data-curve:table -->`
+markers.
 
     .venv/bin/python bench/experiments/data_curve.py [-c demo/ablations/data-curve.toml] [--out bench/results/data-curve]
 """
@@ -30,6 +31,8 @@ from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.lake.store import Lake
 
 REPO = Path(__file__).resolve().parents[2]
+DEMO_README = REPO / "demo" / "README.md"
+TABLE_MARKERS = ("<!-- data-curve:table -->", "<!-- /data-curve:table -->")
 # The outside files' calibration tokens (demo/peers/README.md): AutoRound and llama.cpp's imatrix
 PEERS = {"q2_k_autoround": ("autoround", 8192), "q2_k_autoround_65k": ("autoround", 65536),
          "q2_k_imatrix": ("llama.cpp imatrix", 8192), "q2_k_imatrix_65k": ("llama.cpp imatrix", 65536)}
@@ -120,8 +123,13 @@ def main() -> int:
                      f"[{e['ci_lo']:.3f}, {e['ci_hi']:.3f}] | {c['kld']:.4f} | {c['vs_autoround_65k']:.3f} "
                      f"[{c['ci_lo']:.3f}, {c['ci_hi']:.3f}] | {ec['vs_autoround_65k']:.3f} [{ec['ci_lo']:.3f}, "
                      f"{ec['ci_hi']:.3f}] | {e['unit_seconds'] or '-'} |")
-    (args.out / "curve.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print("\n".join(lines))
+    table = "\n".join(lines) + "\n"
+    (args.out / "curve.md").write_text(table, encoding="utf-8")
+    print(table, end="")
+    text = DEMO_README.read_text(encoding="utf-8")
+    head, rest = text.split(TABLE_MARKERS[0], 1)
+    _, tail = rest.split(TABLE_MARKERS[1], 1)
+    DEMO_README.write_text(f"{head}{TABLE_MARKERS[0]}\n{table}{TABLE_MARKERS[1]}{tail}", encoding="utf-8")
     plot(rows, args.out / "curve.png")
     return 0
 

@@ -52,6 +52,7 @@ import pyarrow as pa
 from moeheal.kernels.decode import format_of
 from moeheal.kernels.ngram import ngram_hashes
 from moeheal.pipeline.model import roles
+from moeheal.pipeline.config import CAL_TOKENS
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.sources.package_data import DATA
@@ -64,7 +65,7 @@ DOC_CHARS = 6000  # a plain text file is cut at blank lines into documents of ab
 EVAL_SHARE, CANARY_SHARE, UNUSED_SHARE = 0.2, 0.05, 0.15  # of a stratum's tokens; cal takes the rest
 EVAL_DOCS, CANARY_DOCS = 16, 4  # at most this many windows per stratum (one per document)
 WINDOW_SIZES = ((192, 128), (96, 64), (48, 32))  # (context, scored) tokens, the largest the documents allow
-CAL_TOKENS, UNSEEN_TOKENS, SEQ_TOKENS = 32768, 8192, 512
+UNSEEN_TOKENS, SEQ_TOKENS = 8192, 512  # the calibration's length is the config's default, CAL_TOKENS
 CAL_TEXT_TOKENS = 2 * CAL_TOKENS  # calibration text kept per stratum
 NGRAM = 16
 LADDER_FORMATS = ("q2_k", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs")  # every format a variant below may use
