@@ -32,8 +32,8 @@ LEARNED_STEPS = 0
 INPUTS = ("reference", "healed")
 HEALED_INPUTS = "healed"
 # `[calibration] tokens` when the file does not say, and what `moeheal init` writes: AutoRound's default
-# (128 x 512), where every method of the demo's curve still gains and its cost is one pass of learned
-# rounding (demo/ablations/data-curve.toml, bench/experiments/data_curve.py, README "How much text").
+# (128 x 512); on the demo's curve every method gains up to it and is flat within its CIs past it
+# (demo/ablations/data-curve.toml, bench/experiments/data_curve.py, README "How much text").
 CAL_TOKENS = 65536
 # `budget_roles`: which tensors a `budget_bpw` covers and the allocation chooses formats for: "routed"
 # the routed experts; "all" every tensor of the file, the formats chosen for the routed experts', the
