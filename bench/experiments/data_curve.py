@@ -6,7 +6,9 @@ outside file of the config (AutoRound's and llama.cpp's at 8k and 64k, their amo
 in `PEERS`), per evaluation set (eval, canary) and subset (all windows, clean windows): the
 pooled KLD (scored tokens' KL summed over windows / their tokens, moce bonus 0, the published
 `window_kld`), its ratio to AutoRound's at its default 65,536 tokens with a paired window
-bootstrap (the config's `[eval] bootstrap` replicates and seed), and the seconds the variant's
+bootstrap (`llama_kld.bootstrap_ratio`, scipy's, over windows with replacement, not within strata
+as the `comparisons` table resamples: that table's intervals for the config's own pairs are the
+ones to quote; the config's `[eval] bootstrap` replicates and seed), and the seconds the variant's
 own units took (its quantize, calibrate, healed-dump and e2e stages, from the lake's provenance
 records: what more data costs). Writes `curve.csv`, `curve.md` and `curve.png` (eval KLD against
 tokens, log scale) to `--out`, and the table between demo/README.md's `<!-- data-curve:table -->`
@@ -29,6 +31,7 @@ import numpy as np
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.lake.store import Lake
+from moeheal.pipeline.model.llama_kld import bootstrap_ratio
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_README = REPO / "demo" / "README.md"
@@ -51,15 +54,6 @@ def method_and_tokens(name: str, dump_tokens: int, cal_tokens: int) -> tuple[str
 
 def pooled(window_kld: dict[str, np.ndarray], tokens: np.ndarray, rows: np.ndarray) -> float:
     return float(window_kld[rows].sum() / tokens[rows].sum())
-
-
-def ratio_ci(a: np.ndarray, b: np.ndarray, tokens: np.ndarray, n_boot: int, seed: int) -> tuple[float, float]:
-    """95% percentile interval of pooled(b) / pooled(a) over windows resampled with replacement,
-    both variants on the same draws (paired)."""
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(tokens), size=(n_boot, len(tokens)))  # (R, W)
-    ratios = b[idx].sum(1) / a[idx].sum(1)  # (R,) the tokens cancel: both pooled over the same windows
-    return float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
 
 
 def unit_seconds(run: HealRun, lake_root: Path) -> dict[str, float]:
@@ -104,7 +98,7 @@ def main() -> int:
             for name in names:
                 method, n = method_and_tokens(name, cfg.cal_tokens, cal.get(name, 0))
                 value = pooled(kld[name], tokens, sel)
-                lo, hi = ratio_ci(base, kld[name][sel], tokens[sel], cfg.bootstrap, cfg.eval_seed)
+                _, lo, hi = bootstrap_ratio(kld[name][sel], base, np.random.default_rng(cfg.eval_seed), cfg.bootstrap)
                 rows.append({"set": set_name, "subset": subset, "variant": name, "method": method, "cal_tokens": n,
                              "windows": int(sel.sum()), "kld": value, "vs_autoround_65k": value / pooled(kld[BASELINE], tokens, sel),
                              "ci_lo": lo, "ci_hi": hi, "unit_seconds": round(seconds.get(name, 0.0), 1)})
