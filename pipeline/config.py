@@ -43,9 +43,13 @@ BUDGET_ROLES = ("routed", "all")
 EXPERT_ROLES = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 # `e2e = true`'s defaults, chosen on the demo's unseen trace (never its evaluation windows) by
 # bench/experiments/e2e_sweep.py (docs/e2e-tuning.md): the norms and routers at 2e-3; the fp16 block scales, most
-# of the tuned values and the quickest to fit the calibration text, at a quarter of it; 40 steps,
-# where IQ2_XXS still gains and Q2_K has passed its best (the stage keeps the best measured step).
-E2E_STEPS = 40
+# of the tuned values and the quickest to fit the calibration text, at a quarter of it; at least 40 steps,
+# where IQ2_XXS still gains and Q2_K has passed its best at 8,192 tokens (the stage keeps the best measured step).
+# `e2e_steps = 0`, the default, is one pass over the variant's calibration sequences, at least E2E_MIN_STEPS
+# (`e2e_schedule`): 40 at 8,192 tokens, 128 at 65,536, 256 at 131,072. On the data curve's unseen trace the
+# KL was still falling at step 40 with 64k and 128k tokens (demo/ablations/data-curve.toml, docs/e2e-tuning.md).
+E2E_STEPS = 0
+E2E_MIN_STEPS = 40
 E2E_LR = 2e-3
 E2E_SCALE_LR = 5e-4
 # The reference's distribution e2e tunes against: its top E2E_TOPK tokens per position plus one bucket
@@ -82,7 +86,7 @@ class Variant:
     budget_roles: str = "routed"  # which tensors the budget counts and chooses formats for (BUDGET_ROLES)
     sensitivity_round: str = ""  # rounding of the per-tensor sensitivity measurement; "" = the variant's `round`
     e2e: bool = False  # tune the file's float parameters on the model's output after assembly (pipeline/stages/e2e.py)
-    e2e_steps: int = E2E_STEPS
+    e2e_steps: int = E2E_STEPS  # steps of one calibration sequence; 0: one pass (e2e_schedule), resolved on load
     e2e_lr: float = E2E_LR  # the norms' and routers' learning rate
     e2e_scale_lr: float = E2E_SCALE_LR  # the fp16 block scales'
     e2e_topk: int = E2E_TOPK  # the reference's tokens kept per position for the loss (the rest: one bucket)
@@ -396,6 +400,13 @@ def _windows(file: Path, base: Path, ev: _Reader) -> tuple[Path | None, WindowGe
     )
 
 
+def e2e_schedule(cal_tokens: int, seq_tokens: int) -> int:
+    """`e2e_steps = 0`'s steps: one pass over the calibration sequences e2e draws from (one sequence a
+    step), at least E2E_MIN_STEPS. Resolved when the config is loaded, so the e2e unit's key holds the
+    steps it runs and a variant whose pass is shorter than the minimum keeps the key it had."""
+    return max(E2E_MIN_STEPS, -(-cal_tokens // seq_tokens))
+
+
 def load_config(path: str | Path, peers_may_be_missing: bool = False) -> Config:
     """Parse and validate `heal.toml`; raise InputError naming the key on any problem.
 
@@ -458,13 +469,16 @@ def load_config(path: str | Path, peers_may_be_missing: bool = False) -> Config:
             ev.fail("compare", f"each entry is [a, b], two variant names of this config; got {pair!r}")
 
     seq_tokens = cal.number("seq_tokens", int, 512, 16, 1 << 20)
+    cal_tokens = cal.number("tokens", int, CAL_TOKENS, 1, 1 << 26)
+    variants = tuple(replace(v, e2e_steps=e2e_schedule(min(v.cal_tokens or cal_tokens, cal_tokens), seq_tokens))
+                     if v.e2e and not v.e2e_steps else v for v in variants)
     windows, generation = _windows(file, base, ev)
     return Config(
         path=file,
         lake_root=(base / lake.get("root", str, "lake")).resolve(),
         reference=reference, source=source,
         docs=corpus.path("docs", base), split=corpus.path("split", base),
-        cal_tokens=cal.number("tokens", int, CAL_TOKENS, 1, 1 << 26),
+        cal_tokens=cal_tokens,
         seq_tokens=seq_tokens,
         mix={k: float(v) for k, v in mix.items()},
         unseen_tokens=cal.number("unseen_tokens", int, 8192, 0, 1 << 26),

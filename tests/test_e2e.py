@@ -17,7 +17,7 @@ from moeheal.kernels.adam import adam_init, adam_step
 from moeheal.kernels.e2e import LOG_ZERO, fp16_ste, kl_sum_topk, top_k_distribution
 from moeheal.kernels.kld import kl_from_log_probs
 from moeheal.pipeline.commands.cli import main
-from moeheal.pipeline.config import load_config
+from moeheal.pipeline.config import E2E_MIN_STEPS, e2e_schedule, load_config
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.gguf.writer import copy_gguf
@@ -258,6 +258,20 @@ def test_e2e_knobs_are_validated(tmp_path, knobs, message):
     with pytest.raises(InputError) as err:
         load_config(config)
     assert message in str(err.value)
+
+
+def test_e2e_steps_default_to_one_pass_over_the_variants_sequences(tmp_path):
+    """`e2e_steps` unset (or 0): one step per calibration sequence the variant draws from, at least
+    E2E_MIN_STEPS, resolved on load so the unit's key holds the steps it runs; a number is kept."""
+    variants = "".join(f'[[variant]]\nname = "v{i}"\ne2e = true\n{knobs}\n' for i, knobs in enumerate(
+        ["", "cal_tokens = 512", "e2e_steps = 0\ncal_tokens = 20000", "e2e_steps = 7\ncal_tokens = 20000"]))
+    config = write_world(tmp_path, variants=variants)
+    config.write_text(config.read_text().replace("tokens = 1024\n", "tokens = 16384\n", 1))
+    cfg = load_config(config)
+    assert (cfg.cal_tokens, cfg.seq_tokens) == (16384, 256)
+    assert [v.e2e_steps for v in cfg.variants] == [64, E2E_MIN_STEPS, 64, 7]  # 16384 / 256; 2 < 40; the dump's 64 (not 20000's)
+    assert e2e_schedule(8192, 512) == E2E_MIN_STEPS and e2e_schedule(65536, 512) == 128
+    assert e2e.E2EParams.of(cfg.variants[0], cfg.seq_tokens).steps == 64
 
 
 def test_e2e_needs_an_unseen_trace(tmp_path):

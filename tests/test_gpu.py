@@ -71,3 +71,21 @@ def test_runner_logits_on_gpu_match_cpu():
     cpu = on_cpu(Runner(model).forward, tokens)
     rel = np.linalg.norm(gpu - cpu) / np.linalg.norm(cpu)
     assert rel < 1e-4
+
+
+def test_iq1_m_bytes_on_gpu_are_the_cpus():
+    """IQ1_M's search keeps ggml's float32 order (products rounded before their sums, sums in order,
+    divisions as divisions; kernels/iq1m_encode.py), so its bytes may not depend on the backend: the
+    GPU's equal the CPU's, which tests/test_iquants.py ties to llama.cpp's byte for byte."""
+    rng = np.random.default_rng(7)
+    w = (0.02 * rng.standard_t(3, size=(64, 1024))).astype(np.float32)  # heavy tails, as the experts
+    w[0] = 0.0  # degenerate rows: all zero, a lone spike, values on few levels (ties in the sort)
+    w[1, :] = 0.0
+    w[1, 7] = 1.5
+    w[2] = np.round(w[2] * 100) / 100
+    importance = rng.gamma(0.7, 1.0, size=1024).astype(np.float32)
+    importance[16:32] = 0.0  # a sub-block no candidate scores
+    for imp in (importance, None):
+        gpu = np.asarray(encode.quantize(w, "iq1_m", imp))
+        cpu = np.asarray(on_cpu(encode.quantize, w, "iq1_m", imp))
+        assert np.array_equal(gpu, cpu), f"{np.mean(np.any(gpu != cpu, axis=-1)):.1%} of rows differ"
