@@ -1,7 +1,8 @@
 """Eval KLD against calibration tokens: each method's curve, from a healed lake of
 `demo/ablations/data-curve.toml` (one 131,072-token dump, each variant from its first `cal_tokens`).
 
-For every variant named `<method>_<n>k` (ours: `q2_k_gptq_8k` ... `q2_k_learned_e2e_128k`) and every
+For every variant named `<method>_<n>k[_<knob>]` (ours: `q2_k_gptq_8k` ... `q2_k_learned_e2e_128k`; a
+knob's name after the size, `q2_k_learned_e2e_64k_40steps`, is a lever's ablation at that size) and every
 outside file of the config (AutoRound's and llama.cpp's at 8k and 64k, their amounts written here
 in `PEERS`), per evaluation set (eval, canary) and subset (all windows, clean windows): the
 pooled KLD (scored tokens' KL summed over windows / their tokens, moce bonus 0, the published
@@ -40,7 +41,7 @@ TABLE_MARKERS = ("<!-- data-curve:table -->", "<!-- /data-curve:table -->")
 PEERS = {"q2_k_autoround": ("autoround", 8192), "q2_k_autoround_65k": ("autoround", 65536),
          "q2_k_imatrix": ("llama.cpp imatrix", 8192), "q2_k_imatrix_65k": ("llama.cpp imatrix", 65536)}
 BASELINE = "q2_k_autoround_65k"  # AutoRound at its default data
-OURS = re.compile(r"^(?P<method>.+)_(?P<k>\d+)k$")
+OURS = re.compile(r"^(?P<method>.+?)_(?P<k>\d+)k(?:_(?P<knob>.+))?$")
 OWN_STAGES = ("quantize", "calibrate", "healed-dump", "e2e")  # a variant's own units (not the shared dumps)
 
 
@@ -48,8 +49,9 @@ def method_and_tokens(name: str, dump_tokens: int, cal_tokens: int) -> tuple[str
     """(method, calibration tokens) of a variant: a peer's from `PEERS`, ours from its `cal_tokens`."""
     if name in PEERS:
         return PEERS[name]
-    method = OURS.match(name).group("method").removeprefix("q2_k_")
-    return method, cal_tokens or dump_tokens
+    match = OURS.match(name)
+    method = match.group("method").removeprefix("q2_k_")
+    return (f"{method}, {match.group('knob')}" if match.group("knob") else method), cal_tokens or dump_tokens
 
 
 def pooled(window_kld: dict[str, np.ndarray], tokens: np.ndarray, rows: np.ndarray) -> float:
@@ -141,6 +143,8 @@ def plot(rows: list[dict], path: Path) -> None:
         if r["set"] == "eval" and r["subset"] == "all":
             by_method[r["method"]].append((r["cal_tokens"], r["kld"]))
     for method, points in sorted(by_method.items()):
+        if len(points) < 2:  # a lever's ablation at one size: in the table, not a curve
+            continue
         points.sort()
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method)
     ax.set_xscale("log", base=2)
