@@ -25,7 +25,7 @@ from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.stages import e2e
 from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.data.documents import trace_tokens
-from moeheal.pipeline.stages.reference_topk import padded_sequences, read_topk
+from moeheal.pipeline.stages.reference_topk import REFERENCE_BATCH_SEQS, padded_sequences, read_topk
 from bench.inputs.healworld import write_world
 
 E2E_VARIANT = """
@@ -320,20 +320,24 @@ def test_kl_sum_topk_against_float64_numpy_and_the_full_kl(k):
 
 def test_the_reference_topk_stage_keeps_the_references_top_tokens(tuned):
     """The stored rows against the reference's own logits, ranked and bucketed in float64 NumPy: the same
-    k tokens, their log-probabilities, and the bucket's log-mass; the e2e stage read exactly this file."""
+    k tokens, their log-probabilities, and the bucket's log-mass; the e2e stage read exactly this file.
+    The rows checked are the first two and the last, which sits in a short last batch padded to the
+    batch's shape (`full_batch`): the padding must change no real row."""
     _, run = tuned
     k = run.cfg.variants[0].e2e_topk
     folder = run.result(run.reference_topk(k)).path
     tokens, mask = padded_sequences(*trace_tokens(run.result(run.traces()).path, "unseen"), run.cfg.seq_tokens)
+    assert len(tokens) % REFERENCE_BATCH_SEQS != 0  # so the last batch is short and padded
     ids, logp, log_rest = read_topk(folder, "unseen", tokens.shape)
-    logits = Runner(GGUFModel(run.cfg.reference)).forward(tokens[:2]).astype(np.float64)  # (2, T, V)
+    checked = [0, 1, len(tokens) - 1]
+    logits = Runner(GGUFModel(run.cfg.reference)).forward(tokens[checked]).astype(np.float64)  # (3, T, V)
     ref = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-    real = mask[:2] > 0
+    real = mask[checked] > 0
     top = np.argsort(-ref, axis=-1)[..., :k]
-    np.testing.assert_array_equal(np.sort(ids[:2][real], -1), np.sort(top[real], -1))
-    np.testing.assert_allclose(logp[:2][real], np.take_along_axis(ref, top, -1)[real], atol=2e-5)
+    np.testing.assert_array_equal(np.sort(ids[checked][real], -1), np.sort(top[real], -1))
+    np.testing.assert_allclose(logp[checked][real], np.take_along_axis(ref, top, -1)[real], atol=2e-5)
     rest = np.log1p(-np.exp(np.take_along_axis(ref, top, -1)).sum(-1))
-    np.testing.assert_allclose(log_rest[:2][real], rest[real], atol=1e-4)
+    np.testing.assert_allclose(log_rest[checked][real], rest[real], atol=1e-4)
     traces = pq.read_table(folder / "topk.parquet", columns=["trace"]).column("trace").to_pylist()
     assert traces.count("unseen") == int(mask.sum())  # a row per real token, none for the padding
 

@@ -57,6 +57,14 @@ def padded_sequences(tokens: np.ndarray, seq: np.ndarray, seq_tokens: int) -> tu
     return rows, mask
 
 
+def full_batch(tokens: np.ndarray) -> np.ndarray:
+    """`tokens` (b, T) padded with rows of token 0 to (REFERENCE_BATCH_SEQS, T): every batch has one
+    shape, so the forward compiles once per trace length, not again for a short last batch (40 s at
+    Qwen3-30B-A3B's width). Each row is its own sequence, so the padding changes no real row."""
+    pad = REFERENCE_BATCH_SEQS - len(tokens)
+    return np.pad(tokens, ((0, pad), (0, 0))) if pad > 0 else tokens  # (B, T)
+
+
 @jax.jit
 def _log_softmax(logits: jax.Array) -> jax.Array:
     return jax.nn.log_softmax(logits, axis=-1)  # (B, T, V)
@@ -68,7 +76,7 @@ def reference_rows(runner: Runner, trace: str, tokens: np.ndarray, mask: np.ndar
     for start in progress(range(0, len(tokens), REFERENCE_BATCH_SEQS), desc=f"reference top-{k} {trace}",
                           unit="batch"):
         rows = slice(start, start + REFERENCE_BATCH_SEQS)
-        logp = _log_softmax(jnp.asarray(runner.forward(tokens[rows])))  # (B, T, V)
+        logp = _log_softmax(jnp.asarray(runner.forward(full_batch(tokens[rows]))))  # (B, T, V)
         ids, logp_k, log_rest = (np.asarray(a) for a in top_k_distribution(logp, k))  # (B,T,k) x2, (B,T)
         seq, pos = np.nonzero(mask[rows])  # the real tokens, row-major
         columns["seq"].append((seq + start).astype(np.int32))
