@@ -41,6 +41,7 @@ from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.gguf.tokenizer import tokenizer_metadata
 from moeheal.pipeline.lake.dag import Executor, Node, PlannedStage, Use
 from moeheal.pipeline.lake.store import Lake, StageResult
+from moeheal.pipeline.llamacpp import perplexity_binary
 from moeheal.pipeline.model import roles
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.publish import tables
@@ -332,12 +333,12 @@ class HealRun:
 
     def llama_skip(self) -> str:
         """Why llama.cpp's stages do not run here ("" where they do)."""
-        return ("LLAMA_CPP_DIR/bin/llama-perplexity not found" if llama_check.perplexity_binary() is None
+        return ("LLAMA_CPP_DIR/bin/llama-perplexity not found" if perplexity_binary() is None
                 else "" if self.cfg.unseen_tokens else "no unseen trace")
 
     def llama_binary(self) -> dict[str, Path]:
         """The `llama_perplexity` input of llama.cpp's stages, where it is built."""
-        binary = llama_check.perplexity_binary()
+        binary = perplexity_binary()
         return {"llama_perplexity": binary} if binary is not None else {}
 
     def llama_reference(self) -> Node:

@@ -22,7 +22,7 @@ import pytest
 
 from bench.experiments import format_floor, hadamard_rotation
 from bench.tools import compare_runs, llama_kld, stage_times
-from moeheal.pipeline.model import llama_kld as llama_kld_method
+from moeheal.pipeline import llamacpp as llama_kld_method
 from tests.reference_quants import routed_output
 
 REPO = Path(__file__).resolve().parents[1]

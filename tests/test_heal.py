@@ -22,7 +22,7 @@ from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.model.layers import moe_forward
-from moeheal.pipeline.stages.llama_check import perplexity_binary
+from moeheal.pipeline.llamacpp import perplexity_binary
 
 TABLES = ("docs", "cal_trace", "windows", "overlap", "routing", "variants", "token_kld", "window_kld",
           "layer_metrics", "ridge_cv", "comparisons", "hitrate")

@@ -15,7 +15,8 @@ from scipy.stats import bootstrap
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.lake.store import Lake
-from moeheal.pipeline.model.llama_kld import MARGIN, bootstrap_ratio, scorable, scored_tokens, summary
+from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.llamacpp import MARGIN, bootstrap_ratio, scorable, scored_tokens, summary, until_read
 from moeheal.pipeline.stages import llama_check, llama_pairs
 
 
@@ -53,6 +54,24 @@ def test_a_log_that_lost_its_last_line_still_gives_the_same_top_1():
     assert full == (0.683199, 47.244 / 100)
     assert summary(CHUNK_LOG.split("Same top p:")[0]) == full
     assert summary(CHUNK_LOG.split("Mean    KLD")[0]) is None
+
+
+def test_a_run_whose_log_lost_its_summary_runs_again_until_it_is_read():
+    """Two logs cut before the summary, then a whole one: three runs, the whole log's numbers. A log
+    never whole: an input error naming what was missing after the allowed runs, none beyond them."""
+    logs = iter([CHUNK_LOG.split("Mean    KLD")[0]] * 2 + [CHUNK_LOG])
+    runs: list[str] = []
+
+    def run() -> str:
+        runs.append(next(logs))
+        return runs[-1]
+
+    assert until_read(run, summary, "no summary") == summary(CHUNK_LOG)
+    assert len(runs) == 3
+    runs.clear()
+    with pytest.raises(InputError, match="^no summary in 2 runs$"):
+        until_read(lambda: runs.append("") or "", summary, "no summary", attempts=2)
+    assert len(runs) == 2
 
 
 def test_documents_llama_cpp_can_score_are_two_chunks_and_a_margin():

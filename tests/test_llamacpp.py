@@ -113,7 +113,7 @@ def test_heal_scores_every_long_enough_document_in_llama_cpp_and_compares_every_
     quantized), GPTQ's below the unhealed baseline's; `llama_kld_pairs` holds every pair of the
     comparisons table at bonus 0 per set, its ratio mean_b / mean_a (sql/llama_kld_pairs_check.sql finds
     no offending row), and the report counts the pairs whose CIs are disjoint."""
-    from moeheal.pipeline.model.llama_kld import long_enough
+    from moeheal.pipeline.llamacpp import long_enough
 
     _, run = healed_world
     lake = run.lake

@@ -28,6 +28,7 @@ from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.lake.store import Lake
+from moeheal.pipeline.llamacpp import perplexity_binary
 from moeheal.pipeline.model.numerics import PEAK_LAYER, PEAKS_SCHEMA, ActivationPeaks, overflow_message, peak_rows
 from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.stages import llama_check as llamacheck
@@ -131,7 +132,7 @@ def test_plan_lists_the_llama_check_of_every_variant(world, monkeypatch):
 
 
 @pytest.mark.llamacpp
-@pytest.mark.skipif(llamacheck.perplexity_binary() is None, reason="LLAMA_CPP_DIR/bin/llama-perplexity not built")
+@pytest.mark.skipif(perplexity_binary() is None, reason="LLAMA_CPP_DIR/bin/llama-perplexity not built")
 def test_llama_check_fails_the_planted_variant(world):
     logs: list[str] = []
     run = HealRun(load_config(world), log=logs.append)

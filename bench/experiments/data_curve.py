@@ -32,7 +32,7 @@ import numpy as np
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.lake.store import Lake
-from moeheal.pipeline.model.llama_kld import bootstrap_ratio
+from moeheal.pipeline.llamacpp import bootstrap_ratio
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_README = REPO / "demo" / "README.md"

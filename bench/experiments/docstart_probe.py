@@ -33,7 +33,7 @@ from moeheal.pipeline.data.documents import doc_tokens
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.lake.files import read_part
 from moeheal.pipeline.model import roles
-from moeheal.pipeline.model.llama_kld import CTX
+from moeheal.pipeline.llamacpp import CTX
 from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.stages.quantize import token_set
 

@@ -38,7 +38,7 @@ from moeheal.pipeline.config import load_config
 from moeheal.pipeline.data.documents import doc_tokens
 from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.lake.files import read_part
-from moeheal.pipeline.model.llama_kld import CTX, bootstrap_ratio
+from moeheal.pipeline.llamacpp import CTX, bootstrap_ratio
 from moeheal.pipeline.model.runner import Runner
 
 BATCH = 16  # chunks per forward pass

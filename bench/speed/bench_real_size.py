@@ -60,8 +60,8 @@ from moeheal.pipeline.sources.synth import LIKE, write_synth
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 from moeheal.pipeline.data.documents import read_documents, read_split  # noqa: E402
-from moeheal.pipeline.model.llama_kld import document_kld, run_perplexity  # noqa: E402
-from moeheal.pipeline.stages.llama_check import perplexity_binary  # noqa: E402
+from moeheal.pipeline.llamacpp import document_kld, run_perplexity  # noqa: E402
+from moeheal.pipeline.llamacpp import perplexity_binary  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[2] / "demo"
 STAGE_LINE = re.compile(r"^\[(?P<label>[^\]]+)\] (?P<what>computing|cache hit) ")

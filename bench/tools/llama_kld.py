@@ -32,7 +32,7 @@ Printed (markdown):
 status 0, where ``$LLAMA_CPP_DIR/bin/llama-perplexity`` is not built.
 
 The method (documents, runs, summaries, bootstrap) is the pipeline's own,
-``moeheal.pipeline.model.llama_kld``, which the llama-reference, llama-check and
+``moeheal.pipeline.llamacpp``, which the llama-reference, llama-check and
 llama-pairs stages run on every heal where llama.cpp is installed (the lake's
 ``llama_kld`` and ``llama_kld_pairs`` tables); this script prints it for a lake
 made without it, with its own bootstrap draws (``BOOT``, ``SEED``).
@@ -55,9 +55,9 @@ from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode
 from moeheal.pipeline.lake.store import Lake
-from moeheal.pipeline.model import llama_kld as method
-from moeheal.pipeline.model.llama_kld import CTX, MARGIN, WORKERS, scorable, score_documents, write_bases
-from moeheal.pipeline.stages.llama_check import perplexity_binary
+from moeheal.pipeline import llamacpp as method
+from moeheal.pipeline.llamacpp import CTX, MARGIN, WORKERS, scorable, score_documents, write_bases
+from moeheal.pipeline.llamacpp import perplexity_binary
 
 BOOT = 2000  # bootstrap draws, over documents
 SEED = 0

@@ -10,7 +10,7 @@ raises an input error naming the variant and its file as soon as a chunk's
 perplexity is not finite: nothing is published then. Its output,
 `llama_check.parquet`, holds the running perplexity after each chunk.
 
-Then llama.cpp's KLD per evaluation document (`pipeline/model/llama_kld.py`):
+Then llama.cpp's KLD per evaluation document (`pipeline/llamacpp.py`):
 one `llama-perplexity --kl-divergence --chunks 1` run per document against the
 reference's logits on it, which the llama-reference stage (`reference`) wrote
 once for every variant. `llama_kld.parquet`: per document (in doc id order)
@@ -26,7 +26,6 @@ digest (an input), so rebuilding llama.cpp checks again.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from moeheal.pipeline.data.documents import read_documents
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.lake.files import read_part, write_parquet
 from moeheal.pipeline.lake.stage import Log, Stage
-from moeheal.pipeline.model.llama_kld import score_documents, scored_tokens
+from moeheal.pipeline.llamacpp import score_documents, scored_tokens, until_read
 
 CTX = 512  # tokens per chunk (llama-perplexity -c), at most; fewer when the text is short
 CHUNKS = 4  # chunks scored
@@ -55,13 +54,6 @@ SCHEMA = pa.schema([("variant", pa.string()), ("gguf", pa.string()), ("chunk", p
 KLD_SCHEMA = pa.schema([("variant", pa.string()), ("doc_id", pa.string()), ("set", pa.string()),
                         ("stratum", pa.string()), ("tokens", pa.int32()), ("scored", pa.int32()),
                         ("kld", pa.float64()), ("same_top1", pa.float64())])
-
-
-def perplexity_binary() -> Path | None:
-    """$LLAMA_CPP_DIR/bin/llama-perplexity, or None where it is not built."""
-    llama_dir = os.environ.get("LLAMA_CPP_DIR")
-    binary = Path(llama_dir, "bin", "llama-perplexity") if llama_dir else None
-    return binary if binary is not None and binary.is_file() else None
 
 
 def unseen_documents(traces_dir: Path, corpus_dir: Path) -> tuple[list[str], int]:
@@ -103,24 +95,28 @@ def finite(value: float) -> bool:
 
 def run_perplexity(binary: Path, gguf: Path, text: Path, ctx: int, chunks: int,
                    threads: int = THREADS) -> tuple[list[tuple[int, float]], int]:
-    """llama-perplexity on `gguf` over `text`: the running estimates and the chunks it scored. Its log
-    is written by a background thread that can lose the last lines at exit (about every other run
-    on small models): a run is repeated until every chunk's estimate, or a non-finite one, is read."""
+    """llama-perplexity on `gguf` over `text`: the running estimates and the chunks it scored, run again
+    until every chunk's estimate, or a non-finite one, is read (`until_read`)."""
     cmd = [str(binary), "-m", str(gguf), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "--chunks", str(chunks),
            "-t", str(threads), "-ngl", "0"]
-    for _ in range(ATTEMPTS):
+
+    def run() -> str:
         proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
         log = proc.stdout + proc.stderr
         if proc.returncode != 0:
             raise InputError(f"llama-check: llama-perplexity failed on {gguf} (exit {proc.returncode}): "
                              f"{log.strip().splitlines()[-1] if log.strip() else 'no output'}")
+        return log
+
+    def read(log: str) -> tuple[list[tuple[int, float]], int] | None:
         scoring = SCORING.search(log)
         expected = int(scoring.group(1)) if scoring else chunks
         values = running_perplexity(log, expected)
-        if values and (values[-1][0] == expected or not all(finite(v) for _, v in values)):
-            return values, expected
-    raise InputError(f"llama-check: llama-perplexity printed no estimate for every chunk of {gguf} in "
-                     f"{ATTEMPTS} runs")
+        whole = bool(values) and (values[-1][0] == expected or not all(finite(v) for _, v in values))
+        return (values, expected) if whole else None
+
+    return until_read(run, read, f"llama-check: llama-perplexity printed no estimate for every chunk of {gguf}",
+                      ATTEMPTS)
 
 
 @dataclass(frozen=True)

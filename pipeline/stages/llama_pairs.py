@@ -7,7 +7,7 @@ by rank: for every pair of the comparisons table at MoCE bonus 0 (llama.cpp
 has no cache-aware routing) and each window set, llama.cpp's ratio of mean
 KLDs b/a over the set's documents (`sql/llama_kld_pairs.sql`, which also
 carries our ratio and CI from `comparisons`), its 95% percentile CI from a
-document bootstrap (`llama_kld.bootstrap_ratio`: scipy.stats.bootstrap,
+document bootstrap (`llamacpp.bootstrap_ratio`: scipy.stats.bootstrap,
 paired, the config's `[eval] bootstrap` resamples, every pair's from a
 generator seeded with `[eval] seed`, so every pair of a set resamples the same
 documents, as ours resamples the same windows), and `disagree`: the two CIs
@@ -28,7 +28,7 @@ import pyarrow as pa
 from moeheal.pipeline.lake.files import read_part, write_parquet
 from moeheal.pipeline.lake.sqlrun import run_sql
 from moeheal.pipeline.lake.stage import Log, Stage
-from moeheal.pipeline.model.llama_kld import bootstrap_ratio
+from moeheal.pipeline.llamacpp import bootstrap_ratio
 
 SCHEMA = pa.schema([("set", pa.string()), ("a", pa.string()), ("b", pa.string()), ("n_docs", pa.int64()),
                     ("llama_kld_a", pa.float64()), ("llama_kld_b", pa.float64()), ("llama_ratio", pa.float64()),

@@ -1,7 +1,7 @@
 """The reference's logits in llama.cpp, one file per evaluation document, for llama-check's KLD.
 
 llama-check scores every variant's GGUF in llama.cpp against the reference on
-each evaluation document (`pipeline/model/llama_kld.py`: one
+each evaluation document (`pipeline/llamacpp.py`: one
 `llama-perplexity --chunks 1` run per document). What it scores against is
 the same for every variant, so it is made here once per config: for every
 document of role eval or canary long enough for one chunk (2 x `ctx` tokens
@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 from moeheal.pipeline.data.documents import read_documents
 from moeheal.pipeline.lake.files import read_part, write_parquet
 from moeheal.pipeline.lake.stage import Log, Stage
-from moeheal.pipeline.model.llama_kld import CTX, WORKERS, scorable, write_bases
+from moeheal.pipeline.llamacpp import CTX, WORKERS, scorable, write_bases
 
 ROLES = ("eval", "canary")  # the evaluation sets; a document has one role (the audit's split check)
 BASES = "bases"
@@ -40,7 +40,7 @@ DOCUMENTS_SCHEMA = pa.schema([("doc_id", pa.string()), ("set", pa.string()), ("s
 
 @dataclass(frozen=True)
 class LlamaReferenceParams:
-    """The chunk length llama.cpp scores (`llama_kld.CTX`), and how many runs go at once (one thread
+    """The chunk length llama.cpp scores (`llamacpp.CTX`), and how many runs go at once (one thread
     each: the logits do not depend on it)."""
 
     ctx: int = CTX

@@ -1,4 +1,5 @@
-"""llama.cpp's KL divergence per document: the one method the llama stages and `bench/tools/llama_kld.py` share.
+"""llama.cpp as a second evaluator: finding its binary, running it until its log is whole, and its KL
+divergence per document, the one method the llama stages and `bench/tools/llama_kld.py` share.
 
 Our evaluation scores a variant with our own forward pass; llama.cpp, running
 the same GGUF, is a second evaluator. `llama-perplexity --kl-divergence` scores
@@ -23,6 +24,7 @@ replacement, paired between two models.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
@@ -39,7 +41,7 @@ from moeheal.pipeline.errors import InputError
 CTX = 256  # llama.cpp's chunk length, also its batch: tokens per forward pass
 MARGIN = 16  # tokens beyond 2 x CTX (ours), so that llama.cpp's count of a document reaches 2 x CTX
 WORKERS = 2  # llama-perplexity runs at once, one thread each
-ATTEMPTS = 40  # runs of one document before giving up: the summary can be lost (see `document_kld`)
+ATTEMPTS = 40  # runs before giving up: the log's last lines can be lost (see `until_read`)
 BACKOFF = (0.05, 2.0)  # seconds before the first retry, doubling up to the second
 CONFIDENCE = 0.95
 
@@ -69,6 +71,33 @@ def scorable(docs: Iterable[dict], ctx: int = CTX) -> list[dict]:
     return sorted((d for d in docs if long_enough(d["n_tokens"], ctx)), key=lambda d: d["doc_id"])
 
 
+def perplexity_binary() -> Path | None:
+    """$LLAMA_CPP_DIR/bin/llama-perplexity, or None where it is not built."""
+    llama_dir = os.environ.get("LLAMA_CPP_DIR")
+    binary = Path(llama_dir, "bin", "llama-perplexity") if llama_dir else None
+    return binary if binary is not None and binary.is_file() else None
+
+
+def until_read(run: Callable[[], str], read: Callable[[str], R | None], failure: str, attempts: int = ATTEMPTS) -> R:
+    """`read` of the log of `run`, run again while `read` finds nothing in it; an input error saying
+    `failure` after `attempts` runs.
+
+    llama.cpp prints through a logging thread that the process does not wait for at exit (its logger
+    is leaked on purpose: llama.cpp issue 22142), so the lines printed last are lost whenever that
+    thread is not scheduled before the process ends: now and then on an idle machine, most runs of a
+    small model on a loaded one (two other busy processes on two cores: two runs in three). A run
+    whose log lost them is repeated after a pause that doubles (`BACKOFF`), which outlasts a burst
+    of load; the numbers of a run that printed them do not depend on how many runs it took."""
+    wait, most = BACKOFF
+    for _ in range(attempts):
+        found = read(run())
+        if found is not None:
+            return found
+        time.sleep(wait)
+        wait = min(2 * wait, most)
+    raise InputError(f"{failure} in {attempts} runs")
+
+
 def run_perplexity(binary: Path, model: str | Path, text: Path | None, base: Path, kld: bool,
                    ctx: int = CTX) -> str:
     """One llama-perplexity run over the first chunk of `text`; its log (stdout and stderr together).
@@ -95,22 +124,10 @@ def summary(log: str) -> tuple[float, float] | None:
 
 def document_kld(binary: Path, model: str | Path, text: Path | None, base: Path,
                  ctx: int = CTX) -> tuple[float, float]:
-    """(KLD, same top-1) of `model` on one document's chunk, run again where the log lost its summary.
-
-    llama.cpp prints through a logging thread that the process does not wait for at exit (its logger
-    is leaked on purpose: llama.cpp issue 22142), so the lines printed last are lost whenever that
-    thread is not scheduled before the process ends: now and then on an idle machine, most runs of a
-    small model on a loaded one (two other busy processes on two cores: two runs in three). A run
-    whose summary is lost is repeated after a pause that doubles (`BACKOFF`), which outlasts a burst
-    of load; the numbers of a run that printed them do not depend on how many runs it took."""
-    wait, most = BACKOFF
-    for _ in range(ATTEMPTS):
-        found = summary(run_perplexity(binary, model, text, base, kld=True, ctx=ctx))
-        if found is not None:
-            return found
-        time.sleep(wait)
-        wait = min(2 * wait, most)
-    raise InputError(f"llama-perplexity printed no KL summary for {model} on {base.name} in {ATTEMPTS} runs")
+    """(KLD, same top-1) of `model` on one document's chunk, run again where the log lost its summary
+    (`until_read`)."""
+    return until_read(lambda: run_perplexity(binary, model, text, base, kld=True, ctx=ctx), summary,
+                      f"llama-perplexity printed no KL summary for {model} on {base.name}")
 
 
 def in_parallel(fn: Callable[[T], R], items: Sequence[T], workers: int = WORKERS) -> list[R]:
