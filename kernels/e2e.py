@@ -20,6 +20,12 @@ def fp16_ste(x: jax.Array) -> jax.Array:
     return x + jax.lax.stop_gradient(x.astype(jnp.float16).astype(jnp.float32) - x)  # x's shape
 
 
+def code_ste(x: jax.Array, lo: float, hi: float) -> jax.Array:
+    """x rounded to the nearest integer in [lo, hi] in the forward pass (a code the file can hold);
+    identity in the backward pass, so offsets below half a step accumulate until a code moves."""
+    return x + jax.lax.stop_gradient(jnp.clip(jnp.round(x), lo, hi) - x)  # x's shape
+
+
 def relative(stored: jax.Array, u: jax.Array) -> jax.Array:
     """stored * (1 + u): a tuned value from the stored one and its relative change (same shape)."""
     return stored * (1.0 + u)

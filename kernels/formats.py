@@ -102,6 +102,12 @@ class BlockFormat:
         cls.bits_per_weight = cls.type_size * 8 / cls.block_size
 
     @classmethod
+    def code_scale_parts(cls) -> tuple[tuple[int, int, int], ...]:
+        """(part, lo, hi) of each integer sub-block scale code in ``unpack``'s parts that end-to-end
+        tuning may move (`pipeline/stages/e2e.py`, ``e2e_code_lr``); none unless a format says so."""
+        return ()
+
+    @classmethod
     def pack(cls, *parts: jax.Array) -> jax.Array:
         """The parts ``unpack`` returns (scales as fp16-representable floats) -> (n, type_size) uint8."""
         raise NotImplementedError

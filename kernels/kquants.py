@@ -39,6 +39,13 @@ class KQuant(BlockFormat):
     scale_range: ClassVar[tuple[int, int]]
 
     @classmethod
+    def code_scale_parts(cls) -> tuple[tuple[int, int, int], ...]:
+        """(part, lo, hi) of the integer sub-block scale codes `unpack` returns: ls, and lm where the
+        format has mins, each in ``scale_range``."""
+        lo, hi = cls.scale_range
+        return ((2, lo, hi), (3, lo, hi)) if cls.has_min else ((2, lo, hi),)
+
+    @classmethod
     def pack(cls, d: jax.Array, dmin: jax.Array, ls: jax.Array, lm: jax.Array, q: jax.Array) -> jax.Array:
         """d, dmin (n,) fp16 values; ls, lm (n, k) and q (n, 256) integer-valued -> (n, type_size) uint8."""
         raise NotImplementedError

@@ -14,7 +14,7 @@ from gguf import GGUFReader
 
 from moeheal.kernels import decode
 from moeheal.kernels.adam import adam_init, adam_step
-from moeheal.kernels.e2e import LOG_ZERO, fp16_ste, kl_sum_topk, top_k_distribution
+from moeheal.kernels.e2e import LOG_ZERO, code_ste, fp16_ste, kl_sum_topk, top_k_distribution
 from moeheal.kernels.kld import kl_from_log_probs
 from moeheal.pipeline.commands.cli import main
 from moeheal.pipeline.config import E2E_MIN_STEPS, e2e_schedule, load_config
@@ -161,12 +161,15 @@ def test_gradient_wrt_a_scale_matches_float64_finite_differences(tuned):
 def test_the_streamed_gradient_is_the_whole_models(tuned):
     """The layer-by-layer backward sweep (each layer's forward recomputed inside its own vector-Jacobian
     product) against JAX differentiating the whole forward as one function, in float64: every leaf of
-    theta, at a point away from zero."""
+    theta, at a point away from zero, the sub-block scale codes' offsets among them (their rounding
+    passes the gradient straight through in both)."""
     _, run = tuned
     assembled, _ = _models(run)
     tokens, ids, logp, log_rest, mask = _trace(run, "calibration").batch(0)
     with jax.enable_x64(True):
-        tuner = e2e.Tuner(assembled, GGUFModel(run.cfg.source), round_scales=False, dtype=jnp.float64)
+        tuner = e2e.Tuner(assembled, GGUFModel(run.cfg.source), round_scales=False, dtype=jnp.float64,
+                          tune_codes=True)
+        assert tuner.theta0["codes"]  # the variant's Q2_K experts: ls and lm per 16 weights
         rng = np.random.default_rng(1)
         theta = jax.tree_util.tree_map(lambda u: 0.02 * rng.standard_normal(u.shape), tuner.theta0)
         cos, sin = (a.astype(jnp.float64) for a in tuner.arch.rope_tables(tokens.shape[1], tuner.hp))
@@ -179,7 +182,7 @@ def test_the_streamed_gradient_is_the_whole_models(tuned):
             for i, spec in enumerate(tuner.specs):
                 prefix = f"blk.{i}."
                 theta_i = {kind: {n[len(prefix):]: u for n, u in t[kind].items() if n.startswith(prefix)}
-                           for kind in ("scales", "floats")}
+                           for kind in e2e.THETA_KINDS}
                 h = tuner.layer_forward(spec, theta_i, layers[i], h, cos, sin)  # (B, T, d)
             head_theta = {n: u for n, u in t["floats"].items() if not n.startswith("blk.")}
             return tuner.head_kl(head_theta, head, h, *ref)
@@ -218,6 +221,38 @@ def test_fp16_ste_rounds_forward_and_passes_gradients():
     np.testing.assert_array_equal(np.asarray(jax.grad(lambda v: jnp.sum(fp16_ste(v) * 3.0))(x)), [3.0, 3.0, 3.0])
 
 
+def test_code_ste_rounds_into_the_range_forward_and_passes_gradients():
+    x = jnp.asarray([0.49, 0.51, 3.5, -0.7, 15.6, 7.0], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(code_ste(x, 0, 15)), [0.0, 1.0, 4.0, 0.0, 15.0, 7.0])
+    np.testing.assert_array_equal(np.asarray(jax.grad(lambda v: jnp.sum(code_ste(v, 0, 15) * 2.0))(x)), [2.0] * 6)
+
+
+def test_moved_sub_block_codes_are_written_and_decode_as_tuned(tuned, tmp_path):
+    """`tune_codes`: each Q2_K tensor's ls and lm codes (4 bits per 16 weights) moved by offsets of up to
+    two steps: in the written bytes the weight codes are the assembled file's, the sub-block codes are
+    the stored ones plus the rounded offsets clipped to 0..15 (ls in each scale byte's low nibble, lm in
+    its high one), and the file decodes (gguf-py) to what the tuner's forward used."""
+    _, run = tuned
+    assembled, _ = _models(run)
+    source = GGUFModel(run.cfg.source)
+    tuner = e2e.Tuner(assembled, source, tune_codes=True)
+    assert set(tuner.theta0["codes"]) == {n for n, (fmt, _) in tuner.layout.items() if fmt.code_scale_parts()}
+    rng = np.random.default_rng(2)
+    theta = dict(tuner.theta0, codes={n: [rng.uniform(-2, 2, u.shape).astype(np.float32) for u in us]
+                                      for n, us in tuner.theta0["codes"].items()})
+    moved = tmp_path / "moved_codes.gguf"
+    copy_gguf(assembled, moved, tuner.replacements(theta))
+    before, after = GGUFReader(assembled.path), GGUFReader(moved)
+    name = next(n for n in theta["codes"] if n.endswith("ffn_down_exps.weight"))
+    a, w = (np.asarray(next(t for t in r.tensors if t.name == name).data).view(np.uint8).reshape(-1, 84)
+            for r in (before, after))  # (n_blocks, 84): scales[16], qs[64], d, dmin
+    np.testing.assert_array_equal(w[:, 16:], a[:, 16:])  # weight codes and fp16 scales untouched
+    ls, lm = theta["codes"][name]  # (n_blocks, 16) each
+    np.testing.assert_array_equal(w[:, :16] & 0xF, np.clip(np.round((a[:, :16] & 0xF) + ls), 0, 15))
+    np.testing.assert_array_equal(w[:, :16] >> 4, np.clip(np.round((a[:, :16] >> 4) + lm), 0, 15))
+    np.testing.assert_array_equal(GGUFModel(moved).tensor(name), tuner.tuned_tensor(theta, name))
+
+
 def test_plan_lists_the_e2e_stage_and_evaluation_reads_its_file(tuned, capsys):
     config, run = tuned
     assert main(["plan", "-c", str(config)]) == 0
@@ -252,6 +287,8 @@ def test_the_scales_and_the_other_floats_step_at_their_own_learning_rates(tuned)
     ("e2e_scale_lr = 0.001", "[variant[0]] e2e_scale_lr: has no effect without e2e = true"),
     ("e2e = true\ne2e_scale_lr = -1.0", "[variant[0]] e2e_scale_lr: -1.0 out of range"),
     ("e2e = 1", "[variant[0]] e2e: expected bool"),
+    ("e2e_code_lr = 0.01", "[variant[0]] e2e_code_lr: has no effect without e2e = true"),
+    ("e2e = true\ne2e_code_lr = 2.0", "[variant[0]] e2e_code_lr: 2.0 out of range"),
 ])
 def test_e2e_knobs_are_validated(tmp_path, knobs, message):
     config = write_world(tmp_path, variants=f'[[variant]]\nname = "v"\n{knobs}\n')
@@ -401,7 +438,7 @@ def test_steps_draw_only_the_sequences_of_the_variants_calibration_rows():
     assert E2EParams.of(Variant(name="v", kind="healed", cal_tokens=2048, e2e=True), 512).cal_tokens == 2048
     assert E2EParams.of(Variant(name="v", kind="healed", e2e=True), 512).cal_tokens is None  # keys kept
     drawn = []
-    tuner = SimpleNamespace(theta0={"scales": {}, "floats": {}},
+    tuner = SimpleNamespace(theta0={"scales": {}, "floats": {}, "codes": {}},
                             trace_kl=lambda theta, trace, n=None: (1.0, 1),
                             step=lambda theta, batch: drawn.append(batch[0].tolist()) or (0.0, theta))
     calibration = SimpleNamespace(n_seqs=16, batch=lambda b, rows: (rows,))

@@ -48,7 +48,7 @@ from gguf import GGMLQuantizationType
 
 from moeheal.kernels.adam import adam_init, adam_step
 from moeheal.kernels.decode import FORMATS, format_of
-from moeheal.kernels.e2e import fp16_ste, kl_sum_topk, relative
+from moeheal.kernels.e2e import code_ste, fp16_ste, kl_sum_topk, relative
 from moeheal.pipeline.data.documents import trace_tokens
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.gguf.writer import copy_gguf
@@ -79,11 +79,13 @@ class E2EParams:
     scale_lr: float  # the fp16 block scales'
     seq_tokens: int
     cal_tokens: int | None = None  # the variant's `cal_tokens`: steps draw only the sequences starting below it
+    code_lr: float | None = None  # the sub-block scale codes' Adam step (code units); None: codes frozen, out of the key
 
     @classmethod
     def of(cls, variant, seq_tokens: int) -> "E2EParams":
         return cls(variant=variant.name, steps=variant.e2e_steps, lr=variant.e2e_lr,
-                   scale_lr=variant.e2e_scale_lr, seq_tokens=seq_tokens, cal_tokens=variant.cal_tokens or None)
+                   scale_lr=variant.e2e_scale_lr, seq_tokens=seq_tokens, cal_tokens=variant.cal_tokens or None,
+                   code_lr=variant.e2e_code_lr or None)
 
 
 def short_name(name: str) -> str:
@@ -112,6 +114,7 @@ def tuned_tensors(model: GGUFModel, source: GGUFModel) -> tuple[list[str], list[
 # rest is brought over (and its frozen tensors decoded) each pass, one layer at a time.
 DEVICE_CACHE_BYTES = 1 << 30
 _GLOBAL = -1  # the group of the tensors outside the layers (output_norm)
+THETA_KINDS = ("scales", "floats", "codes")  # theta's groups: fp16 scales, F32 norms and routers, scale codes
 
 
 def host(x: jax.Array) -> np.ndarray:
@@ -150,7 +153,7 @@ class Tuner:
     """
 
     def __init__(self, model: GGUFModel, source: GGUFModel, round_scales: bool = True,
-                 dtype: Any = jnp.float32, cache_bytes: int = DEVICE_CACHE_BYTES):
+                 dtype: Any = jnp.float32, cache_bytes: int = DEVICE_CACHE_BYTES, tune_codes: bool = False):
         self.model, self.arch, self.hp = model, model.arch, model.hp
         self.round_scales = round_scales  # False: the scales unrounded, a smooth function (gradient checks)
         self.dtype = dtype  # float64 for gradient checks against finite differences
@@ -160,7 +163,9 @@ class Tuner:
         self.output_name = "output.weight" if "output.weight" in model.tensor_names else "token_embd.weight"
         self.theta0 = {"scales": {n: [np.zeros(part.shape, np.float32) for part in self._fp16_parts(n)]
                                   for n in quantized},
-                       "floats": {n: np.zeros(model.shape(n), np.float32) for n in floats}}
+                       "floats": {n: np.zeros(model.shape(n), np.float32) for n in floats},
+                       "codes": {n: [np.zeros(part.shape, np.float32) for part in self._code_parts(n)]
+                                 for n in quantized if tune_codes and self._code_parts(n)}}
         self.specs = self._layer_specs()
         self.cache_bytes, self._cache, self._held = cache_bytes, {}, 0
         self._forward = jax.jit(self.layer_forward, static_argnums=0)
@@ -175,6 +180,14 @@ class Tuner:
         blocks = jax.ShapeDtypeStruct((self.model.raw(name).data.size // fmt.type_size, fmt.type_size), jnp.uint8)
         parts = jax.eval_shape(fmt.unpack, blocks)
         return [parts[i] for i in fmt.fp16_parts]
+
+    def _code_parts(self, name: str) -> list[jax.ShapeDtypeStruct]:
+        """The shapes of a quantized tensor's integer sub-block scale code parts (none for most
+        formats but the k-quants), without decoding it."""
+        fmt, _ = self.layout[name]
+        blocks = jax.ShapeDtypeStruct((self.model.raw(name).data.size // fmt.type_size, fmt.type_size), jnp.uint8)
+        parts = jax.eval_shape(fmt.unpack, blocks)
+        return [parts[i] for i, _, _ in fmt.code_scale_parts()]
 
     def _layer_specs(self) -> list[LayerSpec]:
         """Each layer's `LayerSpec`, layers alike (the same tensors, shapes and formats) sharing the first's index."""
@@ -217,7 +230,9 @@ class Tuner:
                    "floats": {short[n]: self._device(n) for n in names if n in self.floats}}
         theta_i = {"scales": {short[n]: [jnp.asarray(u, self.dtype) for u in theta["scales"][n]]
                               for n in names if n in self.layout},
-                   "floats": {short[n]: jnp.asarray(theta["floats"][n], self.dtype) for n in names if n in self.floats}}
+                   "floats": {short[n]: jnp.asarray(theta["floats"][n], self.dtype) for n in names if n in self.floats},
+                   "codes": {short[n]: [jnp.asarray(u, self.dtype) for u in theta["codes"][n]]
+                             for n in names if n in theta["codes"]}}
         return theta_i, tensors
 
     def head_inputs(self, theta: dict) -> tuple[dict, dict]:
@@ -227,19 +242,25 @@ class Tuner:
                 {"floats": {n: self._device(n) for n in names}, "output": self._device(self.output_name)})
 
     # ---- the programs ----------------------------------------------------------------
-    def scale_parts(self, fmt: type, parts: tuple[jax.Array, ...], u: list[jax.Array]) -> tuple[jax.Array, ...]:
-        """A quantized tensor's parts with its fp16 scales tuned and rounded to fp16 (straight through)."""
+    def scale_parts(self, fmt: type, parts: tuple[jax.Array, ...], u: list[jax.Array],
+                    codes: list[jax.Array] | None = None) -> tuple[jax.Array, ...]:
+        """A quantized tensor's parts with its fp16 scales tuned and rounded to fp16, and with `codes`
+        its sub-block scale codes moved by those offsets and rounded into their range (both straight
+        through)."""
         parts = [p.astype(self.dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p for p in parts]
         for i, du in zip(fmt.fp16_parts, u):
             tuned = relative(parts[i], du)  # (n_blocks, 1)
             parts[i] = fp16_ste(tuned) if self.round_scales else tuned
+        for (i, lo, hi), dc in zip(fmt.code_scale_parts(), codes or []):
+            parts[i] = code_ste(parts[i] + dc, lo, hi)  # (n_blocks, k)
         return tuple(parts)
 
     def layer_params(self, spec: LayerSpec, theta_i: dict, tensors: dict) -> dict[str, jax.Array]:
         """Every tensor of one layer as the tuned file decodes it, keyed by short name."""
         params = dict(tensors["frozen"])
         for short, fmt, shape in spec.quantized:
-            parts = self.scale_parts(fmt, fmt.unpack(tensors["blocks"][short]), theta_i["scales"][short])
+            parts = self.scale_parts(fmt, fmt.unpack(tensors["blocks"][short]), theta_i["scales"][short],
+                                     theta_i["codes"].get(short))
             params[short] = fmt.dequantize_parts(parts).reshape(shape)  # (...)
         for short, w in tensors["floats"].items():
             params[short] = relative(w, theta_i["floats"][short])  # the tensor's shape
@@ -310,20 +331,22 @@ class Tuner:
             h = self._forward(spec, *self.layer_inputs(i, theta), h, cos, sin)  # (B, T, d)
         theta_head, head = self.head_inputs(theta)
         loss, (g_head, g_h) = self._head_grad(theta_head, head, h, *self.reference_batch(batch))  # (), ({..}, (B, T, d))
-        grad = {"scales": {}, "floats": {n: host(g) for n, g in g_head.items()}}
+        grad = {"scales": {}, "floats": {n: host(g) for n, g in g_head.items()}, "codes": {}}
         for i in reversed(range(len(self.specs))):
             theta_i, tensors = self.layer_inputs(i, theta)
             g_theta, g_h = self._backward(self.specs[i], theta_i, tensors, jnp.asarray(inputs[i]), cos, sin, g_h)
             prefix = f"blk.{i}."
             grad["scales"] |= {prefix + s: [host(g) for g in gs] for s, gs in g_theta["scales"].items()}
             grad["floats"] |= {prefix + s: host(g) for s, g in g_theta["floats"].items()}
+            grad["codes"] |= {prefix + s: [host(g) for g in gs] for s, gs in g_theta["codes"].items()}
         return float(loss), grad
 
     # ---- the written file ---------------------------------------------------------------
     def tuned_tensor(self, theta: dict, name: str) -> np.ndarray:
         """A tuned quantized tensor as the written file decodes it (float32, its logical shape)."""
         fmt, shape = self.layout[name]
-        parts = self.scale_parts(fmt, fmt.unpack(self._device(name, blocks=True)), theta["scales"][name])
+        parts = self.scale_parts(fmt, fmt.unpack(self._device(name, blocks=True)), theta["scales"][name],
+                                 theta["codes"].get(name))
         return np.asarray(fmt.dequantize_parts(parts).reshape(shape), np.float32)
 
     def replacements(self, theta: dict) -> dict[str, tuple[np.ndarray, GGMLQuantizationType]]:
@@ -333,7 +356,9 @@ class Tuner:
         for name, (fmt, _) in self.layout.items():
             raw = self.model.raw(name)
             parts = fmt.unpack(jnp.asarray(raw.data.reshape(-1, fmt.type_size)))
-            blocks = fmt.pack(*self.scale_parts(fmt, parts, [jnp.asarray(u) for u in theta["scales"][name]]))  # (n_blocks, type_size)
+            codes = [jnp.asarray(u) for u in theta["codes"].get(name, [])]
+            blocks = fmt.pack(*self.scale_parts(fmt, parts, [jnp.asarray(u) for u in theta["scales"][name]],
+                                                codes))  # (n_blocks, type_size)
             out[name] = (np.asarray(blocks, np.uint8).reshape(raw.data.shape), raw.ggml_type)
         for name, u in theta["floats"].items():
             out[name] = (np.asarray(relative(self.model.tensor(name), np.asarray(u)), np.float32),
@@ -373,30 +398,31 @@ def learning_rates(theta: dict, params: E2EParams) -> dict:
     """A pytree like `theta` of each leaf's Adam step: `scale_lr` for the fp16 block scales, `lr` for
     the norms and routers."""
     return {"scales": jax.tree_util.tree_map(lambda _: jnp.float32(params.scale_lr), theta["scales"]),
-            "floats": jax.tree_util.tree_map(lambda _: jnp.float32(params.lr), theta["floats"])}
+            "floats": jax.tree_util.tree_map(lambda _: jnp.float32(params.lr), theta["floats"]),
+            "codes": jax.tree_util.tree_map(lambda _: jnp.float32(params.code_lr or 0.0), theta["codes"])}
 
 
 def by_layer(tree: dict) -> dict[int, dict]:
     """A pytree like theta split per layer (`layer_of`), each keyed by short name: layers alike have
     the same structure, so one compiled update serves them all."""
     groups: dict[int, dict] = {}
-    for kind in ("scales", "floats"):
+    for kind in THETA_KINDS:
         for name, leaf in tree[kind].items():
-            groups.setdefault(layer_of(name), {"scales": {}, "floats": {}})[kind][short_name(name)] = leaf
+            groups.setdefault(layer_of(name), {k: {} for k in THETA_KINDS})[kind][short_name(name)] = leaf
     return groups
 
 
 def adam_by_layer(theta: dict, grad: dict, states: dict[int, Any], lr: dict) -> dict:
     """One Adam step of every leaf, a layer at a time on the device (Adam is elementwise, so this is the
     whole-tree step); theta, grad and the moments in `states` (updated in place) stay on the host."""
-    out: dict = {"scales": {}, "floats": {}}
+    out: dict = {k: {} for k in THETA_KINDS}
     grads, rates = by_layer(grad), by_layer(lr)
     for layer, group in by_layer(theta).items():
         state = states.get(layer) or adam_init(group)
         group, state = adam_step(group, grads[layer], state, rates[layer])
         states[layer] = jax.tree_util.tree_map(host, state)
         prefix = f"blk.{layer}." if layer != _GLOBAL else ""
-        for kind in ("scales", "floats"):
+        for kind in THETA_KINDS:
             out[kind] |= {prefix + short: jax.tree_util.tree_map(host, leaf) for short, leaf in group[kind].items()}
     return out
 
@@ -446,7 +472,7 @@ def e2e_model(out: Path, assembled: GGUFModel, source: GGUFModel, traces_dir: Pa
     _, seq = trace_tokens(traces_dir, "calibration")
     starts = np.flatnonzero(np.diff(seq, prepend=-1))  # each calibration sequence's first row
     train_seqs = int(np.sum(starts < params.cal_tokens)) if params.cal_tokens else None
-    tuner = Tuner(assembled, source)
+    tuner = Tuner(assembled, source, tune_codes=bool(params.code_lr))
     theta, rows = tune(tuner, calibration, unseen, params, log, train_seqs)
     copy_gguf(assembled, out / MODEL_FILE, tuner.replacements(theta))
     write_parquet(out / CURVE_FILE, pa.Table.from_pylist(rows, schema=CURVE_SCHEMA))
