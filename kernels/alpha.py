@@ -12,7 +12,9 @@ same formula fitted on the evaluation data itself: the best any single scale
 could do there, against which the calibration-fitted alpha is judged.
 
 Sums are accumulated in float64 over row chunks: activations are float32 and a
-dump holds tens of millions of them, so float32 sums would lose digits.
+dump holds tens of millions of them, so float32 sums would lose digits. Where
+several residuals of the same outputs are wanted, `output_gram` reads the rows
+once and `residual_from_gram` gives each from its inner products.
 """
 
 from __future__ import annotations
@@ -82,3 +84,36 @@ def oracle_alpha(y_ref_eval: np.ndarray, y_q_eval: np.ndarray) -> tuple[float, f
     """
     alpha = fit_alpha(y_ref_eval, y_q_eval)
     return alpha, relative_residual(y_ref_eval, y_q_eval, alpha)
+_GRAM_ROWS = 256  # rows per chunk of `output_gram`: a float64 buffer of k x 256 x d (16 MB at k = 4, d = 2,048)
+
+
+def output_gram(*outputs: np.ndarray) -> np.ndarray:
+    """G[i, j] = <outputs[i], outputs[j]> over all rows and columns, float64, from one pass over row
+    chunks (each copied into one float64 buffer, then a matrix product): every scale and residual
+    among these outputs follows from it (`residual_from_gram`), where a pass per residual would read
+    the rows again each time, seconds of host time per pass at 65,536 rows of a 2,048-wide layer
+    (bench/speed/bench_calibrate_stats.py). (k, k) for k outputs of the same shape (N, d)."""
+    shape = np.shape(outputs[0])
+    if any(np.shape(a) != shape for a in outputs):
+        raise ValueError(f"shape mismatch: {[np.shape(a) for a in outputs]}")
+    width = int(np.prod(shape[1:], dtype=np.int64))
+    gram = np.zeros((len(outputs), len(outputs)))  # (k, k)
+    buffer = np.empty((len(outputs), _GRAM_ROWS * width))  # (k, rows d)
+    for start in range(0, shape[0], _GRAM_ROWS):
+        n = (min(start + _GRAM_ROWS, shape[0]) - start) * width
+        for i, a in enumerate(outputs):
+            buffer[i, :n] = np.asarray(a[start : start + _GRAM_ROWS]).reshape(-1)  # float32 -> float64
+        gram += buffer[:, :n] @ buffer[:, :n].T  # (k, k)
+    return gram
+
+
+def residual_from_gram(gram: np.ndarray, ref: int, terms: dict[int, float]) -> float:
+    """||y_ref - sum_i c_i y_i||^2 / ||y_ref||^2 with y_ref the output at `ref` and `terms` {i: c_i},
+    from `output_gram`'s matrix: v^T G v / G[ref, ref] for v = e_ref - sum_i c_i e_i."""
+    v = np.zeros(len(gram))  # (k,)
+    v[ref] = 1.0
+    for i, c in terms.items():
+        v[i] -= c
+    if not gram[ref, ref] > 0:
+        raise ValueError("y_ref is zero: the relative residual is undefined")
+    return float(max(v @ gram @ v, 0.0) / gram[ref, ref])

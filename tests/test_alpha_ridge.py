@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 from scipy import optimize
 
-from moeheal.kernels.alpha import alpha_stats, fit_alpha, oracle_alpha, relative_residual
+from moeheal.kernels.alpha import (
+    alpha_stats,
+    fit_alpha,
+    oracle_alpha,
+    output_gram,
+    relative_residual,
+    residual_from_gram,
+)
 from moeheal.kernels.ridge import (
     alpha_ridge_cv_sweep,
     cv_folds,
@@ -42,6 +49,29 @@ def test_fit_alpha_matches_float64_and_minimises_residual() -> None:
     assert relative_residual(y_ref, y_q, alpha) < relative_residual(y_ref, y_q)  # alpha = 1 is worse here
     dot, norm_q, norm_ref = alpha_stats(y_ref, y_q)
     assert norm_ref == pytest.approx(np.sum(ref64**2), rel=1e-12) and dot / norm_q == alpha
+
+
+def test_residuals_from_one_gram_match_float64_passes() -> None:
+    """Every residual calibrate reports, from `output_gram` (one pass, 5000 rows: several chunks) against
+    float64 NumPy over the whole arrays: plain, scaled, a sum of two outputs, and a ratio of two."""
+    rng = np.random.default_rng(3)
+    y_ref, y_q = shrunk_output(rng)
+    y_h = (1.05 * y_q).astype(np.float32)
+    y_s = (0.2 * (y_ref - y_h) + 0.01 * rng.normal(size=y_ref.shape)).astype(np.float32)
+    r, q, h, s = (a.astype(np.float64) for a in (y_ref, y_q, y_h, y_s))
+    gram = output_gram(y_ref, y_q, y_h, y_s)
+    np.testing.assert_allclose(gram, np.array([[np.sum(a * b) for b in (r, q, h, s)] for a in (r, q, h, s)]),
+                               rtol=1e-12)
+    rr = np.sum(r * r)
+    assert residual_from_gram(gram, 0, {1: 1.0}) == pytest.approx(np.sum((r - q) ** 2) / rr, rel=1e-10)
+    c = np.sum(r * q) / np.sum(q * q)
+    assert residual_from_gram(gram, 0, {1: c}) == pytest.approx(oracle_alpha(y_ref, y_q)[1], rel=1e-10)
+    assert residual_from_gram(gram, 0, {2: 1.0, 3: 1.0}) == pytest.approx(np.sum((r - h - s) ** 2) / rr, rel=1e-10)
+    gain = residual_from_gram(gram, 0, {2: 1.0, 3: 1.0}) / residual_from_gram(gram, 0, {2: 1.0}) - 1.0
+    assert gain == pytest.approx(relative_residual(y_ref - y_h, y_s) - 1.0, rel=1e-9)
+    assert residual_from_gram(output_gram(y_ref, y_ref), 0, {1: 1.0}) == 0.0
+    with pytest.raises(ValueError, match="shape"):
+        output_gram(y_ref, y_q[:-1])
 
 
 def test_relative_residual_matches_float64() -> None:

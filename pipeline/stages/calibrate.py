@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from moeheal.kernels import decode, encode
-from moeheal.kernels.alpha import fit_alpha, oracle_alpha, relative_residual
+from moeheal.kernels.alpha import fit_alpha, output_gram, residual_from_gram
 from moeheal.kernels.ridge import alpha_ridge_cv_sweep, effective_dof, matrix_rank, ridge_stats, solve_ridge
 from moeheal.pipeline.data.dumps import open_dump, read_layer
 from moeheal.pipeline.data.units import EXPERT_TENSORS, load_quantized
@@ -172,7 +172,6 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
     y_healed = {s: routed_output(experts_f32, g) for s, g in groups.items()}
     del experts_f32
 
-    shexp_delta = {s: np.zeros_like(y) for s, y in y_ref.items()}
     if shared:
         w_down = source.tensor(f"blk.{layer}.ffn_down_shexp.weight")  # (d, f)
         z = {s: _gated_hidden(source, layer, g) for s, g in groups.items()}  # (T, f) the source's
@@ -194,22 +193,30 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
             arrays["ffn_down_shexp.format"], arrays["ffn_down_shexp.shape"] = np.asarray(fmt), np.asarray(w_down.shape)
         w_requant = dequantized_matrix(arrays, "ffn_down_shexp")  # (d, f)
         shexp_delta = {s: z_q[s] @ w_requant.T - z[s] @ w_down.T for s in groups}  # (T, d)
-        if rho > 0:  # realized gain of the configured rho after requantization, per split
-            cv_rows += [{"layer": layer, "rho": rho, "split": f"{s}_realized",
-                         "rel_gain": float(relative_residual(y_ref[s] - y_healed[s], shexp_delta[s]) - 1.0),
-                         "rank_z": int(rank), "dof": float(effective_dof(gram, rho)),
-                         "chosen": rho == best_rho, "configured": True, "applied": bool(applied)}
-                        for s in groups]
-    for s in groups:
-        oracle, resid_oracle = oracle_alpha(y_ref[s], y_q[s])
+    # every residual below from one pass over each split's outputs: y_ref, y_q, y_healed (and the shared
+    # expert's change); the oracle alpha is <y_ref, y_q> / ||y_q||^2 on the split itself
+    ref, quant, healed, moved_shared = range(4)
+    grams = {s: output_gram(y_ref[s], y_q[s], y_healed[s], *([shexp_delta[s]] if shared else []))
+             for s in groups}  # (k, k) each
+    with_ridge = {healed: 1.0, **({moved_shared: 1.0} if shared else {})}
+    if shared and rho > 0:  # realized gain of the configured rho after requantization, per split
+        # ||R - S||^2 / ||R||^2 - 1 with R = y_ref - y_healed and S the shared expert's change
+        cv_rows += [{"layer": layer, "rho": rho, "split": f"{s}_realized",
+                     "rel_gain": residual_from_gram(g, ref, with_ridge) / residual_from_gram(g, ref, {healed: 1.0})
+                     - 1.0,
+                     "rank_z": int(rank), "dof": float(effective_dof(gram, rho)),
+                     "chosen": rho == best_rho, "configured": True, "applied": bool(applied)}
+                    for s, g in grams.items()]
+    for s, g in grams.items():
+        oracle = g[ref, quant] / g[quant, quant]
         metrics.append({
             "layer": layer, "split": s,
-            "resid_alpha1": relative_residual(y_ref[s], y_q[s]),
+            "resid_alpha1": residual_from_gram(g, ref, {quant: 1.0}),
             "alpha": float(alpha),
-            "resid_alpha": relative_residual(y_ref[s], y_healed[s]),
+            "resid_alpha": residual_from_gram(g, ref, {healed: 1.0}),
             "alpha_oracle": float(oracle),
-            "resid_oracle": resid_oracle,
-            "resid_ridge": relative_residual(y_ref[s], y_healed[s] + shexp_delta[s]),
+            "resid_oracle": residual_from_gram(g, ref, {quant: oracle}),
+            "resid_ridge": residual_from_gram(g, ref, with_ridge),
         })
     np.savez(out / f"layer_{layer}.npz", **arrays, alpha=np.float32(alpha))
     for name, rows, schema in (("layer_metrics", metrics, METRICS_SCHEMA), ("ridge_cv", cv_rows, RIDGE_CV_SCHEMA)):
