@@ -36,13 +36,9 @@ def _row_chunks(*arrays: np.ndarray) -> Iterator[tuple[np.ndarray, ...]]:
 
 
 def alpha_stats(y_ref: np.ndarray, y_q: np.ndarray) -> tuple[float, float, float]:
-    """(<y_ref, y_q>, ||y_q||^2, ||y_ref||^2) in float64; additive over token chunks."""
-    dot = norm_q = norm_ref = 0.0
-    for ref, q in _row_chunks(y_ref, y_q):  # (n, d) each
-        dot += float(np.einsum("nd,nd->", ref, q))
-        norm_q += float(np.einsum("nd,nd->", q, q))
-        norm_ref += float(np.einsum("nd,nd->", ref, ref))
-    return dot, norm_q, norm_ref
+    """(<y_ref, y_q>, ||y_q||^2, ||y_ref||^2) in float64 (`output_gram`'s entries); additive over token chunks."""
+    gram = output_gram(y_ref, y_q)  # (2, 2)
+    return float(gram[0, 1]), float(gram[1, 1]), float(gram[0, 0])
 
 
 def alpha_from_stats(dot: float, norm_q: float) -> float:
