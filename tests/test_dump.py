@@ -15,7 +15,7 @@ import zarr
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.model.runner import Runner
-from moeheal.pipeline.data.dumps import ARRAYS, dump_trace, import_raw_dump, open_dump, read_routing
+from moeheal.pipeline.data.dumps import ARRAYS, dump_trace, equal_length_runs, import_raw_dump, open_dump, read_routing
 
 SEQ = 64
 REPO = Path(__file__).resolve().parents[1]
@@ -46,6 +46,15 @@ def test_chunking_changes_no_byte(tiny_qwen2moe, tmp_path):
     assert group["mixed"].shape == (len(tokens), model.hp.d_model)
     assert group["hh"].shape == (len(tokens), model.hp.d_shexp)
     assert group.attrs["trace"] == "calibration"
+
+
+def test_equal_length_runs_keep_the_order_and_batch_only_sequences_of_one_length():
+    """A dump runs each run as one (B, T) pass: consecutive sequences of one length together, a
+    shorter one (a trace's last) alone, every row in its place."""
+    bounds = [(0, 64), (64, 128), (128, 145), (145, 209), (209, 273)]
+    assert equal_length_runs(bounds) == [[(0, 64), (64, 128)], [(128, 145)], [(145, 209), (209, 273)]]
+    assert [b for run in equal_length_runs(bounds) for b in run] == bounds
+    assert equal_length_runs([]) == []
 
 
 def test_dump_rows_are_the_runner_captures(tiny_qwen2moe, tmp_path):

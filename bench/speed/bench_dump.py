@@ -5,6 +5,10 @@ the figures are independent. Bounded memory means the 32k-token dump peaks
 within 1.5x of the 1k-token one: only one processing chunk of activations is
 ever held, whatever the trace length.
 
+Each size also runs with one sequence per forward pass (`chunk_tokens` = the sequence length),
+how every pass ran before the dump batched runs of equal-length sequences (`dumps.equal_length_runs`):
+the ratio of the two, measured in the same run, is what the batching gives on this backend.
+
     python bench/speed/bench_dump.py [--gguf demo/model/demo-q8_0.gguf] [--sizes 1024 8192 32768]
 """
 
@@ -33,7 +37,7 @@ n, seq_tokens = {n}, 512
 tokens = np.random.default_rng(0).integers(0, model.hp.vocab_size, n).astype(np.int32)
 seq = (np.arange(n) // seq_tokens).astype(np.int32)
 start = time.perf_counter()
-dump_trace(Path({out!r}), Runner(model), tokens, seq, "calibration", chunk_tokens=2048, seq_tokens=seq_tokens,
+dump_trace(Path({out!r}), Runner(model), tokens, seq, "calibration", chunk_tokens={chunk}, seq_tokens=seq_tokens,
            log=lambda m: None)
 elapsed = time.perf_counter() - start
 print(json.dumps({{"tokens": n, "seconds": elapsed,
@@ -58,17 +62,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         gguf = args.gguf or default_gguf(Path(tmp))
         rows = []
+        single = {}
         for n in args.sizes:
-            code = CHILD.format(repo=str(REPO), gguf=str(gguf), n=n, out=str(Path(tmp) / f"dump{n}.zarr"))
-            result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-            rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
+            for chunk in (2048, 512):  # 4 sequences of 512 per pass (the default), then one
+                out = Path(tmp) / f"dump{n}_{chunk}.zarr"
+                code = CHILD.format(repo=str(REPO), gguf=str(gguf), n=n, out=str(out), chunk=chunk)
+                result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+                row = json.loads(result.stdout.strip().splitlines()[-1])
+                if chunk == 512:
+                    single[n] = row["seconds"]
+                else:
+                    rows.append(row)
     base = rows[0]["peak_rss_mb"]
     print(f"model: {gguf.name}\n")
-    print("| trace tokens | seconds | tokens/s | peak RSS (MB) | RSS vs first |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| trace tokens | seconds | tokens/s | peak RSS (MB) | RSS vs first | one sequence per pass, s | batched vs one |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['tokens']} | {r['seconds']:.1f} | {r['tokens'] / r['seconds']:.0f} | "
-              f"{r['peak_rss_mb']:.0f} | {r['peak_rss_mb'] / base:.2f}x |")
+              f"{r['peak_rss_mb']:.0f} | {r['peak_rss_mb'] / base:.2f}x | {single[r['tokens']]:.1f} | "
+              f"{single[r['tokens']] / r['seconds']:.2f}x |")
 
 
 if __name__ == "__main__":

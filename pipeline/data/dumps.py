@@ -40,6 +40,7 @@ import ml_dtypes
 import numpy as np
 import pyarrow as pa
 import zarr
+from numpy.typing import ArrayLike
 from zarr.codecs import ZstdCodec
 
 from moeheal.pipeline.errors import InputError
@@ -155,6 +156,25 @@ def _check_routing(file: Path, layer: int, experts: np.ndarray, weights: np.ndar
         raise InputError(f"{file}: layer {layer} weights: negative router weight at row {int(negative[0][0])}")
 
 
+def equal_length_runs(bounds: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """`bounds` ((first row, end row) of consecutive sequences) cut into runs of sequences of one
+    length, in order: each run is one (B, T) forward pass, where a pass per sequence leaves the device
+    waiting on the host between small launches; the run's rows, flattened, are its sequences' rows."""
+    runs: list[list[tuple[int, int]]] = []
+    for s, e in bounds:
+        if runs and runs[-1][-1][1] - runs[-1][-1][0] == e - s:
+            runs[-1].append((s, e))
+        else:
+            runs.append([(s, e)])
+    return runs
+
+
+def rows_of(batch: ArrayLike) -> np.ndarray:
+    """(B, T, width) activations of a run as its (B T, width) rows on the host, sequence after sequence."""
+    values = np.asarray(batch)
+    return values.reshape(-1, values.shape[-1])
+
+
 def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: str, chunk_tokens: int,
                seq_tokens: int, log: Callable[[str], None] = print, attention_inputs: bool = False,
                dump_dtype: str = "float32") -> None:
@@ -185,14 +205,15 @@ def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: st
     for chunk in progress([c for c in chunks if c[0][0] >= done], desc=f"dump {trace}", unit="chunk"):
         lo, hi = int(chunk[0][0]), int(chunk[-1][1])
         buffers: dict[tuple[int, str], list[np.ndarray]] = {key: [] for key in arrays}
-        for s, e in chunk:
-            def on_layer(layer: int, cap, s=int(s)) -> None:
+        for run in equal_length_runs([(int(s), int(e)) for s, e in chunk]):
+            def on_layer(layer: int, cap, s=run[0][0]) -> None:
                 for name in names:
-                    values = np.asarray(getattr(cap, name))[0]  # (T_seq, width)
+                    values = rows_of(getattr(cap, name))  # (B T_seq, width)
                     if values.dtype.kind == "f":
                         _check_finite(name, layer, values, s)
                     buffers[(layer, name)].append(to_stored(values, widths[name][1]))
-            runner.forward(tokens[None, s:e], capture=True, on_layer=on_layer, logits=False)
+            runner.forward(np.stack([tokens[s:e] for s, e in run]), capture=True, on_layer=on_layer,
+                           logits=False)  # (B, T_seq) tokens
         routing_rows = []
         for (layer, name), arr in arrays.items():
             block = np.concatenate(buffers[(layer, name)], axis=0)  # (hi - lo, width)

@@ -41,8 +41,10 @@ from moeheal.pipeline.data.dumps import (
     append_rows,
     array_widths,
     create_layer_dump,
+    equal_length_runs,
     finish_dump,
     open_dump,
+    rows_of,
 )
 from moeheal.pipeline.data.units import load_quantized
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
@@ -99,15 +101,17 @@ def healed_layer_rows(model: GGUFModel, tokens: np.ndarray, bounds: list[tuple[i
     chunks = [bounds[i:i + per_chunk] for i in range(0, len(bounds), per_chunk)]
     for chunk in progress(chunks, desc=f"healed inputs of layer {layer}", unit="chunk"):
         rows: dict[str, list[np.ndarray]] = {name: [] for name in (*names, RESIDUAL)}
-        for s, e in chunk:
-            cos, sin = model.arch.rope_tables(e - s, hp)  # (T, rotated dims / 2) each
-            h = runner.embed(tokens[None, s:e]) if resid is None else jnp.asarray(resid[s:e])[None]  # (1, T, d)
+        for run in equal_length_runs(chunk):  # one (B, T) pass per run of equal-length sequences
+            (s, e), n_seq = (run[0][0], run[-1][1]), len(run)
+            cos, sin = model.arch.rope_tables((e - s) // n_seq, hp)  # (T, rotated dims / 2) each
+            h = (runner.embed(np.stack([tokens[a:b] for a, b in run])) if resid is None
+                 else jnp.asarray(np.asarray(resid[s:e]).reshape(n_seq, (e - s) // n_seq, -1)))  # (B, T, d)
             for i in range(start, layer):
-                h, _ = runner.layer(i, h, cos, sin)  # (1, T, d)
-            rows[RESIDUAL].append(np.asarray(h[0]))  # (T, d)
+                h, _ = runner.layer(i, h, cos, sin)  # (B, T, d)
+            rows[RESIDUAL].append(rows_of(h))  # (B T, d)
             _, cap = runner.layer(layer, h, cos, sin, capture=True)
             for name in names:
-                rows[name].append(np.asarray(getattr(cap, name))[0])  # (T, width)
+                rows[name].append(rows_of(getattr(cap, name)))  # (B T, width)
         write(chunk[0][0], chunk[-1][1], {name: np.concatenate(parts) for name, parts in rows.items()})
 
 
