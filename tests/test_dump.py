@@ -15,7 +15,15 @@ import zarr
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.model.runner import Runner
-from moeheal.pipeline.data.dumps import ARRAYS, dump_trace, equal_length_runs, import_raw_dump, open_dump, read_routing
+from moeheal.pipeline.data.dumps import (
+    ARRAYS,
+    chunk_sequences,
+    dump_trace,
+    forward_batches,
+    import_raw_dump,
+    open_dump,
+    read_routing,
+)
 
 SEQ = 64
 REPO = Path(__file__).resolve().parents[1]
@@ -35,8 +43,8 @@ def array_files(dump: Path) -> dict[str, bytes]:
 def test_chunking_changes_no_byte(tiny_qwen2moe, tmp_path):
     model = GGUFModel(tiny_qwen2moe)
     runner = Runner(model)
-    tokens, seq = trace(model.hp.vocab_size)
-    dump_trace(tmp_path / "one.zarr", runner, tokens, seq, "calibration", chunk_tokens=10 * SEQ, seq_tokens=SEQ)
+    tokens, seq = trace(model.hp.vocab_size, n_tokens=9 * SEQ + 17)  # 10 sequences; chunks of 2 round up to 4
+    dump_trace(tmp_path / "one.zarr", runner, tokens, seq, "calibration", chunk_tokens=12 * SEQ, seq_tokens=SEQ)
     dump_trace(tmp_path / "three.zarr", runner, tokens, seq, "calibration", chunk_tokens=2 * SEQ, seq_tokens=SEQ)
     one, three = array_files(tmp_path / "one.zarr"), array_files(tmp_path / "three.zarr")
     assert one.keys() == three.keys() and all(one[k] == three[k] for k in one)
@@ -48,13 +56,19 @@ def test_chunking_changes_no_byte(tiny_qwen2moe, tmp_path):
     assert group.attrs["trace"] == "calibration"
 
 
-def test_equal_length_runs_keep_the_order_and_batch_only_sequences_of_one_length():
-    """A dump runs each run as one (B, T) pass: consecutive sequences of one length together, a
-    shorter one (a trace's last) alone, every row in its place."""
-    bounds = [(0, 64), (64, 128), (128, 145), (145, 209), (209, 273)]
-    assert equal_length_runs(bounds) == [[(0, 64), (64, 128)], [(128, 145)], [(145, 209), (209, 273)]]
-    assert [b for run in equal_length_runs(bounds) for b in run] == bounds
-    assert equal_length_runs([]) == []
+def test_forward_batches_keep_the_order_and_a_fixed_size_whatever_the_chunk():
+    """A dump runs each batch as one (B, T) pass: at most DUMP_BATCH_SEQS consecutive sequences of one
+    length, cut at every DUMP_BATCH_SEQS-th from the first (a shorter one, a trace's last, alone), every
+    row in its place; chunks hold whole batches, so the passes are the same for any chunk size."""
+    bounds = [(64 * i, 64 * i + 64) for i in range(6)] + [(384, 401)]
+    assert forward_batches(bounds) == [bounds[0:4], bounds[4:6], bounds[6:7]]
+    assert [b for run in forward_batches(bounds) for b in run] == bounds
+    assert forward_batches([]) == []
+    assert [chunk_sequences(c, 64) for c in (1, 64, 4 * 64, 5 * 64, 8 * 64)] == [4, 4, 4, 8, 8]
+    for chunk_tokens in (64, 2 * 64, 10 * 64):
+        per = chunk_sequences(chunk_tokens, 64)
+        assert [run for i in range(0, len(bounds), per) for run in forward_batches(bounds[i:i + per])] == \
+            forward_batches(bounds)
 
 
 def test_dump_rows_are_the_runner_captures(tiny_qwen2moe, tmp_path):

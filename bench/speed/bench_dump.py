@@ -5,9 +5,9 @@ the figures are independent. Bounded memory means the 32k-token dump peaks
 within 1.5x of the 1k-token one: only one processing chunk of activations is
 ever held, whatever the trace length.
 
-Each size also runs with one sequence per forward pass (`chunk_tokens` = the sequence length),
-how every pass ran before the dump batched runs of equal-length sequences (`dumps.equal_length_runs`):
-the ratio of the two, measured in the same run, is what the batching gives on this backend.
+Each size also runs with one sequence per forward pass (`dumps.DUMP_BATCH_SEQS` set to 1 in that
+process), how every pass ran before the dump ran batches of sequences (`dumps.forward_batches`): the
+ratio of the two, measured in the same run, is what the batching gives on this backend.
 
     python bench/speed/bench_dump.py [--gguf demo/model/demo-q8_0.gguf] [--sizes 1024 8192 32768]
 """
@@ -24,6 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.append(str(REPO))
 
+from moeheal.pipeline.data.dumps import DUMP_BATCH_SEQS  # noqa: E402
+
 CHILD = """
 import json, resource, sys, time
 sys.path.append({repo!r})
@@ -31,13 +33,15 @@ import numpy as np
 from pathlib import Path
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.model.runner import Runner
+from moeheal.pipeline.data import dumps
 from moeheal.pipeline.data.dumps import dump_trace
+dumps.DUMP_BATCH_SEQS = {batch}
 model = GGUFModel({gguf!r})
 n, seq_tokens = {n}, 512
 tokens = np.random.default_rng(0).integers(0, model.hp.vocab_size, n).astype(np.int32)
 seq = (np.arange(n) // seq_tokens).astype(np.int32)
 start = time.perf_counter()
-dump_trace(Path({out!r}), Runner(model), tokens, seq, "calibration", chunk_tokens={chunk}, seq_tokens=seq_tokens,
+dump_trace(Path({out!r}), Runner(model), tokens, seq, "calibration", chunk_tokens=2048, seq_tokens=seq_tokens,
            log=lambda m: None)
 elapsed = time.perf_counter() - start
 print(json.dumps({{"tokens": n, "seconds": elapsed,
@@ -64,18 +68,19 @@ def main() -> None:
         rows = []
         single = {}
         for n in args.sizes:
-            for chunk in (2048, 512):  # 4 sequences of 512 per pass (the default), then one
-                out = Path(tmp) / f"dump{n}_{chunk}.zarr"
-                code = CHILD.format(repo=str(REPO), gguf=str(gguf), n=n, out=str(out), chunk=chunk)
+            for batch in (DUMP_BATCH_SEQS, 1):  # the dump's batches of sequences per pass, then one
+                out = Path(tmp) / f"dump{n}_{batch}.zarr"
+                code = CHILD.format(repo=str(REPO), gguf=str(gguf), n=n, out=str(out), batch=batch)
                 result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
                 row = json.loads(result.stdout.strip().splitlines()[-1])
-                if chunk == 512:
+                if batch == 1:
                     single[n] = row["seconds"]
                 else:
                     rows.append(row)
     base = rows[0]["peak_rss_mb"]
     print(f"model: {gguf.name}\n")
-    print("| trace tokens | seconds | tokens/s | peak RSS (MB) | RSS vs first | one sequence per pass, s | batched vs one |")
+    print("| trace tokens | seconds | tokens/s | peak RSS (MB) | RSS vs first | one sequence per pass, s "
+          "| batched vs one |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['tokens']} | {r['seconds']:.1f} | {r['tokens'] / r['seconds']:.0f} | "

@@ -156,23 +156,40 @@ def _check_routing(file: Path, layer: int, experts: np.ndarray, weights: np.ndar
         raise InputError(f"{file}: layer {layer} weights: negative router weight at row {int(negative[0][0])}")
 
 
-def equal_length_runs(bounds: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """`bounds` ((first row, end row) of consecutive sequences) cut into runs of sequences of one
-    length, in order: each run is one (B, T) forward pass, where a pass per sequence leaves the device
-    waiting on the host between small launches; the run's rows, flattened, are its sequences' rows."""
+# Sequences per forward pass of a dump: a pass per sequence leaves the device waiting on the host
+# between small launches. Fixed, not the chunk's size: float32 rounding can depend on a pass's shape,
+# so the batches are the same whatever `chunk_tokens` is, and so is every byte (chunk_tokens stays out
+# of the dump's fingerprint).
+DUMP_BATCH_SEQS = 4
+
+
+def chunk_sequences(chunk_tokens: int, seq_tokens: int) -> int:
+    """Sequences per chunk of a dump: `chunk_tokens` worth, rounded up to whole batches (DUMP_BATCH_SEQS),
+    so that every chunk starts a batch."""
+    per_chunk = max(1, chunk_tokens // max(1, seq_tokens))
+    return -(-per_chunk // DUMP_BATCH_SEQS) * DUMP_BATCH_SEQS
+
+
+def forward_batches(bounds: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """`bounds` ((first row, end row) of consecutive sequences, the first starting a batch) cut into the
+    dump's forward passes, in order: every DUMP_BATCH_SEQS sequences, and within those wherever the
+    length changes (a trace's shorter last sequence runs alone). A pass's rows, flattened, are its
+    sequences' rows."""
     runs: list[list[tuple[int, int]]] = []
-    for s, e in bounds:
-        if runs and runs[-1][-1][1] - runs[-1][-1][0] == e - s:
-            runs[-1].append((s, e))
+    for i, (s, e) in enumerate(bounds):
+        last = runs[-1] if runs and i % DUMP_BATCH_SEQS else None
+        if last is not None and last[-1][1] - last[-1][0] == e - s:
+            last.append((s, e))
         else:
             runs.append([(s, e)])
     return runs
 
 
 def rows_of(batch: ArrayLike) -> np.ndarray:
-    """(B, T, width) activations of a run as its (B T, width) rows on the host, sequence after sequence."""
+    """(B, T, width) activations of a pass as its (B T, width) rows on the host, sequence after sequence
+    (width 0 too: a family without a shared expert captures an empty `hh`)."""
     values = np.asarray(batch)
-    return values.reshape(-1, values.shape[-1])
+    return values.reshape(int(np.prod(values.shape[:-1])), values.shape[-1])
 
 
 def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: str, chunk_tokens: int,
@@ -197,7 +214,7 @@ def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: st
     starts = np.flatnonzero(np.diff(seq, prepend=-1))  # first position of each sequence
     root.attrs["seq_starts"] = [int(s) for s in starts]
     bounds = list(zip(starts, list(starts[1:]) + [total]))
-    per_chunk = max(1, chunk_tokens // seq_tokens)
+    per_chunk = chunk_sequences(chunk_tokens, seq_tokens)
     chunks = [bounds[i:i + per_chunk] for i in range(0, len(bounds), per_chunk)]
     arrays = {(layer, name): root[str(layer)][name] for layer in layers for name in names}
     if done:
@@ -205,7 +222,7 @@ def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: st
     for chunk in progress([c for c in chunks if c[0][0] >= done], desc=f"dump {trace}", unit="chunk"):
         lo, hi = int(chunk[0][0]), int(chunk[-1][1])
         buffers: dict[tuple[int, str], list[np.ndarray]] = {key: [] for key in arrays}
-        for run in equal_length_runs([(int(s), int(e)) for s, e in chunk]):
+        for run in forward_batches([(int(s), int(e)) for s, e in chunk]):
             def on_layer(layer: int, cap, s=run[0][0]) -> None:
                 for name in names:
                     values = rows_of(getattr(cap, name))  # (B T_seq, width)

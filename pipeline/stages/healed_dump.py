@@ -41,8 +41,9 @@ from moeheal.pipeline.data.dumps import (
     append_rows,
     array_widths,
     create_layer_dump,
-    equal_length_runs,
+    chunk_sequences,
     finish_dump,
+    forward_batches,
     open_dump,
     rows_of,
 )
@@ -97,11 +98,11 @@ def healed_layer_rows(model: GGUFModel, tokens: np.ndarray, bounds: list[tuple[i
     previous unit's), or the embeddings when `resid` is None (then `start` is 0)."""
     runner = Runner(model, overrides)
     hp = model.hp
-    per_chunk = max(1, chunk_tokens // max(1, bounds[0][1] - bounds[0][0]))
+    per_chunk = chunk_sequences(chunk_tokens, bounds[0][1] - bounds[0][0])
     chunks = [bounds[i:i + per_chunk] for i in range(0, len(bounds), per_chunk)]
     for chunk in progress(chunks, desc=f"healed inputs of layer {layer}", unit="chunk"):
         rows: dict[str, list[np.ndarray]] = {name: [] for name in (*names, RESIDUAL)}
-        for run in equal_length_runs(chunk):  # one (B, T) pass per run of equal-length sequences
+        for run in forward_batches(chunk):  # one (B, T) pass per batch of equal-length sequences
             (s, e), n_seq = (run[0][0], run[-1][1]), len(run)
             cos, sin = model.arch.rope_tables((e - s) // n_seq, hp)  # (T, rotated dims / 2) each
             h = (runner.embed(np.stack([tokens[a:b] for a, b in run])) if resid is None
