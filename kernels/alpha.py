@@ -8,8 +8,9 @@ expert so that alpha * y_q best matches y_ref in least squares:
 
 computed over all tokens and all model dimensions. `relative_residual`
 measures what is left, ||y_ref - y||^2 / ||y_ref||^2. The "oracle" alpha is the
-same formula fitted on the evaluation data itself: the best any single scale
-could do there, against which the calibration-fitted alpha is judged.
+same formula fitted on the evaluation data itself (`oracle_from_gram`): the best
+any single scale could do there, against which the calibration-fitted alpha is
+judged.
 
 Sums are accumulated in float64 over row chunks: activations are float32 and a
 dump holds tens of millions of them, so float32 sums would lose digits. Where
@@ -70,16 +71,6 @@ def relative_residual(y_ref: np.ndarray, y: np.ndarray, scale: float = 1.0) -> f
     return err / norm_ref
 
 
-def oracle_alpha(y_ref_eval: np.ndarray, y_q_eval: np.ndarray) -> tuple[float, float]:
-    """The best single scale on the evaluation data itself, and the residual it leaves.
-
-    Returns (alpha_oracle, relative_residual(y_ref_eval, y_q_eval, alpha_oracle)).
-    No scale fitted elsewhere can leave a smaller residual on this data, so the
-    gap between a calibration-fitted alpha's residual and this one is what the
-    fit loses by not seeing the evaluation data.
-    """
-    alpha = fit_alpha(y_ref_eval, y_q_eval)
-    return alpha, relative_residual(y_ref_eval, y_q_eval, alpha)
 _GRAM_ROWS = 256  # rows per chunk of `output_gram`: a float64 buffer of k x 256 x d (16 MB at k = 4, d = 2,048)
 
 
@@ -113,3 +104,12 @@ def residual_from_gram(gram: np.ndarray, ref: int, terms: dict[int, float]) -> f
     if not gram[ref, ref] > 0:
         raise ValueError("y_ref is zero: the relative residual is undefined")
     return float(max(v @ gram @ v, 0.0) / gram[ref, ref])
+
+
+def oracle_from_gram(gram: np.ndarray, ref: int, quant: int) -> tuple[float, float]:
+    """The best single scale of the output at `quant` on this data itself, and the residual it leaves,
+    from `output_gram`'s matrix: (<y_ref, y_q> / ||y_q||^2, its `residual_from_gram`). No scale fitted
+    elsewhere can leave a smaller residual on this data, so the gap between a calibration-fitted
+    alpha's residual and this one is what the fit loses by not seeing the data."""
+    alpha = float(gram[ref, quant] / gram[quant, quant])
+    return alpha, residual_from_gram(gram, ref, {quant: alpha})

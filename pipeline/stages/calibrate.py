@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from moeheal.kernels import decode, encode
-from moeheal.kernels.alpha import fit_alpha, output_gram, residual_from_gram
+from moeheal.kernels.alpha import fit_alpha, oracle_from_gram, output_gram, residual_from_gram
 from moeheal.kernels.ridge import alpha_ridge_cv_sweep, effective_dof, matrix_rank, ridge_stats, solve_ridge
 from moeheal.pipeline.data.dumps import open_dump, read_layer
 from moeheal.pipeline.data.units import EXPERT_TENSORS, load_quantized
@@ -194,7 +194,7 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
         w_requant = dequantized_matrix(arrays, "ffn_down_shexp")  # (d, f)
         shexp_delta = {s: z_q[s] @ w_requant.T - z[s] @ w_down.T for s in groups}  # (T, d)
     # every residual below from one pass over each split's outputs: y_ref, y_q, y_healed (and the shared
-    # expert's change); the oracle alpha is <y_ref, y_q> / ||y_q||^2 on the split itself
+    # expert's change), the oracle alpha fitted on the split itself among them
     ref, quant, healed, moved_shared = range(4)
     grams = {s: output_gram(y_ref[s], y_q[s], y_healed[s], *([shexp_delta[s]] if shared else []))
              for s in groups}  # (k, k) each
@@ -208,14 +208,14 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
                      "chosen": rho == best_rho, "configured": True, "applied": bool(applied)}
                     for s, g in grams.items()]
     for s, g in grams.items():
-        oracle = g[ref, quant] / g[quant, quant]
+        oracle, resid_oracle = oracle_from_gram(g, ref, quant)
         metrics.append({
             "layer": layer, "split": s,
             "resid_alpha1": residual_from_gram(g, ref, {quant: 1.0}),
             "alpha": float(alpha),
             "resid_alpha": residual_from_gram(g, ref, {healed: 1.0}),
             "alpha_oracle": float(oracle),
-            "resid_oracle": residual_from_gram(g, ref, {quant: oracle}),
+            "resid_oracle": resid_oracle,
             "resid_ridge": residual_from_gram(g, ref, with_ridge),
         })
     np.savez(out / f"layer_{layer}.npz", **arrays, alpha=np.float32(alpha))
