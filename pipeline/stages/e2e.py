@@ -1,10 +1,12 @@
 """End-to-end tuning: the float parameters an assembled GGUF stores, against the reference's output.
 
 After assembly every integer code of the file is frozen (weight codes, sub-block scale and min
-codes, grid points, signs). What is still a free float is tuned by gradient descent on
-KL(reference || variant) over the calibration trace (the sequences of its first `cal_tokens` rows
-where the variant sets it, as quantization reads), the reference kept as its top-k tokens plus
-one bucket for the rest of its mass (the reference-topk stage; the full vocabulary when k is):
+codes, grid points, signs; with `e2e_code_lr` the k-quants' sub-block scale and min codes move too,
+straight through their rounding, measured not to pay on the demo: docs/e2e-tuning.md). What is
+still a free float is tuned by gradient descent on KL(reference || variant) over the calibration
+trace (the sequences of its first `cal_tokens` rows where the variant sets it, as quantization
+reads), the reference kept as its top-k tokens plus one bucket for the rest of its mass (the
+reference-topk stage; the full vocabulary when k is):
 
 - the fp16 scales of every tensor the variant quantized (the format's ``fp16_parts``: a k-quant's
   d and dmin, an i-quant's or a grid format's d), alpha already folded into them;
@@ -38,7 +40,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +81,7 @@ class E2EParams:
     scale_lr: float  # the fp16 block scales'
     seq_tokens: int
     cal_tokens: int | None = None  # the variant's `cal_tokens`: steps draw only the sequences starting below it
-    code_lr: float | None = None  # the sub-block scale codes' Adam step (code units); None: codes frozen, out of the key
+    code_lr: float | None = None  # the sub-block scale codes' Adam step (code units); None: frozen, not in the key
 
     @classmethod
     def of(cls, variant, seq_tokens: int) -> "E2EParams":
@@ -174,20 +176,20 @@ class Tuner:
         self._head_grad = jax.jit(jax.value_and_grad(self.head_kl, argnums=(0, 2)))
 
     # ---- what a layer is -------------------------------------------------------------
-    def _fp16_parts(self, name: str) -> list[jax.ShapeDtypeStruct]:
-        """The shapes of a quantized tensor's fp16 parts, without decoding it."""
+    def _part_shapes(self, name: str, indices: Iterable[int]) -> list[jax.ShapeDtypeStruct]:
+        """The shapes of a quantized tensor's `unpack` parts at `indices`, without decoding it."""
         fmt, _ = self.layout[name]
         blocks = jax.ShapeDtypeStruct((self.model.raw(name).data.size // fmt.type_size, fmt.type_size), jnp.uint8)
         parts = jax.eval_shape(fmt.unpack, blocks)
-        return [parts[i] for i in fmt.fp16_parts]
+        return [parts[i] for i in indices]
+
+    def _fp16_parts(self, name: str) -> list[jax.ShapeDtypeStruct]:
+        """The shapes of a quantized tensor's fp16 scales."""
+        return self._part_shapes(name, self.layout[name][0].fp16_parts)
 
     def _code_parts(self, name: str) -> list[jax.ShapeDtypeStruct]:
-        """The shapes of a quantized tensor's integer sub-block scale code parts (none for most
-        formats but the k-quants), without decoding it."""
-        fmt, _ = self.layout[name]
-        blocks = jax.ShapeDtypeStruct((self.model.raw(name).data.size // fmt.type_size, fmt.type_size), jnp.uint8)
-        parts = jax.eval_shape(fmt.unpack, blocks)
-        return [parts[i] for i, _, _ in fmt.code_scale_parts()]
+        """The shapes of a quantized tensor's integer sub-block scale codes (none but for the k-quants)."""
+        return self._part_shapes(name, [i for i, _, _ in self.layout[name][0].code_scale_parts()])
 
     def _layer_specs(self) -> list[LayerSpec]:
         """Each layer's `LayerSpec`, layers alike (the same tensors, shapes and formats) sharing the first's index."""
@@ -396,7 +398,7 @@ class Trace:
 
 def learning_rates(theta: dict, params: E2EParams) -> dict:
     """A pytree like `theta` of each leaf's Adam step: `scale_lr` for the fp16 block scales, `lr` for
-    the norms and routers."""
+    the norms and routers, `code_lr` for the sub-block scale codes (in code units)."""
     return {"scales": jax.tree_util.tree_map(lambda _: jnp.float32(params.scale_lr), theta["scales"]),
             "floats": jax.tree_util.tree_map(lambda _: jnp.float32(params.lr), theta["floats"]),
             "codes": jax.tree_util.tree_map(lambda _: jnp.float32(params.code_lr or 0.0), theta["codes"])}
