@@ -22,7 +22,7 @@ import pytest
 
 from bench.experiments import format_floor, hadamard_rotation
 from bench.tools import compare_runs, llama_kld, stage_times
-from moeheal.pipeline import llamacpp as llama_kld_method
+from moeheal.pipeline import llamacpp
 from tests.reference_quants import routed_output
 
 REPO = Path(__file__).resolve().parents[1]
@@ -198,8 +198,8 @@ def test_llama_kld_reads_llama_cpps_kl_summary():
     log = ("====== KL divergence statistics ======\nMean    KLD:   0.196636 ±   0.026310\n"
            "Maximum KLD:   4.890461\n====== Token probability statistics ======\n"
            "RMS Δp    : 14.606 ± 1.368 %\nSame top p: 92.126 ± 1.196 %\n")
-    assert llama_kld_method.summary(log) == pytest.approx((0.196636, 0.92126))
-    assert llama_kld_method.summary(log.split("Same top p")[0]) is None
+    assert llamacpp.summary(log) == pytest.approx((0.196636, 0.92126))
+    assert llamacpp.summary(log.split("Same top p")[0]) is None
 
 
 def test_llama_kld_scores_each_long_enough_eval_document_once():

@@ -67,7 +67,7 @@ def test_the_first_layer_sees_the_reference_inputs_and_later_ones_the_healed_mod
                 for name in captured:
                     captured[name].append(np.asarray(getattr(cap, name))[0])
         runner.forward(tokens[None, s:e], capture=True, on_layer=keep, logits=False)
-    for name, parts in captured.items():  # float32 rounding apart: the stage runs equal-length sequences as one batch
+    for name, parts in captured.items():  # float32 rounding apart: the stage runs batches of sequences
         np.testing.assert_allclose(chained[name][:], np.concatenate(parts), rtol=1e-4, atol=1e-4, err_msg=name)
     np.testing.assert_array_equal(chained["yr"][:], reference[str(layer)]["yr"][:])  # the target: the reference's
     drift = np.abs(chained["mixed"][:] - reference[str(layer)]["mixed"][:]).max()
