@@ -91,6 +91,7 @@ class Variant:
     e2e_scale_lr: float = E2E_SCALE_LR  # the fp16 block scales'
     e2e_topk: int = E2E_TOPK  # the reference's tokens kept per position for the loss (the rest: one bucket)
     e2e_code_lr: float = 0.0  # the k-quants' sub-block scale codes' step (code units); 0: the codes stay frozen
+    e2e_decay: bool = False  # the steps decay linearly to 0 over `e2e_steps` (true) or stay constant (false)
     gguf: Path | None = None
 
     @property
@@ -150,7 +151,8 @@ class Variant:
         GGUF depends on, so an e2e knob re-runs the tuning only."""
         return ({"e2e": True, "e2e_steps": self.e2e_steps, "e2e_lr": self.e2e_lr,
                  "e2e_scale_lr": self.e2e_scale_lr, "e2e_topk": self.e2e_topk,
-                 **({"e2e_code_lr": self.e2e_code_lr} if self.e2e_code_lr else {})} if self.e2e else {})
+                 **({"e2e_code_lr": self.e2e_code_lr} if self.e2e_code_lr else {}),
+                 **({"e2e_decay": True} if self.e2e_decay else {})} if self.e2e else {})
 
 
 # The contract's baseline: same format, no calibration data, no alpha, no ridge.
@@ -214,7 +216,7 @@ _SCHEMA: dict[str, set[str]] = {
                 "ridge_rho", "ridge_eta", "shexp_down", "round", "gptq_damp", "gptq_shrink",
                 "gptq_router_weighted", "importance", "cal_tokens", "inputs", "budget_bpw", "formats", "budget_roles",
                 "sensitivity_round", "gguf", "learned_steps", "e2e", "e2e_steps", "e2e_lr",
-                "e2e_scale_lr", "e2e_topk", "e2e_code_lr"},
+                "e2e_scale_lr", "e2e_topk", "e2e_code_lr", "e2e_decay"},
 }
 
 
@@ -296,6 +298,7 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any], peers_ma
         e2e_scale_lr=r.number("e2e_scale_lr", float, E2E_SCALE_LR, 0.0, 1.0),
         e2e_topk=r.number("e2e_topk", int, E2E_TOPK, 1, 1 << 24),
         e2e_code_lr=r.number("e2e_code_lr", float, 0.0, 0.0, 1.0),
+        e2e_decay=r.get("e2e_decay", bool, False),
     )
     _refuse_knobs_without_effect(r, variant)
     return variant
@@ -364,6 +367,7 @@ _CONDITIONAL_KNOBS = {
     "e2e_scale_lr": (lambda v: v.e2e, "has no effect without e2e = true"),
     "e2e_topk": (lambda v: v.e2e, "has no effect without e2e = true"),
     "e2e_code_lr": (lambda v: v.e2e, "has no effect without e2e = true"),
+    "e2e_decay": (lambda v: v.e2e, "has no effect without e2e = true"),
     "shexp_down": (lambda v: not (v.budgeted and v.budget_roles == "all"),
                    'has no effect with budget_roles = "all": the allocation chooses the shared down projection\'s format'),
 }

@@ -289,6 +289,8 @@ def test_the_scales_and_the_other_floats_step_at_their_own_learning_rates(tuned)
     ("e2e = 1", "[variant[0]] e2e: expected bool"),
     ("e2e_code_lr = 0.01", "[variant[0]] e2e_code_lr: has no effect without e2e = true"),
     ("e2e = true\ne2e_code_lr = 2.0", "[variant[0]] e2e_code_lr: 2.0 out of range"),
+    ("e2e_decay = true", "[variant[0]] e2e_decay: has no effect without e2e = true"),
+    ("e2e = true\ne2e_decay = 1", "[variant[0]] e2e_decay: expected bool"),
 ])
 def test_e2e_knobs_are_validated(tmp_path, knobs, message):
     config = write_world(tmp_path, variants=f'[[variant]]\nname = "v"\n{knobs}\n')
@@ -448,3 +450,29 @@ def test_steps_draw_only_the_sequences_of_the_variants_calibration_rows():
     drawn.clear()
     tune(tuner, calibration, SimpleNamespace(), params, log=lambda _: None)
     assert {row for rows in drawn for row in rows} == set(range(16))
+
+
+def test_with_decay_the_steps_fall_linearly_to_zero(monkeypatch):
+    """`e2e_decay = true`: step t's learning rates are the configured ones times 1 - t / steps (the
+    step after the last would be 0), every group alike; without it every step takes them unchanged.
+    Checked on the rates `tune` hands Adam, not on a formula beside it."""
+    from types import SimpleNamespace
+
+    from moeheal.pipeline.config import Variant
+
+    assert e2e.E2EParams.of(Variant(name="v", kind="healed", e2e=True, e2e_decay=True), 512).decay is True
+    assert e2e.E2EParams.of(Variant(name="v", kind="healed", e2e=True), 512).decay is None  # keys kept
+    theta = {"scales": {"blk.0.a": np.zeros(2, np.float32)}, "floats": {"blk.0.n": np.zeros(3, np.float32)},
+             "codes": {}}
+    tuner = SimpleNamespace(theta0=theta, trace_kl=lambda theta, trace, n=None: (1.0, 1),
+                            step=lambda theta, batch: (0.0, jax.tree_util.tree_map(np.ones_like, theta)))
+    calibration = SimpleNamespace(n_seqs=4, batch=lambda b, rows: (rows,))
+    for decay, expected in ((True, [1.0, 0.75, 0.5, 0.25]), (None, [1.0] * 4)):
+        seen: list[dict] = []
+        monkeypatch.setattr(e2e, "adam_by_layer", lambda th, grad, states, lr: seen.append(lr) or th)
+        params = e2e.E2EParams("v", steps=4, lr=2e-3, scale_lr=5e-4, seq_tokens=512, decay=decay)
+        e2e.tune(tuner, calibration, SimpleNamespace(), params, log=lambda _: None)
+        assert len(seen) == 4
+        for rates, factor in zip(seen, expected):
+            assert float(rates["scales"]["blk.0.a"]) == pytest.approx(5e-4 * factor, rel=1e-6)
+            assert float(rates["floats"]["blk.0.n"]) == pytest.approx(2e-3 * factor, rel=1e-6)

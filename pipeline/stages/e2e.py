@@ -82,12 +82,13 @@ class E2EParams:
     seq_tokens: int
     cal_tokens: int | None = None  # the variant's `cal_tokens`: steps draw only the sequences starting below it
     code_lr: float | None = None  # the sub-block scale codes' Adam step (code units); None: frozen, not in the key
+    decay: bool | None = None  # True: every step decays linearly to 0 over `steps`; None: constant, not in the key
 
     @classmethod
     def of(cls, variant, seq_tokens: int) -> "E2EParams":
         return cls(variant=variant.name, steps=variant.e2e_steps, lr=variant.e2e_lr,
                    scale_lr=variant.e2e_scale_lr, seq_tokens=seq_tokens, cal_tokens=variant.cal_tokens or None,
-                   code_lr=variant.e2e_code_lr or None)
+                   code_lr=variant.e2e_code_lr or None, decay=variant.e2e_decay or None)
 
 
 def short_name(name: str) -> str:
@@ -404,6 +405,15 @@ def learning_rates(theta: dict, params: E2EParams) -> dict:
             "codes": jax.tree_util.tree_map(lambda _: jnp.float32(params.code_lr or 0.0), theta["codes"])}
 
 
+def step_rates(lr: dict, step: int, params: E2EParams) -> dict:
+    """The learning rates of step `step` (0-based): `lr` itself, or with `params.decay` scaled by
+    1 - step / steps, a linear decay like learned rounding's, so the last steps settle instead of
+    jittering around the minimum at the full step."""
+    if not params.decay:
+        return lr
+    return jax.tree_util.tree_map(lambda r: r * jnp.float32(1.0 - step / params.steps), lr)
+
+
 def by_layer(tree: dict) -> dict[int, dict]:
     """A pytree like theta split per layer (`layer_of`), each keyed by short name: layers alike have
     the same structure, so one compiled update serves them all."""
@@ -459,7 +469,7 @@ def tune(tuner: Tuner, calibration: Trace, unseen: Trace, params: E2EParams,
             order += list(rng.permutation(train_seqs or calibration.n_seqs))
         picked, order = np.array(order[:BATCH_SEQS]), order[BATCH_SEQS:]
         _, grad = tuner.step(theta, calibration.batch(0, picked))
-        theta = adam_by_layer(theta, grad, states, lr)
+        theta = adam_by_layer(theta, grad, states, step_rates(lr, step, params))
     assert best is not None
     log(f"[e2e:{params.variant}] keeping step {best[1]} (unseen KL {best[0]:.5f})")
     return best[2], rows
