@@ -11,7 +11,10 @@ output, as AutoRound (Cheng et al., 2023) does on a transformer block's:
 with x_t the dumped MoE input, (e_tk, w_tk) the routing the dump recorded, y_t
 its reference routed output yr_t (plus the shared expert's reference output
 where the shared expert's matrices are quantized too), so it reads as the
-relative error of the layer's output.
+relative error of the layer's output. With weights F_tc per token and output
+channel (``TokenSet.weight``: the guidance stage's Fisher estimate, what an
+error there costs the model's prediction) both sums weigh each term by them:
+sum_tc F_tc r_tc^2 / sum_tc F_tc yr_tc^2.
 
 Each tensor's blocks are split into their parts (``BlockFormat.unpack``), and
 each part is made continuous (``Relaxation``, one per format family):
@@ -330,8 +333,9 @@ class Settings:
 class TokenSet:
     """Calibration rows: MoE inputs x (T, d), routing experts/weights (T, k), target (T, d) (the
     reference output the quantized layer should give), yr (T, d) (the reference routed output, whose
-    energy the error is relative to) and shared_gate (T,) (the shared expert's output multiplier;
-    None when no shared matrix is learned)."""
+    energy the error is relative to), shared_gate (T,) (the shared expert's output multiplier;
+    None when no shared matrix is learned) and weight (T, d) (each output error's weight in the
+    loss and in the energy; None: every one 1)."""
 
     x: np.ndarray
     experts: np.ndarray
@@ -339,17 +343,25 @@ class TokenSet:
     target: np.ndarray
     yr: np.ndarray
     shared_gate: np.ndarray | None = None
+    weight: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self.x.shape[0]
 
     def take(self, rows: np.ndarray) -> "TokenSet":
         gate = None if self.shared_gate is None else self.shared_gate[rows]
-        return TokenSet(self.x[rows], self.experts[rows], self.weights[rows], self.target[rows], self.yr[rows], gate)
+        weight = None if self.weight is None else self.weight[rows]
+        return TokenSet(self.x[rows], self.experts[rows], self.weights[rows], self.target[rows], self.yr[rows], gate,
+                        weight)
+
+    def output_weight(self) -> np.ndarray:
+        """The output errors' weights (T, d): `weight`, or ones."""
+        return np.ones_like(self.yr) if self.weight is None else self.weight
 
     def energy(self) -> float:
-        """sum_t ||yr_t||^2."""
-        return float(np.sum(np.square(self.yr, dtype=np.float64)))
+        """sum_tc weight_tc yr_tc^2 (sum_t ||yr_t||^2 unweighted)."""
+        squares = np.square(self.yr, dtype=np.float64)  # (T, d)
+        return float(np.sum(squares if self.weight is None else squares * self.weight))
 
 
 def _batch_layout(experts: np.ndarray, weights: np.ndarray, n_expert: int, rows: int, capacity: int
@@ -384,13 +396,14 @@ def _pack_batches(data: TokenSet, batches: list[np.ndarray], n_expert: int, capa
                   ) -> dict[str, np.ndarray]:
     """Stack batches (each <= ``batch`` rows) as (S, ...) arrays, short ones padded with zero rows."""
     d = data.x.shape[1]
-    out: dict[str, list[np.ndarray]] = {"x": [], "target": [], "tok": [], "wt": [], "gate": []}
+    out: dict[str, list[np.ndarray]] = {"x": [], "target": [], "weight": [], "tok": [], "wt": [], "gate": []}
     for rows in batches:
         pad = batch - rows.size
         part = data.take(rows)
         tok, wt = _batch_layout(part.experts, part.weights, n_expert, batch, capacity)
         out["x"].append(np.concatenate([part.x, np.zeros((pad, d), np.float32)]))
         out["target"].append(np.concatenate([part.target, np.zeros((pad, d), np.float32)]))
+        out["weight"].append(np.concatenate([part.output_weight(), np.zeros((pad, d), np.float32)]))
         out["tok"].append(tok)
         out["wt"].append(wt)
         gate = part.shared_gate if part.shared_gate is not None else np.zeros(rows.size, np.float32)
@@ -404,12 +417,13 @@ def _silu_glu(x: jax.Array, gate: jax.Array, up: jax.Array, spec: str) -> jax.Ar
 
 
 def layer_error(w: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
-    """Summed squared error of the layer's output on one batch: ().
+    """Summed squared error of the layer's output on one batch, each term times its weight: ().
 
     w: the routed experts gate/up (E, f, d), down (E, d, f) and, when the shared expert is in the
     loss, its gate/up (f_s, d), down (d, f_s); batch: x (B, d), target (B, d), tok/wt (E, C), gate (B,).
     Grouped by expert: each expert's rows gathered (padded to C), its output computed for all
-    experts at once and scatter-added to its tokens with their routing weights.
+    experts at once and scatter-added to its tokens with their routing weights. batch["weight"]
+    (B, d) weighs each squared error (ones unweighted: the products are then exact).
     """
     x, tok, wt = batch["x"], batch["tok"], batch["wt"]
     b, d = x.shape
@@ -422,7 +436,7 @@ def layer_error(w: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Arr
         hs = _silu_glu(x, w["ffn_gate_shexp"], w["ffn_up_shexp"], "bd,fd->bf")  # (B, f_s)
         out = out + jnp.einsum("bf,df->bd", hs, w["ffn_down_shexp"], precision=HIGHEST) * batch["gate"][:, None]
     r = out - batch["target"]  # (B, d)
-    return jnp.sum(r * r)
+    return jnp.sum(batch["weight"] * r * r)
 
 
 def _weights(theta: dict[str, Params], consts: dict[str, Any], shapes: dict[str, tuple[int, ...]],
@@ -498,7 +512,6 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
     relax = {name: relaxation(t.fmt) for name, t in tensors.items()}
     consts = {name: relax[name].const(jnp.asarray(t.raw).reshape(-1, format_of(t.fmt).type_size))
               for name, t in tensors.items()}
-    shapes = {name: t.shape for name, t in tensors.items()}
     theta0 = {name: relax[name].init(consts[name]) for name in tensors}
     bounds = {name: relax[name].bounds() for name in tensors}
     group_lr = {"weight": settings.lr, "sub": settings.sub_lr, "fp16": settings.scale_lr}

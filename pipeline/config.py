@@ -24,6 +24,10 @@ LEARNED = "learned"
 # The default `learned_steps`, 0: one pass over the calibration rows it trains on, at least 32 steps
 # (pipeline/stages/quantize.py, `learned_schedule`); a number sets that many steps of 256 tokens.
 LEARNED_STEPS = 0
+# `learned_loss`: what learned rounding minimises. "output": the layer's output error, every token and channel
+# alike; "fisher": each squared error weighted by the reference's Fisher information with respect to that
+# output (the guidance stage, pipeline/stages/guidance.py: what an error there costs the model's prediction).
+LEARNED_LOSSES = ("output", "fisher")
 # `inputs`: what a variant's layer L is quantized and healed on. "reference": the reference's MoE inputs
 # (the calibration dump), every (variant, layer) unit independent; "healed": the inputs the model with its
 # layers before L already healed makes (pipeline/stages/healed_dump.py), the reference's output still the
@@ -78,6 +82,7 @@ class Variant:
     gptq_shrink: float = 64.0
     gptq_router_weighted: bool = False  # weight each token's share of an expert's H by its routing weight
     learned_steps: int = LEARNED_STEPS  # round = "learned": Adam steps of 256 tokens on the layer's output; 0 one pass
+    learned_loss: str = "output"  # LEARNED_LOSSES: the plain output error, or weighted by the reference's Fisher
     importance: bool = True
     cal_tokens: int = 0  # 0 = the whole calibration dump; else its first cal_tokens rows
     inputs: str = "reference"  # INPUTS: the reference's MoE inputs, or those of the model healed up to the layer
@@ -138,8 +143,14 @@ class Variant:
             "gptq_router_weighted": self.gptq_router_weighted,
             "importance": self.importance, "cal_tokens": self.cal_tokens,
             **({"learned_steps": self.learned_steps} if self.round == LEARNED else {}),
+            **({"learned_loss": self.learned_loss} if self.fisher_weighted else {}),
             **({"inputs": self.inputs} if self.healed_inputs else {}),
         }
+
+    @property
+    def fisher_weighted(self) -> bool:
+        """Whether learned rounding weighs the output error by the guidance stage's Fisher estimate."""
+        return self.round == LEARNED and self.learned_loss == "fisher"
 
     @property
     def healed_inputs(self) -> bool:
@@ -215,7 +226,7 @@ _SCHEMA: dict[str, set[str]] = {
     "variant": {"name", "quant", "beta_gate_up", "beta_down", "down_blend_tokens", "alpha",
                 "ridge_rho", "ridge_eta", "shexp_down", "round", "gptq_damp", "gptq_shrink",
                 "gptq_router_weighted", "importance", "cal_tokens", "inputs", "budget_bpw", "formats", "budget_roles",
-                "sensitivity_round", "gguf", "learned_steps", "e2e", "e2e_steps", "e2e_lr",
+                "sensitivity_round", "gguf", "learned_steps", "learned_loss", "e2e", "e2e_steps", "e2e_lr",
                 "e2e_scale_lr", "e2e_topk", "e2e_code_lr", "e2e_decay"},
 }
 
@@ -292,6 +303,7 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any], peers_ma
         cal_tokens=r.number("cal_tokens", int, 0, 0, 1 << 26),
         inputs=r.choice("inputs", INPUTS, "reference"),
         learned_steps=r.number("learned_steps", int, LEARNED_STEPS, 0, 1 << 20),
+        learned_loss=r.choice("learned_loss", LEARNED_LOSSES, "output"),
         e2e=r.get("e2e", bool, False),
         e2e_steps=r.number("e2e_steps", int, E2E_STEPS, 0, 1 << 20),
         e2e_lr=r.number("e2e_lr", float, E2E_LR, 0.0, 1.0),
@@ -357,6 +369,7 @@ _CONDITIONAL_KNOBS = {
     "gptq_shrink": (lambda v: v.uses_gptq, 'is only used with round = "gptq" or "learned"'),
     "gptq_router_weighted": (lambda v: v.uses_gptq, 'is only used with round = "gptq" or "learned"'),
     "learned_steps": (lambda v: v.round == LEARNED, 'is only used with round = "learned"'),
+    "learned_loss": (lambda v: v.round == LEARNED, 'is only used with round = "learned"'),
     "inputs": (lambda v: v.importance, "has no effect with importance = false: no calibration rows are read"),
     "beta_gate_up": (lambda v: v.importance, "has no effect with importance = false"),
     "beta_down": (lambda v: v.importance, "has no effect with importance = false"),

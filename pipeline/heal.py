@@ -33,7 +33,7 @@ from typing import Callable
 
 import pyarrow as pa
 
-from moeheal.pipeline.config import UNHEALED, Config, Variant
+from moeheal.pipeline.config import E2E_TOPK, UNHEALED, Config, Variant
 from moeheal.pipeline.data.dumps import check_spec_fits, open_dump, raw_dump_files
 from moeheal.pipeline.data.units import read_recipe
 from moeheal.pipeline.errors import InputError
@@ -56,6 +56,7 @@ from moeheal.pipeline.stages import (
     dump,
     e2e,
     evaluate,
+    guidance,
     healed_dump,
     import_dump,
     llama_check,
@@ -72,7 +73,8 @@ from moeheal.pipeline.validate import budget_fixed, chosen_roles, validate_model
 
 # The DAG's stages, one module each under pipeline/stages/ (its parameters, its build, its `STAGE`).
 STAGES = tuple(m.STAGE for m in (corpus, traces, windows, audit, dump, import_dump, sensitivity, allocate,
-                                 healed_dump, quantize, calibrate, assemble, reference_topk, e2e, reference_logits,
+                                 healed_dump, guidance, quantize, calibrate, assemble, reference_topk, e2e,
+                                 reference_logits,
                                  evaluate, comparisons, llama_reference, llama_check, llama_pairs))
 
 
@@ -232,8 +234,19 @@ class HealRun:
             up["recipe"] = self.allocate(variant)
         if params.round == quantize.LEARNED and self.cfg.unseen_tokens:  # measured there, never fitted
             up["unseen"] = self.dump("unseen")
+        if variant.fisher_weighted:
+            up["guidance"] = self.guidance()
         return self.declare(Node(quantize.STAGE, params, key=(variant.name, layer),
                                  inputs={"source": self.cfg.source}, upstream=up))
+
+    def guidance(self) -> Node:
+        """The reference's Fisher estimate per MoE layer output over the calibration trace, which every
+        variant with `learned_loss = "fisher"` weighs its learned rounding by; after the audit, as the dump."""
+        k = min(E2E_TOPK, self.reference.hp.vocab_size)
+        return self.declare(Node(guidance.STAGE, guidance.GuidanceParams(self.cfg.seq_tokens),
+                                 inputs={"reference": self.cfg.reference},
+                                 upstream={"traces": self.traces(), "topk": self.reference_topk(k)},
+                                 after=(self.audit(),)))
 
     def calibrate(self, variant: Variant, layer: int) -> Node:
         """The (variant, layer) unit of healing: alpha and ridge on the quantize unit of the same layer."""

@@ -323,8 +323,11 @@ class Tuner:
         tokens = sum(trace.batch_tokens(b) for b in batches)
         return total / tokens, tokens
 
-    def step(self, theta: dict, batch: tuple[np.ndarray, ...]) -> tuple[float, dict]:
-        """(mean KL, its gradient w.r.t. theta as host arrays like theta) on one batch, streamed."""
+    def step(self, theta: dict, batch: tuple[np.ndarray, ...], outputs: dict[int, np.ndarray] | None = None
+             ) -> tuple[float, dict]:
+        """(mean KL, its gradient w.r.t. theta as host arrays like theta) on one batch, streamed; with
+        `outputs`, also the gradient w.r.t. each layer i's output, `outputs[i]` (B, T, d) on the host
+        (what the sweep pulls back through the layer anyway: the guidance stage's Fisher estimate)."""
         tokens = batch[0]
         cos, sin = (a.astype(self.dtype) for a in self.arch.rope_tables(tokens.shape[1], self.hp))  # (T, r/2) each
         h = self.embed(tokens)  # (B, T, d)
@@ -336,6 +339,8 @@ class Tuner:
         loss, (g_head, g_h) = self._head_grad(theta_head, head, h, *self.reference_batch(batch))  # (), ({..}, (B, T, d))
         grad = {"scales": {}, "floats": {n: host(g) for n, g in g_head.items()}, "codes": {}}
         for i in reversed(range(len(self.specs))):
+            if outputs is not None:
+                outputs[i] = host(g_h)  # (B, T, d): d loss / d (layer i's output)
             theta_i, tensors = self.layer_inputs(i, theta)
             g_theta, g_h = self._backward(self.specs[i], theta_i, tensors, jnp.asarray(inputs[i]), cos, sin, g_h)
             prefix = f"blk.{i}."

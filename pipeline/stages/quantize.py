@@ -74,6 +74,8 @@ from moeheal.kernels import encode, learned
 from moeheal.kernels import importance as imp
 from moeheal.kernels.gptq import damp_hessian
 from moeheal.pipeline.data.dumps import open_dump, read_layer
+from moeheal.pipeline.data.fisher import read_fisher
+from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.data.units import EXPERT_TENSORS, read_recipe
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.lake.files import write_parquet
@@ -140,6 +142,7 @@ class QuantizeParams:
     gptq_shrink: float | None = None
     gptq_router_weighted: bool | None = None
     learned_steps: int | None = None  # round = "learned" only; 0: one pass over the rows (`learned_schedule`)
+    learned_loss: str | None = None  # "fisher": the output error weighted by the guidance stage's; None: plain
     layer: int | None = None  # the unit's layer (None: the knobs alone, as sensitivity measures them)
     inputs: str | None = None  # "healed": `dump` is the layer's healed-inputs dump (stages/healed_dump.py)
 
@@ -166,7 +169,8 @@ class QuantizeParams:
                    down_blend_tokens=variant.down_blend_tokens, cal_tokens=variant.cal_tokens,
                    gptq_damp=variant.gptq_damp if gptq else None, gptq_shrink=variant.gptq_shrink if gptq else None,
                    gptq_router_weighted=variant.gptq_router_weighted if gptq else None,
-                   learned_steps=variant.learned_steps if variant.round == LEARNED else None)
+                   learned_steps=variant.learned_steps if variant.round == LEARNED else None,
+                   learned_loss=variant.learned_loss if variant.fisher_weighted else None)
 
 
 def expert_weights(model: GGUFModel, layer: int) -> dict[str, jax.Array]:
@@ -286,12 +290,14 @@ def layer_formats(params: QuantizeParams, layer: int, recipe: dict[tuple[int, st
 
 
 def quantize_layer(out: Path, source: GGUFModel, dump_root, params: QuantizeParams, layer: int,
-                   formats: dict[str, str], unseen_root=None, log: Callable[[str], None] = print) -> None:
+                   formats: dict[str, str], unseen_root=None, log: Callable[[str], None] = print,
+                   guidance: Path | None = None) -> None:
     """Write `out/layer_<layer>.npz`: each quantized tensor's block bytes, format and the importance used.
 
     `formats` maps each tensor role of the layer to quantize (the routed experts, and whichever
     other roles a recipe chose) to its format. With learned rounding, `learned_curve.parquet` too
-    (the unseen dump `unseen_root`, if any, measured at its start and end).
+    (the unseen dump `unseen_root`, if any, measured at its start and end; with `guidance`, the
+    guidance stage's output, the loss weighted by its Fisher estimate).
     """
     out.mkdir(parents=True, exist_ok=True)
     weights = expert_weights(source, layer)
@@ -311,7 +317,7 @@ def quantize_layer(out: Path, source: GGUFModel, dump_root, params: QuantizePara
         arrays |= quantize_matrices(source, layer, others, dump_root, params)
     if params.round == LEARNED:
         del weights, plan  # the float experts and the Hessians: one layer's learning state takes their place
-        curve = learn_layer_rounding(arrays, source, dump_root, unseen_root, params, layer, log)
+        curve = learn_layer_rounding(arrays, source, dump_root, unseen_root, params, layer, log, guidance)
         write_parquet(out / "learned_curve.parquet", pa.Table.from_pylist(curve, schema=CURVE_SCHEMA))
     np.savez(out / f"layer_{layer}.npz", **arrays)
 
@@ -342,9 +348,12 @@ def learned_schedule(train_rows: int, steps: int) -> tuple[int, int]:
 
 
 def learn_layer_rounding(arrays: dict[str, np.ndarray], source: GGUFModel, dump_root, unseen_root,
-                         params: QuantizeParams, layer: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
+                         params: QuantizeParams, layer: int, log: Callable[[str], None],
+                         guidance: Path | None = None) -> list[dict[str, Any]]:
     """Replace, in `arrays`, the bytes of every tensor whose effect reaches the MoE output by their
-    learned rounding (`kernels.learned.learn_layer`); return the curve's rows."""
+    learned rounding (`kernels.learned.learn_layer`); return the curve's rows. With `guidance` (the
+    guidance stage's output) the calibration rows' errors are weighted by its Fisher estimate, the
+    unseen dump's stay plain (a diagnostic the weights do not shape)."""
     shared_roles = [r for r in roles.SHARED if r in arrays] if source.arch.has_shared_expert else []
     names = [*EXPERT_TENSORS, *shared_roles]
     tensors = {name: learned.LearnedTensor(str(arrays[f"{name}.format"]), tuple(int(n) for n in arrays[f"{name}.shape"]),
@@ -354,6 +363,12 @@ def learn_layer_rounding(arrays: dict[str, np.ndarray], source: GGUFModel, dump_
     n = len(rows["mixed"])
     cut = n - max(1, n // LEARNED_HOLDOUT)
     cal = token_set(source, layer, rows, bool(shared_roles))
+    if params.learned_loss == "fisher":
+        assert guidance is not None, "a fisher-weighted unit reads the guidance stage's output"
+        weight = read_fisher(guidance, layer, slice(0, n))  # (n, d): the dump's rows are the trace's
+        if weight.shape != cal.yr.shape:
+            raise InputError(f"{guidance}: layer {layer}: {weight.shape[0]} rows of guidance for {n} dumped rows")
+        cal = replace(cal, weight=weight)
     extra = {}
     if unseen_root is not None:
         extra["unseen"] = token_set(source, layer, read_layer(unseen_root[str(layer)], slice(None)), bool(shared_roles))
@@ -411,17 +426,20 @@ def write_imatrix_from_dump(out: Path, source: GGUFModel, dump_root, chunk_size:
 
 
 def build_quantize(out: Path, params: QuantizeParams, *, source: Path, dump: Path | None = None,
-                   recipe: Path | None = None, unseen: Path | None = None, log: Log) -> None:
+                   recipe: Path | None = None, unseen: Path | None = None, guidance: Path | None = None,
+                   log: Log) -> None:
     """One unit of the quantize stage: layer `params.layer` of the `source`'s routed experts, with the
     calibration dump's (`dump`; with healed inputs, that layer's healed-inputs dump) statistics if any, in the formats of the allocation stage's output
-    (`recipe`) when given (learned rounding also measures itself on the `unseen` dump, if given)."""
+    (`recipe`) when given (learned rounding also measures itself on the `unseen` dump, if given, and
+    weighs its loss by the `guidance` stage's Fisher estimate, if given)."""
     assert params.layer is not None, "a quantize unit is one layer"
     model = open_model(source)
     chosen = read_recipe(recipe) if recipe is not None else None
     cal_layers = (params.layer,) if params.inputs is not None else model.moe_layers  # a healed-inputs dump: one layer
     cal = open_dump(dump, model.hp, cal_layers) if params.importance and dump is not None else None
     held_out = open_dump(unseen, model.hp, model.moe_layers) if unseen is not None else None
-    quantize_layer(out, model, cal, params, params.layer, layer_formats(params, params.layer, chosen), held_out, log)
+    quantize_layer(out, model, cal, params, params.layer, layer_formats(params, params.layer, chosen), held_out, log,
+                   guidance)
 
 
 STAGE = Stage("quantize", "quant", build_quantize, outputs=("layer_{layer}.npz",))

@@ -1,0 +1,43 @@
+"""The guidance stage's Fisher weights on disk, apart from the stage so that what reads them (the
+quantize stage) does not carry the stage's code (the e2e stage's streamed model) in its fingerprint.
+
+`guidance.zarr` holds per MoE layer an array `"<layer>"` (rows, d): the calibration trace's rows in
+the dump's order, stored as bfloat16 bits as a bfloat16 dump stores its activations, with the
+layer's mean over rows and channels in its `mean` attribute.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import zarr
+
+from moeheal.pipeline.data.dumps import BFLOAT16_BITS, CHUNK_CODEC, from_stored, to_stored
+from moeheal.pipeline.errors import InputError
+
+
+def create_fisher(path: Path, layers: tuple[int, ...], rows: int, width: int, chunk_rows: int) -> dict[int, zarr.Array]:
+    """Empty arrays (rows, width) for `layers` in a new `path`, chunked `chunk_rows` rows."""
+    root = zarr.open_group(str(path), mode="w")
+    arrays = {}
+    for layer in layers:
+        arrays[layer] = root.create_array(str(layer), shape=(rows, width), chunks=(chunk_rows, width),
+                                          dtype=BFLOAT16_BITS, compressors=CHUNK_CODEC)
+        arrays[layer].attrs["stored_as"] = "bfloat16"
+    return arrays
+
+
+def write_rows(array: zarr.Array, start: int, values: np.ndarray) -> None:
+    """Rows `start`.. of a layer's array from float32 values (n, width)."""
+    array[start:start + len(values)] = to_stored(values, "bfloat16")
+
+
+def read_fisher(path: Path, layer: int, rows: slice) -> np.ndarray:
+    """Layer `layer`'s weights over `rows`, divided by the layer's mean: (n, d) float32, mean about 1."""
+    try:
+        array = zarr.open_group(str(path), mode="r")[str(layer)]
+        mean = float(array.attrs["mean"])
+    except (KeyError, FileNotFoundError) as exc:
+        raise InputError(f"{path}: no guidance for layer {layer} ({exc})") from None
+    return from_stored(array[rows], "bfloat16") / np.float32(mean)
