@@ -26,8 +26,11 @@ LEARNED = "learned"
 LEARNED_STEPS = 0
 # `learned_loss`: what learned rounding minimises. "output": the layer's output error, every token and channel
 # alike; "fisher": each squared error weighted by the reference's Fisher information with respect to that
-# output (the guidance stage, pipeline/stages/guidance.py: what an error there costs the model's prediction).
-LEARNED_LOSSES = ("output", "fisher")
+# output (the guidance stage, pipeline/stages/guidance.py: what an error there costs the model's prediction);
+# "fisher_channels": that weight averaged over the rows, one per output channel (a one-draw estimate per
+# token is heavy-tailed; its mean over 65,536 rows is not). Both measured worse than "output" on the demo
+# (demo/ablations/fisher.toml, docs/learned-rounding.md).
+LEARNED_LOSSES = ("output", "fisher", "fisher_channels")
 # `inputs`: what a variant's layer L is quantized and healed on. "reference": the reference's MoE inputs
 # (the calibration dump), every (variant, layer) unit independent; "healed": the inputs the model with its
 # layers before L already healed makes (pipeline/stages/healed_dump.py), the reference's output still the
@@ -150,7 +153,7 @@ class Variant:
     @property
     def fisher_weighted(self) -> bool:
         """Whether learned rounding weighs the output error by the guidance stage's Fisher estimate."""
-        return self.round == LEARNED and self.learned_loss == "fisher"
+        return self.round == LEARNED and self.learned_loss != "output"
 
     @property
     def healed_inputs(self) -> bool:

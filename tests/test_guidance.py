@@ -37,6 +37,13 @@ quant = "q2_k"
 round = "learned"
 learned_steps = 8
 learned_loss = "fisher"
+
+[[variant]]
+name = "channels"
+quant = "q2_k"
+round = "learned"
+learned_steps = 8
+learned_loss = "fisher_channels"
 """
 
 
@@ -142,7 +149,8 @@ def test_weighted_relative_error_against_float64_numpy():
 def test_a_fisher_variant_learns_on_the_guidance_and_only_it_reads_it(healed):
     """The guidance stage's arrays: a row per dumped calibration row, finite, non-negative, read back
     with mean 1; the fisher variant's quantize units depend on it and the plain one's do not; their
-    learned bytes differ, and each step's measured held-out error is its own loss's (never above step 0)."""
+    learned bytes differ (and with the weights averaged per channel, from both), and the chosen step's
+    held-out error is never above step 0's."""
     run = healed
     folder = run.result(run.guidance()).path
     dump = open_dump(run.result(run.dump("calibration")).path, run.reference.hp, run.reference.moe_layers)
@@ -154,14 +162,19 @@ def test_a_fisher_variant_learns_on_the_guidance_and_only_it_reads_it(healed):
         assert np.isfinite(values).all() and (values >= 0).all()
         assert values.mean() == pytest.approx(1.0, rel=1e-2)  # bfloat16 rows over a float64 mean
         assert values.std() > 0.1  # the weights are not uniform: some tokens and channels matter more
-    fisher, plain = (v for name in ("fisher", "plain") for v in run.cfg.variants if v.name == name)
+    fisher, plain, channels = (v for name in ("fisher", "plain", "channels") for v in run.cfg.variants
+                               if v.name == name)
     assert "guidance" in run.quantize(fisher, 0).upstream and "guidance" not in run.quantize(plain, 0).upstream
+    assert "guidance" in run.quantize(channels, 0).upstream
     planned = {p.stage: p for p in HealRun(run.cfg, log=lambda _: None, plan=True).plan()}
     assert planned["guidance"].status == "cached" and "guidance" in planned["quantize:fisher:0"].upstream
     for layer in run.reference.moe_layers:
         a = np.load(run.result(run.quantize(fisher, layer)).path / f"layer_{layer}.npz")
         b = np.load(run.result(run.quantize(plain, layer)).path / f"layer_{layer}.npz")
+        c = np.load(run.result(run.quantize(channels, layer)).path / f"layer_{layer}.npz")
         assert not np.array_equal(a["ffn_down_exps"], b["ffn_down_exps"])
+        assert not np.array_equal(c["ffn_down_exps"], a["ffn_down_exps"])
+        assert not np.array_equal(c["ffn_down_exps"], b["ffn_down_exps"])
         curve = pq.read_table(run.result(run.quantize(fisher, layer)).path / "learned_curve.parquet").to_pylist()
         heldout = [r["loss"] for r in curve if r["split"] == "heldout"]
         chosen = [r["loss"] for r in curve if r["split"] == "chosen"]
@@ -170,7 +183,8 @@ def test_a_fisher_variant_learns_on_the_guidance_and_only_it_reads_it(healed):
 
 @pytest.mark.parametrize("knobs, message", [
     ('round = "gptq"\nlearned_loss = "fisher"', '[variant[0]] learned_loss: is only used with round = "learned"'),
-    ('round = "learned"\nlearned_loss = "kl"', "[variant[0]] learned_loss: 'kl' is not one of output, fisher"),
+    ('round = "learned"\nlearned_loss = "kl"',
+     "[variant[0]] learned_loss: 'kl' is not one of output, fisher, fisher_channels"),
 ])
 def test_learned_loss_is_validated(tmp_path: Path, knobs: str, message: str):
     config = write_world(tmp_path, variants=f'[[variant]]\nname = "v"\nquant = "q2_k"\n{knobs}\n')

@@ -93,9 +93,12 @@ VARIANTS = {
     "gptq_iq2_xxs": '[[variant]]\nname = "gptq_iq2_xxs"\nquant = "iq2_xxs"\nround = "gptq"\n',
     "gptq_q2_k": '[[variant]]\nname = "gptq_q2_k"\nquant = "q2_k"\nround = "gptq"\n',
     # the levers of calibration that scales, each beside GPTQ's unit: healed inputs, learned rounding (its
-    # default schedule, one pass over the rows), both, and end-to-end tuning on top
+    # default schedule, one pass over the rows; weighted by the reference's Fisher information, which adds
+    # the guidance stage), both, and end-to-end tuning on top
     "healed_gptq_q2_k": '[[variant]]\nname = "healed_gptq_q2_k"\nquant = "q2_k"\nround = "gptq"\ninputs = "healed"\n',
     "learned_q2_k": '[[variant]]\nname = "learned_q2_k"\nquant = "q2_k"\nround = "learned"\n',
+    "learned_fisher_q2_k": ('[[variant]]\nname = "learned_fisher_q2_k"\nquant = "q2_k"\nround = "learned"\n'
+                            'learned_loss = "fisher"\n'),
     "healed_learned_q2_k": ('[[variant]]\nname = "healed_learned_q2_k"\nquant = "q2_k"\nround = "learned"\n'
                             'inputs = "healed"\n'),
     "healed_learned_e2e_q2_k": ('[[variant]]\nname = "healed_learned_e2e_q2_k"\nquant = "q2_k"\nround = "learned"\n'

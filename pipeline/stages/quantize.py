@@ -142,7 +142,7 @@ class QuantizeParams:
     gptq_shrink: float | None = None
     gptq_router_weighted: bool | None = None
     learned_steps: int | None = None  # round = "learned" only; 0: one pass over the rows (`learned_schedule`)
-    learned_loss: str | None = None  # "fisher": the output error weighted by the guidance stage's; None: plain
+    learned_loss: str | None = None  # "fisher", "fisher_channels": weighted by the guidance stage's; None: plain
     layer: int | None = None  # the unit's layer (None: the knobs alone, as sensitivity measures them)
     inputs: str | None = None  # "healed": `dump` is the layer's healed-inputs dump (stages/healed_dump.py)
 
@@ -363,11 +363,13 @@ def learn_layer_rounding(arrays: dict[str, np.ndarray], source: GGUFModel, dump_
     n = len(rows["mixed"])
     cut = n - max(1, n // LEARNED_HOLDOUT)
     cal = token_set(source, layer, rows, bool(shared_roles))
-    if params.learned_loss == "fisher":
+    if params.learned_loss in ("fisher", "fisher_channels"):
         assert guidance is not None, "a fisher-weighted unit reads the guidance stage's output"
         weight = read_fisher(guidance, layer, slice(0, n))  # (n, d): the dump's rows are the trace's
         if weight.shape != cal.yr.shape:
             raise InputError(f"{guidance}: layer {layer}: {weight.shape[0]} rows of guidance for {n} dumped rows")
+        if params.learned_loss == "fisher_channels":  # one weight per output channel: the rows' mean
+            weight = np.broadcast_to(weight.mean(axis=0, keepdims=True), weight.shape)  # (n, d)
         cal = replace(cal, weight=weight)
     extra = {}
     if unseen_root is not None:
