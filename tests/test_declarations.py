@@ -36,8 +36,9 @@ from moeheal.pipeline.heal import STAGES, HealRun
 from moeheal.pipeline.lake.store import Lake
 from bench.inputs.healworld import write_world
 
-# Every kind of variant a config can hold: least squares, GPTQ, learned rounding on healed inputs, a
-# budget over every role, end-to-end tuning; windows generated, the unseen dump imported from another engine.
+# Every kind of variant a config can hold: least squares, GPTQ, learned rounding on healed inputs weighted
+# by the reference's Fisher information, a budget over every role, end-to-end tuning; windows generated, the
+# unseen dump imported from another engine.
 VARIANTS = """
 [[variant]]
 name = "ls"
@@ -52,6 +53,7 @@ name = "learned"
 round = "learned"
 learned_steps = 2
 inputs = "healed"
+learned_loss = "fisher"
 [[variant]]
 name = "budget"
 budget_bpw = 3.8
