@@ -1,9 +1,10 @@
 """The guidance stage's Fisher weights on disk, apart from the stage so that what reads them (the
 quantize stage) does not carry the stage's code (the e2e stage's streamed model) in its fingerprint.
 
-`guidance.zarr` holds per MoE layer an array `"<layer>"` (rows, d): the calibration trace's rows in
-the dump's order, stored as bfloat16 bits as a bfloat16 dump stores its activations, with the
-layer's mean over rows and channels in its `mean` attribute.
+The guidance stage's Zarr store (`dumps/<fingerprint>.zarr`) holds per MoE layer an array
+`"<layer>"` (rows, d): the calibration trace's rows in the dump's order, stored as bfloat16 bits as
+a bfloat16 dump stores its activations, with the layer's mean over rows and channels in its `mean`
+attribute.
 """
 
 from __future__ import annotations

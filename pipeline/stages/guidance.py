@@ -81,8 +81,9 @@ def fisher_rows(tuner: Tuner, batch: tuple[np.ndarray, ...], layers: tuple[int, 
 
 
 def build_guidance(out: Path, params: GuidanceParams, *, reference: Path, traces: Path, topk: Path, log: Log) -> None:
-    """`guidance.zarr`: the diagonal Fisher estimate of every MoE layer's output over the `traces`
-    stage's calibration trace, from the `reference` GGUF and its top-k distribution (`topk`)."""
+    """The stage's Zarr store `out` (`pipeline.data.fisher`): the diagonal Fisher estimate of every MoE
+    layer's output over the `traces` stage's calibration trace, from the `reference` GGUF and its top-k
+    distribution (`topk`)."""
     model = open_model(reference)
     trace = Trace(*trace_tokens(traces, TRACE), params.seq_tokens, topk, TRACE)
     tuner = Tuner(model, model)  # nothing quantized differs from itself: the reference, no scales tuned
