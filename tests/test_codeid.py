@@ -170,8 +170,7 @@ def rekeyed(rel: str, sources: Path) -> set[str]:
 @pytest.mark.parametrize(("rel", "exactly", "within", "never"), [
     ("kernels/moce.py", {"evaluate"}, set(), {"reference-logits"}),
     ("kernels/allocate.py", {"allocate"}, set(), {"sensitivity"}),
-    # guidance runs e2e's streamed model (`stages.e2e.Tuner`), whose module also writes the tuned GGUF
-    ("pipeline/gguf/writer.py", {"assemble"}, {"e2e", "guidance"}, {"calibrate", "quantize"}),
+    ("pipeline/gguf/writer.py", {"assemble"}, {"e2e"}, {"calibrate", "quantize", "guidance"}),
     ("kernels/gptq.py", {"quantize"}, {"sensitivity", "calibrate"}, {"dump", "import-dump", "reference-logits"}),
 ])
 def test_an_edit_re_keys_the_stages_that_run_it_and_no_other(rel, exactly, within, never, sources):

@@ -22,10 +22,12 @@ from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.gguf.writer import copy_gguf
 from moeheal.pipeline.heal import HealRun
+from moeheal.pipeline.model.tuner import THETA_KINDS, Trace, Tuner, short_name, tuned_tensors
 from moeheal.pipeline.stages import e2e
 from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.data.documents import trace_tokens
-from moeheal.pipeline.stages.reference_topk import REFERENCE_BATCH_SEQS, padded_sequences, read_topk
+from moeheal.pipeline.data.topk import padded_sequences, read_topk
+from moeheal.pipeline.stages.reference_topk import REFERENCE_BATCH_SEQS
 from bench.inputs.healworld import write_world
 
 E2E_VARIANT = """
@@ -53,11 +55,11 @@ def tuned(tmp_path_factory) -> tuple[Path, HealRun]:
     return config, run
 
 
-def _trace(run: HealRun, name: str) -> e2e.Trace:
+def _trace(run: HealRun, name: str) -> Trace:
     """A trace of the run with the reference's top-k distribution its e2e variant tuned against."""
     variant = run.cfg.variants[0]
     topk = run.result(run.reference_topk(min(variant.e2e_topk, run.reference.hp.vocab_size))).path
-    return e2e.Trace(*trace_tokens(run.result(run.traces()).path, name), run.cfg.seq_tokens, topk, name)
+    return Trace(*trace_tokens(run.result(run.traces()).path, name), run.cfg.seq_tokens, topk, name)
 
 
 def _models(run: HealRun) -> tuple[GGUFModel, GGUFModel]:
@@ -102,11 +104,11 @@ def test_written_file_changes_only_scales_norms_and_routers(tuned, tmp_path):
     _, run = tuned
     assembled, written = _models(run)
     source = GGUFModel(run.cfg.source)
-    quantized, floats = e2e.tuned_tensors(assembled, source)
+    quantized, floats = tuned_tensors(assembled, source)
     assert {n.split(".")[-2] for n in quantized} >= {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
-    assert {e2e.short_name(n) for n in floats} == {"attn_norm.weight", "ffn_norm.weight", "ffn_gate_inp.weight",
+    assert {short_name(n) for n in floats} == {"attn_norm.weight", "ffn_norm.weight", "ffn_gate_inp.weight",
                                                    "output_norm.weight"}
-    tuner = e2e.Tuner(assembled, source)
+    tuner = Tuner(assembled, source)
     rng = np.random.default_rng(0)
     theta = jax.tree_util.tree_map(lambda u: (0.03 * rng.standard_normal(u.shape)).astype(np.float32), tuner.theta0)
     moved = tmp_path / "moved.gguf"
@@ -129,7 +131,7 @@ def test_tuned_file_is_no_worse_on_the_unseen_trace_and_the_curve_says_so(tuned)
     trace = _trace(run, "unseen")
     source = GGUFModel(run.cfg.source)
     kl_before, kl_after = (tuner.trace_kl(tuner.theta0, trace)[0]
-                           for tuner in (e2e.Tuner(assembled, source), e2e.Tuner(written, source)))
+                           for tuner in (Tuner(assembled, source), Tuner(written, source)))
     assert kl_before == pytest.approx(unseen[0], rel=1e-5)
     assert kl_after <= kl_before
     assert kl_after == pytest.approx(min(unseen.values()), rel=1e-4)
@@ -143,7 +145,7 @@ def test_gradient_wrt_a_scale_matches_float64_finite_differences(tuned):
     batch = _trace(run, "calibration").batch(0)
     name = f"blk.{assembled.hp.n_layer - 1}.ffn_down_exps.weight"
     with jax.enable_x64(True):
-        tuner = e2e.Tuner(assembled, GGUFModel(run.cfg.source), round_scales=False, dtype=jnp.float64)
+        tuner = Tuner(assembled, GGUFModel(run.cfg.source), round_scales=False, dtype=jnp.float64)
         direction = np.random.default_rng(0).standard_normal(tuner.theta0["scales"][name][0].shape)
 
         def along(t: float) -> dict:
@@ -167,7 +169,7 @@ def test_the_streamed_gradient_is_the_whole_models(tuned):
     assembled, _ = _models(run)
     tokens, ids, logp, log_rest, mask = _trace(run, "calibration").batch(0)
     with jax.enable_x64(True):
-        tuner = e2e.Tuner(assembled, GGUFModel(run.cfg.source), round_scales=False, dtype=jnp.float64,
+        tuner = Tuner(assembled, GGUFModel(run.cfg.source), round_scales=False, dtype=jnp.float64,
                           tune_codes=True)
         assert tuner.theta0["codes"]  # the variant's Q2_K experts: ls and lm per 16 weights
         rng = np.random.default_rng(1)
@@ -182,7 +184,7 @@ def test_the_streamed_gradient_is_the_whole_models(tuned):
             for i, spec in enumerate(tuner.specs):
                 prefix = f"blk.{i}."
                 theta_i = {kind: {n[len(prefix):]: u for n, u in t[kind].items() if n.startswith(prefix)}
-                           for kind in e2e.THETA_KINDS}
+                           for kind in THETA_KINDS}
                 h = tuner.layer_forward(spec, theta_i, layers[i], h, cos, sin)  # (B, T, d)
             head_theta = {n: u for n, u in t["floats"].items() if not n.startswith("blk.")}
             return tuner.head_kl(head_theta, head, h, *ref)
@@ -202,7 +204,7 @@ def test_adam_by_layer_is_the_whole_tree_step(tuned):
     (to float32 rounding: the two are compiled as different programs)."""
     _, run = tuned
     assembled, _ = _models(run)
-    tuner = e2e.Tuner(assembled, GGUFModel(run.cfg.source))
+    tuner = Tuner(assembled, GGUFModel(run.cfg.source))
     params = e2e.E2EParams("k", steps=2, lr=0.01, scale_lr=0.003, seq_tokens=run.cfg.seq_tokens)
     lr = e2e.learning_rates(tuner.theta0, params)
     rng = np.random.default_rng(2)
@@ -235,7 +237,7 @@ def test_moved_sub_block_codes_are_written_and_decode_as_tuned(tuned, tmp_path):
     _, run = tuned
     assembled, _ = _models(run)
     source = GGUFModel(run.cfg.source)
-    tuner = e2e.Tuner(assembled, source, tune_codes=True)
+    tuner = Tuner(assembled, source, tune_codes=True)
     assert set(tuner.theta0["codes"]) == {n for n, (fmt, _) in tuner.layout.items() if fmt.code_scale_parts()}
     rng = np.random.default_rng(2)
     theta = dict(tuner.theta0, codes={n: [rng.uniform(-2, 2, u.shape).astype(np.float32) for u in us]
@@ -269,7 +271,7 @@ def test_the_scales_and_the_other_floats_step_at_their_own_learning_rates(tuned)
     every norm and router does, by the step a single learning rate gives them; and the other way round."""
     _, run = tuned
     assembled, _ = _models(run)
-    tuner = e2e.Tuner(assembled, GGUFModel(run.cfg.source))
+    tuner = Tuner(assembled, GGUFModel(run.cfg.source))
     grad = jax.tree_util.tree_map(lambda u: jnp.ones_like(u), tuner.theta0)
     for lr, scale_lr in ((0.01, 0.0), (0.0, 0.01)):
         params = e2e.E2EParams("k", steps=1, lr=lr, scale_lr=scale_lr, seq_tokens=run.cfg.seq_tokens)
@@ -403,7 +405,7 @@ def test_a_steps_device_memory_does_not_grow_with_depth(tmp_path):
 
     def peak_extra_bytes(n_layer: int) -> int:
         source = make_tiny_gguf(tmp_path / f"src{n_layer}.gguf", arch="qwen3moe", seed=5, n_layer=n_layer)
-        tuner = e2e.Tuner(GGUFModel(_assembled_q8_0(source, tmp_path / f"q{n_layer}.gguf")), GGUFModel(source),
+        tuner = Tuner(GGUFModel(_assembled_q8_0(source, tmp_path / f"q{n_layer}.gguf")), GGUFModel(source),
                           cache_bytes=0)
         rng = np.random.default_rng(0)
         tokens = rng.integers(0, tuner.hp.vocab_size, (1, 32)).astype(np.int32)

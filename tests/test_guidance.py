@@ -21,7 +21,8 @@ from moeheal.pipeline.data.fisher import read_fisher
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.stages import e2e, guidance
+from moeheal.pipeline.model.tuner import Trace, Tuner
+from moeheal.pipeline.stages import guidance
 from bench.inputs.healworld import write_world
 
 LEARNED_VARIANTS = """
@@ -55,10 +56,10 @@ def healed(tmp_path_factory) -> HealRun:
     return run
 
 
-def _trace(run: HealRun) -> e2e.Trace:
+def _trace(run: HealRun) -> Trace:
     """The calibration trace with the reference's top-k distribution the guidance stage drew from."""
     topk = run.result(run.reference_topk(min(E2E_TOPK, run.reference.hp.vocab_size))).path
-    return e2e.Trace(*trace_tokens(run.result(run.traces()).path, "calibration"), run.cfg.seq_tokens, topk,
+    return Trace(*trace_tokens(run.result(run.traces()).path, "calibration"), run.cfg.seq_tokens, topk,
                      "calibration")
 
 
@@ -74,7 +75,7 @@ def test_fisher_rows_are_the_whole_models_output_gradient_squared(healed):
     drawn = guidance.draw_tokens(ids, logp, mask, np.random.default_rng(0))
     batch = guidance.one_hot_batch(tokens, drawn, mask)
     with jax.enable_x64(True):
-        tuner = e2e.Tuner(model, model, dtype=jnp.float64)
+        tuner = Tuner(model, model, dtype=jnp.float64)
         got = guidance.fisher_rows(tuner, batch, model.moe_layers)
         theta = jax.tree_util.tree_map(lambda u: u.astype(np.float64), tuner.theta0)
         cos, sin = (a.astype(jnp.float64) for a in tuner.arch.rope_tables(tokens.shape[1], tuner.hp))

@@ -4,7 +4,7 @@ For every variant named (by default the demo's Q2_K files: llama.cpp's, AutoRoun
 8,192 calibration tokens and on 65,536, ours healed / learned / + e2e), from a healed lake:
 
 - the model's KL(reference || variant) per token over the whole calibration trace and over the
-  unseen trace (`stages.e2e.Trace` with the reference-topk stage at k = the vocabulary: the full KL); ours and both peers made
+  unseen trace (`pipeline.model.tuner.Trace` with the reference-topk stage at k = the vocabulary: the full KL); ours and both peers made
   their files from the calibration trace or from text around it, so the first is in-sample;
 - per MoE layer, the relative error of the routed output (`kernels.learned.relative_error`, the loss
   learned rounding minimises) with the variant's routed experts, on the calibration dump's rows and
@@ -32,7 +32,7 @@ from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.data.documents import trace_tokens
 from moeheal.pipeline.data.dumps import open_dump, read_layer
-from moeheal.pipeline.stages.e2e import Trace, Tuner
+from moeheal.pipeline.model.tuner import Trace, Tuner
 from moeheal.pipeline.stages.quantize import token_set
 
 DEFAULT = "q2_k_imatrix,q2_k_autoround,q2_k_autoround_65k,q2_k_healed,q2_k_learned,q2_k_learned_e2e"

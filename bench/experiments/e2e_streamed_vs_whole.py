@@ -27,6 +27,7 @@ from moeheal.pipeline.config import load_config  # noqa: E402
 from moeheal.pipeline.gguf.model import open_model  # noqa: E402
 from moeheal.pipeline.heal import HealRun  # noqa: E402
 from moeheal.pipeline.model.runner import Runner  # noqa: E402
+from moeheal.pipeline.model import tuner  # noqa: E402
 from moeheal.pipeline.stages import e2e  # noqa: E402
 from moeheal.pipeline.data.documents import trace_tokens  # noqa: E402
 
@@ -67,8 +68,8 @@ def main() -> None:
     _, curve_whole = whole.tune(whole.Tuner(assembled, run.source), cal, unseen, params, log=lambda line: None)
 
     topk = run.result(run.reference_topk(vocab)).path
-    cal, unseen = (e2e.Trace(*trace_tokens(traces, name), run.cfg.seq_tokens, topk, name) for name in ("calibration", "unseen"))
-    _, curve_streamed = e2e.tune(e2e.Tuner(assembled, run.source), cal, unseen, params, log=lambda line: None)
+    cal, unseen = (tuner.Trace(*trace_tokens(traces, name), run.cfg.seq_tokens, topk, name) for name in ("calibration", "unseen"))
+    _, curve_streamed = e2e.tune(tuner.Tuner(assembled, run.source), cal, unseen, params, log=lambda line: None)
 
     def kept(curve: list[dict]) -> int:
         held = {r["step"]: r["kl"] for r in curve if r["split"] == "unseen"}

@@ -32,7 +32,8 @@ from moeheal.pipeline.config import load_config  # noqa: E402
 from moeheal.pipeline.gguf.model import open_model  # noqa: E402
 from moeheal.pipeline.heal import HealRun  # noqa: E402
 from moeheal.pipeline.data.documents import trace_tokens  # noqa: E402
-from moeheal.pipeline.stages.e2e import E2EParams, Trace, Tuner, tune  # noqa: E402
+from moeheal.pipeline.model.tuner import Trace, Tuner  # noqa: E402
+from moeheal.pipeline.stages.e2e import E2EParams, tune  # noqa: E402
 
 
 def floats(text: str) -> list[float]:

@@ -32,7 +32,7 @@ from moeheal.pipeline.gguf.model import open_model  # noqa: E402
 from moeheal.pipeline.heal import HealRun  # noqa: E402
 from moeheal.pipeline.model.runner import Runner  # noqa: E402
 from moeheal.pipeline.data.documents import trace_tokens  # noqa: E402
-from moeheal.pipeline.stages.reference_topk import padded_sequences  # noqa: E402
+from moeheal.pipeline.data.topk import padded_sequences  # noqa: E402
 
 BATCH = 8
 

@@ -66,7 +66,8 @@ def bench_model(reference_path: Path, assembled_path: Path, batch: int, seq: int
     from moeheal.kernels.e2e import top_k_distribution
     from moeheal.pipeline.gguf.model import GGUFModel
     from moeheal.pipeline.model.runner import Runner
-    from moeheal.pipeline.stages.e2e import E2EParams, Tuner, adam_by_layer, learning_rates
+    from moeheal.pipeline.model.tuner import Tuner
+    from moeheal.pipeline.stages.e2e import E2EParams, adam_by_layer, learning_rates
 
     # CPU seconds on a CPU backend (a shared machine's wall clock counts other work), else wall seconds
     clock = time.process_time if jax.default_backend() == "cpu" else time.perf_counter

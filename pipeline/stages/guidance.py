@@ -9,7 +9,7 @@ reference). Its diagonal, F_tc = E_{y ~ p_ref}[(d log p(y) / d z_tc)^2], weighs 
 channel by what an error there costs, as GuidedQuant (Kim et al., 2025) weighs a layer's output
 error by the end loss's gradients.
 
-Each calibration sequence runs through the reference forward and back (the e2e stage's `Tuner`,
+Each calibration sequence runs through the reference forward and back (`pipeline.model.tuner.Tuner`, as the e2e stage does,
 streamed one layer at a time, so device memory holds one layer whatever the depth). The loss is the
 log-likelihood summed over positions of one token drawn at each position from the reference's own
 distribution (its top-k tokens renormalised: the reference-topk stage's; seeded), so the squared
@@ -37,7 +37,7 @@ from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.lake.stage import Log, Stage
 from moeheal.pipeline.progress import progress
-from moeheal.pipeline.stages.e2e import Trace, Tuner
+from moeheal.pipeline.model.tuner import Trace, Tuner
 
 TRACE = "calibration"
 

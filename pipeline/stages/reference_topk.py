@@ -6,10 +6,12 @@ full-vocabulary log-probabilities for both traces costs tokens x vocabulary floa
 tokens' ids and log-probabilities and the log of the mass of all the others (`kernels.e2e.
 top_k_distribution`), 8k + 4 bytes, so the loss never materialises the whole trace's vocabulary
 (`kernels.e2e.kl_sum_topk`). k at or above the vocabulary keeps it whole (the loss is then the
-full KL). It is computed once per reference and k, and every e2e variant reads it.
+full KL). It is computed once per reference and k; every e2e variant reads it, and so does the
+guidance stage.
 
-The sequences are the traces' own, padded to `seq_tokens` in fixed-shape batches (`padded_sequences`),
-as e2e runs them; a row per real token: trace, seq (the sequence's row), pos, ids, logp, log_rest.
+The sequences are the traces' own, padded to `seq_tokens` in fixed-shape batches
+(`pipeline.data.topk.padded_sequences`) as e2e runs them; a row per real token: trace, seq (the
+sequence's row), pos, ids, logp, log_rest.
 """
 
 from __future__ import annotations
@@ -21,17 +23,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from moeheal.kernels.e2e import top_k_distribution
 from moeheal.pipeline.data.documents import trace_tokens
+from moeheal.pipeline.data.topk import TOPK_FILE, padded_sequences
 from moeheal.pipeline.gguf.model import open_model
-from moeheal.pipeline.lake.files import read_part, write_parquet
+from moeheal.pipeline.lake.files import write_parquet
 from moeheal.pipeline.lake.stage import Log, Stage
 from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.progress import progress
 
-TOPK_FILE = "topk.parquet"
 REFERENCE_BATCH_SEQS = 8  # sequences per reference forward pass
 
 
@@ -42,19 +43,6 @@ class TopKParams:
     k: int
     seq_tokens: int
     traces: tuple[str, ...] = ("calibration", "unseen")
-
-
-def padded_sequences(tokens: np.ndarray, seq: np.ndarray, seq_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """A trace's sequences as rows: tokens (S, seq_tokens) int32 and mask (S, seq_tokens) float32, 0 on
-    the padding at each row's end."""
-    starts = np.flatnonzero(np.diff(seq, prepend=-1))  # first position of each sequence
-    pieces = np.split(tokens, starts[1:])
-    rows = np.zeros((len(pieces), seq_tokens), np.int32)  # (S, T)
-    mask = np.zeros((len(pieces), seq_tokens), np.float32)  # (S, T)
-    for row, piece in enumerate(pieces):
-        rows[row, :len(piece)] = piece[:seq_tokens]
-        mask[row, :min(len(piece), seq_tokens)] = 1.0
-    return rows, mask
 
 
 def full_batch(tokens: np.ndarray) -> np.ndarray:
@@ -103,22 +91,6 @@ def build_reference_topk(out: Path, params: TopKParams, *, reference: Path, trac
         tables.append(reference_rows(runner, trace, tokens, mask, params.k))
         log(f"[reference-topk] {trace}: {int(mask.sum())} tokens, top {params.k}")
     write_parquet(out / TOPK_FILE, pa.concat_tables(tables))
-
-
-def read_topk(folder: Path, trace: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One trace's stored distribution laid out as its padded sequences (`shape` = (S, T)): ids (S, T, k)
-    int32, logp (S, T, k) and log_rest (S, T) float32, zeros on the padding (masked out of every loss)."""
-    table = read_part(folder / TOPK_FILE, ("trace", "seq", "pos", "ids", "logp", "log_rest"))
-    rows = table.filter(pc.equal(table.column("trace"), trace))
-    k = rows.schema.field("ids").type.list_size
-    seq, pos = rows.column("seq").to_numpy(), rows.column("pos").to_numpy()
-    ids = np.zeros((*shape, k), np.int32)  # (S, T, k)
-    logp = np.zeros((*shape, k), np.float32)  # (S, T, k)
-    log_rest = np.zeros(shape, np.float32)  # (S, T)
-    ids[seq, pos] = rows.column("ids").combine_chunks().flatten().to_numpy().reshape(-1, k)
-    logp[seq, pos] = rows.column("logp").combine_chunks().flatten().to_numpy().reshape(-1, k)
-    log_rest[seq, pos] = rows.column("log_rest").to_numpy()
-    return ids, logp, log_rest
 
 
 STAGE = Stage("reference-topk", "parts", build_reference_topk, outputs=(TOPK_FILE,))
