@@ -195,10 +195,12 @@ class HealRun:
         return [v for v in self.cfg.healed_variants if v.budgeted]
 
     def sensitivity(self, variant: Variant) -> Node:
-        """Per (layer, role, candidate format): bytes and the routed-output error on the unseen dump."""
+        """Per (layer, role, candidate format): bytes, the output error on the unseen dump and what it is
+        estimated to cost the model's KL there (the reference's Fisher over the unseen trace)."""
         return self.declare(Node(sensitivity.STAGE, sensitivity.SensitivityParams.of(variant, self.source.arch),
                                  key=(variant.name,), inputs={"source": self.cfg.source},
-                                 upstream={"dump": self.dump("calibration"), "unseen": self.dump("unseen")}))
+                                 upstream={"dump": self.dump("calibration"), "unseen": self.dump("unseen"),
+                                           "guidance": self.guidance("unseen")}))
 
     def allocate(self, variant: Variant) -> Node:
         """The recipe of a budget variant: one format per (layer, role) under its budget."""
@@ -239,12 +241,13 @@ class HealRun:
         return self.declare(Node(quantize.STAGE, params, key=(variant.name, layer),
                                  inputs={"source": self.cfg.source}, upstream=up))
 
-    def guidance(self) -> Node:
-        """The reference's Fisher estimate per MoE layer output over the calibration trace, which every
-        variant with `learned_loss = "fisher"` weighs its learned rounding by; after the audit, as the dump."""
+    def guidance(self, trace: str = "calibration") -> Node:
+        """The reference's Fisher estimate per MoE layer output over a trace: the calibration trace's, which
+        every variant with `learned_loss = "fisher"` weighs its learned rounding by, or the unseen trace's,
+        which prices the sensitivity stage's errors; after the audit, as the dump."""
         k = min(E2E_TOPK, self.reference.hp.vocab_size)
-        return self.declare(Node(guidance.STAGE, guidance.GuidanceParams(self.cfg.seq_tokens),
-                                 inputs={"reference": self.cfg.reference},
+        return self.declare(Node(guidance.STAGE, guidance.GuidanceParams(self.cfg.seq_tokens, trace=trace),
+                                 key=(trace,), inputs={"reference": self.cfg.reference},
                                  upstream={"traces": self.traces(), "topk": self.reference_topk(k)},
                                  after=(self.audit(),)))
 

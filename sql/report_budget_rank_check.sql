@@ -4,12 +4,13 @@
 -- roles that measurement covers, are all in formats it measured (uniform
 -- variants and outside GGUFs alike: a recipe is the tensors' formats read from
 -- the variant's GGUF): the predicted error = the sum over those (layer, role)
--- of the measured relative output error of that tensor in that format, beside its
+-- of the estimated KL that tensor in that format costs (kl_est: its output
+-- error priced by the reference's Fisher over the unseen trace), beside its
 -- pooled KLD over each window set at MoCE bonus 0, their ranks (1 = best), and
 -- the Spearman rank correlation over those variants (the Pearson correlation
 -- of average ranks, so ties share a rank).
 -- From: recipe (variant, layer, role, format), sensitivity (sensitivity,
--- layer, role, format, rel_err), window_kld (variant, moce_bonus, set,
+-- layer, role, format, kl_est), window_kld (variant, moce_bonus, set,
 -- kld_mean, n_tokens; pooled as sum(kld_mean * n_tokens) / sum(n_tokens),
 -- summed exactly as DECIMAL).
 -- One row per (sensitivity, set, variant): covered (false: some tensor of a
@@ -25,9 +26,9 @@
 --   table.
 -- intro: Predicted error = the sum over a recipe's tensors in the measured roles (the routed
 --   experts', and for a budget over the whole file also the shared expert's and attention's) of the
---   relative output error each tensor causes alone in its format (table `sensitivity`, held-out
---   unseen trace), measured with the quantizer knobs of the budget variants that share the
---   measurement; every variant whose formats it covers takes part, ours (whatever their knobs) and
+--   KL each tensor is estimated to cost alone in its format (`kl_est` of table `sensitivity`: its
+--   output error on the held-out unseen trace, priced by the reference's Fisher there), measured
+--   with the quantizer knobs of the budget variants that share the measurement; every variant whose formats it covers takes part, ours (whatever their knobs) and
 --   outside GGUFs alike.
 -- table: @budget_check
 -- per: sensitivity, set
@@ -41,8 +42,8 @@
 WITH measured AS (
     SELECT DISTINCT sensitivity, role FROM sensitivity
 ), predicted AS (
-    SELECT m.sensitivity, r.variant, count(*) AS n_tensors, count(s.rel_err) AS n_covered,
-           sum(s.rel_err) AS pred_err
+    SELECT m.sensitivity, r.variant, count(*) AS n_tensors, count(s.kl_est) AS n_covered,
+           sum(s.kl_est) AS pred_err
     FROM recipe AS r
     JOIN measured AS m ON m.role = r.role
     LEFT JOIN sensitivity AS s

@@ -20,6 +20,7 @@ from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
+from moeheal.pipeline.data.fisher import read_fisher_values
 from moeheal.pipeline.data.units import EXPERT_TENSORS
 from bench.inputs.healworld import write_world
 
@@ -155,10 +156,11 @@ def test_sensitivity_rows_cover_every_tensor_and_format(budget_world):
         cls = decode.format_of(r["format"])
         assert r["n_weights"] == int(np.prod(shape))
         assert r["bytes"] == r["n_weights"] // cls.block_size * cls.type_size
-        assert r["bpw"] == cls.bits_per_weight and r["rel_err"] > 0
-    mean_err = {fmt: np.mean([r["rel_err"] for r in rows if r["format"] == fmt]) for fmt in FORMATS}
+        assert r["bpw"] == cls.bits_per_weight and r["rel_err"] > 0 and r["kl_est"] > 0
     by_bits = sorted(FORMATS, key=decode.bits_per_weight)
-    assert [mean_err[f] for f in by_bits] == sorted(mean_err.values(), reverse=True)  # more bits, less error
+    for column in ("rel_err", "kl_est"):
+        mean_err = {fmt: np.mean([r[column] for r in rows if r["format"] == fmt]) for fmt in FORMATS}
+        assert [mean_err[f] for f in by_bits] == sorted(mean_err.values(), reverse=True)  # more bits, less error
 
 
 def test_a_whole_file_measurement_covers_shared_expert_and_attention(budget_world):
@@ -174,15 +176,16 @@ def test_a_whole_file_measurement_covers_shared_expert_and_attention(budget_worl
     for r in rows:
         stored = run.source.tensor_sizes()[r["tensor"]]
         if r["format"] == "q8_0":
-            assert r["rel_err"] == r["rel_err_in_sample"] == 0 and r["bytes"] == stored[2]
+            assert r["rel_err"] == r["rel_err_in_sample"] == r["kl_est"] == 0 and r["bytes"] == stored[2]
         else:
             assert r["rel_err"] > 0 and r["bytes"] == r["n_weights"] // decode.format_of(r["format"]).block_size * \
                 decode.format_of(r["format"]).type_size
         assert (r["alpha"] is None) == (r["role"] not in ROUTED)
-    routed = {(r["layer"], r["role"], r["format"]): r["rel_err"] for r in measured(run, "b_lo")}
+    routed = {(r["layer"], r["role"], r["format"]): r for r in measured(run, "b_lo")}
     for r in rows:  # the routed rows are the routed measurement's (same knobs, same denominators)
         if r["role"] in ROUTED and r["format"] in FORMATS:
-            assert r["rel_err"] == pytest.approx(routed[(r["layer"], r["role"], r["format"])], rel=1e-9)
+            for column in ("rel_err", "kl_est"):
+                assert r[column] == pytest.approx(routed[(r["layer"], r["role"], r["format"])][column], rel=1e-9)
 
 
 def test_attention_sensitivity_is_the_attention_output_change(budget_world):
@@ -201,17 +204,20 @@ def test_attention_sensitivity_is_the_attention_output_change(budget_world):
     importance = gate_up_importance(np.mean(np.square(x_cal, dtype=np.float64), axis=0), 0.5)
     w = params["attn_v.weight"]
     w_q = decode.dequantize(encode.quantize(w, "q2_k", importance), "q2_k", w.shape)
-    x, change = unseen["1"]["attn_in"][:], 0.0
+    x, changes = unseen["1"]["attn_in"][:], []
     starts = list(unseen.attrs["seq_starts"]) + [x.shape[0]]
     for s, e in zip(starts, starts[1:]):
         cos, sin = rope_tables(e - s, hp.head_dim, hp.rope_theta)
         ref = np.asarray(run.source.arch.attention(params, x[None, s:e], cos, sin, hp), np.float64)
         new = np.asarray(run.source.arch.attention({**params, "attn_v.weight": w_q}, x[None, s:e], cos, sin, hp),
                          np.float64)
-        change += float(np.sum((new - ref) ** 2))
-    expected = change / float(np.sum(np.square(unseen["1"]["yr"][:], dtype=np.float64)))
+        changes.append((new - ref)[0])  # (T_s, d)
+    change = np.concatenate(changes)  # (T, d)
+    expected = float(np.sum(change ** 2)) / float(np.sum(np.square(unseen["1"]["yr"][:], dtype=np.float64)))
     row = next(r for r in measured(run, "b_all") if (r["layer"], r["role"], r["format"]) == (1, "attn_v", "q2_k"))
     assert row["rel_err"] == pytest.approx(expected, rel=1e-4)
+    fisher = read_fisher_values(run.result(run.guidance("unseen")).path, 1).astype(np.float64)  # (T, d)
+    assert row["kl_est"] == pytest.approx(0.5 * np.sum(fisher * change ** 2) / len(change), rel=1e-4)
 
 
 def test_sensitivity_is_the_layer_output_error_with_one_tensor_quantized(budget_world):
@@ -238,6 +244,11 @@ def test_sensitivity_is_the_layer_output_error_with_one_tensor_quantized(budget_
     expected = relative_residual(unseen["1"]["yr"][:], alpha * routed(unseen["1"]))
     row = next(r for r in measured(run, "b_lo") if (r["layer"], r["role"], r["format"]) == (1, "ffn_up_exps", "q2_k"))
     assert row["rel_err"] == pytest.approx(expected, rel=1e-4)
+    # its price: (1/2) sum_tc F_tc delta_tc^2 / T in float64, F the unseen trace's guidance store
+    delta = alpha * routed(unseen["1"]).astype(np.float64) - unseen["1"]["yr"][:]  # (T, d)
+    fisher = read_fisher_values(run.result(run.guidance("unseen")).path, 1).astype(np.float64)  # (T, d)
+    assert fisher.shape == delta.shape and np.all(fisher >= 0) and fisher.mean() > 0
+    assert row["kl_est"] == pytest.approx(0.5 * np.sum(fisher * delta ** 2) / len(delta), rel=1e-4)
 
 
 # ---- allocation, recipe, sizes --------------------------------------------------------------
@@ -253,7 +264,7 @@ def test_recipe_is_optimal_and_written_into_the_gguf(budget_world):
         mine = [r for r in recipe if r["variant"] == name and r["chosen_by"] == "allocation"]
         assert {(r["layer"], r["role"]) for r in mine} == set(items)
         assert all(r["chosen_by"] == "allocation" and r["pred_err"] == cell[(r["layer"], r["role"], r["format"])]
-                   ["rel_err"] for r in mine)
+                   ["kl_est"] for r in mine)
         model = GGUFModel(run.result(run.assemble(variant(run, name))).path)
         for r in mine:  # the GGUF holds the recipe's types
             assert model.raw(r["tensor"]).ggml_type == decode.format_of(r["format"]).ggml_type
@@ -262,7 +273,7 @@ def test_recipe_is_optimal_and_written_into_the_gguf(budget_world):
         assert sizes[name]["routed_bpw"] == 8 * sum(b for _, b in routed) / sum(n for n, _ in routed) <= budget
         assert sizes[name]["budget_bpw"] == budget
         # no recipe within the budget has a smaller predicted error (brute force over 3^6 recipes)
-        best = min(sum(cell[(*item, f)]["rel_err"] for item, f in zip(items, combo))
+        best = min(sum(cell[(*item, f)]["kl_est"] for item, f in zip(items, combo))
                    for combo in itertools.product(FORMATS, repeat=len(items))
                    if sum(cell[(*item, f)]["bytes"] for item, f in zip(items, combo)) * 8 <= budget * n_weights)
         assert sum(r["pred_err"] for r in mine) == pytest.approx(best, rel=1e-12)
@@ -290,7 +301,7 @@ def test_recipe_is_optimal_and_written_into_the_gguf(budget_world):
 
 
 def integer_program_optimum(cells: list[dict], items: list[tuple], room: int) -> float:
-    """min sum of rel_err, one format per item, bytes <= room: solved as a 0/1 integer program."""
+    """min sum of kl_est, one format per item, bytes <= room: solved as a 0/1 integer program."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     choices = [r for r in cells]
@@ -299,7 +310,7 @@ def integer_program_optimum(cells: list[dict], items: list[tuple], room: int) ->
     for j, r in enumerate(choices):
         one_each[index[(r["layer"], r["role"])], j] = 1
     size = np.array([[r["bytes"] for r in choices]], np.float64)
-    result = milp(np.array([r["rel_err"] for r in choices]), integrality=np.ones(len(choices)),
+    result = milp(np.array([r["kl_est"] for r in choices]), integrality=np.ones(len(choices)),
                   bounds=Bounds(0, 1), constraints=[LinearConstraint(one_each, 1, 1), LinearConstraint(size, 0, room)])
     assert result.success
     return float(result.fun)
@@ -310,15 +321,25 @@ def test_rank_check_and_report(budget_world):
     every = run.lake.query("report_budget_rank_check").to_pylist()
     assert {r["set"] for r in every} == {"eval", "canary"}
     assert len({r["sensitivity"] for r in every}) == 2  # the routed measurement and the whole-file one
+    sensitivity = run.lake.read_table("sensitivity").to_pylist()
+    recipe = run.lake.read_table("recipe").to_pylist()
     for wset, key in itertools.product(("eval", "canary"), {r["sensitivity"] for r in every}):
         rows = [r for r in every if r["sensitivity"] == key]
+        cells = {(r["layer"], r["role"], r["format"]) for r in sensitivity if r["sensitivity"] == key}
+        roles = {role for _, role, _ in cells}
+        # q4_k is not a candidate: no prediction; b_all's routed tensors may take iq4_nl, which only the
+        # whole-file measurement holds
+        expected_out = sorted({r["variant"] for r in recipe if r["role"] in roles
+                               and (r["layer"], r["role"], r["format"]) not in cells})
+        assert "u_q4k" in expected_out and set(expected_out) <= {"u_q4k", "b_all"}
         left_out = [r for r in rows if r["set"] == wset and not r["covered"]]
-        assert [r["variant"] for r in left_out] == ["u_q4k"]  # q4_k is not a candidate: no prediction
+        assert [r["variant"] for r in left_out] == expected_out
         assert all(r["pred_err"] is None and r["spearman"] is None for r in left_out)
         mine = [r for r in rows if r["set"] == wset and r["covered"]]
-        # every variant is a recipe of measured formats: unhealed is tq2_0, u_q2k q2_k
-        assert sorted(r["variant"] for r in mine) == ["b_all", "b_hi", "b_lo", "u_q2k", "unhealed"]
-        assert all(r["n_variants"] == 5 for r in mine)
+        # every other variant is a recipe of measured formats: unhealed is tq2_0, u_q2k q2_k
+        assert sorted(r["variant"] for r in mine) == sorted({"b_all", "b_hi", "b_lo", "u_q2k", "unhealed"}
+                                                           - set(expected_out))
+        assert all(r["n_variants"] == len(mine) for r in mine)
         pred, kld = np.array([r["pred_err"] for r in mine]), np.array([r["kld"] for r in mine])
         assert mine[0]["spearman"] == pytest.approx(spearmanr(pred, kld).statistic, abs=1e-9)  # ties averaged
     report = (run.lake.report_dir / "report.md").read_text()
@@ -367,8 +388,9 @@ def test_a_budget_below_two_bits_validates_and_allocates_iq1_m(tmp_path):
             for fmt in IQ1_FORMATS:
                 raw = encode.quantize_experts(w, fmt)
                 err = float(np.sum((decode.dequantize(raw, fmt, w.shape) - w) ** 2, dtype=np.float64))
+                rel = err / float(np.sum(np.square(w, dtype=np.float64)))
                 rows.append({"layer": layer, "role": role, "tensor": name, "format": fmt, "n_weights": w.size,
-                             "bytes": raw.size, "rel_err": err / float(np.sum(np.square(w, dtype=np.float64)))})
+                             "bytes": raw.size, "rel_err": rel, "kl_est": rel})
     table = pa.Table.from_pylist(rows)
     mean_err = {fmt: np.mean([r["rel_err"] for r in rows if r["format"] == fmt]) for fmt in IQ1_FORMATS}
     assert mean_err["iq1_m"] > mean_err["iq2_xxs"] > mean_err["iq2_s"]  # fewer bits, more error

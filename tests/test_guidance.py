@@ -17,7 +17,7 @@ from moeheal.kernels import learned
 from moeheal.pipeline.config import E2E_TOPK, load_config
 from moeheal.pipeline.data.documents import trace_tokens
 from moeheal.pipeline.data.dumps import open_dump
-from moeheal.pipeline.data.fisher import read_fisher
+from moeheal.pipeline.data.fisher import read_fisher, read_fisher_values
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
@@ -168,7 +168,9 @@ def test_a_fisher_variant_learns_on_the_guidance_and_only_it_reads_it(healed):
     assert "guidance" in run.quantize(fisher, 0).upstream and "guidance" not in run.quantize(plain, 0).upstream
     assert "guidance" in run.quantize(channels, 0).upstream
     planned = {p.stage: p for p in HealRun(run.cfg, log=lambda _: None, plan=True).plan()}
-    assert planned["guidance"].status == "cached" and "guidance" in planned["quantize:fisher:0"].upstream
+    assert planned["guidance:calibration"].status == "cached"
+    assert "guidance:calibration" in planned["quantize:fisher:0"].upstream
+    assert "guidance:unseen" not in planned  # no budget variant: nothing prices formats
     for layer in run.reference.moe_layers:
         a = np.load(run.result(run.quantize(fisher, layer)).path / f"layer_{layer}.npz")
         b = np.load(run.result(run.quantize(plain, layer)).path / f"layer_{layer}.npz")
@@ -180,6 +182,31 @@ def test_a_fisher_variant_learns_on_the_guidance_and_only_it_reads_it(healed):
         heldout = [r["loss"] for r in curve if r["split"] == "heldout"]
         chosen = [r["loss"] for r in curve if r["split"] == "chosen"]
         assert chosen[0] <= heldout[0]
+
+
+def test_the_unseen_traces_store_is_that_traces_estimate(healed):
+    """The sensitivity stage's store: one row per unseen-trace token, the first sequence's rows the
+    squared output gradients of one draw from the stage's seed (recomputed here), not the calibration
+    trace's; its `mean` attribute the mean of the values."""
+    run = healed
+    node = run.guidance("unseen")
+    assert node.params.trace == "unseen" and node.label == "guidance:unseen"
+    folder = run.result(node).path
+    topk = run.result(run.reference_topk(min(E2E_TOPK, run.reference.hp.vocab_size))).path
+    trace = Trace(*trace_tokens(run.result(run.traces()).path, "unseen"), run.cfg.seq_tokens, topk, "unseen")
+    tokens, ids, logp, _, mask = trace.batch(0)
+    rng = np.random.default_rng(node.params.seed)
+    batch = guidance.one_hot_batch(tokens, guidance.draw_tokens(ids, logp, mask, rng), mask)
+    expected = guidance.fisher_rows(Tuner(run.reference, run.reference), batch, run.reference.moe_layers)
+    n = int(mask.sum())
+    calibration = run.result(run.guidance()).path
+    for layer in run.reference.moe_layers:
+        stored = zarr.open_group(str(folder), mode="r")[str(layer)]
+        assert stored.shape == (trace.n_tokens, run.reference.hp.d_model)
+        values = read_fisher_values(folder, layer)
+        np.testing.assert_allclose(values[:n], expected[layer], rtol=1e-2, atol=1e-6 * expected[layer].max())
+        assert not np.allclose(values[:n], read_fisher_values(calibration, layer)[:n], rtol=1e-2)
+        assert stored.attrs["mean"] == pytest.approx(values.astype(np.float64).mean(), rel=1e-2)
 
 
 @pytest.mark.parametrize("knobs, message", [

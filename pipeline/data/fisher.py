@@ -1,10 +1,10 @@
 """The guidance stage's Fisher weights on disk, apart from the stage so that what reads them (the
-quantize stage) does not carry the stage's code (the e2e stage's streamed model) in its fingerprint.
+quantize and sensitivity stages) does not carry the stage's code (the e2e stage's streamed model) in
+its fingerprint.
 
 The guidance stage's Zarr store (`dumps/<fingerprint>.zarr`) holds per MoE layer an array
-`"<layer>"` (rows, d): the calibration trace's rows in the dump's order, stored as bfloat16 bits as
-a bfloat16 dump stores its activations, with the layer's mean over rows and channels in its `mean`
-attribute.
+`"<layer>"` (rows, d): one trace's rows in its dump's order, stored as bfloat16 bits as a bfloat16
+dump stores its activations, with the layer's mean over rows and channels in its `mean` attribute.
 """
 
 from __future__ import annotations
@@ -34,11 +34,23 @@ def write_rows(array: zarr.Array, start: int, values: np.ndarray) -> None:
     array[start:start + len(values)] = to_stored(values, "bfloat16")
 
 
-def read_fisher(path: Path, layer: int, rows: slice) -> np.ndarray:
-    """Layer `layer`'s weights over `rows`, divided by the layer's mean: (n, d) float32, mean about 1."""
+def _layer_array(path: Path, layer: int) -> tuple[zarr.Array, float]:
     try:
         array = zarr.open_group(str(path), mode="r")[str(layer)]
-        mean = float(array.attrs["mean"])
+        return array, float(array.attrs["mean"])
     except (KeyError, FileNotFoundError) as exc:
         raise InputError(f"{path}: no guidance for layer {layer} ({exc})") from None
+
+
+def read_fisher(path: Path, layer: int, rows: slice) -> np.ndarray:
+    """Layer `layer`'s weights over `rows`, divided by the layer's mean: (n, d) float32, mean about 1
+    (a loss weight: learned rounding's loss keeps its scale)."""
+    array, mean = _layer_array(path, layer)
     return from_stored(array[rows], "bfloat16") / np.float32(mean)
+
+
+def read_fisher_values(path: Path, layer: int) -> np.ndarray:
+    """Layer `layer`'s weights over every row as estimated, in the log-likelihood's units: (rows, d)
+    float32, comparable across layers (what an error there costs the model's prediction)."""
+    array, _ = _layer_array(path, layer)
+    return from_stored(array[:], "bfloat16")

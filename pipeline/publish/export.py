@@ -215,6 +215,10 @@ COLUMN_DOCS: dict[str, dict[str, str]] = {
                    "tokens, with only this tensor quantized (the variant's rounding and importance) and alpha "
                    "fitted on the calibration trace",
         "rel_err_in_sample": "the same on the calibration trace",
+        "kl_est": "the mean KL per token this error is estimated to cost on the unseen trace, to second order: "
+                  "(1/2) sum over tokens and channels of the reference's Fisher (its diagonal, the guidance "
+                  "stage's estimate over that trace) times the output error squared, over the tokens; what the "
+                  "allocation minimises",
         "alpha": "the alpha fitted on the calibration trace (1 when the variant has alpha = false)",
     },
     "recipe": {
@@ -225,7 +229,7 @@ COLUMN_DOCS: dict[str, dict[str, str]] = {
         "format": _FORMAT + ", as the variant's GGUF stores it",
         "n_weights": "weights in the tensor (all experts)",
         "bytes": "bytes of the tensor as stored in the GGUF",
-        "pred_err": "the sensitivity rel_err of this tensor in this format, for a budget variant (NULL otherwise)",
+        "pred_err": "the sensitivity kl_est of this tensor in this format, for a budget variant (NULL otherwise)",
         "chosen_by": "allocation (a budget variant), config (one of ours with fixed formats) or gguf (an outside GGUF)",
         "sensitivity": "the sensitivity measurement the allocation used (NULL unless chosen_by = allocation)",
     },

@@ -59,7 +59,7 @@ def choose_recipe(sensitivity: pa.Table, params: AllocateParams, where: str) -> 
     for i, (layer, role) in enumerate(items):
         for j, fmt in enumerate(formats):
             if (layer, role, fmt) in cell:
-                costs[i, j], errors[i, j] = cell[(layer, role, fmt)]["bytes"], cell[(layer, role, fmt)]["rel_err"]
+                costs[i, j], errors[i, j] = cell[(layer, role, fmt)]["bytes"], cell[(layer, role, fmt)]["kl_est"]
     n_weights = sum(cell[(layer, role, params.formats[0])]["n_weights"] for layer, role in items)
     n_weights += params.fixed_weights  # the covered weights: the routed ones, and the rest with "all"
     budget = budget_bytes(params.budget_bpw, n_weights) - params.fixed_bytes
@@ -73,7 +73,7 @@ def choose_recipe(sensitivity: pa.Table, params: AllocateParams, where: str) -> 
     for (layer, role), j in zip(items, result.choice):
         r = cell[(layer, role, formats[int(j)])]
         recipe.append({"layer": layer, "role": role, "tensor": r["tensor"], "format": r["format"],
-                       "n_weights": r["n_weights"], "bytes": r["bytes"], "pred_err": r["rel_err"]})
+                       "n_weights": r["n_weights"], "bytes": r["bytes"], "pred_err": r["kl_est"]})
     summary = {"budget_bpw": params.budget_bpw, "budget_roles": params.roles, "n_weights": n_weights,
                "budget_bytes": budget + params.fixed_bytes, "bytes": result.cost + params.fixed_bytes,
                "bpw": 8 * (result.cost + params.fixed_bytes) / n_weights, "pred_err": result.error,
@@ -86,7 +86,7 @@ def build_allocation(out: Path, params: AllocateParams, *, sensitivity: Path, lo
     """The allocate stage: `recipe.parquet` and a one-row `allocation.parquet` from the sensitivity
     stage's output (`sensitivity`)."""
     table = read_part(sensitivity / "sensitivity.parquet",
-                      ("layer", "role", "format", "n_weights", "bytes", "rel_err"))
+                      ("layer", "role", "format", "n_weights", "bytes", "kl_est"))
     recipe, summary = choose_recipe(table, params, params.where)
     log(f"[allocate] {params.where}: {summary['bpw']:.4f} bits per weight of {params.budget_bpw:g} "
         f"({summary['n_items']} tensors x {summary['n_formats']} formats, {summary['seconds']:.2f} s)")

@@ -1,5 +1,7 @@
 """The `guidance` stage: what an error in each MoE layer's output costs the reference's prediction, per
-token and channel, for learned rounding's weighted loss (`learned_loss = "fisher"`).
+token and channel: over the calibration trace for learned rounding's weighted loss (`learned_loss =
+"fisher"`), over the unseen trace for the sensitivity stage's estimate of what a format costs the
+model's KL, the exchange rate between layers of a budget recipe.
 
 Learned rounding minimises a layer's output error sum_t ||dz_t||^2, every token and channel alike.
 What the evaluation measures is KL(reference || quantized model), which to second order in a layer's
@@ -13,14 +15,16 @@ Each calibration sequence runs through the reference forward and back (`pipeline
 streamed one layer at a time, so device memory holds one layer whatever the depth). The loss is the
 log-likelihood summed over positions of one token drawn at each position from the reference's own
 distribution (its top-k tokens renormalised: the reference-topk stage's; seeded), so the squared
-gradient with respect to a layer's output is a one-draw unbiased estimate of F_tc. The layer's
+gradient with respect to a layer's output is a one-draw unbiased estimate of F_tc (the sensitivity
+stage sums it over every token and channel of a trace, where one draw ranks tensors as four do:
+bench/experiments/kl_sensitivity.py). The layer's
 output enters the residual stream as it is, so that gradient is the one with respect to the
 residual stream after the layer, which the backward sweep computes anyway.
 
-Output (`pipeline.data.fisher`): per MoE layer an array (rows, d) in the calibration trace's order
-(the dump's rows: its real tokens, sequence by sequence), in bfloat16, its mean over rows and
-channels beside it; the quantize stage divides by that mean, so the weighted loss keeps the plain
-loss's scale.
+Output (`pipeline.data.fisher`): per MoE layer an array (rows, d) in the trace's order (its dump's
+rows: its real tokens, sequence by sequence), in bfloat16, its mean over rows and channels beside it;
+the quantize stage divides by that mean, so the weighted loss keeps the plain loss's scale; the
+sensitivity stage reads the values as they are, in the log-likelihood's units.
 """
 
 from __future__ import annotations
@@ -39,15 +43,13 @@ from moeheal.pipeline.lake.stage import Log, Stage
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.model.tuner import Trace, Tuner
 
-TRACE = "calibration"
-
-
 @dataclass(frozen=True)
 class GuidanceParams:
-    """The sequence length the trace is cut into and the seed of the drawn tokens."""
+    """The trace, the sequence length it is cut into and the seed of the drawn tokens."""
 
     seq_tokens: int
     seed: int = 0
+    trace: str = "calibration"
 
 
 def draw_tokens(ids: np.ndarray, logp: np.ndarray, mask: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -82,10 +84,10 @@ def fisher_rows(tuner: Tuner, batch: tuple[np.ndarray, ...], layers: tuple[int, 
 
 def build_guidance(out: Path, params: GuidanceParams, *, reference: Path, traces: Path, topk: Path, log: Log) -> None:
     """The stage's Zarr store `out` (`pipeline.data.fisher`): the diagonal Fisher estimate of every MoE
-    layer's output over the `traces` stage's calibration trace, from the `reference` GGUF and its top-k
-    distribution (`topk`)."""
+    layer's output over one trace of the `traces` stage (`params.trace`), from the `reference` GGUF and
+    its top-k distribution (`topk`)."""
     model = open_model(reference)
-    trace = Trace(*trace_tokens(traces, TRACE), params.seq_tokens, topk, TRACE)
+    trace = Trace(*trace_tokens(traces, params.trace), params.seq_tokens, topk, params.trace)
     tuner = Tuner(model, model)  # nothing quantized differs from itself: the reference, no scales tuned
     layers, d = model.moe_layers, model.hp.d_model
     rng = np.random.default_rng(params.seed)
@@ -107,9 +109,9 @@ def build_guidance(out: Path, params: GuidanceParams, *, reference: Path, traces
         mean = sums[layer] / max(1, trace.n_tokens * d)
         if not np.isfinite(mean) or mean <= 0:
             raise InputError(f"{reference}: layer {layer}: the reference's output gradient is {mean} on the "
-                             "calibration trace (a broken model?)")
+                             f"{params.trace} trace (a broken model?)")
         arrays[layer].attrs["mean"] = mean
-    log(f"[guidance] {row} tokens, layers {layers[0]}..{layers[-1]}")
+    log(f"[guidance] {params.trace}: {row} tokens, layers {layers[0]}..{layers[-1]}")
 
 
 STAGE = Stage("guidance", "dumps", build_guidance, suffix=".zarr")

@@ -10,21 +10,32 @@ precision. What it changes in the layer's output is measured on the dumped
 inputs, on the unseen dump (and in-sample on the calibration rows):
 
     rel_err = ||delta||^2 / ||y_ref||^2,  pooled over the trace's tokens,
+    kl_est  = (1/2) sum_tc F_tc delta_tc^2 / T,
 
 y_ref the layer's routed output (`yr`), one denominator per layer so the
-errors of all roles of a layer add up on one scale; delta is, for a routed
+errors of all roles of a layer add up on one scale; kl_est is what the error
+is estimated to cost the model's mean KL per token to the reference, to second
+order, F_tc the reference's Fisher information with respect to the layer's
+output at token t and channel c (its diagonal, estimated over the unseen trace
+by the guidance stage), so that errors of different layers add up on one scale,
+the model's: a layer whose output is small beside its error, or whose error
+the rest of the model forgives, is cheap by rel_err, not by kl_est
+(bench/experiments/kl_sensitivity.py measures both against the model's KL with
+each tensor quantized alone). delta is, for a routed
 role, the routed block's output error after the variant's alpha (fitted on
 the calibration rows, as calibration fits it: y_ref - alpha y_q, with the
 dumped routing), for a shared-expert role the change of the gated shared
 output, for an attention role the change of the attention output (a
-sequence at a time). Ridge healing acts on the whole layer's residual through
+sequence at a time; it enters the residual stream before the MoE block, and
+kl_est weighs it by the layer output's Fisher, leaving out the MoE block's
+Jacobian between the two). Ridge healing acts on the whole layer's residual through
 the shared expert and is not part of the per-tensor measurement. Bytes are the
 format's: weights / block size * block bytes. A non-routed tensor may also
 stay as the source stores it, when that is a registered format: a row in the
 source's format with its stored bytes and rel_err 0.
 
 Allocation (stage `allocate`): one format per (layer, role) minimising the
-summed rel_err with the summed bytes within budget_bpw bits per covered weight
+summed kl_est with the summed bytes within budget_bpw bits per covered weight
 (`kernels.allocate`, an exact multiple-choice knapsack); the chosen recipe is
 `recipe.parquet`, which the quantize stage of the variant reads.
 """
@@ -42,7 +53,9 @@ import pyarrow as pa
 from moeheal.kernels import decode, encode
 from moeheal.kernels.alpha import fit_alpha, relative_residual
 from moeheal.pipeline.data.dumps import open_dump, read_layer
+from moeheal.pipeline.data.fisher import read_fisher_values
 from moeheal.pipeline.data.units import EXPERT_TENSORS
+from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.gguf.sizes import tensor_bytes
 from moeheal.pipeline.lake.files import write_parquet
@@ -64,7 +77,8 @@ OUTPUTS = ("sensitivity.parquet", "recipe.parquet", "allocation.parquet")
 SENSITIVITY_SCHEMA = pa.schema([
     ("layer", pa.int32()), ("role", pa.string()), ("tensor", pa.string()), ("format", pa.string()),
     ("n_weights", pa.int64()), ("bytes", pa.int64()), ("bpw", pa.float64()),
-    ("rel_err", pa.float64()), ("rel_err_in_sample", pa.float64()), ("alpha", pa.float64())])  # alpha: routed only
+    ("rel_err", pa.float64()), ("rel_err_in_sample", pa.float64()), ("kl_est", pa.float64()),
+    ("alpha", pa.float64())])  # alpha: routed only
 
 
 @dataclass(frozen=True)
@@ -85,15 +99,22 @@ class SensitivityParams:
                    alpha=variant.alpha, quantize=QuantizeParams.knobs_of(measured, None))
 
 
+def kl_estimate(fisher: np.ndarray, delta: np.ndarray) -> float:
+    """(1/2) sum_tc F_tc delta_tc^2 / T: the mean KL per token an output error `delta` (T, d) costs to
+    second order, by the diagonal Fisher `fisher` (T, d) of the same tokens."""
+    assert fisher.shape == delta.shape, (fisher.shape, delta.shape)
+    return float(0.5 * np.sum(fisher * np.square(delta), dtype=np.float64) / max(1, len(delta)))
+
+
 def _row(layer: int, role: str, fmt: str, n_weights: int, n_bytes: int, errors: dict[str, float],
-         alpha: float | None) -> dict[str, Any]:
+         kl_est: float, alpha: float | None) -> dict[str, Any]:
     return {"layer": layer, "role": role, "tensor": f"blk.{layer}.{role}.weight", "format": fmt,
             "n_weights": n_weights, "bytes": n_bytes, "bpw": 8 * n_bytes / n_weights,
-            "rel_err": errors["unseen"], "rel_err_in_sample": errors["in_sample"], "alpha": alpha}
+            "rel_err": errors["unseen"], "rel_err_in_sample": errors["in_sample"], "kl_est": kl_est, "alpha": alpha}
 
 
-def _routed_rows(layer: int, role: str, weights: dict[str, jax.Array], plan, data, params: "SensitivityParams"
-                 ) -> list[dict[str, Any]]:
+def _routed_rows(layer: int, role: str, weights: dict[str, jax.Array], plan, data, fisher: np.ndarray,
+                 params: "SensitivityParams") -> list[dict[str, Any]]:
     """One routed role of one layer in every candidate format: the routed output error after alpha."""
     w = weights[role]  # (E, rows, cols)
     importance, hessians = plan[role]
@@ -102,15 +123,16 @@ def _routed_rows(layer: int, role: str, weights: dict[str, jax.Array], plan, dat
         raw = encode.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
         assert raw.nbytes == tensor_bytes(fmt, w.size), (fmt, raw.shape)
         w_q = decode.dequantize(raw, fmt, w.shape, keep_on_device=True)  # (E, rows, cols)
-        y = {s: routed_output({**weights, role: w_q}, d) for s, d in data.items()}
+        y = {s: routed_output({**weights, role: w_q}, d) for s, d in data.items()}  # (T, d) each
         alpha = fit_alpha(data["in_sample"]["yr"], y["in_sample"]) if params.alpha else 1.0
         errors = {s: relative_residual(d["yr"], alpha * y[s]) for s, d in data.items()}
-        rows.append(_row(layer, role, fmt, int(w.size), raw.nbytes, errors, float(alpha)))
+        delta = alpha * y["unseen"] - data["unseen"]["yr"]  # (T, d)
+        rows.append(_row(layer, role, fmt, int(w.size), raw.nbytes, errors, kl_estimate(fisher, delta), float(alpha)))
     return rows
 
 
 def _matrix_rows(source: GGUFModel, layer: int, role: str, matrices: dict[str, np.ndarray], data, seqs,
-                 params: "SensitivityParams") -> list[dict[str, Any]]:
+                 fisher: np.ndarray, params: "SensitivityParams") -> list[dict[str, Any]]:
     """One shared-expert or attention role of one layer in every candidate format (and as the source
     stores it, where that is a registered format): the change of its block's output over ||yr||^2."""
     qp, hp = params.quantize, source.hp
@@ -123,18 +145,21 @@ def _matrix_rows(source: GGUFModel, layer: int, role: str, matrices: dict[str, n
     for fmt in params.formats:
         raw = encode.quantize(w, fmt, importance, hessian)  # (rows, bytes)
         w_q = decode.dequantize(raw, fmt, w.shape)  # (rows, cols)
-        errors = {s: float(np.sum(np.square(roles.output_change(role, w_q, matrices, d, seqs[s], hp, source.arch),
-                                            dtype=np.float64)) / scale[s]) for s, d in data.items()}
-        rows.append(_row(layer, role, fmt, int(w.size), raw.nbytes, errors, None))
+        change = {s: np.asarray(roles.output_change(role, w_q, matrices, d, seqs[s], hp, source.arch))
+                  for s, d in data.items()}  # (T, d) each
+        errors = {s: float(np.sum(np.square(c, dtype=np.float64)) / scale[s]) for s, c in change.items()}
+        rows.append(_row(layer, role, fmt, int(w.size), raw.nbytes, errors, kl_estimate(fisher, change["unseen"]),
+                         None))
     kept = stored.name.lower()
     if kept in decode.FORMATS and kept not in params.formats:
-        rows.append(_row(layer, role, kept, int(w.size), stored_bytes, {s: 0.0 for s in data}, None))
+        rows.append(_row(layer, role, kept, int(w.size), stored_bytes, {s: 0.0 for s in data}, 0.0, None))
     return rows
 
 
-def measure_sensitivity(source: GGUFModel, cal, unseen, params: SensitivityParams) -> pa.Table:
-    """One row per (layer, role, format): bytes and the relative output error (unseen and in-sample)
-    with only that tensor quantized (after the variant's alpha, for a routed role)."""
+def measure_sensitivity(source: GGUFModel, cal, unseen, guidance: Path, params: SensitivityParams) -> pa.Table:
+    """One row per (layer, role, format): bytes, the relative output error (unseen and in-sample) with
+    only that tensor quantized (after the variant's alpha, for a routed role), and its estimated cost
+    in KL by the unseen trace's Fisher (`guidance`, the guidance stage's store of that trace)."""
     qp = params.quantize
     extra = roles.dump_arrays(params.roles)
     in_rows = slice(0, qp.cal_tokens or None)
@@ -146,22 +171,26 @@ def measure_sensitivity(source: GGUFModel, cal, unseen, params: SensitivityParam
         plan = importance_plan(weights, cal if qp.importance else None, layer, qp)
         data = {"in_sample": read_layer(cal[str(layer)], in_rows, extra),
                 "unseen": read_layer(unseen[str(layer)], slice(None), extra)}
+        fisher = read_fisher_values(guidance, layer)  # (T, d): the unseen dump's rows are the trace's tokens
+        if len(fisher) != len(data["unseen"]["yr"]):
+            raise InputError(f"{guidance}: layer {layer}: {len(fisher)} rows of guidance for an unseen dump of "
+                             f"{len(data['unseen']['yr'])}")
         matrices = layer_matrices(source, layer) if set(params.roles) - set(EXPERT_TENSORS) else {}
         for role in params.roles:
             if role in EXPERT_TENSORS:
-                rows += _routed_rows(layer, role, weights, plan, data, params)
+                rows += _routed_rows(layer, role, weights, plan, data, fisher, params)
             else:
-                rows += _matrix_rows(source, layer, role, matrices, data, seqs, params)
+                rows += _matrix_rows(source, layer, role, matrices, data, seqs, fisher, params)
     return pa.Table.from_pylist(rows, schema=SENSITIVITY_SCHEMA)
 
 
 def build_sensitivity(out: Path, params: SensitivityParams, *, source: Path, dump: Path, unseen: Path,
-                      log: Log) -> None:
+                      guidance: Path, log: Log) -> None:
     """The sensitivity stage: `sensitivity.parquet`, the `source`'s tensors measured on the
-    calibration (`dump`) and unseen (`unseen`) dumps."""
+    calibration (`dump`) and unseen (`unseen`) dumps, priced by the unseen trace's Fisher (`guidance`)."""
     model = open_model(source)
     table = measure_sensitivity(model, open_dump(dump, model.hp, model.moe_layers),
-                                open_dump(unseen, model.hp, model.moe_layers), params)
+                                open_dump(unseen, model.hp, model.moe_layers), guidance, params)
     write_parquet(out / "sensitivity.parquet", table)
 
 
