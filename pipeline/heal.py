@@ -248,7 +248,8 @@ class HealRun:
         k = min(E2E_TOPK, self.reference.hp.vocab_size)
         return self.declare(Node(guidance.STAGE, guidance.GuidanceParams(self.cfg.seq_tokens, trace=trace),
                                  key=(trace,), inputs={"reference": self.cfg.reference},
-                                 upstream={"traces": self.traces(), "topk": self.reference_topk(k)},
+                                 upstream={"traces": self.traces(),
+                                           "topk": self.reference_topk(k, unseen_only=trace == "unseen")},
                                  after=(self.audit(),)))
 
     def calibrate(self, variant: Variant, layer: int) -> Node:
@@ -266,9 +267,13 @@ class HealRun:
                                  upstream={"calibrated": {layer: self.calibrate(variant, layer)
                                                           for layer in self.source.moe_layers}}))
 
-    def reference_topk(self, k: int) -> Node:
-        """The reference's top-k distribution over both traces, which every e2e variant with that k reads."""
-        return self.declare(Node(reference_topk.STAGE, reference_topk.TopKParams(k, self.cfg.seq_tokens), key=(k,),
+    def reference_topk(self, k: int, unseen_only: bool = False) -> Node:
+        """The reference's top-k distribution over both traces, which every e2e variant with that k reads
+        (and the calibration trace's guidance); over the unseen trace alone for its guidance, which prices
+        a budget's formats: a ninth of the forward passes at the default trace sizes (65,536 and 8,192)."""
+        traces = ("unseen",) if unseen_only else ("calibration", "unseen")
+        params = reference_topk.TopKParams(k, self.cfg.seq_tokens, traces)
+        return self.declare(Node(reference_topk.STAGE, params, key=(k, "unseen") if unseen_only else (k,),
                                  inputs={"reference": self.cfg.reference}, upstream={"traces": self.traces()}))
 
     def e2e(self, variant: Variant) -> Node:

@@ -2,7 +2,7 @@
 
 The units are the (variant, layer) quantize and calibrate stages of every quantized variant
 (`HealRun.unit_pairs`): what takes a heal's time at real size, and what runs in parallel. What they
-read (the audit, the dumps, a budget's sensitivity and recipe) comes first. `moeheal plan --units`
+read (the audit, the dumps, the guidance stores, a budget's sensitivity and recipe) comes first. `moeheal plan --units`
 lists the units; `--shard I/N` builds every N-th of them from the I-th, a Slurm array task each
 (`deploy/slurm/`); `--executor ray` hands them, and what they read, to Ray.
 
