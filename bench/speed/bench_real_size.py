@@ -103,6 +103,10 @@ VARIANTS = {
                             'inputs = "healed"\n'),
     "healed_learned_e2e_q2_k": ('[[variant]]\nname = "healed_learned_e2e_q2_k"\nquant = "q2_k"\nround = "learned"\n'
                                 'inputs = "healed"\ne2e = true\n'),
+    # a budget under 2.1 bits: the sensitivity stage (every candidate format of every routed tensor, priced by
+    # the guidance stage of the unseen trace) and the allocation before GPTQ's units
+    "budget_2p1": ('[[variant]]\nname = "budget_2p1"\nbudget_bpw = 2.1\n'
+                   'formats = ["iq1_m", "iq2_xxs", "iq2_xs", "iq2_s"]\nsensitivity_round = "ls"\nround = "gptq"\n'),
 }
 
 
@@ -286,9 +290,10 @@ def main() -> int:
     per_layer: dict[str, list[float]] = defaultdict(list)
     for label, seconds in clock.durations(end):
         parts = label.split(":")
-        kind = parts[0] + (f":{parts[1]}" if len(parts) > 2 else "")  # quantize:<variant> over its layers
+        layered = len(parts) > 2 and parts[-1].isdigit()  # quantize:<variant>:<layer>, not reference-topk:k:unseen
+        kind = ":".join(parts[:-1]) if layered else parts[0]  # quantize:<variant> over its layers
         per_kind[kind] += seconds
-        if len(parts) > 2:
+        if layered:
             per_layer[kind].append(seconds)
     figures = {
         "like": args.like, "layers": args.layers, "real_layers": like.hp.n_layer, "calibration_tokens": args.tokens,
