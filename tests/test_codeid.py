@@ -170,6 +170,7 @@ def rekeyed(rel: str, sources: Path) -> set[str]:
 @pytest.mark.parametrize(("rel", "exactly", "within", "never"), [
     ("kernels/moce.py", {"evaluate"}, set(), {"reference-logits"}),
     ("kernels/allocate.py", {"allocate"}, set(), {"sensitivity"}),
+    ("kernels/fisher.py", {"sensitivity"}, set(), {"quantize", "calibrate", "guidance", "allocate"}),
     ("pipeline/gguf/writer.py", {"assemble"}, {"e2e"}, {"calibrate", "quantize", "guidance"}),
     ("kernels/gptq.py", {"quantize"}, {"sensitivity", "calibrate"}, {"dump", "import-dump", "reference-logits"}),
 ])

@@ -17,7 +17,7 @@ errors of all roles of a layer add up on one scale; kl_est is what the error
 is estimated to cost the model's mean KL per token to the reference, to second
 order, F_tc the reference's Fisher information with respect to the layer's
 output at token t and channel c (its diagonal, estimated over the unseen trace
-by the guidance stage), so that errors of different layers add up on one scale,
+by the guidance stage; `kernels.fisher`), so that errors of different layers add up on one scale,
 the model's: a layer whose output is small beside its error, or whose error
 the rest of the model forgives, is cheap by rel_err, not by kl_est
 (bench/experiments/kl_sensitivity.py measures both against the model's KL with
@@ -52,6 +52,7 @@ import pyarrow as pa
 
 from moeheal.kernels import decode, encode
 from moeheal.kernels.alpha import fit_alpha, relative_residual
+from moeheal.kernels.fisher import kl_estimate
 from moeheal.pipeline.data.dumps import open_dump, read_layer
 from moeheal.pipeline.data.fisher import read_fisher_values
 from moeheal.pipeline.data.units import EXPERT_TENSORS
@@ -97,13 +98,6 @@ class SensitivityParams:
         measured = replace(variant, round=variant.measured_round)
         return cls(formats=tuple(variant.candidates), roles=roles.chosen_roles(variant.budget_roles, arch),
                    alpha=variant.alpha, quantize=QuantizeParams.knobs_of(measured, None))
-
-
-def kl_estimate(fisher: np.ndarray, delta: np.ndarray) -> float:
-    """(1/2) sum_tc F_tc delta_tc^2 / T: the mean KL per token an output error `delta` (T, d) costs to
-    second order, by the diagonal Fisher `fisher` (T, d) of the same tokens."""
-    assert fisher.shape == delta.shape, (fisher.shape, delta.shape)
-    return float(0.5 * np.sum(fisher * np.square(delta), dtype=np.float64) / max(1, len(delta)))
 
 
 def _row(layer: int, role: str, fmt: str, n_weights: int, n_bytes: int, errors: dict[str, float],
