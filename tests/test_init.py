@@ -131,7 +131,8 @@ def test_init_writes_a_frozen_split_clean_windows_and_a_config_the_run_accepts(q
 
     cfg = load_config(folder / "heal.toml")
     assert cfg.reference == qwen2moe.resolve()
-    assert [v.name for v in cfg.variants] == ["q2_k_healed", "iq2_xxs_healed", "budget_2p3"]
+    assert [v.name for v in cfg.variants] == ["q2_k_healed", "iq2_xxs_healed", "budget_2p3", "budget_2p6"]
+    assert [v.budget_bpw for v in cfg.variants] == [None, None, 2.3, 2.6]
     assert cfg.cal_tokens == sum(len(ids[d]) for d in ids if split[d] == "cal")  # all of it: under the cap
     assert 0 < cfg.unseen_tokens <= sum(len(ids[d]) for d in ids if split[d] == "unused")
     assert sum(cfg.mix.values()) <= 1
@@ -140,7 +141,7 @@ def test_init_writes_a_frozen_split_clean_windows_and_a_config_the_run_accepts(q
     # healing it is `tests/test_wheel_init.py`'s, from the installed wheel.
     code, out = cli(capsys, "plan", "-c", str(folder / "heal.toml"), "--format", "json")
     assert code == 0
-    assert {"quantize:q2_k_healed", "quantize:iq2_xxs_healed", "allocate:budget_2p3"} <= \
+    assert {"quantize:q2_k_healed", "quantize:iq2_xxs_healed", "allocate:budget_2p3", "allocate:budget_2p6"} <= \
         {":".join(p["stage"].split(":")[:2]) for p in json.loads(out)}
     code, out = cli(capsys, "audit", "-c", str(folder / "heal.toml"))
     assert code == 0 and "0 scored-span leaks" in out
@@ -292,6 +293,6 @@ def test_peers_script_only_when_llama_quantize_is_found(qwen2moe, texts, tmp_pat
     assert code == 0 and "peers.sh" in out
     script = (tmp_path / "with" / "peers.sh").read_text()
     assert str(build / "bin" / "llama-quantize") in script
-    for variant in ("q2_k_healed", "iq2_xxs_healed", "budget_2p3"):
+    for variant in ("q2_k_healed", "iq2_xxs_healed", "budget_2p3", "budget_2p6"):
         assert f"--variant {variant} " in script
     assert subprocess.run(["/bin/bash", "-n", str(tmp_path / "with" / "peers.sh")]).returncode == 0

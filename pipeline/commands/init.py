@@ -19,8 +19,9 @@ made from whatever text the user brings:
 - `heal.toml`: the calibration sized to the text (at most `CAL_TOKENS` and
   `UNSEEN_TOKENS`, strata mixed in proportion to their calibration text) and a
   ladder: the implicit unhealed baseline, Q2_K and IQ2_XXS healed (GPTQ rounding,
-  alpha, and the ridge where the family has a shared expert) and a recipe under
-  a 2.3-bit budget;
+  alpha, and the ridge where the family has a shared expert) and recipes under
+  a 2.3-bit budget and within Q2_K's size (2.6 bits; demo/README.md measures it
+  against a uniform Q2_K healed the same way);
 - with llama.cpp's `llama-quantize` found (`LLAMA_CPP_DIR/bin` or PATH),
   `peers.sh`: llama.cpp's own quantization of each recipe with an importance
   matrix from our calibration dump (`moeheal imatrix`, `moeheal recipe`), added
@@ -69,7 +70,7 @@ UNSEEN_TOKENS, SEQ_TOKENS = 8192, 512  # the calibration's length is the config'
 CAL_TEXT_TOKENS = 2 * CAL_TOKENS  # calibration text kept per stratum
 NGRAM = 16
 LADDER_FORMATS = ("q2_k", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs")  # every format a variant below may use
-BUDGET_BPW = 2.3
+BUDGETS = (("budget_2p3", 2.3), ("budget_2p6", 2.6))  # a recipe near 2.3 bits, and one within Q2_K's 2.625
 
 
 @dataclass
@@ -321,10 +322,11 @@ def heal_toml(reference: str, cal_tokens: dict[str, int], unseen_tokens: int, mo
         _healed("q2_k_healed", 'quant = "q2_k"', shared),
         "# IQ2_XXS (2.06 bits per weight, a lattice codebook), healed the same way.",
         _healed("iq2_xxs_healed", 'quant = "iq2_xxs"', shared),
-        f"# A recipe under a {BUDGET_BPW}-bit budget: one format per (layer, routed role) chosen from the "
-        "per-tensor sensitivity.",
-        _healed("budget_2p3", f'budget_bpw = {BUDGET_BPW}\nformats = {json.dumps(list(LADDER_FORMATS))}\n'
-                              'sensitivity_round = "ls"', shared),
+        *(line for name, bpw in BUDGETS for line in (
+            f"# A recipe under a {bpw}-bit budget: one format per (layer, routed role) chosen from the "
+            "per-tensor sensitivity, priced in the model's KL.",
+            _healed(name, f'budget_bpw = {bpw}\nformats = {json.dumps(list(LADDER_FORMATS))}\n'
+                          'sensitivity_round = "ls"', shared))),
     ])
     return f"""# Written by `moeheal init`; every path is relative to this file. The split is frozen:
 # never regenerate split.csv for the same lake (the audit checks it), start a new folder instead.
@@ -360,7 +362,8 @@ cache_experts = {max(1, min(8, model.hp.n_expert // 2))}
 """
 
 
-PEER_FORMATS = (("q2_k_healed", "q2_k_llama"), ("iq2_xxs_healed", "iq2_xxs_llama"), ("budget_2p3", "budget_2p3_llama"))
+PEER_FORMATS = (("q2_k_healed", "q2_k_llama"), ("iq2_xxs_healed", "iq2_xxs_llama"),
+                *((name, f"{name}_llama") for name, _ in BUDGETS))
 
 
 def peers_sh(llama_quantize: Path) -> str:
