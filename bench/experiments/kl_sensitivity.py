@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -39,6 +40,7 @@ from moeheal.pipeline.config import E2E_TOPK, load_config
 from moeheal.pipeline.data.documents import trace_tokens
 from moeheal.pipeline.data.dumps import open_dump, read_layer
 from moeheal.pipeline.data.units import EXPERT_TENSORS
+from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.model.routed import routed_output
 from moeheal.pipeline.model.tuner import Trace, Tuner
@@ -71,19 +73,29 @@ def unseen_gradients(tuner: Tuner, trace: Trace, layers: tuple[int, ...], draws:
     return out
 
 
-def trace_kl_with(tuner: Tuner, trace: Trace, replaced: dict[str, jax.Array], base: float) -> float:
+class SwappedModel:
+    """The reference with some tensors' float values replaced. `Tuner` decodes every tensor it does not
+    tune through `device_tensor`, so a swap needs nothing of the tuner but that it keep no decoded
+    tensor between calls (`cache_bytes=0`): one decoded before a swap would outlive it."""
+
+    def __init__(self, model: GGUFModel):
+        self.base, self.replaced = model, {}
+
+    def device_tensor(self, name: str) -> jax.Array:
+        return self.replaced[name] if name in self.replaced else self.base.device_tensor(name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
+
+
+def trace_kl_with(tuner: Tuner, model: SwappedModel, trace: Trace, replaced: dict[str, jax.Array],
+                  base: float) -> float:
     """The model's mean KL over `trace` with `replaced` tensors (float, on the device), less `base`."""
-    saved = {name: tuner._cache.get((name, False)) for name in replaced}
-    for name, w in replaced.items():
-        tuner._cache[(name, False)] = w
+    model.replaced = replaced
     try:
         return tuner.trace_kl(tuner.theta0, trace)[0] - base
     finally:
-        for name, w in saved.items():
-            if w is None:
-                tuner._cache.pop((name, False), None)
-            else:
-                tuner._cache[(name, False)] = w
+        model.replaced = {}
 
 
 def main() -> None:
@@ -106,7 +118,8 @@ def main() -> None:
     unseen = open_dump(run.result(run.dump("unseen")).path, model.hp, model.moe_layers)
     topk = run.result(run.reference_topk(min(E2E_TOPK, model.hp.vocab_size))).path
     trace = Trace(*trace_tokens(run.result(run.traces()).path, "unseen"), run.cfg.seq_tokens, topk, "unseen")
-    tuner = Tuner(model, model, cache_bytes=1 << 40)
+    swapped = SwappedModel(model)
+    tuner = Tuner(swapped, model, cache_bytes=0)
     base = tuner.trace_kl(tuner.theta0, trace)[0]
     grads = unseen_gradients(tuner, trace, model.moe_layers, args.draws, seed=1)
     print(f"{variant.name}: formats {params.formats}, {trace.n_tokens} unseen tokens, base KL {base:.5f}, "
@@ -133,8 +146,8 @@ def main() -> None:
                 proj = np.mean([np.sum(np.square(np.sum(g[layer] * dz, axis=1, dtype=np.float64)))
                                 for g in grads]) / (2 * t)
                 down = f"blk.{layer}.ffn_down_exps.weight"
-                swapped = {f"blk.{layer}.{role}.weight": w_q, down: alpha * changed["ffn_down_exps"]}
-                kl = trace_kl_with(tuner, trace, swapped, base)
+                kl = trace_kl_with(tuner, swapped, trace,
+                                   {f"blk.{layer}.{role}.weight": w_q, down: alpha * changed["ffn_down_exps"]}, base)
                 quantized[(layer, role, fmt)] = (w_q, alpha, raw.nbytes, int(weights[role].size))
                 rows.append({"layer": layer, "role": role, "format": fmt, "bytes": raw.nbytes,
                              "n_weights": int(weights[role].size), "alpha": float(alpha),
@@ -158,15 +171,15 @@ def main() -> None:
 
     def measured(recipe: dict[tuple[int, str], str]) -> float:
         """The whole recipe's KL over the unseen trace, each layer's alpha refitted on all its tensors."""
-        swapped = {}
+        replaced = {}
         for layer in model.moe_layers:
             weights = expert_weights(model, layer)
             changed = {role: quantized[(layer, role, recipe[(layer, role)])][0] for role in EXPERT_TENSORS}
             data = read_layer(cal[str(layer)], slice(0, qp.cal_tokens or None))
             alpha = fit_alpha(data["yr"], routed_output({**weights, **changed}, data)) if params.alpha else 1.0
             changed["ffn_down_exps"] = alpha * changed["ffn_down_exps"]
-            swapped |= {f"blk.{layer}.{role}.weight": w for role, w in changed.items()}
-        return trace_kl_with(tuner, trace, swapped, base)
+            replaced |= {f"blk.{layer}.{role}.weight": w for role, w in changed.items()}
+        return trace_kl_with(tuner, swapped, trace, replaced, base)
 
     print(f"\n| recipe at most {budget} bits per routed weight | bits | layer: gate/up/down | measured KL |")
     print("|---|---:|---|---:|")
