@@ -1,6 +1,6 @@
 """The scripts that turn runs into RESULTS figures: bench/tools/compare_runs.py,
-bench/tools/stage_times.py, the rotation of bench/experiments/hadamard_rotation.py and the error
-of bench/experiments/format_floor.py.
+bench/tools/stage_times.py, the rotation of bench/experiments/hadamard_rotation.py, the error
+of bench/experiments/format_floor.py and the best recipe of bench/experiments/budget_floor.py.
 
 What is checked is what the scripts compute: every figure they print parses and equals a
 recomputation from the committed snapshots' CSVs, the per-stage table in bench/RESULTS.md is
@@ -12,6 +12,7 @@ figures is not pinned.
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import re
 import sys
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.experiments import format_floor, hadamard_rotation
+from bench.experiments import budget_floor, format_floor, hadamard_rotation
 from bench.tools import compare_runs, llama_kld, stage_times
 from moeheal.pipeline import llamacpp
 from tests.reference_quants import routed_output
@@ -220,3 +221,25 @@ def test_llama_kld_scores_each_long_enough_eval_document_once():
     a, b = np.array([1.0, 2.0, 3.0]), np.array([2.0, 2.0, 2.0])
     ratio, lo, hi = llama_kld.bootstrap_ratio(a, b, np.random.default_rng(0))
     assert ratio == 1.0 and lo < 1.0 < hi
+
+
+def test_budget_floor_picks_the_brute_forces_recipe() -> None:
+    """Over random cells with a missing one, `best` is the cheapest-error recipe within the budget that
+    enumerating every recipe finds (the allocator's optimality, as the script uses it)."""
+    rng = np.random.default_rng(0)
+    bits = {"iq1_m": 1.75, "iq2_xxs": 2.0625, "iq2_xs": 2.3125, "iq2_s": 2.5625, "q2_k": 2.625}
+    n = 256
+    cells = {(layer, role, f): (int(b * n / 8), n, float(rng.uniform(0.01, 0.1) / b))
+             for layer in range(2) for role in ("ffn_down_exps", "ffn_up_exps") for f, b in bits.items()}
+    del cells[(1, "ffn_up_exps", "q2_k")]  # a format one tensor was not measured in
+    formats = tuple(bits)
+    items = sorted({(layer, role) for layer, role, _ in cells})
+    for budget in (2.0, 2.2, 2.5):
+        kl, got_bits, recipe = budget_floor.best(cells, formats, budget)
+        feasible = [(sum(cells[(*i, f)][2] for i, f in zip(items, combo)), combo)
+                    for combo in itertools.product(formats, repeat=len(items))
+                    if all((*i, f) in cells for i, f in zip(items, combo))
+                    and sum(bits[f] for f in combo) / len(items) <= budget]
+        want_kl, want = min(feasible)
+        assert recipe == list(want) and kl == pytest.approx(want_kl, rel=1e-12)
+        assert got_bits <= budget
