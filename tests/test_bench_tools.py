@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from bench.experiments import budget_floor, format_floor, hadamard_rotation
@@ -224,19 +225,22 @@ def test_llama_kld_scores_each_long_enough_eval_document_once():
 
 
 def test_budget_floor_picks_the_brute_forces_recipe() -> None:
-    """Over random cells with a missing one, `best` is the cheapest-error recipe within the budget that
-    enumerating every recipe finds (the allocator's optimality, as the script uses it)."""
+    """Over random cells with a missing one and formats outside the asked set, `best` is the
+    least-error recipe from the asked formats within the budget that enumerating every recipe finds."""
     rng = np.random.default_rng(0)
     bits = {"iq1_m": 1.75, "iq2_xxs": 2.0625, "iq2_xs": 2.3125, "iq2_s": 2.5625, "q2_k": 2.625}
     n = 256
-    cells = {(layer, role, f): (int(b * n / 8), n, float(rng.uniform(0.01, 0.1) / b))
+    cells = {(layer, role, f): (int(b * n / 8), float(rng.uniform(0.01, 0.1) / b))
              for layer in range(2) for role in ("ffn_down_exps", "ffn_up_exps") for f, b in bits.items()}
-    del cells[(1, "ffn_up_exps", "q2_k")]  # a format one tensor was not measured in
-    formats = tuple(bits)
+    del cells[(1, "ffn_up_exps", "iq2_s")]  # a format one tensor was not measured in
+    table = pa.Table.from_pylist([{"layer": layer, "role": role, "tensor": f"blk.{layer}.{role}.weight", "format": f,
+                                   "n_weights": n, "bytes": nbytes, "kl_est": kl}
+                                  for (layer, role, f), (nbytes, kl) in cells.items()])
+    formats = ("iq1_m", "iq2_xxs", "iq2_xs", "iq2_s")  # q2_k measured, not asked for
     items = sorted({(layer, role) for layer, role, _ in cells})
     for budget in (2.0, 2.2, 2.5):
-        kl, got_bits, recipe = budget_floor.best(cells, formats, budget)
-        feasible = [(sum(cells[(*i, f)][2] for i, f in zip(items, combo)), combo)
+        kl, got_bits, recipe = budget_floor.best(table, formats, budget)
+        feasible = [(sum(cells[(*i, f)][1] for i, f in zip(items, combo)), combo)
                     for combo in itertools.product(formats, repeat=len(items))
                     if all((*i, f) in cells for i, f in zip(items, combo))
                     and sum(bits[f] for f in combo) / len(items) <= budget]
