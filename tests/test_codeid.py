@@ -1,17 +1,20 @@
-"""Code identity is as narrow as the code: a stage's fingerprint moves with the files it runs and
-with no other. Edits are made in a copy of the sources and the demo-shaped world is re-planned
-(`moeheal plan`'s fingerprints), so what is checked is the cache key a run would use."""
+"""Code identity is as narrow as the code: a stage's fingerprint moves with the code of the files it
+runs and with no other, and with no docstring or comment. Edits are made in a copy of the sources and
+the demo-shaped world is re-planned (`moeheal plan`'s fingerprints), so what is checked is the cache
+key a run would use."""
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib
+import re
 from pathlib import Path
 
 import pytest
 
 from moeheal import kernels
-from moeheal.pipeline.lake import codeid
+from moeheal.pipeline.lake import codeid, fingerprint
 from moeheal.pipeline.heal import STAGES
 from bench.inputs.healworld import write_world
 from tests.test_trust import REPO, SOURCE_FOLDERS, plan_fingerprints, source_copy
@@ -48,17 +51,24 @@ def base(world, sources) -> dict[str, tuple[str, tuple[str, ...]]]:
         return plan_fingerprints(world, monkeypatch, sources)
 
 
-def changed_by(rel: str, edit: bytes, world: Path, sources: Path, base: dict, monkeypatch) -> set[str]:
-    """The plan labels whose fingerprint moves when `edit` is appended to `rel` in the copy."""
-    path = sources / rel
-    original = path.read_bytes()
-    path.write_bytes(original + edit)
+def changed_by_texts(texts: dict[str, bytes], world: Path, sources: Path, base: dict, monkeypatch) -> set[str]:
+    """The plan labels whose fingerprint moves when the files `texts` names (relative to the copy)
+    hold its texts instead."""
+    originals = {rel: (sources / rel).read_bytes() for rel in texts}
+    for rel, text in texts.items():
+        (sources / rel).write_bytes(text)
     try:
         after = plan_fingerprints(world, monkeypatch, sources)
     finally:
-        path.write_bytes(original)
+        for rel, text in originals.items():
+            (sources / rel).write_bytes(text)
     assert after.keys() == base.keys()
     return {label for label in base if after[label][0] != base[label][0]}
+
+
+def changed_by(rel: str, edit: bytes, world: Path, sources: Path, base: dict, monkeypatch) -> set[str]:
+    """The plan labels whose fingerprint moves when `edit` is appended to `rel` in the copy."""
+    return changed_by_texts({rel: (sources / rel).read_bytes() + edit}, world, sources, base, monkeypatch)
 
 
 def labels(base: dict, *stages: str) -> set[str]:
@@ -209,3 +219,157 @@ def test_the_closure_follows_a_lazy_api_name_and_skips_type_checking_imports(tmp
     closure = set(codeid.closure("moeheal.pipeline.user", tmp_path))
     assert "moeheal.kernels.encode" in closure
     assert "moeheal.pipeline.heavy" not in closure
+
+
+# ---- what is code: docstrings and comments are not, a constant is ----------------------------
+
+DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def reworded(source: bytes) -> tuple[bytes, int]:
+    """`source` with every docstring replaced by one of another length (so the lines after it move)
+    and a comment added, as a docs-only release would; and how many docstrings it replaced."""
+    tree = ast.parse(source)
+    starts = [0]
+    for line in source.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    docs = [node.body[0] for node in ast.walk(tree) if isinstance(node, DOCUMENTED) and node.body]
+    spans = [(starts[d.lineno - 1] + d.col_offset, starts[d.end_lineno - 1] + d.end_col_offset) for d in docs
+             if isinstance(d, ast.Expr) and isinstance(d.value, ast.Constant) and isinstance(d.value.value, str)]
+    for start, end in sorted(spans, reverse=True):  # ast's columns are UTF-8 byte offsets
+        source = source[:start] + b'"""Reworded,\n\non three lines."""' + source[end:]
+    return source + b"\n# a comment added\n", len(spans)
+
+
+def bytes_digest(file: Path) -> str:
+    """The code identity's file digest before docstrings were left out: the file's bytes."""
+    return hashlib.sha256(file.read_bytes()).hexdigest()
+
+
+def test_a_docstring_edit_in_the_kernels_package_re_keys_no_stage(world, sources, base, monkeypatch):
+    """kernels/__init__.py runs before any kernel, so its bytes keyed every stage that quantizes,
+    dumps or evaluates: a docs-only release recomputed a heal. Its syntax tree keys them now."""
+    rel = "kernels/__init__.py"
+    text, n_docs = reworded((sources / rel).read_bytes())
+    assert n_docs >= 1
+    assert not changed_by_texts({rel: text}, world, sources, base, monkeypatch)
+    with pytest.MonkeyPatch.context() as by_bytes:  # the same edit, keyed by bytes as before
+        by_bytes.setattr(codeid, "file_digest", bytes_digest)
+        base_by_bytes = plan_fingerprints(world, by_bytes, sources)
+        changed = changed_by_texts({rel: text}, world, sources, base_by_bytes, by_bytes)
+    assert labels(base, "dump", "quantize", "calibrate", "evaluate") <= changed
+
+
+def test_a_docs_only_release_re_keys_no_stage(world, sources, base, monkeypatch):
+    """Every docstring of every module reworded and a comment added to each: no stage of the plan
+    moves."""
+    files = sorted(p.relative_to(sources).as_posix() for folder in SOURCE_FOLDERS for p in (sources / folder).rglob("*.py"))
+    edits = {rel: reworded((sources / rel).read_bytes()) for rel in files}
+    assert sum(n for _, n in edits.values()) > 500
+    assert not changed_by_texts({rel: text for rel, (text, _) in edits.items()}, world, sources, base, monkeypatch)
+
+
+def test_a_one_character_change_of_a_constant_re_keys_the_stages_that_read_it(world, sources, base, monkeypatch):
+    """Learned rounding's scale range, 0.5 -> 0.4: the stages that run kernels/learned.py move (and
+    what reads them), the corpus and the dumps do not."""
+    rel, old, new = "kernels/learned.py", b"SCALE_RANGE = 0.5", b"SCALE_RANGE = 0.4"
+    text = (sources / rel).read_bytes()
+    assert text.count(old) == 1
+    changed = changed_by_texts({rel: text.replace(old, new)}, world, sources, base, monkeypatch)
+    readers = labels(base, *{s.name for s in STAGES if "moeheal.kernels.learned" in codeid.closure(s.module, sources)})
+    assert labels(base, "quantize") <= readers <= changed
+    for label in changed - readers:
+        assert set(base[label][1]) & changed, label  # it reads a moved stage
+    assert not changed & labels(base, *CORPUS_STAGES, "dump", "reference-logits"), sorted(changed)
+
+
+def test_no_stage_reads_a_docstring():
+    """Docstrings are left out of the code identity because nothing a stage runs reads one: a
+    `__doc__` or `inspect.getdoc` in a stage's closure would make docstrings code again."""
+    found = []
+    for stage in STAGES:
+        for name, path in codeid.closure(stage.module).items():
+            if path.suffix == ".py":
+                tree = ast.parse(path.read_text(), filename=str(path))
+                found += [name for node in ast.walk(tree)
+                          if (isinstance(node, ast.Name) and node.id in ("__doc__", "getdoc"))
+                          or (isinstance(node, ast.Attribute) and node.attr in ("__doc__", "getdoc"))]
+    assert not found, sorted(set(found))
+
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+SYNTHETIC = {
+    "moeheal/__init__.py": "",
+    "pipeline/__init__.py": "",
+    "sql/__init__.py": "",
+    "sql/summary.sql": "-- Per-layer means.\n-- heading: Summary\nSELECT layer, avg(x) FROM t GROUP BY layer\n",
+    "pipeline/helper.py": '"""Helpers."""\n\nSCALE = 0.5\n\n\ndef scaled(x, by=SCALE):\n    """x times `by`."""\n    return x * by\n',
+    "pipeline/stage.py": ('"""A stage."""\nfrom moeheal.pipeline.helper import scaled\n\n\n'
+                          'def build(con):\n    return con.run("summary"), scaled(2)\n'),
+    "pipeline/other.py": "OTHER = 1\n",
+}
+
+
+@pytest.mark.parametrize(("rel", "old", "new", "rekeys"), [
+    ("pipeline/helper.py", '"""Helpers."""', '"""Helpers, said\nat more length."""', False),
+    ("pipeline/helper.py", '    """x times `by`."""\n', "", False),
+    ("pipeline/helper.py", "SCALE = 0.5\n", "SCALE = 0.5  # the default\n", False),
+    ("pipeline/stage.py", "scaled(2)", "scaled(\n        2,\n    )", False),
+    ("pipeline/other.py", "OTHER = 1", "OTHER = 2", False),  # not reached
+    ("pipeline/helper.py", "SCALE = 0.5", "SCALE = 0.4", True),
+    ("pipeline/helper.py", "by=SCALE", "by=1.0", True),
+    ("pipeline/stage.py", "def build", "@staticmethod\ndef build", True),
+    ("sql/summary.sql", "-- heading: Summary", "-- heading: Layer summary", True),  # a comment that is code
+    ("sql/summary.sql", "-- Per-layer means.", "-- Per-layer averages.", True),  # a query keeps its text digest
+])
+def test_a_synthetic_tree_re_keys_on_code_only(rel, old, new, rekeys, tmp_path):
+    """Both directions on a tree small enough to read: what Python does not run keys nothing; a
+    constant, a default, a decorator or a query's text re-keys the stage that reaches it."""
+    root = write_tree(tmp_path, SYNTHETIC)
+    before = codeid.code_identity("moeheal.pipeline.stage", root)
+    assert {"moeheal.pipeline.helper", "sql:summary"} <= set(codeid.closure("moeheal.pipeline.stage", root))
+    text = (root / rel).read_text()
+    assert text.count(old) == 1
+    (root / rel).write_text(text.replace(old, new))
+    codeid.code_identity.cache_clear()
+    assert (codeid.code_identity("moeheal.pipeline.stage", root) != before) == rekeys
+
+
+# ---- library versions: in every key, at the grain that can change an output's bytes ----------
+
+def bumped(version: str, part: int) -> str:
+    """`version` with its release number `part` (0 major, 1 minor, 2 patch) one higher."""
+    numbers = [int(n) for n in re.match(r"\d+(?:\.\d+)*", version).group().split(".")] + [0, 0]
+    numbers[part] += 1
+    return ".".join(map(str, numbers[: max(3, part + 1)]))
+
+
+@pytest.mark.parametrize(("library", "part", "rekeys"), [
+    ("zarr", 2, False), ("zarr", 1, False), ("duckdb", 2, False), ("tokenizers", 2, False),
+    ("jax", 2, True), ("jaxlib", 2, True), ("numpy", 2, True), ("gguf", 2, True),
+    ("duckdb", 1, True), ("tokenizers", 1, True), ("zarr", 0, True),
+])
+def test_a_library_version_re_keys_every_stage_or_none(library, part, rekeys, world, sources, base, monkeypatch):
+    """A release of a library whose arithmetic writes an output's bytes (jax, jaxlib, numpy, gguf:
+    any release; duckdb, tokenizers: a minor; zarr, a lossless store: a major) re-keys every stage;
+    any other release of them re-keys none."""
+    installed = fingerprint.library_versions()
+    assert installed[library] != "absent"
+    monkeypatch.setattr(fingerprint, "library_versions", lambda: {**installed, library: bumped(installed[library], part)})
+    after = plan_fingerprints(world, monkeypatch, sources)
+    changed = {label for label in base if after[label][0] != base[label][0]}
+    assert changed == (set(base) if rekeys else set())
+
+
+@pytest.mark.parametrize(("version", "parts", "keyed"), [
+    ("3.1.6", 1, "3"), ("2.0.1", 2, "2.0"), ("2.1.0rc1", 2, "2.1"), ("0.10.2", None, "0.10.2"),
+    ("absent", 2, "absent"), ("1", 2, "1"),
+])
+def test_release_prefix(version, parts, keyed):
+    assert fingerprint.release_prefix(version, parts) == keyed

@@ -8,9 +8,27 @@ statements of each project module (module level and inside functions) are
 followed through the source with `ast`, without importing anything, and every
 string literal that names a query (`run_sql(con, "overlap")`, a tuple of check
 names) adds `sql/<stem>.sql`: queries are always named literally in the module
-that runs them. The identity is the SHA-256 over the sorted (file, content
-digest) pairs of that closure, so editing any file a stage can reach changes
-its fingerprint, and editing any other file does not.
+that runs them. The identity is the SHA-256 over the sorted (module name,
+digest) pairs of that closure, so editing the code of any file a stage can
+reach changes its fingerprint, and editing any other file does not.
+
+A module's code is what Python runs: its syntax tree (`python_digest`), less
+comments (the tree has none) and string statements (a docstring, or a bare
+string anywhere, evaluates to nothing; no module a stage reaches reads a
+`__doc__`, tests/test_codeid.py checks). A docstring or comment edit, a line
+moved by one, a re-wrap inside brackets re-key nothing; a constant, a default
+argument, a decorator, an f-string, an annotation does. A query keeps its text
+digest: its header comments declare the report sections it feeds
+(`-- heading:`, `-- columns:`), so in SQL a comment can be code.
+
+The tree is written out by hand (`_encode`), not with `ast.dump`, whose text
+changes between Pythons: a node is its class name and its fields by name,
+leaving out the unset ones (None, []), so a field a later Python adds
+(3.12's `type_params`) is absent until code uses it; a literal is its type and
+an exact text (`float.hex`, never `repr`, whose escapes of a string follow the
+Unicode tables of the running Python). tests/test_codeid_python.py pins the
+digests of fixture modules and recomputes them on every other CPython found,
+so the identity is the same on every Python the package supports.
 
 Files are found under a source root laid out like the package (`moeheal/`,
 `pipeline/`, `kernels/`, `sql/`), the checkout by default; tests point it at a
@@ -21,8 +39,10 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 PACKAGE = "moeheal"
 # The package's subpackages and the folder each lives in (pyproject's package-dir).
@@ -151,11 +171,84 @@ def closure(entry: str, root: Path = SOURCE_ROOT) -> dict[str, Path]:
     return seen
 
 
+def _is_text(node: Any) -> bool:
+    """A string literal (an f-string is a JoinedStr, not one)."""
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def _is_string_statement(node: Any) -> bool:
+    """A statement that is a string literal alone: a docstring, or any bare string, which Python
+    evaluates to nothing (an f-string runs its expressions, so it is not one)."""
+    return isinstance(node, ast.Expr) and _is_text(node.value)
+
+
+def _literal(value: object) -> list[str]:
+    """A literal as [type, exact text]: `1`, `1.0`, `True` and `"1"` differ, and the text depends on
+    the value alone, never on the running Python's `repr` of it."""
+    if isinstance(value, float):
+        text = value.hex()
+    elif isinstance(value, complex):
+        text = f"{value.real.hex()} {value.imag.hex()}"
+    elif isinstance(value, bool) or value is None or value is Ellipsis:
+        text = str(value)
+    elif isinstance(value, int):
+        text = hex(value)  # not str(): no int_max_str_digits limit
+    elif isinstance(value, bytes):
+        text = value.hex()
+    elif isinstance(value, str):
+        text = value
+    else:
+        raise TypeError(f"unexpected literal {type(value).__name__} in a syntax tree")
+    return [type(value).__name__, text]
+
+
+def _fstring_parts(values: list[ast.expr]) -> list[ast.expr]:
+    """An f-string's parts with adjacent literal text merged and empty text dropped: Python 3.12.1
+    ends a nested format spec (`f"{x:>{w}}"`) with an empty literal that 3.11 and 3.13 do not have."""
+    parts: list[ast.expr] = []
+    for value in values:
+        if _is_text(value) and parts and _is_text(parts[-1]):
+            parts[-1] = ast.Constant(parts[-1].value + value.value)
+        elif not (_is_text(value) and not value.value):
+            parts.append(value)
+    return parts
+
+
+def _encode(node: Any) -> Any:
+    """A syntax tree as JSON-ready lists: [class name, {field: value}] per node, its set fields only
+    (positions are attributes, not fields: code moved by a line keys the same), string statements
+    left out."""
+    if isinstance(node, ast.JoinedStr):
+        node = ast.JoinedStr(values=_fstring_parts(node.values))
+    if isinstance(node, ast.AST):
+        fields = ((name, getattr(node, name, None)) for name in node._fields)
+        encoded = {name: _encode(value) for name, value in fields if value is not None}
+        return [type(node).__name__, {name: value for name, value in encoded.items() if value != []}]
+    if isinstance(node, list):
+        return [_encode(item) for item in node if not _is_string_statement(item)]
+    return _literal(node)  # a constant's value, an identifier, an import's level, a conversion code
+
+
+@lru_cache(maxsize=4096)
+def python_digest(source: str, filename: str = "<source>") -> str:
+    """SHA-256 of a module's code: its syntax tree without comments or string statements, written
+    out the same way by every Python (sorted keys; non-ASCII as escapes of its code points)."""
+    tree = _encode(ast.parse(source, filename=filename))
+    return hashlib.sha256(json.dumps(tree, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def file_digest(file: Path) -> str:
+    """A module's `python_digest`; any other file (a query) by its bytes."""
+    if file.suffix == ".py":
+        return python_digest(file.read_text(encoding="utf-8"), str(file))
+    return hashlib.sha256(file.read_bytes()).hexdigest()
+
+
 @lru_cache(maxsize=None)
 def code_identity(entry: str, root: Path = SOURCE_ROOT) -> str:
-    """SHA-256 over the sorted (module name, content SHA-256) pairs of `entry`'s closure."""
+    """SHA-256 over the sorted (module name, `file_digest`) pairs of `entry`'s closure."""
     h = hashlib.sha256()
     for rel, file in sorted(closure(entry, root).items()):
         h.update(rel.encode())
-        h.update(hashlib.sha256(file.read_bytes()).hexdigest().encode())
+        h.update(file_digest(file).encode())
     return h.hexdigest()

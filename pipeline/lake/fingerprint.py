@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -61,13 +62,34 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
+# How much of each library's version goes into every stage's key (None: all of it). The key
+# promises that a cached output is what this code would compute now, to the bit, and the key is
+# in every fingerprint, so each number here trades a stale bit against a recomputed heal:
+# - jax, jaxlib: XLA compiles every forward pass, GPTQ, learned rounding and e2e; a patch
+#   release changes fusion and reduction order, so float bits, so the whole version;
+# - numpy: the encoders' and decoders' arithmetic; a patch release can swap a SIMD kernel;
+# - gguf: gguf-py dequantizes the source's tensors and lays out every GGUF written;
+# - duckdb: the audit's and the comparisons' SQL, made exact on purpose (integer sums, a
+#   counter-based bootstrap hash); a function's semantics or the Parquet writer change in a
+#   minor release, a patch release fixes bugs: major.minor;
+# - tokenizers: the ids of the corpus, an exact algorithm over the GGUF's vocabulary, which a
+#   0.x library changes in a minor release: major.minor;
+# - zarr: stores the dumps losslessly, so no version changes a value read back; the store's
+#   format (v2, v3), which an older major cannot read, changes with the major: major.
+# Python's own version is not keyed: the project's arithmetic is the libraries'.
+KEYED_RELEASE_PARTS: dict[str, int | None] = {
+    "jax": None, "jaxlib": None, "numpy": None, "gguf": None, "duckdb": 2, "tokenizers": 2, "zarr": 1,
+}
+
+
 @lru_cache(maxsize=1)
 def library_versions() -> dict[str, str]:
-    """Versions of the libraries whose behaviour a stage's output depends on."""
+    """Installed versions of the libraries a stage's output depends on, whole (the provenance
+    record's; `keyed_library_versions` is what a key holds)."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
-    for name in ("jax", "jaxlib", "numpy", "gguf", "zarr", "duckdb", "tokenizers"):
+    for name in KEYED_RELEASE_PARTS:
         try:
             out[name] = version(name)
         except PackageNotFoundError:
@@ -75,15 +97,30 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+def release_prefix(version: str, parts: int | None) -> str:
+    """The first `parts` numbers of a version's release ("3.1.6", 1 -> "3"; "2.1.0rc1", 2 ->
+    "2.1"), or the whole version when `parts` is None or it does not start with a number."""
+    release = re.match(r"\d+(?:\.\d+)*", version)
+    if parts is None or release is None:
+        return version
+    return ".".join(release.group().split(".")[:parts])
+
+
+def keyed_library_versions() -> dict[str, str]:
+    """Each library's version at the grain `KEYED_RELEASE_PARTS` gives it: what every key holds."""
+    return {name: release_prefix(version, KEYED_RELEASE_PARTS[name]) for name, version in library_versions().items()}
+
+
 def fingerprint(stage: str, code: str, params: dict[str, Any], input_digests: dict[str, str],
                 upstream: dict[str, str]) -> str:
-    """SHA-256 over a stage's name, code, parameters, input contents and upstream fingerprints."""
+    """SHA-256 over a stage's name, code, parameters, input contents, upstream fingerprints and
+    `keyed_library_versions`."""
     payload = canonical_json({
         "stage": stage,
         "code": hashlib.sha256(code.encode()).hexdigest(),
         "params": params,
         "inputs": input_digests,
         "upstream": upstream,
-        "libraries": library_versions(),
+        "libraries": keyed_library_versions(),
     })
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
