@@ -27,7 +27,7 @@ config's checks against the models run first (`pipeline/validate.py`).
 from __future__ import annotations
 
 import dataclasses
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Callable
 
@@ -39,6 +39,7 @@ from moeheal.pipeline.data.units import read_recipe
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.gguf.tokenizer import tokenizer_metadata
+from moeheal.pipeline.lake import space
 from moeheal.pipeline.lake.dag import Executor, Node, PlannedStage, Use
 from moeheal.pipeline.lake.store import Lake, StageResult
 from moeheal.pipeline.llamacpp import perplexity_binary
@@ -107,7 +108,7 @@ class HealRun:
             stage.code()      # reached: a file edited during a long run cannot key the old code's output
         validate_models(config, self.reference, self.source)
         self.lake = Lake(config.lake_root)
-        self.executor = Executor(self.lake, log, plan)
+        self.executor = Executor(self.lake, log, plan, before_build=partial(space.check_room, self.lake.root))
 
     @cached_property
     def reference(self) -> GGUFModel:

@@ -8,6 +8,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import sys
@@ -40,8 +41,12 @@ def _config(args: argparse.Namespace) -> Config:
 
 def _pipeline(args: argparse.Namespace, plan: bool = False):
     from moeheal.pipeline.heal import HealRun
+    from moeheal.pipeline.lake.gc import heal_lock
 
-    return HealRun(_config(args), plan=plan)
+    run = HealRun(_config(args), plan=plan)
+    if not plan:  # a command that writes the lake holds it to its end: `moeheal lake gc` waits for it
+        args.held.enter_context(heal_lock(run.lake.root, on_wait=lambda message: print(message, file=sys.stderr)))
+    return run
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -265,6 +270,45 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
 }
 
 
+def cmd_lake_du(args: argparse.Namespace) -> int:
+    from moeheal.pipeline.lake import gc
+
+    print(gc.du([Path(c) for c in args.config], args.keep_sets))
+    return 0
+
+
+def cmd_lake_gc(args: argparse.Namespace) -> int:
+    from moeheal.pipeline.lake import gc
+
+    print(gc.gc([Path(c) for c in args.config], args.keep_sets, args.yes,
+                log=lambda message: print(message, file=sys.stderr)))
+    return 0
+
+
+# `moeheal lake <command>`: what a lake holds and its upkeep, over every config that shares it.
+LAKE_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
+    "du": (cmd_lake_du, "per stage: outputs, bytes, how many the configs still read, and what gc would free"),
+    "gc": (cmd_lake_gc, "remove the outputs no config reads and no kept published set names, and tmp/'s stale "
+                        "entries (a dry run unless --yes)"),
+}
+
+
+def _lake_parser(sub: argparse._SubParsersAction) -> None:
+    lake = sub.add_parser("lake", help="what a lake holds, and its upkeep", description="what a lake holds, "
+                          "and its upkeep: `moeheal lake COMMAND -h`")
+    commands = lake.add_subparsers(dest="lake_command", required=True, metavar="LAKE_COMMAND")
+    for name, (fn, help_text) in LAKE_COMMANDS.items():
+        p = commands.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("-c", "--config", nargs="+", default=["heal.toml"], metavar="CFG",
+                       help="every config whose outputs to keep (all of one lake)")
+        p.set_defaults(fn=fn)
+        if name in ("du", "gc"):
+            p.add_argument("--keep-sets", type=int, default=1, metavar="N",
+                           help="keep what the newest N published sets were computed from (default 1: the current)")
+        if name == "gc":
+            p.add_argument("--yes", action="store_true", help="remove (without it, only say what would go)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moeheal", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"moeheal {__version__}")
@@ -317,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "field or Parquet with a `text` column (optional `stratum`); repeatable; "
                                 "default: the small corpus shipped with moeheal")
             p.add_argument("--seed", type=int, default=0, help="seed of the split, the windows and the traces")
+    _lake_parser(sub)
     return parser
 
 
@@ -345,7 +390,8 @@ WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        with contextlib.ExitStack() as args.held:  # what the command holds until it ends (`_pipeline`)
+            return args.fn(args)
     except MoehealError as exc:
         print(f"moeheal: error: {exc}", file=sys.stderr)
         return exc.exit_code

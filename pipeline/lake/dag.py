@@ -207,8 +207,10 @@ class Executor:
     reached, in DAG order.
     """
 
-    def __init__(self, lake: Lake, log: Callable[[str], None] = print, plan: bool = False):
+    def __init__(self, lake: Lake, log: Callable[[str], None] = print, plan: bool = False,
+                 before_build: Callable[[Node, Path, Mapping[str, Any]], None] | None = None):
         self.lake, self.log, self.planning = lake, log, plan
+        self.before_build = before_build  # told (node, where it builds, its inputs' paths) before it writes
         self.planned: list[PlannedStage] = []
         self.nodes: list[Node] = []
         self._results: dict[str, StageResult | None] = {}
@@ -254,6 +256,8 @@ class Executor:
         """The node's build, then two checks: it read every hashed knob of its parameters (else the
         fingerprint would move where the output cannot), and it wrote every file its stage declares."""
         build = node.stage.build
+        if self.before_build is not None:
+            self.before_build(node, out, paths)
         read: set[str] = set()
         build(out, recording(node.params, read), **paths, log=self.log)
         unread = sorted(set(param_record(node.params)) - read)
