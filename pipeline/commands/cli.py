@@ -75,6 +75,11 @@ def cmd_heal(args: argparse.Namespace) -> int:
         print(f"shard {shard[0]}/{shard[1]}: {len(units)} units in the lake; `moeheal heal` without --shard "
               "assembles, evaluates and publishes once every shard has finished")
         return 0
+    from moeheal.pipeline.estimate import long_heal_note
+
+    note = long_heal_note(_pipeline(args, plan=True))  # a heal past 10 minutes says so first
+    if note:
+        print(note, flush=True)
     if args.executor == "ray":
         scaleout.heal_units_on_ray(run, args.ray_address, args.gpus_per_unit)
     run.heal()
@@ -83,6 +88,10 @@ def cmd_heal(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.device and not args.estimate:
+        raise InputError("--device: only with --estimate")
+    if args.estimate:
+        return plan_estimate(args)
     if args.units:
         return plan_units(_pipeline(args, plan=True), args.format)
     planned = _pipeline(args, plan=True).plan()
@@ -101,6 +110,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"{len(planned)} stage invocations: {len(planned) - todo - skipped} cached, {todo} to compute"
               + (f", {skipped} skipped (llama.cpp's stages: llama.cpp not installed, or no unseen trace)"
                  if skipped else ""))
+    return 0
+
+
+def plan_estimate(args: argparse.Namespace) -> int:
+    """`plan --estimate`: the predicted wall time per stage kind of what a heal would compute (the plan's
+    `compute` entries) on a device class, from the cost model fitted to the timing records; runs nothing."""
+    from moeheal.pipeline import estimate
+
+    device = args.device or estimate.default_device()
+    constants = estimate.device_constants(estimate.load_cost_model(), device)  # a bad --device: before the plan
+    predicted = estimate.seconds(estimate.plan_invocations(_pipeline(args, plan=True)), constants)
+    print(json.dumps({"device": device, "seconds": predicted, "total_s": estimate.total_s(predicted)}, indent=1)
+          if args.format == "json" else estimate.estimate_table(predicted, device))
     return 0
 
 
@@ -336,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 "mermaid: the DAG, one node per stage with its units' cache status")
             p.add_argument("--units", action="store_true",
                            help="list the per-layer units a heal executes (what --shard and a Slurm array split)")
+            p.add_argument("--estimate", action="store_true",
+                           help="the predicted wall time per stage kind and in total of what a heal would compute")
+            p.add_argument("--device", metavar="h200|h100|cpu",
+                           help="--estimate for this device class (default: what JAX sees)")
         if name == "recipe":
             p.add_argument("--variant", required=True, help="a [[variant]] name of the config")
             p.add_argument("--imatrix", default="imatrix.gguf",
