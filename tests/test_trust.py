@@ -82,7 +82,7 @@ def test_every_source_file_mutation_changes_exactly_the_dependent_stages(world, 
     reached = 0
     for file in source_files(root):
         original = file.read_bytes()
-        file.write_bytes(original + (b"\n-- edited\n" if file.suffix == ".sql" else b"\n# edited\n"))
+        file.write_bytes(original + (b"\n-- edited\n" if file.suffix == ".sql" else b"\nEDITED = 1\n"))
         try:
             after = plan_fingerprints(world, monkeypatch, root)
         finally:
@@ -114,7 +114,7 @@ def test_code_identities_are_read_when_a_run_starts(world, tmp_path, monkeypatch
     codeid.code_identity.cache_clear()
     under_way = HealRun(load_config(world), log=lambda m: None, plan=True)
     quantize_py = root / "pipeline" / "stages" / "quantize.py"
-    quantize_py.write_text(quantize_py.read_text() + "\n# edited\n")
+    quantize_py.write_text(quantize_py.read_text() + "\nEDITED = 1\n")
     assert fingerprints(under_way) == before
     codeid.code_identity.cache_clear()  # what a new process starts with
     after = fingerprints(HealRun(load_config(world), log=lambda m: None, plan=True))
