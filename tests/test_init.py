@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import re
 import subprocess
 from pathlib import Path
 
@@ -87,6 +88,27 @@ def qwen2moe(tmp_path_factory) -> Path:
     return family_gguf("qwen2moe", tmp_path_factory.mktemp("model") / "qwen2moe.gguf")
 
 
+def shrink(config: Path, keep: tuple[str, ...] | None = None) -> None:
+    """Test-sized knobs over what init wrote (init's own defaults untouched): a few hundred calibration
+    and unseen tokens, 2 learned-rounding and 2 e2e steps against the reference's top 16 tokens, 100
+    bootstrap draws; with `keep`, only those variants (and the `compare` pairs among them)."""
+    text = config.read_text(encoding="utf-8")
+    for key, value in (("tokens", 1024), ("unseen_tokens", 512), ("seq_tokens", 128), ("bootstrap", 100)):
+        text = re.sub(rf"(?m)^{key} = \d+$", f"{key} = {value}", text)
+    text = text.replace("e2e = true\n", "e2e = true\ne2e_steps = 2\ne2e_topk = 16\nlearned_steps = 2\n")
+    if keep is not None:
+        head, *variants = text.split("\n[[variant]]\n")
+        moce = variants[-1][variants[-1].index("[moce]"):]
+        variants[-1] = variants[-1][:variants[-1].index("[moce]")]
+        kept = [v for v in variants if re.search(r'(?m)^name = "(.*)"$', v)[1] in keep]
+        pairs = re.findall(r'(?m)^    \["(.*)", "(.*)"\],\n', head)
+        head = re.sub(r'(?m)^    \[".*", ".*"\],\n', "", head).replace(
+            "compare = [\n", "compare = [\n" + "".join(f'    ["{a}", "{b}"],\n' for a, b in pairs
+                                                    if a in keep and b in keep))
+        text = "".join([head, *(f"\n[[variant]]\n{v}" for v in kept), "\n", moce])
+    config.write_text(text, encoding="utf-8")
+
+
 def init(capsys, *argv: str) -> tuple[int, str, str]:
     code = main(["init", *argv])
     out = capsys.readouterr()
@@ -131,8 +153,11 @@ def test_init_writes_a_frozen_split_clean_windows_and_a_config_the_run_accepts(q
 
     cfg = load_config(folder / "heal.toml")
     assert cfg.reference == qwen2moe.resolve()
-    assert [v.name for v in cfg.variants] == ["q2_k_healed", "iq2_xxs_healed", "budget_2p3", "budget_2p6"]
-    assert [v.budget_bpw for v in cfg.variants] == [None, None, 2.3, 2.6]
+    assert [v.name for v in cfg.variants] == ["q2_k_healed", "budget_2p625", "budget_2p3"]
+    assert [v.budget_bpw for v in cfg.variants] == [None, 2.625, 2.3]
+    assert all(v.round == "learned" and v.e2e and v.alpha for v in cfg.variants)  # the levers of budget-64k.toml
+    assert [v.measured_round for v in cfg.variants[1:]] == ["ls", "ls"] and cfg.variants[0].quant == "q2_k"
+    assert cfg.compare == (("q2_k_healed", "budget_2p625"), ("q2_k_healed", "budget_2p3"))
     assert cfg.cal_tokens == sum(len(ids[d]) for d in ids if split[d] == "cal")  # all of it: under the cap
     assert 0 < cfg.unseen_tokens <= sum(len(ids[d]) for d in ids if split[d] == "unused")
     assert sum(cfg.mix.values()) <= 1
@@ -141,8 +166,9 @@ def test_init_writes_a_frozen_split_clean_windows_and_a_config_the_run_accepts(q
     # healing it is `tests/test_wheel_init.py`'s, from the installed wheel.
     code, out = cli(capsys, "plan", "-c", str(folder / "heal.toml"), "--format", "json")
     assert code == 0
-    assert {"quantize:q2_k_healed", "quantize:iq2_xxs_healed", "allocate:budget_2p3", "allocate:budget_2p6"} <= \
-        {":".join(p["stage"].split(":")[:2]) for p in json.loads(out)}
+    stages = {p["stage"].split(":")[0] for p in json.loads(out)}
+    assert {"quantize:q2_k_healed", "allocate:budget_2p625", "allocate:budget_2p3"} <= \
+        {":".join(p["stage"].split(":")[:2]) for p in json.loads(out)} and {"e2e", "sensitivity"} <= stages
     code, out = cli(capsys, "audit", "-c", str(folder / "heal.toml"))
     assert code == 0 and "0 scored-span leaks" in out
 
@@ -256,6 +282,12 @@ def _bad_inputs(tmp: Path, good_model: Path, good_texts: Path) -> dict[str, tupl
         "no config.json": (["--model", str(tmp / "checkpoint")] + texts, "config.json"),
         "narrow experts": (["--model", str(narrow)] + texts, "not a multiple of"),
         "missing model": (["--model", str(tmp / "nope.gguf")] + texts, "no such file"),
+        "bits zero": (model + texts + ["--bits", "0"], "--bits 0: below 2.0625 bits per routed weight"),
+        "bits not a number": (model + texts + ["--bits", "2.5", "abc"], "--bits abc: not a number"),
+        "bits twice": (model + texts + ["--bits", "2.3", "2.30"], "--bits 2.30: given twice"),
+        "bits below iq2_xxs": (model + texts + ["--bits", "2.06"], "(iq2_xxs)"),
+        "size unparsable": (model + texts + ["--size", "eleven"], "--size eleven: expected a file size"),
+        "size below the cheapest": (model + texts + ["--size", "1K"], "--size 1K: below the smallest whole file"),
     }
 
 
@@ -280,7 +312,10 @@ def test_bad_input_is_one_line_exit_2_and_leaves_the_folder_untouched(qwen2moe, 
 
 
 def test_peers_script_only_when_llama_quantize_is_found(qwen2moe, texts, tmp_path, capsys, monkeypatch):
-    """peers.sh names the llama-quantize found; the script itself is run by hand (docs/your-model.md)."""
+    """peers.sh names the llama-quantize found and makes llama.cpp's files at the ladder's sizes: the uniform
+    types at or below the largest of ours and each of ours' twin, each added to heal.toml with a compare pair
+    against every one of ours at or above its size. Its add-peer lines are run here; the llama-quantize ones
+    need llama.cpp (docs/your-model.md)."""
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
     assert init(capsys, str(tmp_path / "without"), "--model", str(qwen2moe), "--text", str(texts))[0] == 0
@@ -289,10 +324,37 @@ def test_peers_script_only_when_llama_quantize_is_found(qwen2moe, texts, tmp_pat
     (build / "bin").mkdir(parents=True)
     (build / "bin" / "llama-quantize").write_text("#!/bin/sh\n")
     monkeypatch.setenv("LLAMA_CPP_DIR", str(build))
-    code, out, _ = init(capsys, str(tmp_path / "with"), "--model", str(qwen2moe), "--text", str(texts))
+    folder = tmp_path / "with"
+    code, out, _ = init(capsys, str(folder), "--model", str(qwen2moe), "--text", str(texts), "--bits", "2.4")
     assert code == 0 and "peers.sh" in out
-    script = (tmp_path / "with" / "peers.sh").read_text()
+    script = (folder / "peers.sh").read_text()
     assert str(build / "bin" / "llama-quantize") in script
-    for variant in ("q2_k_healed", "iq2_xxs_healed", "budget_2p3", "budget_2p6"):
-        assert f"--variant {variant} " in script
-    assert subprocess.run(["/bin/bash", "-n", str(tmp_path / "with" / "peers.sh")]).returncode == 0
+    assert subprocess.run(["/bin/bash", "-n", str(folder / "peers.sh")]).returncode == 0
+    made = {"iq2_xxs_llama": "--variant q2_k_healed --quant iq2_xxs ",
+            "iq2_xs_llama": "--variant q2_k_healed --quant iq2_xs ",
+            "iq2_s_llama": "--variant q2_k_healed --quant iq2_s ",
+            "q2_k_llama": "--variant q2_k_healed --imatrix", "budget_2p4_llama": "--variant budget_2p4 --imatrix"}
+    for peer, recipe in made.items():
+        assert recipe in script and f"--out peers/{peer}.gguf" in script, peer
+
+    adders = [line.strip() for line in script.splitlines() if "add_peer" in line]
+    for _ in range(2):  # a second run of the script adds nothing twice
+        subprocess.run(["/bin/bash", "-euc", "\n".join(adders)], cwd=folder, check=True)
+    cfg = load_config(folder / "heal.toml", peers_may_be_missing=True)
+    assert [v.name for v in cfg.variants] == ["q2_k_healed", "budget_2p4", *made]
+    assert all(v.kind == "external" and v.gguf == folder / "peers" / f"{v.name}.gguf" for v in cfg.variants[2:])
+    assert set(cfg.compare) == {("q2_k_healed", "budget_2p4"),
+                                ("iq2_xxs_llama", "q2_k_healed"), ("iq2_xxs_llama", "budget_2p4"),
+                                ("iq2_xs_llama", "q2_k_healed"), ("iq2_xs_llama", "budget_2p4"),
+                                ("iq2_s_llama", "q2_k_healed"),  # 2.5625 bits: above the 2.4-bit recipe
+                                ("q2_k_llama", "q2_k_healed"),  # 2.625 bits: above the 2.4-bit recipe
+                                ("budget_2p4_llama", "q2_k_healed"), ("budget_2p4_llama", "budget_2p4")}
+    assert len(cfg.compare) == 9
+
+    # `recipe --quant`: the uniform type the script asks llama-quantize for, every routed tensor in it.
+    code, command = cli(capsys, "recipe", "-c", str(folder / "heal.toml"), "--variant", "q2_k_healed", "--quant",
+                        "iq2_xs", "--imatrix", "m.gguf", "--out", "o.gguf")
+    assert code == 0 and "blk.0.ffn_gate_exps=iq2_xs" in command and "=q2_k" not in command
+    code = main(["recipe", "-c", str(folder / "heal.toml"), "--variant", "budget_2p4", "--quant", "q2_k"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "fixed formats" in err

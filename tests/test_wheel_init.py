@@ -17,15 +17,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from bench.inputs.ggufs import make_tiny_gguf
-from tests.test_init import write_text_folder
+from tests.test_init import shrink, write_text_folder
 from tests.wheels import build_wheel, run
-
-
-def first_variant_only(config: Path) -> None:
-    """Keep the ladder's first variant (Q2_K healed) so one heal stays within a CI budget."""
-    head, first, *rest = config.read_text(encoding="utf-8").split("\n[[variant]]")
-    moce = rest[-1][rest[-1].index("[moce]"):]
-    config.write_text(f"{head}\n[[variant]]{first.rsplit(chr(10) + '#', 1)[0]}\n{moce}", encoding="utf-8")
 
 
 def test_the_installed_wheel_inits_heals_reports_and_exports_a_users_model(tmp_path):
@@ -49,7 +42,7 @@ def test_the_installed_wheel_inits_heals_reports_and_exports_a_users_model(tmp_p
     init = run([moeheal, "init", "mine", "--model", str(model), "--text", str(texts)], cwd=work).stdout
     assert "moeheal heal -c" in init
     config = work / "mine" / "heal.toml"
-    first_variant_only(config)
+    shrink(config, keep=("q2_k_healed",))  # the ladder's first variant, test-sized, so one heal fits a CI budget
     healed = run([moeheal, "heal", "-c", str(config)], cwd=work).stdout
     assert "q2_k_healed" in healed
     run([moeheal, "report", "-c", str(config)], cwd=work)

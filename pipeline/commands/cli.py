@@ -219,9 +219,13 @@ def cmd_imatrix(args: argparse.Namespace) -> int:
 def cmd_recipe(args: argparse.Namespace) -> int:
     import shlex
 
+    from moeheal.pipeline.commands.init import with_uniform_format
     from moeheal.pipeline.heal import HealRun
 
-    run = HealRun(_config(args), log=lambda message: print(message, file=sys.stderr))  # before the peer it makes
+    cfg = _config(args)
+    if args.quant:
+        cfg = with_uniform_format(cfg, args.variant, args.quant)
+    run = HealRun(cfg, log=lambda message: print(message, file=sys.stderr))  # before the peer it makes
     print(shlex.join(run.llama_quantize_command(args.variant, Path(args.imatrix), Path(args.out) if args.out else None,
                                                 args.llama_quantize)))
     return 0
@@ -259,13 +263,16 @@ def cmd_synth(args: argparse.Namespace) -> int:
 def cmd_init(args: argparse.Namespace) -> int:
     from moeheal.pipeline.commands.init import init_folder
 
-    result = init_folder(Path(args.dir), Path(args.model), [Path(t) for t in args.text], args.seed)
+    result = init_folder(Path(args.dir), Path(args.model), [Path(t) for t in args.text], args.seed, args.bits,
+                         args.size)
     roles = ", ".join(f"{n} {role}" for role, n in result.roles.items())
     config = result.folder / "heal.toml"
     print(f"{result.folder}: {result.n_docs} documents ({roles}), {result.n_windows} windows, "
           f"calibration {result.cal_tokens} tokens")
+    print(f"ladder: {', '.join(result.variants)}")
     if result.peers:
-        print(f"llama.cpp found: `bash {result.folder / 'peers.sh'}` adds its quantizations as peers (optional)")
+        print(f"llama.cpp found: `bash {result.folder / 'peers.sh'}` adds its files at the same sizes as peers "
+              f"(optional): {', '.join(result.peers)}")
     print("next:")
     print(f"  moeheal heal -c {config}")
     print(f"  moeheal report -c {config}")
@@ -369,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "left out for a variant without importance")
             p.add_argument("--out", help="the GGUF llama-quantize writes (default: VARIANT-llama.gguf)")
             p.add_argument("--llama-quantize", default="llama-quantize", help="the llama-quantize binary")
+            p.add_argument("--quant", metavar="FORMAT",
+                           help="every routed tensor in FORMAT instead of the variant's (one of fixed formats): "
+                                "llama.cpp's uniform type with the variant's other settings")
         if name == "import-dump":
             p.add_argument("spec", help="TOML naming the raw files: trace, T, d, f, k, [[layers]]")
         if name == "sql":
@@ -387,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "field or Parquet with a `text` column (optional `stratum`); repeatable; "
                                 "default: the small corpus shipped with moeheal")
             p.add_argument("--seed", type=int, default=0, help="seed of the split, the windows and the traces")
+            p.add_argument("--bits", nargs="+", metavar="B",
+                           help="a recipe per size, in bits per routed weight (default: 2.625, Q2_K's size, and 2.3)")
+            p.add_argument("--size", help="also a recipe of the whole file within this size (11GiB, 10.5G, 500MB)")
     _lake_parser(sub)
     return parser
 

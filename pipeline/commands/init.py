@@ -18,16 +18,21 @@ made from whatever text the user brings:
   16-gram of every calibration document (so of any trace the split allows);
 - `heal.toml`: the calibration sized to the text (at most `CAL_TOKENS` and
   `UNSEEN_TOKENS`, strata mixed in proportion to their calibration text) and a
-  ladder: the implicit unhealed baseline, Q2_K and IQ2_XXS healed (GPTQ rounding,
-  alpha, and the ridge where the family has a shared expert) and recipes under
-  a 2.3-bit budget and within Q2_K's size (2.6 bits; demo/README.md measures it
-  against a uniform Q2_K healed the same way);
+  ladder of the project's best method at each size asked for: per `--bits B`
+  (bits per routed weight; default `DEFAULT_BITS`, Q2_K's 2.625 and 2.3) a
+  recipe `budget_<B>` of KL-priced formats, and per `--size` a recipe of the
+  whole file `budget_file_<size>`, each with learned rounding and e2e (the
+  levers of demo/ablations/budget-64k.toml); uniform Q2_K healed the same way,
+  `q2_k_healed`, as the reference point; the implicit unhealed baseline;
 - with llama.cpp's `llama-quantize` found (`LLAMA_CPP_DIR/bin` or PATH),
-  `peers.sh`: llama.cpp's own quantization of each recipe with an importance
-  matrix from our calibration dump (`moeheal imatrix`, `moeheal recipe`), added
-  to `heal.toml` as outside variants. It is a follow-up command, not part of
-  init, because the importance matrix needs the calibration dump, the first
-  stage of `moeheal heal` (which then finds it cached).
+  `peers.sh`: llama.cpp's files at the same sizes with an importance matrix
+  from our calibration dump (`moeheal imatrix`, `moeheal recipe`): its uniform
+  types at or below the largest of ours and each of ours' own twin, added to
+  `heal.toml` as outside variants with an `[eval] compare` pair against each
+  of ours at or above their size (what the `frontier` table's ratios are
+  read from). It is a follow-up command, not part of init, because the
+  importance matrix needs the calibration dump, the first stage of
+  `moeheal heal` (which then finds it cached).
 
 Everything is built in a temporary folder beside DIR and renamed into place at
 the end, so bad input (one `InputError` line, exit 2) leaves DIR as it was.
@@ -40,11 +45,12 @@ import hashlib
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -53,9 +59,13 @@ import pyarrow as pa
 from moeheal.kernels.decode import format_of
 from moeheal.kernels.ngram import ngram_hashes
 from moeheal.pipeline.model import roles
-from moeheal.pipeline.config import CAL_TOKENS
+from moeheal.pipeline.model.roles import ROUTED_TENSOR
+from moeheal.kernels.encode import ENCODERS
+from moeheal.pipeline.config import CAL_TOKENS, Config, Variant, load_config
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
+from moeheal.pipeline.gguf.sizes import fixed_size, least_bpw, tensor_bytes
+from moeheal.pipeline.validate import budget_fixed, chosen_roles, validate_models
 from moeheal.pipeline.sources.package_data import DATA
 from moeheal.pipeline.data.windows import clean_score_starts, generate_windows
 from moeheal.pipeline.gguf.tokenizer import build_tokenizer
@@ -69,8 +79,6 @@ WINDOW_SIZES = ((192, 128), (96, 64), (48, 32))  # (context, scored) tokens, the
 UNSEEN_TOKENS, SEQ_TOKENS = 8192, 512  # the calibration's length is the config's default, CAL_TOKENS
 CAL_TEXT_TOKENS = 2 * CAL_TOKENS  # calibration text kept per stratum
 NGRAM = 16
-LADDER_FORMATS = ("q2_k", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs")  # every format a variant below may use
-BUDGETS = (("budget_2p3", 2.3), ("budget_2p6", 2.6))  # a recipe near 2.3 bits, and one within Q2_K's 2.625
 
 
 @dataclass
@@ -274,6 +282,133 @@ def place_windows(stratum: str, roles_of: dict[str, str], tokens: dict[str, np.n
     return generate_windows(docs, tokens, cal_hashes, NGRAM, counts, ctx, scored, seed)
 
 
+# ---- the ladder: what to heal at each size -------------------------------------------------------
+
+LADDER_FORMATS = ("q2_k", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs")  # what a recipe of the routed experts chooses from
+# A whole-file recipe also chooses the shared expert's and attention's formats (demo/ablations/budget.toml).
+FILE_FORMATS = (*LADDER_FORMATS, "iq4_nl", "q4_k", "q5_k", "q6_k")
+DEFAULT_BITS = (2.625, 2.3)  # Q2_K's size, and the size where a recipe reaches llama.cpp's Q2_K (budget-64k.toml)
+REFERENCE = "q2_k_healed"  # uniform Q2_K with the recipes' levers: the reference point at Q2_K's size
+UNIFORM_PEERS = ("iq2_xxs", "iq2_xs", "iq2_s")  # llama.cpp's uniform types besides Q2_K (q2_k_healed's twin)
+_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]I?)?B?")
+
+
+@dataclass(frozen=True)
+class File:
+    """One file of the ladder: ours (a variant to heal) or a llama.cpp peer (made by peers.sh).
+
+    `bytes` is its size as the ladder plans it (routed experts at the budget or format, the rest as
+    the source stores it, the GGUF's header as the reference's): which peers are at or below a recipe."""
+
+    name: str
+    bytes: int
+    budget_bpw: float | None = None  # ours under a budget; None: uniform Q2_K
+    budget_roles: str = "routed"
+    recipe_of: str = ""  # a peer: the variant of ours whose `moeheal recipe` makes it
+    quant: str = ""  # a uniform peer: every routed tensor in this format (`moeheal recipe --quant`)
+
+
+@dataclass(frozen=True)
+class Ladder:
+    ours: tuple[File, ...]  # the reference point, then the recipes, largest first
+    peers: tuple[File, ...]  # llama.cpp's files, when llama-quantize is found
+
+    def compared_with(self, peer: File) -> list[str]:
+        """Ours at or above the peer's size: the `[eval] compare` pairs [peer, ours] peers.sh declares."""
+        return [o.name for o in self.ours if peer.bytes <= o.bytes]
+
+
+def _number_name(value: float) -> str:
+    return f"{value:g}".replace(".", "p")
+
+
+def parse_bits(texts: list[str]) -> list[float]:
+    """`--bits` values: finite, distinct, each at least the cheapest format's bits per routed weight."""
+    least = min(LADDER_FORMATS, key=lambda f: format_of(f).bits_per_weight)
+    bits = []
+    for text in texts:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise InputError(f"--bits {text}: not a number of bits per routed weight (e.g. 2.625)")
+        if value < format_of(least).bits_per_weight:
+            raise InputError(f"--bits {text}: below {format_of(least).bits_per_weight:g} bits per routed weight, "
+                             f"the smallest format a recipe may choose ({least})")
+        if value in bits:
+            raise InputError(f"--bits {text}: given twice")
+        bits.append(value)
+    return bits
+
+
+def parse_file_size(text: str) -> int:
+    """`--size`: bytes from `11GiB`, `10.5G`, `500MB` or `123456` (K/M/G/T decimal, Ki/Mi/Gi/Ti binary)."""
+    m = _SIZE.fullmatch(text.strip().upper())
+    size = int(float(m[1]) * _UNITS[m[2] or ""]) if m else 0
+    if size <= 0:
+        raise InputError(f"--size {text}: expected a file size such as 11GiB, 10.5G or 500MB")
+    return size
+
+
+def _size_name(text: str) -> str:
+    return "budget_file_" + re.sub(r"[^0-9a-z]", "", text.strip().lower().replace(".", "p"))
+
+
+def plan_ladder(model: GGUFModel, bits: list[float], size: str | None, peers: bool) -> Ladder:
+    """Our files (uniform Q2_K, a recipe per `--bits` and `--size`) and, with `peers`, llama.cpp's:
+    each uniform type at or below the largest of ours, and each recipe's twin. InputError for a
+    whole-file size no recipe of FILE_FORMATS fits, or on a family whose attention it cannot price."""
+    shexp = "iq4_nl" if model.arch.has_shared_expert else None
+    routed_weights = sum(n for name, (_, n, _) in model.tensor_sizes().items() if ROUTED_TENSOR.match(name))
+    header = model.path.stat().st_size - sum(b for _, _, b in model.tensor_sizes().values())
+    rest = fixed_size(model, roles.ROUTED, shexp)[1] + header  # what every routed-only file holds besides experts
+
+    def uniform(fmt: str) -> int:
+        return rest + sum(tensor_bytes(fmt, n) for name, (_, n, _) in model.tensor_sizes().items()
+                          if ROUTED_TENSOR.match(name))
+
+    ours = [File(REFERENCE, uniform("q2_k"))]
+    ours += [File(f"budget_{_number_name(b)}", rest + math.floor(b * routed_weights / 8), b)
+             for b in sorted(bits, reverse=True)]
+    if size is not None:
+        ours.append(_file_recipe(model, size, header))
+    names = [f.name for f in ours]
+    if len(set(names)) != len(names):
+        raise InputError(f"--bits {' '.join(map(str, bits))}: two sizes give the recipe name "
+                         f"{next(n for n in names if names.count(n) > 1)}")
+    if not peers:
+        return Ladder(tuple(ours), ())
+    largest = max(f.bytes for f in ours)
+    twins = [File(f"{REFERENCE.removesuffix('_healed')}_llama", ours[0].bytes, recipe_of=REFERENCE)]
+    twins += [File(f"{f.name}_llama", f.bytes, recipe_of=f.name) for f in ours[1:]]
+    types = [File(f"{fmt}_llama", uniform(fmt), recipe_of=REFERENCE, quant=fmt)
+             for fmt in UNIFORM_PEERS if uniform(fmt) <= largest]
+    return Ladder(tuple(ours), tuple(types + twins))
+
+
+def _file_recipe(model: GGUFModel, text: str, header: int) -> File:
+    """The whole-file recipe of `--size`: its budget in bits per weight of the file's tensors (the
+    header, as large as the reference's, left out), refused below the cheapest recipe."""
+    size = parse_file_size(text)
+    if not model.arch.standard_attention:
+        raise InputError(f"--size {text}: a whole-file recipe prices attention's formats, which the "
+                         f"{model.arch} family's attention does not support; use --bits")
+    probe = Variant(name=text, kind="healed", budget_bpw=0.0, candidates=FILE_FORMATS, budget_roles="all")
+    chosen = chosen_roles(probe, model)
+    fixed = budget_fixed(probe, model)
+    weights = sum(n for _, n, _ in model.tensor_sizes().values())
+    least = least_bpw(model, FILE_FORMATS, chosen, fixed)
+    bpw = math.floor(8e6 * (size - header) / weights) / 1e6  # rounded down: the file stays within the size
+    if bpw < least:
+        smallest = header + math.ceil(least * weights / 8)
+        raise InputError(f"--size {text}: below the smallest whole file a recipe of {', '.join(FILE_FORMATS)} "
+                         f"makes of this model, {smallest} bytes ({least:.4f} bits per weight)")
+    return File(_size_name(text), size, bpw, "all")
+
+
 # ---- the model and the config ------------------------------------------------------------------
 
 
@@ -300,38 +435,48 @@ def _toml_str(value: str) -> str:
     return json.dumps(value, ensure_ascii=False)  # a JSON string is a valid TOML basic string
 
 
-def _healed(name: str, quant: str, shared_expert: bool) -> str:
-    ridge = "ridge_rho = 6.0\nridge_eta = 0.15\nshexp_down = \"iq4_nl\"\n" if shared_expert else "ridge_rho = 0.0\n"
-    head = f'name = "{name}"\n{quant}\n'
-    return (f"[[variant]]\n{head}beta_gate_up = 0.5\nbeta_down = 0.5\nalpha = true\n{ridge}"
-            "round = \"gptq\"\ngptq_damp = 1.0\ngptq_shrink = 64\n")
+def _variant_toml(file: File, shared_expert: bool) -> str:
+    """One of ours: learned rounding from GPTQ's start, alpha, the ridge where the family has a shared
+    expert, e2e; a recipe's formats chosen per (layer, role) by sensitivity priced in the model's KL."""
+    if file.budget_bpw is None:
+        quant = 'quant = "q2_k"\n'
+    else:
+        formats = FILE_FORMATS if file.budget_roles == "all" else LADDER_FORMATS
+        quant = (f"budget_bpw = {file.budget_bpw}\nformats = {json.dumps(list(formats))}\n"
+                 + ('budget_roles = "all"\n' if file.budget_roles == "all" else "") + 'sensitivity_round = "ls"\n')
+    shexp = 'shexp_down = "iq4_nl"\n' if shared_expert and file.budget_roles != "all" else ""
+    ridge = f"ridge_rho = 6.0\nridge_eta = 0.15\n{shexp}" if shared_expert else "ridge_rho = 0.0\n"
+    return (f'[[variant]]\nname = "{file.name}"\n{quant}beta_gate_up = 0.5\nbeta_down = 0.5\nalpha = true\n{ridge}'
+            'round = "learned"\ngptq_damp = 1.0\ngptq_shrink = 64\ne2e = true\n')
 
 
-def heal_toml(reference: str, cal_tokens: dict[str, int], unseen_tokens: int, model: GGUFModel, seed: int) -> str:
-    """The config: calibration sized to the text, the recommended ladder, the windows file."""
+def _comment(file: File) -> str:
+    if file.budget_bpw is None:
+        return ("# Uniform Q2_K (2.625 bits per routed weight) healed with the recipes' levers: the reference "
+                "point at Q2_K's size.")
+    if file.budget_roles == "all":
+        return (f"# A recipe of the whole file within {file.bytes} bytes ({file.budget_bpw} bits per weight of its\n"
+                "# tensors): routed experts, shared expert and attention chosen together.")
+    return f"# A recipe within {file.budget_bpw:g} bits per routed weight."
+
+
+def heal_toml(reference: str, cal_tokens: dict[str, int], unseen_tokens: int, model: GGUFModel, seed: int,
+              ladder: Ladder) -> str:
+    """The config: calibration sized to the text, the ladder, the windows file, and each recipe
+    compared with uniform Q2_K (peers.sh adds the llama.cpp pairs as it makes the files)."""
     total = sum(cal_tokens.values())
     tokens = min(CAL_TOKENS, total)
     mix = ""
     if len(cal_tokens) > 1:  # shares in proportion to the calibration text, rounded down so they sum to <= 1
         shares = ", ".join(f"{_toml_str(s)} = {math.floor(1e4 * n / total) / 1e4}" for s, n in cal_tokens.items())
         mix = f"mix = {{ {shares} }}\n"
-    shared = model.arch.has_shared_expert
-    ladder = "\n".join([
-        "# Q2_K (2.625 bits per weight) healed: importance, GPTQ rounding, alpha"
-        + (", the ridge on the shared expert." if shared else "."),
-        _healed("q2_k_healed", 'quant = "q2_k"', shared),
-        "# IQ2_XXS (2.06 bits per weight, a lattice codebook), healed the same way.",
-        _healed("iq2_xxs_healed", 'quant = "iq2_xxs"', shared),
-        *(line for name, bpw in BUDGETS for line in (
-            f"# A recipe under a {bpw}-bit budget: one format per (layer, routed role) chosen from the "
-            "per-tensor sensitivity, priced in the model's KL.",
-            _healed(name, f'budget_bpw = {bpw}\nformats = {json.dumps(list(LADDER_FORMATS))}\n'
-                          'sensitivity_round = "ls"', shared))),
-    ])
+    ladder_text = "\n".join(f"{_comment(f)}\n{_variant_toml(f, model.arch.has_shared_expert)}" for f in ladder.ours)
+    pairs = "".join(f"    [{_toml_str(REFERENCE)}, {_toml_str(f.name)}],\n" for f in ladder.ours[1:])
     return f"""# Written by `moeheal init`; every path is relative to this file. The split is frozen:
 # never regenerate split.csv for the same lake (the audit checks it), start a new folder instead.
 # Every variant is compared with the implicit `unhealed` baseline (the same format, no calibration
-# data) and with the variant before it.
+# data) and with the variant before it; `compare` adds each recipe against uniform Q2_K and (peers.sh)
+# each of ours against every llama.cpp file at or below its size: the `frontier` table's ratios.
 
 [lake]
 root = "lake"
@@ -354,37 +499,77 @@ windows = "windows.csv"
 ngram = {NGRAM}
 bootstrap = 2000
 seed = {seed}
+{COMPARE_OPEN}
+{pairs}{COMPARE_CLOSE}
 
-{ladder}
+{ladder_text}
 [moce]
 bonus = [0.0]
 cache_experts = {max(1, min(8, model.hp.n_expert // 2))}
 """
 
 
-PEER_FORMATS = (("q2_k_healed", "q2_k_llama"), ("iq2_xxs_healed", "iq2_xxs_llama"),
-                *((name, f"{name}_llama") for name, _ in BUDGETS))
+COMPARE_OPEN = "compare = ["
+COMPARE_CLOSE = "]  # end of compare: peers.sh adds each llama.cpp file's pairs above this line"
 
 
-def peers_sh(llama_quantize: Path) -> str:
-    """The follow-up script: an imatrix from our calibration dump, llama-quantize per recipe, the peers added."""
-    moeheal = f"{shlex.quote(sys.executable)} -m moeheal"
+def add_peer(config: str | Path, peer: str, gguf: str, against: list[str]) -> None:
+    """Add a llama.cpp file to `config` (an init folder's heal.toml) as an outside variant, and a
+    [peer, ours] pair for each of `against` to `[eval] compare`; a peer already there is left as it is."""
+    config = Path(config)
+    text = config.read_text(encoding="utf-8")
+    if f'\nname = {_toml_str(peer)}\n' in text:
+        return
+    close = text.find(f"\n{COMPARE_CLOSE}\n")
+    if close < 0:
+        raise InputError(f"{config}: no `{COMPARE_CLOSE}` line (not written by `moeheal init`?)")
+    pairs = "".join(f"    [{_toml_str(peer)}, {_toml_str(name)}],\n" for name in against)
+    text = f"{text[:close + 1]}{pairs}{text[close + 1:]}"
+    text += f'\n[[variant]]\nname = {_toml_str(peer)}\ngguf = {_toml_str(gguf)}\n'
+    tmp = config.with_name(f".{config.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, config)
+
+
+def with_uniform_format(cfg: Config, name: str, fmt: str) -> Config:
+    """`cfg` with variant `name` (of fixed formats) in `fmt` for every routed tensor: what `moeheal recipe
+    --quant` turns into llama.cpp's uniform type at that format, with the variant's other settings."""
+    variant = next((v for v in cfg.healed_variants if v.name == name), None)
+    if fmt not in ENCODERS:
+        raise InputError(f"--quant {fmt}: not one of {', '.join(sorted(ENCODERS))}")
+    if variant is None or variant.budgeted:
+        raise InputError(f"{cfg.path}: --variant {name!r} --quant {fmt}: needs a variant of this config with "
+                         "fixed formats (no budget_bpw)")
+    return replace(cfg, variants=tuple(replace(v, quant=fmt) if v.name == name else v for v in cfg.variants))
+
+
+def peers_sh(llama_quantize: Path, ladder: Ladder) -> str:
+    """The follow-up script: an imatrix from our calibration dump, then per peer its llama-quantize
+    command (`moeheal recipe`), the file made, and the peer added to heal.toml with its pairs."""
+    python = shlex.quote(sys.executable)
+    moeheal = f"{python} -m moeheal"
+    adder = f"{python} -c 'import sys; from {__name__} import add_peer; add_peer(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])'"
     lines = [
         "#!/usr/bin/env bash",
-        "# Written by `moeheal init`: llama.cpp's own quantization of each recipe of heal.toml, with an importance",
-        "# matrix from our calibration dump, added to heal.toml as outside variants. Run it once, before or after",
-        "# `moeheal heal` (the dump it needs is the first stage of heal, cached for it): bash peers.sh",
+        "# Written by `moeheal init`: llama.cpp's files at the ladder's sizes, each with an importance matrix from",
+        "# our calibration dump: its uniform types at or below the largest of ours, and each recipe's own twin,",
+        "# added to heal.toml as outside variants, each compared with every one of ours at or above its size.",
+        "# Run it once, before or after `moeheal heal` (the dump it needs is the first stage of heal, cached for",
+        "# it): bash peers.sh",
         "set -euo pipefail",
         'cd "$(dirname "$0")"',
         "mkdir -p peers",
         f"{moeheal} imatrix -c heal.toml --out peers/imatrix.gguf",
     ]
-    for variant, peer in PEER_FORMATS:
-        lines += [f'grep -q \'^name = "{peer}"$\' heal.toml || {{',  # a plain assignment keeps set -e's exit
-                  f'  command=$({moeheal} recipe -c heal.toml --variant {variant} --imatrix peers/imatrix.gguf '
-                  f'--out peers/{peer}.gguf --llama-quantize {shlex.quote(str(llama_quantize))})',
+    for peer in ladder.peers:
+        quant = f" --quant {peer.quant}" if peer.quant else ""
+        against = " ".join(ladder.compared_with(peer))
+        lines += [f'grep -q \'^name = "{peer.name}"$\' heal.toml || {{',  # a plain assignment keeps set -e's exit
+                  f'  command=$({moeheal} recipe -c heal.toml --variant {peer.recipe_of}{quant} '
+                  f'--imatrix peers/imatrix.gguf --out peers/{peer.name}.gguf '
+                  f'--llama-quantize {shlex.quote(str(llama_quantize))})',
                   '  eval "$command"',
-                  f"  printf '\\n[[variant]]\\nname = \"{peer}\"\\ngguf = \"peers/{peer}.gguf\"\\n' >> heal.toml",
+                  f"  {adder} heal.toml {peer.name} peers/{peer.name}.gguf {against}",
                   "}"]
     return "\n".join(lines) + "\n"
 
@@ -399,7 +584,8 @@ class InitResult:
     roles: dict[str, int]  # docs per role
     n_windows: int
     cal_tokens: int
-    peers: bool
+    variants: tuple[str, ...]  # ours, in heal.toml's order
+    peers: tuple[str, ...]  # llama.cpp's files peers.sh makes (none without llama-quantize)
 
 
 def _check_target(folder: Path) -> None:
@@ -421,10 +607,15 @@ def _reference(model: Path, staging: Path) -> tuple[Path, str]:
     return model, str(model.resolve())
 
 
-def init_folder(folder: Path, model: Path, texts: list[Path], seed: int = 0) -> InitResult:
-    """Write docs.jsonl, split.csv, windows.csv, heal.toml (and peers.sh) into `folder`, all or nothing."""
+def init_folder(folder: Path, model: Path, texts: list[Path], seed: int = 0, bits: list[str] | None = None,
+                size: str | None = None) -> InitResult:
+    """Write docs.jsonl, split.csv, windows.csv, heal.toml (and peers.sh) into `folder`, all or nothing:
+    a recipe per `bits` (bits per routed weight, default DEFAULT_BITS) and per `size` (a whole file)."""
     folder = folder.resolve()
     _check_target(folder)
+    budgets = parse_bits(bits) if bits else list(DEFAULT_BITS)
+    if size is not None:
+        parse_file_size(size)  # refused before any text is read; its floor needs the model
     if model.is_dir() and not (model / "config.json").is_file():  # refuse before reading any text
         raise InputError(f"--model {model}: a folder without config.json is not a Hugging Face checkpoint")
     if not model.exists():
@@ -436,6 +627,8 @@ def init_folder(folder: Path, model: Path, texts: list[Path], seed: int = 0) -> 
         gguf, reference = _reference(model, staging)
         opened = open_model(gguf)
         check_model(opened)
+        quantizer = find_llama_quantize()
+        ladder = plan_ladder(opened, budgets, size, quantizer is not None)
         tokenizer = build_tokenizer(opened)
         encoded = tokenizer.encode_batch([d.text for d in docs], add_special_tokens=False)
         tokens = {d.doc_id: np.asarray(e.ids, np.int64) for d, e in zip(docs, encoded)}  # (n_tokens,) per doc
@@ -454,10 +647,11 @@ def init_folder(folder: Path, model: Path, texts: list[Path], seed: int = 0) -> 
         _write_outputs(staging, docs, role, windows)
         cal_tokens = {s: sum(lengths[d] for d, r in roles_of[s].items() if r == "cal") for s in sorted(strata)}
         unseen = sum(lengths[d] for d, r in role.items() if r == "unused")
-        (staging / "heal.toml").write_text(heal_toml(reference, cal_tokens, unseen, opened, seed), encoding="utf-8")
-        quantizer = find_llama_quantize()
+        (staging / "heal.toml").write_text(heal_toml(reference, cal_tokens, unseen, opened, seed, ladder),
+                                           encoding="utf-8")
+        validate_models(load_config(staging / "heal.toml"), opened, opened)  # every format fits, every budget
         if quantizer is not None:
-            (staging / "peers.sh").write_text(peers_sh(quantizer), encoding="utf-8")
+            (staging / "peers.sh").write_text(peers_sh(quantizer, ladder), encoding="utf-8")
         if folder.exists():
             folder.rmdir()  # empty, checked above
         staging.rename(folder)
@@ -465,7 +659,7 @@ def init_folder(folder: Path, model: Path, texts: list[Path], seed: int = 0) -> 
         shutil.rmtree(staging, ignore_errors=True)
     counts = {r: sum(v == r for v in role.values()) for r in ("cal", "unused", "eval", "canary")}
     return InitResult(folder, len(docs), counts, windows.num_rows, min(CAL_TOKENS, sum(cal_tokens.values())),
-                      quantizer is not None)
+                      tuple(f.name for f in ladder.ours), tuple(f.name for f in ladder.peers))
 
 
 def _write_outputs(out: Path, docs: list[Doc], role: dict[str, str], windows: pa.Table) -> None:
