@@ -32,6 +32,8 @@ from moeheal.pipeline.publish.export import COLUMN_DOCS, UNDOCUMENTED, export_bu
 from moeheal.pipeline.publish.report import write_report
 from moeheal.pipeline.publish.sections import DeclarationError, fill, parse_declaration
 from moeheal.pipeline.stages.evaluate import HITRATE_SCHEMA, hitrate_rows
+from moeheal.pipeline.lake.sqlrun import run_sql
+from moeheal.pipeline.stages.llama_check import KLD_SCHEMA as LLAMA_KLD_SCHEMA
 from moeheal.pipeline.stages.llama_check import SCHEMA as LLAMA_CHECK_SCHEMA
 from moeheal.pipeline.stages.llama_pairs import SCHEMA as LLAMA_PAIRS_SCHEMA
 
@@ -291,6 +293,19 @@ def write_run(lake: Lake, fingerprint: str, upstream: dict[str, str]) -> None:
     lake.provenance_path(fingerprint).write_text(json.dumps(record))
 
 
+def make_frontier(tables: dict[str, pa.Table]) -> dict[str, pa.Table]:
+    """`frontier` as a publish computes it: its query over the other tables (`frontier_pairs` is written
+    only with an outside variant, which the fixture has none of)."""
+    con = duckdb.connect()
+    for name in ("sizes", "window_kld", "comparisons", "llama_kld_pairs"):
+        con.register(name, tables[name])
+    con.register("llama_kld", LLAMA_KLD_SCHEMA.empty_table())
+    try:
+        return {"frontier": run_sql(con, "frontier")}
+    finally:
+        con.close()
+
+
 @pytest.fixture(scope="module")
 def lake(tmp_path_factory) -> tuple[Lake, dict[str, pa.Table]]:
     rng = np.random.default_rng(20240611)
@@ -312,6 +327,7 @@ def lake(tmp_path_factory) -> tuple[Lake, dict[str, pa.Table]]:
         "llama_check": make_llama_check(),
     }
     tables["llama_kld_pairs"] = make_llama_kld_pairs(tables["comparisons"])
+    tables |= make_frontier(tables)
     for name, table in tables.items():
         lake.write_table(name, table)
     write_run(lake, fps["v1"], {"calibrated": "d" * 64})

@@ -58,6 +58,11 @@ TABLE_DOCS: dict[str, str] = {
                  "document's first chunk (empty where llama.cpp is not installed).",
     "llama_kld_pairs": "Per compared pair and set: llama.cpp's KLD ratio b/a over documents with a document-"
                        "bootstrap 95% CI, beside ours (empty where llama.cpp is not installed).",
+    "frontier": "Per evaluated file, ours and the peers: its size, its KLD by our windows and by llama.cpp's "
+                "per-document check, and whether it is on the Pareto front of eval KLD against bits per routed "
+                "weight (`sql/frontier.sql`).",
+    "frontier_pairs": "Per declared pair of one of ours and an outside file (a llama.cpp peer) and set: the KLD "
+                      "ratio ours / peer with both evaluators' 95% CIs (`sql/frontier_pairs.sql`).",
 }
 
 _VARIANT = "variant name (see `variants`)"
@@ -307,6 +312,43 @@ COLUMN_DOCS: dict[str, dict[str, str]] = {
         "ours_lo": "1 + ci_lo / 100: our window-bootstrap CI's lower end",
         "ours_hi": "1 + ci_hi / 100: its upper end",
         "disagree": "true when the two CIs are disjoint (NULL without a llama.cpp CI)",
+    },
+    "frontier": {
+        "variant": _VARIANT,
+        "kind": "unhealed, healed or external",
+        "side": "ours (a file this run made: healed or unhealed) or peer (an outside GGUF, e.g. llama.cpp's)",
+        "budget_bpw": "the budget the variant's recipe was chosen under (NULL if none), see `sizes`",
+        "budget_roles": "routed or all (see `sizes`); NULL without a budget",
+        "routed_bpw": "achieved bits per routed-expert weight, from the GGUF (see `sizes`)",
+        "total_bpw": "bits per weight of every tensor of the file (see `sizes`)",
+        "file_bytes": "size of the GGUF file",
+        "eval_kld": "pooled KLD over the eval windows (MoCE bonus 0)",
+        "canary_kld": "pooled KLD over the canary windows (MoCE bonus 0)",
+        "llama_eval_kld": "llama.cpp's mean KLD over the eval documents it scored (NULL where it did not run)",
+        "llama_canary_kld": "the same over the canary documents",
+        "llama_docs": "eval documents llama.cpp scored the file on",
+        "on_front": "true when no other file has at most its routed_bpw and at most its eval_kld, strictly less "
+                    "in one (NULL without an eval KLD)",
+    },
+    "frontier_pairs": {
+        "set": _SET,
+        "ours": "one of ours (comparisons' b)",
+        "peer": "the outside file it is compared with (comparisons' a)",
+        "ours_bpw": "ours' bits per routed weight",
+        "peer_bpw": "the peer's bits per routed weight",
+        "ours_bytes": "ours' file size",
+        "peer_bytes": "the peer's file size",
+        "ours_kld": "ours' pooled KLD over the set's windows",
+        "peer_kld": "the peer's pooled KLD over the set's windows",
+        "ratio": "ours_kld / peer_kld: 1 + delta_pct / 100 of `comparisons`",
+        "ratio_lo": "1 + ci_lo / 100: the window-bootstrap 95% CI's lower end",
+        "ratio_hi": "1 + ci_hi / 100: its upper end",
+        "n_windows": "windows behind the ratio",
+        "llama_ratio": "llama.cpp's ratio of the two files' mean KLDs over the set's documents (see "
+                       "`llama_kld_pairs`; NULL where llama.cpp did not run)",
+        "llama_lo": "its document-bootstrap 95% CI's lower end",
+        "llama_hi": "its upper end",
+        "llama_docs": "documents llama.cpp scored both files on",
     },
 }
 

@@ -45,8 +45,8 @@ Row = dict[str, Any]
 
 # The report's sections in order: each a query whose header declares what it shows.
 CONTENTS = ("report_docs", "report_window_sets", "report_comparisons", "pooled", "report_windows", "report_layers",
-            "report_rank_check", "report_sizes", "report_budget_rank_check", "report_ridge", "report_hitrate",
-            "report_e2e", "report_llama_numerics", "report_llama_kld")
+            "report_rank_check", "report_sizes", "report_frontier_pairs", "report_budget_rank_check", "report_ridge",
+            "report_hitrate", "report_e2e", "report_llama_numerics", "report_llama_kld")
 # Read for the variant order and the unhealed baseline every section sorts and compares by.
 CONTEXT_QUERY = "report_variants"
 # Section 2 shows sql/pooled.sql, the comparisons stage's own query (part of that stage's code identity), not
@@ -158,6 +158,7 @@ LABELS: dict[str, Callable[[Any], str]] = {
     "layer": lambda layer: "output" if layer == -1 else f"layer {layer}",
     "budget_roles": lambda roles: " (file)" if roles == "all" else "",
     "configured": lambda configured: " (configured)" if configured else "",
+    "on_front": lambda on_front: "yes" if on_front else "",
 }
 
 
@@ -498,29 +499,25 @@ def plot_layers(rows: list[Row], order: dict[str, int], out: Path) -> None:
 
 
 def plot_kld_size(rows: list[Row], order: dict[str, int], out: Path) -> None:
-    """KLD against bits per routed weight, one panel per window set: budget variants as a line,
-    every other variant as a labelled point (ours filled, outside GGUFs as crosses)."""
+    """KLD against bits per routed weight, one panel per window set: ours and the peers (outside GGUFs)
+    in two colours, each labelled, and the files on the Pareto front (of eval KLD) joined by a line."""
     sets = sorted_sets(r["set"] for r in rows)
     fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4.5), squeeze=False)
     for ax, name in zip(axes[0], sets):
-        mine = [r for r in rows if r["set"] == name]
-        budget = sorted((r for r in mine if r["budget_bpw"] is not None), key=lambda r: r["routed_bpw"])
-        if budget:
-            ax.plot([r["routed_bpw"] for r in budget], [r["kld"] for r in budget], "-o", color="C0",
-                    label="ours, budget recipes")
-            for r in budget:
+        mine = sorted((r for r in rows if r["set"] == name),
+                      key=lambda r: (r["routed_bpw"], order.get(r["variant"], 99)))
+        front = [r for r in mine if r["on_front"]]
+        if front:
+            ax.plot([r["routed_bpw"] for r in front], [r["kld"] for r in front], "-", color="grey", linewidth=1,
+                    label="Pareto front (eval KLD)", zorder=1)
+        for side, style, color, label in (("ours", "o", "C0", "ours"), ("peer", "x", "C3", "peers (outside GGUFs)")):
+            pts = [r for r in mine if r["side"] == side]
+            if pts:
+                ax.plot([r["routed_bpw"] for r in pts], [r["kld"] for r in pts], style, color=color, markersize=7,
+                        linestyle="none", label=label, zorder=2)
+            for r in pts:
                 ax.annotate(r["variant"], (r["routed_bpw"], r["kld"]), fontsize=7, xytext=(3, 3),
                             textcoords="offset points")
-        for r in sorted((r for r in mine if r["budget_bpw"] is None), key=lambda r: order.get(r["variant"], 99)):
-            external = r["kind"] == "external"
-            ax.plot(r["routed_bpw"], r["kld"], "x" if external else "s", color="C3" if external else "C2",
-                    markersize=7)
-            ax.annotate(r["variant"], (r["routed_bpw"], r["kld"]), fontsize=7, xytext=(3, -9),
-                        textcoords="offset points")
-        for external, style, color, label in ((False, "s", "C2", "ours, fixed formats"),
-                                              (True, "x", "C3", "outside GGUFs")):
-            if any(r["budget_bpw"] is None and (r["kind"] == "external") == external for r in mine):
-                ax.plot([], [], style, color=color, label=label)
         ax.set_xlabel("bits per routed-expert weight (from the GGUF)")
         ax.set_ylabel("pooled KLD (nats/token)")
         ax.set_yscale("log")

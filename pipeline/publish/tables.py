@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+import duckdb
 import pyarrow as pa
 
 from moeheal.pipeline.config import Variant
@@ -25,6 +26,7 @@ from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.gguf.sizes import GGUF_RECIPE_SCHEMA, SIZES_SCHEMA, gguf_recipe, gguf_size
 from moeheal.pipeline.lake.dag import Node
 from moeheal.pipeline.lake.files import read_part
+from moeheal.pipeline.lake.sqlrun import run_sql
 from moeheal.pipeline.lake.fingerprint import content_digest
 from moeheal.pipeline.lake.store import Publication, StageResult, read_sources
 from moeheal.pipeline.model import roles
@@ -170,6 +172,35 @@ def sizes_table(run: HealRun, models: list[Result]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=SIZES_SCHEMA)
 
 
+def frontier_relations(run: HealRun, results: list[Result]) -> dict[str, pa.Table]:
+    """What `sql/frontier.sql` and `sql/frontier_pairs.sql` read, from `frontier_sources`' results: the
+    evaluated models' sizes, the comparisons stage's tables, and the llama stages' (empty where skipped)."""
+    n_models = len(run.evaluated_variants())
+    rest = results[n_models + 1:]
+    checks = [r for r in rest if r.stage == llama_check.STAGE.name]
+    pairs = [r for r in rest if r.stage == llama_pairs.STAGE.name]
+    return {"sizes": sizes_table(run, results[:n_models]),
+            "window_kld": read_parts(results[n_models], "window_kld"),
+            "comparisons": read_parts(results[n_models], "comparisons"),
+            "llama_kld": pa.concat_tables([read_parts(r, "llama_kld") for r in checks]
+                                          or [llama_check.KLD_SCHEMA.empty_table()]),
+            "llama_kld_pairs": pa.concat_tables([read_parts(r, "llama_kld_pairs") for r in pairs]
+                                                or [llama_pairs.SCHEMA.empty_table()])}
+
+
+def frontier_query(run: HealRun, stem: str) -> Callable[[list[Result]], pa.Table]:
+    """`sql/<stem>.sql` over `frontier_relations`: a table of the frontier, published with the rest."""
+    def read(results: list[Result]) -> pa.Table:
+        con = duckdb.connect()
+        try:
+            for name, table in frontier_relations(run, results).items():
+                con.register(name, table)
+            return run_sql(con, stem)
+        finally:
+            con.close()
+    return read
+
+
 def table_declarations(run: HealRun) -> dict[str, Published]:
     """Every table of the contract, each from the stage invocations it names; the audit's first, so
     that a leak stops a run before anything else is read."""
@@ -185,6 +216,9 @@ def table_declarations(run: HealRun) -> dict[str, Published]:
 
     def sensitivities() -> list[Source]:
         return [run.sensitivity(v) for v in budgets]
+
+    def frontier_sources() -> list[Source]:  # the order frontier_relations reads them in
+        return models() + [run.comparisons()] + [run.llama_check(v) for v in evaluated] + [run.llama_pairs()]
 
     def one(name: str) -> Callable[[list[Result]], pa.Table]:
         return lambda results: read_parts(results[0], name)
@@ -219,7 +253,10 @@ def table_declarations(run: HealRun) -> dict[str, Published]:
         "comparisons": Published(lambda: [run.comparisons()], one("comparisons")),
         "llama_kld_pairs": Published(lambda: [run.llama_pairs()], lambda results: pa.concat_tables(
             [read_parts(r, "llama_kld_pairs") for r in results] or [llama_pairs.SCHEMA.empty_table()])),
+        "frontier": Published(frontier_sources, frontier_query(run, "frontier")),
     }
+    if any(v.kind == "external" for v in evaluated):
+        declared["frontier_pairs"] = Published(frontier_sources, frontier_query(run, "frontier_pairs"))
     if budgets:
         declared["sensitivity"] = Published(sensitivities, sensitivity_table)
     tuned = [v for v in run.cfg.healed_variants if v.e2e]
