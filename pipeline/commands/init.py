@@ -548,7 +548,8 @@ def peers_sh(llama_quantize: Path, ladder: Ladder) -> str:
     command (`moeheal recipe`), the file made, and the peer added to heal.toml with its pairs."""
     python = shlex.quote(sys.executable)
     moeheal = f"{python} -m moeheal"
-    adder = f"{python} -c 'import sys; from {__name__} import add_peer; add_peer(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])'"
+    call = "add_peer(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])"
+    adder = f"{python} -c 'import sys; from {__name__} import add_peer; {call}'"
     lines = [
         "#!/usr/bin/env bash",
         "# Written by `moeheal init`: llama.cpp's files at the ladder's sizes, each with an importance matrix from",
