@@ -6,8 +6,9 @@ under `tmp/`. What a config still reads is what `moeheal plan` lists: every
 stage invocation of its heal by fingerprint (`HealRun.plan`, the one planner).
 What a published set was computed from is its `sources.json`. `gc` removes
 every stage output that no given config plans and no kept published set names
-(with its provenance), and the stale entries of `tmp/`; it is a dry run
-unless told `--yes`.
+(the newest `--keep-sets`, by default the current one: the set before it names
+the outputs a knob change just replaced), with its provenance, and the stale
+entries of `tmp/`; it is a dry run unless told `--yes`.
 
 It never removes what a running command may read: every command that writes a
 lake holds `tmp/heal.lock` shared for its whole run (`heal_lock`), and `gc`
@@ -38,7 +39,8 @@ from moeheal.pipeline.lake.store import SOURCES_FILE
 LOCK_FILE = "heal.lock"  # under tmp/: held shared by every command that writes the lake, exclusively by gc
 OUTPUT_FOLDERS = ("dumps", "quant", "models", "parts")
 LAYOUT = ("dumps", "quant", "models", "parts", "runs", "tmp", "published", "current", "tables", "lake.duckdb",
-          "report")
+          "report", "layout.json")
+GENERATION_FILE = "generation.json"  # a published set's record: {"seq": its place in the order of publication, ...}
 NO_PROVENANCE = "(no provenance)"  # an output whose build was cut before its record was written
 ORPHAN = "(provenance alone)"  # a record whose output is gone
 
@@ -150,11 +152,21 @@ def provenance_stage(record: Path) -> str:
         return NO_PROVENANCE
 
 
+def publication_order(folder: Path) -> tuple[int, float]:
+    """Where a published set comes in the order of publication: by its `generation.json` sequence number,
+    a set without one (published by an older moeheal) before every set with one, by its folder's time."""
+    try:
+        seq = json.loads((folder / GENERATION_FILE).read_text())["seq"]
+    except (OSError, ValueError, KeyError, TypeError):
+        seq = -1
+    return (seq if isinstance(seq, int) else -1), folder.stat().st_mtime
+
+
 def published_sets(root: Path) -> list[Path]:
-    """The published sets, newest first (by the time they were published, as the lake prunes them)."""
+    """The published sets, newest first."""
     folder = root / "published"
     sets = [p for p in folder.iterdir() if p.is_dir()] if folder.is_dir() else []
-    return sorted(sets, key=lambda p: p.stat().st_mtime, reverse=True)
+    return sorted(sets, key=publication_order, reverse=True)
 
 
 def named_by(sets: Iterable[Path]) -> set[str]:
