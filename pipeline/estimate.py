@@ -23,7 +23,6 @@ import csv
 import json
 from dataclasses import dataclass
 from importlib.resources import files
-from pathlib import Path
 from typing import Any
 
 from moeheal.pipeline.errors import InputError
@@ -115,10 +114,9 @@ def seconds(invocations: list[Invocation], constants: dict[str, list[float]]) ->
             for key, (size, work) in totals.items()}
 
 
-def load_cost_model(path: Path | None = None) -> dict[str, Any]:
-    """The fitted constants shipped with the package (or the file at `path`)."""
-    text = path.read_text(encoding="utf-8") if path else (files("moeheal") / "data" / COST_MODEL).read_text("utf-8")
-    return json.loads(text)
+def load_cost_model() -> dict[str, Any]:
+    """The fitted constants shipped with the package (bench/tools/fit_cost_model.py writes them)."""
+    return json.loads((files("moeheal") / "data" / COST_MODEL).read_text("utf-8"))
 
 
 def device_constants(model: dict[str, Any], device: str) -> dict[str, list[float]]:
@@ -185,12 +183,14 @@ def node_invocation(name: str, params: Any, cfg: Any, shapes: Shapes) -> Invocat
 
 def plan_invocations(run: Any) -> list[Invocation]:
     """What a planned `HealRun` would compute: each `compute` entry of its plan once per fingerprint."""
+    planned = run.plan()
+    nodes = {node.label: node for node in run.executor.nodes}  # every node the plan reached, by label
     shapes, seen, out = shapes_of(run.source), set(), []
-    for planned in run.plan():
-        if planned.status != "compute" or planned.fingerprint in seen:
+    for p in planned:
+        if p.status != "compute" or p.fingerprint in seen:
             continue
-        seen.add(planned.fingerprint)
-        out.append(node_invocation(planned.name, run.nodes[planned.stage].params, run.cfg, shapes))
+        seen.add(p.fingerprint)
+        out.append(node_invocation(p.name, nodes[p.stage].params, run.cfg, shapes))
     return out
 
 

@@ -13,11 +13,13 @@ model `like`, its `layers`, `calibration_tokens`; `experts` and `vocab` where th
 the real model's, which every committed record ran with) or a demo heal's stage_times.csv
 (bench/tools/stage_times.py: units and seconds per stage) with `demo-heal.toml` beside it, the demo's
 config of that run (its [calibration], [moce] and [[variant]] tables say how many quantize units each
-rounding had and what each unit read). Its device class (h200, h100, cpu) is the prefix `CLASS=`, or
-the first of them in its path.
+rounding had and what each unit read). Its device class (h200, h100, cpu) is the prefix `CLASS=`, else
+the first of them in the record's `device_kind` or `device` field ("NVIDIA H100 80GB HBM3", "TFRT_CPU_0"),
+else in its path.
 
-Each (record, stage kind) is one observation: its seconds against the size and work of the stage's
-invocations (pipeline/estimate.py). The constants of a device class (per cost-model key: once, per
+An observation is a stage kind's seconds in one record (a per-layer kind's: per variant, and where the
+record's log is beside it, same stem, .log, the first unit of each rounding, which compiles, apart from
+the rest) against the size and work of its invocations (pipeline/estimate.py). The constants of a device class (per cost-model key: once, per
 1e9 weights, per 1e12 weight-tokens) are the non-negative least squares fit of its observations,
 each row weighted by 1 / its seconds (so a 2-second stage counts as much as a 200-second one in
 relative terms). The records fitted are written into the output beside the constants.
@@ -53,8 +55,8 @@ OUT = REPO / "moeheal" / "data" / estimate.COST_MODEL
 # so is h200-levers/rs_levers.json, run on a lake with some units cached, whose clock charged two computed
 # healed dumps to other stages (its README).
 DEFAULT_RECORDS = ("bench/results/h200-65k/rs*.json", "bench/results/h200-budget/rs*.json",
-                   "bench/results/h200-levers/rs_levers2.json", "bench/results/h200-wave3/rs*.json", "bench/results/h100-*/rs*.json", "bench/results/real-size/*.json",
-                   "bench/results/demo-cpu*/stage_times.csv")
+                   "bench/results/h200-levers/rs_levers2.json", "bench/results/h100-*/rs*.json",
+                   "bench/results/real-size/*.json", "bench/results/demo-cpu*/stage_times.csv")
 ONCE_PENALTY = 0.1  # see `fit`
 SIZE_PENALTY = 0.03  # see `fit`
 SEQ_TOKENS = 512  # the bench's and the demo's sequence length
@@ -78,11 +80,15 @@ def device_class(spec: str) -> tuple[str | None, str]:
     return (head, tail) if sep and head in estimate.DEVICES else (None, spec)
 
 
-def class_of(path: str) -> str:
-    found = [d for d in estimate.DEVICES if d in path.lower()]
-    if not found:
-        raise SystemExit(f"{path}: no device class ({', '.join(estimate.DEVICES)}) in the path; name it CLASS=PATH")
-    return min(found, key=path.lower().index)
+def class_of(path: Path, name: str) -> str:
+    """The device class a record names in its `device_kind` or `device` field, else its path (`name`) does."""
+    fields = json.loads(path.read_text(encoding="utf-8")) if path.suffix == ".json" else {}
+    for text in (f"{fields.get('device_kind', '')} {fields.get('device', '')}".lower(), name.lower()):
+        found = [d for d in estimate.DEVICES if d in text]
+        if found:
+            return min(found, key=text.index)
+    raise SystemExit(f"{name}: no device class ({', '.join(estimate.DEVICES)}) in its device fields or path; "
+                     "name it CLASS=PATH")
 
 
 def variants_of(tables: list[dict]) -> list[Variant]:
@@ -237,7 +243,7 @@ def load_records(specs: list[str]) -> dict[str, list[Observation]]:
                 continue
             seen.add(name)
             read = demo_observations if path.suffix == ".csv" else bench_observations
-            by_class[named or class_of(name)] += read(path, name)
+            by_class[named or class_of(path, name)] += read(path, name)
     return dict(by_class)
 
 
@@ -260,7 +266,7 @@ def fit(observations: list[Observation]) -> dict[str, list[float]]:
     (relative to the kind's median observation) gives the rates the time, so more units cost more.
     Where a kind that computes over tokens was timed at one token count only, its size and work
     rates do: SIZE_PENALTY gives the work rate the time, so more tokens cost more (a unit reads every
-    calibration row; at 8,192 and 65,536 tokens learned rounding's unit grows 5x for 8x the tokens)."""
+    calibration row)."""
     keys = sorted({inv.key for obs in observations for inv in obs.invocations})
     a = np.array([design_row(obs, keys) for obs in observations])
     y = np.array([obs.seconds for obs in observations])
@@ -340,7 +346,7 @@ def main() -> int:
         return 0
     args.out.write_text(json.dumps(cost_model(by_class), indent=1) + "\n", encoding="utf-8")
     for device, obs_list in sorted(by_class.items()):
-        print(f"{device}: {len({o.record for o in obs_list})} records, {len(obs_list)} observations -> {args.out}")
+        print(f"{device}: {len({o.record for o in obs_list})} records, {len(obs_list)} observations -> {args.out.name}")
     return 0
 
 
