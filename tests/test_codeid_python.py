@@ -85,16 +85,15 @@ PINNED = {
 }
 
 # Run by another Python: codeid.py is standard library only, loaded by path (the package's
-# dependencies need not be installed there). Reads {"fixtures": {...}, "files": [...]} on stdin.
+# dependencies need not be installed there). Reads {"fixtures": {name: source}, "files": {path:
+# source}} on stdin: the sources read once, here, so an edit made meanwhile cannot tell them apart.
 DIGEST_ELSEWHERE = """
 import importlib.util, json, sys
-from pathlib import Path
 spec = importlib.util.spec_from_file_location("codeid", sys.argv[1])
 codeid = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(codeid)
 job = json.load(sys.stdin)
-print(json.dumps({"fixtures": {k: codeid.python_digest(v) for k, v in job["fixtures"].items()},
-                  "files": {f: codeid.file_digest(Path(f)) for f in job["files"]}}))
+print(json.dumps({kind: {k: codeid.python_digest(v) for k, v in job[kind].items()} for kind in job}))
 """
 
 
@@ -128,9 +127,9 @@ def test_every_other_python_gives_the_same_digests():
     pythons = other_pythons()
     if not pythons:
         pytest.skip("no other CPython >= 3.11 here: the pinned digests stand in for one")
-    files = package_files()
-    job = json.dumps({"fixtures": FIXTURES, "files": [str(f) for f in files]})
-    here = {str(f): codeid.file_digest(f) for f in files}
+    sources = {str(f): f.read_text(encoding="utf-8") for f in package_files()}
+    job = json.dumps({"fixtures": FIXTURES, "files": sources})
+    here = {f: codeid.python_digest(source) for f, source in sources.items()}
     for python in pythons:
         out = subprocess.run([str(python), "-c", DIGEST_ELSEWHERE, str(CODEID_PY)], input=job,
                              capture_output=True, text=True, check=True)
