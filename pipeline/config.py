@@ -94,7 +94,8 @@ class Variant:
     budget_roles: str = "routed"  # which tensors the budget counts and chooses formats for (BUDGET_ROLES)
     sensitivity_round: str = ""  # rounding of the per-tensor sensitivity measurement; "" = the variant's `round`
     e2e: bool = False  # tune the file's float parameters on the model's output after assembly (pipeline/stages/e2e.py)
-    e2e_steps: int = E2E_STEPS  # steps of one calibration sequence; 0: one pass (e2e_schedule), resolved on load
+    e2e_steps: int = E2E_STEPS  # steps of `e2e_batch_seqs` calibration sequences; 0: one pass (e2e_schedule), resolved on load
+    e2e_batch_seqs: int = 1  # calibration sequences per step (the learning rates above were chosen at 1)
     e2e_lr: float = E2E_LR  # the norms' and routers' learning rate
     e2e_scale_lr: float = E2E_SCALE_LR  # the fp16 block scales'
     e2e_topk: int = E2E_TOPK  # the reference's tokens kept per position for the loss (the rest: one bucket)
@@ -166,7 +167,8 @@ class Variant:
         return ({"e2e": True, "e2e_steps": self.e2e_steps, "e2e_lr": self.e2e_lr,
                  "e2e_scale_lr": self.e2e_scale_lr, "e2e_topk": self.e2e_topk,
                  **({"e2e_code_lr": self.e2e_code_lr} if self.e2e_code_lr else {}),
-                 **({"e2e_decay": True} if self.e2e_decay else {})} if self.e2e else {})
+                 **({"e2e_decay": True} if self.e2e_decay else {}),
+                 **({"e2e_batch_seqs": self.e2e_batch_seqs} if self.e2e_batch_seqs != 1 else {})} if self.e2e else {})
 
 
 # The contract's baseline: same format, no calibration data, no alpha, no ridge.
@@ -230,7 +232,7 @@ _SCHEMA: dict[str, set[str]] = {
                 "ridge_rho", "ridge_eta", "shexp_down", "round", "gptq_damp", "gptq_shrink",
                 "gptq_router_weighted", "importance", "cal_tokens", "inputs", "budget_bpw", "formats", "budget_roles",
                 "sensitivity_round", "gguf", "learned_steps", "learned_loss", "e2e", "e2e_steps", "e2e_lr",
-                "e2e_scale_lr", "e2e_topk", "e2e_code_lr", "e2e_decay"},
+                "e2e_scale_lr", "e2e_topk", "e2e_code_lr", "e2e_decay", "e2e_batch_seqs"},
 }
 
 
@@ -314,6 +316,7 @@ def _variant(file: Path, base: Path, index: int, table: dict[str, Any], peers_ma
         e2e_topk=r.number("e2e_topk", int, E2E_TOPK, 1, 1 << 24),
         e2e_code_lr=r.number("e2e_code_lr", float, 0.0, 0.0, 1.0),
         e2e_decay=r.get("e2e_decay", bool, False),
+        e2e_batch_seqs=r.number("e2e_batch_seqs", int, 1, 1, 4096),
     )
     _refuse_knobs_without_effect(r, variant)
     return variant
@@ -384,6 +387,7 @@ _CONDITIONAL_KNOBS = {
     "e2e_topk": (lambda v: v.e2e, "has no effect without e2e = true"),
     "e2e_code_lr": (lambda v: v.e2e, "has no effect without e2e = true"),
     "e2e_decay": (lambda v: v.e2e, "has no effect without e2e = true"),
+    "e2e_batch_seqs": (lambda v: v.e2e, "has no effect without e2e = true"),
     "shexp_down": (lambda v: not (v.budgeted and v.budget_roles == "all"),
                    'has no effect with budget_roles = "all": the allocation chooses the shared down projection\'s format'),
 }
@@ -424,11 +428,11 @@ def _windows(file: Path, base: Path, ev: _Reader) -> tuple[Path | None, WindowGe
     )
 
 
-def e2e_schedule(cal_tokens: int, seq_tokens: int) -> int:
-    """`e2e_steps = 0`'s steps: one pass over the calibration sequences e2e draws from (one sequence a
-    step), at least E2E_MIN_STEPS. Resolved when the config is loaded, so the e2e unit's key holds the
-    steps it runs and a variant whose pass is shorter than the minimum keeps the key it had."""
-    return max(E2E_MIN_STEPS, -(-cal_tokens // seq_tokens))
+def e2e_schedule(cal_tokens: int, seq_tokens: int, batch_seqs: int = 1) -> int:
+    """`e2e_steps = 0`'s steps: one pass over the calibration sequences e2e draws from (`batch_seqs`
+    sequences a step), at least E2E_MIN_STEPS. Resolved when the config is loaded, so the e2e unit's
+    key holds the steps it runs and a variant whose pass is shorter than the minimum keeps the key it had."""
+    return max(E2E_MIN_STEPS, -(-cal_tokens // (seq_tokens * batch_seqs)))
 
 
 def load_config(path: str | Path, peers_may_be_missing: bool = False) -> Config:
@@ -494,7 +498,8 @@ def load_config(path: str | Path, peers_may_be_missing: bool = False) -> Config:
 
     seq_tokens = cal.number("seq_tokens", int, 512, 16, 1 << 20)
     cal_tokens = cal.number("tokens", int, CAL_TOKENS, 1, 1 << 26)
-    variants = tuple(replace(v, e2e_steps=e2e_schedule(min(v.cal_tokens or cal_tokens, cal_tokens), seq_tokens))
+    variants = tuple(replace(v, e2e_steps=e2e_schedule(min(v.cal_tokens or cal_tokens, cal_tokens), seq_tokens,
+                                                       v.e2e_batch_seqs))
                      if v.e2e and not v.e2e_steps else v for v in variants)
     windows, generation = _windows(file, base, ev)
     return Config(

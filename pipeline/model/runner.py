@@ -159,7 +159,8 @@ class Runner:
 
     def forward(self, tokens: np.ndarray, capture: bool = False, routing_hook: RoutingHook | None = None,
                 on_layer: LayerCallback | None = None, logits: bool = True,
-                positions: slice = slice(None), peaks: ActivationPeaks | None = None) -> np.ndarray | None:
+                positions: slice = slice(None), peaks: ActivationPeaks | None = None,
+                on_device: bool = False) -> np.ndarray | jax.Array | None:
         """Logits (B, T', V) float32 at `positions` (all T by default) for sequences that each
         start at position 0; None with `logits=False`. A real vocabulary's output projection costs
         as much as several layers, so a dump (activations only) skips it and an evaluation, which
@@ -172,7 +173,8 @@ class Runner:
 
         With `peaks`, the largest |activation| entering every matrix product and the KV cache is
         recorded in it per layer (`pipeline.model.numerics`): what llama.cpp's narrower conversions
-        would overflow. The probes are compiled in only for such passes.
+        would overflow. The probes are compiled in only for such passes. With `on_device` the logits
+        stay on the device (a caller that reduces them there need not copy B T V floats to the host).
         """
         tokens = self._check_tokens(tokens)
         with recording(peaks) if peaks is not None else nullcontext():
@@ -182,7 +184,9 @@ class Runner:
                 h, cap = self.layer(i, h, cos, sin, routing_hook, peaks, capture=capture and on_layer is not None)
                 if cap is not None:
                     on_layer(i, cap)
-            return self.logits(h[:, positions], probing=peaks is not None) if logits else None  # (B, T', V)
+            if not logits:
+                return None
+            return self.logits(h[:, positions], probing=peaks is not None, on_device=on_device)  # (B, T', V)
 
     def layer(self, i: int, h: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray,
               routing_hook: RoutingHook | None = None, peaks: ActivationPeaks | None = None,
@@ -207,14 +211,18 @@ class Runner:
                                weights=np.asarray(weights, np.float32), yr=np.asarray(yr), hh=np.asarray(hh),
                                shexp_gate=np.asarray(gate))
 
-    def logits(self, h: jnp.ndarray, probing: bool = False) -> np.ndarray:
+    def logits(self, h: jnp.ndarray, probing: bool = False, on_device: bool = False) -> np.ndarray | jax.Array:
         """Final norm and output projection, h (B, T, d) -> (B, T, V), a chunk of vocabulary rows at a time;
-        with `probing` (inside `numerics.recording`) the projection's input peak is reported."""
+        with `probing` (inside `numerics.recording`) the projection's input peak is reported; with
+        `on_device` the chunks are joined on the device and never copied to the host."""
         x = M.final_norm(h, jnp.asarray(self._tensor("output_norm.weight")), self.hp.rms_eps)  # (B, T, d)
         if probing:
             probe({PEAK_LAYER: jnp.int32(OUTPUT_LAYER)}, self.output_name, x)
         B, T, _ = x.shape
         V = self.hp.vocab_size
+        if on_device:
+            return jnp.concatenate([M.logits_chunk(x, jnp.asarray(self._output_rows(slice(start, min(V, start + OUTPUT_ROWS_PER_CHUNK)))))
+                                    for start in range(0, V, OUTPUT_ROWS_PER_CHUNK)], axis=-1)  # (B, T, V)
         out = np.empty((B, T, V), np.float32)  # (B, T, V)
         for start in range(0, V, OUTPUT_ROWS_PER_CHUNK):
             stop = min(V, start + OUTPUT_ROWS_PER_CHUNK)

@@ -30,7 +30,6 @@ from moeheal.pipeline.data.topk import padded_sequences, read_topk
 # Per-layer (or global) F32 tensors that are tuned, by short name: norms and the router.
 TUNED_FLOATS = ("attn_norm.weight", "ffn_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight",
                 "output_norm.weight", "ffn_gate_inp.weight")
-BATCH_SEQS = 1  # calibration sequences per step (512 tokens at the demo's sequence length)
 
 
 def short_name(name: str) -> str:
@@ -56,8 +55,23 @@ def tuned_tensors(model: GGUFModel, source: GGUFModel) -> tuple[list[str], list[
 
 # Dequantized frozen tensors and the tuned tensors' stored blocks kept on the device between passes,
 # first come first kept: a model that fits is brought over once however many steps run; beyond it the
-# rest is brought over (and its frozen tensors decoded) each pass, one layer at a time.
+# rest is brought over (and its frozen tensors decoded) each pass, one layer at a time. On a CPU backend
+# the "device" is host memory, so the cache stays small there; on an accelerator it takes a share of the
+# memory free when the tuner is made (`device_cache_bytes`): the 30B shape's packed Q2_K layers, about
+# 10 GB, then stay resident instead of crossing PCIe twice per layer per step.
 DEVICE_CACHE_BYTES = 1 << 30
+DEVICE_CACHE_SHARE = 0.6  # of the accelerator memory free at the start; the rest is one batch's activations
+
+
+def device_cache_bytes() -> int:
+    """The tuner's device cache budget: `DEVICE_CACHE_BYTES` on a CPU backend (or where the backend
+    reports no memory figures), else `DEVICE_CACHE_SHARE` of the default device's free memory."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return DEVICE_CACHE_BYTES
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return max(DEVICE_CACHE_BYTES, int(DEVICE_CACHE_SHARE * free))
 GLOBAL_GROUP = -1  # the group of the tensors outside the layers (output_norm)
 THETA_KINDS = ("scales", "floats", "codes")  # theta's groups: fp16 scales, F32 norms and routers, scale codes
 
@@ -87,18 +101,19 @@ class LayerSpec:
 class Tuner:
     """The assembled model, streamed layer by layer, with tunable relative changes `theta`.
 
-    `theta` (host NumPy, keyed by tensor name) holds for each quantized tensor one zero-initialised
-    array per fp16 part and for each tuned float tensor one of its shape; it is the only float state
-    beside Adam's moments. A pass brings one layer at a time to the device: its frozen tensors
-    dequantized, its tuned tensors as their stored blocks (uint8) with the layer's slice of `theta`,
-    decoded inside the layer's program. `step` runs the layers forward keeping only each layer's
+    `theta` (keyed by tensor name; `theta0` is host NumPy, the e2e stage keeps its copy on the device)
+    holds for each quantized tensor one zero-initialised array per fp16 part and for each tuned float
+    tensor one of its shape; it is the only float state beside Adam's moments, a few percent of the
+    packed model. A pass brings one layer at a time to the device (unless the cache holds it): its
+    frozen tensors dequantized, its tuned tensors as their stored blocks (uint8) with the layer's
+    slice of `theta`, decoded inside the layer's program. `step` runs the layers forward keeping only each layer's
     input (B, T, d) on the host, then backward in reverse order, each layer brought over again and
     its forward recomputed inside its vector-Jacobian product: device memory holds one layer and one
     batch's activations, whatever the depth.
     """
 
     def __init__(self, model: GGUFModel, source: GGUFModel, round_scales: bool = True,
-                 dtype: Any = jnp.float32, cache_bytes: int = DEVICE_CACHE_BYTES, tune_codes: bool = False):
+                 dtype: Any = jnp.float32, cache_bytes: int | None = None, tune_codes: bool = False):
         self.model, self.arch, self.hp = model, model.arch, model.hp
         self.round_scales = round_scales  # False: the scales unrounded, a smooth function (gradient checks)
         self.dtype = dtype  # float64 for gradient checks against finite differences
@@ -112,7 +127,8 @@ class Tuner:
                        "codes": {n: [np.zeros(part.shape, np.float32) for part in self._code_parts(n)]
                                  for n in quantized if tune_codes and self._code_parts(n)}}
         self.specs = self._layer_specs()
-        self.cache_bytes, self._cache, self._held = cache_bytes, {}, 0
+        self.cache_bytes = device_cache_bytes() if cache_bytes is None else cache_bytes
+        self._cache, self._held = {}, 0
         self._forward = jax.jit(self.layer_forward, static_argnums=0)
         self._backward = jax.jit(self.layer_backward, static_argnums=0)
         self._head_kl = jax.jit(self.head_kl)
@@ -260,14 +276,18 @@ class Tuner:
 
     def trace_kl(self, theta: dict, trace: "Trace", n_seqs: int | None = None) -> tuple[float, int]:
         """(mean KL per token, tokens) over a trace's first `n_seqs` sequences (all by default)."""
-        batches = trace.batches(n_seqs)
-        total = sum(self.mean_kl(theta, trace.batch(b)) * trace.batch_tokens(b) for b in batches)
-        tokens = sum(trace.batch_tokens(b) for b in batches)
+        n = trace.n_seqs if n_seqs is None else min(n_seqs, trace.n_seqs)
+        total, tokens = 0.0, 0
+        for b in trace.batches(n):
+            batch = trace.batch(b, limit=n)
+            count = int(batch[-1].sum())
+            total += self.mean_kl(theta, batch) * count
+            tokens += count
         return total / tokens, tokens
 
     def step(self, theta: dict, batch: tuple[np.ndarray, ...], outputs: dict[int, np.ndarray] | None = None
              ) -> tuple[float, dict]:
-        """(mean KL, its gradient w.r.t. theta as host arrays like theta) on one batch, streamed; with
+        """(mean KL, its gradient w.r.t. theta as device arrays like theta) on one batch, streamed; with
         `outputs`, also the gradient w.r.t. each layer i's output, `outputs[i]` (B, T, d) on the host
         (what the sweep pulls back through the layer anyway: the guidance stage's Fisher estimate)."""
         tokens = batch[0]
@@ -279,16 +299,16 @@ class Tuner:
             h = self._forward(spec, *self.layer_inputs(i, theta), h, cos, sin)  # (B, T, d)
         theta_head, head = self.head_inputs(theta)
         loss, (g_head, g_h) = self._head_grad(theta_head, head, h, *self.reference_batch(batch))  # (), ({..}, (B, T, d))
-        grad = {"scales": {}, "floats": {n: host(g) for n, g in g_head.items()}, "codes": {}}
+        grad = {"scales": {}, "floats": dict(g_head), "codes": {}}
         for i in reversed(range(len(self.specs))):
             if outputs is not None:
                 outputs[i] = host(g_h)  # (B, T, d): d loss / d (layer i's output)
             theta_i, tensors = self.layer_inputs(i, theta)
             g_theta, g_h = self._backward(self.specs[i], theta_i, tensors, jnp.asarray(inputs[i]), cos, sin, g_h)
             prefix = f"blk.{i}."
-            grad["scales"] |= {prefix + s: [host(g) for g in gs] for s, gs in g_theta["scales"].items()}
-            grad["floats"] |= {prefix + s: host(g) for s, g in g_theta["floats"].items()}
-            grad["codes"] |= {prefix + s: [host(g) for g in gs] for s, gs in g_theta["codes"].items()}
+            grad["scales"] |= {prefix + s: list(gs) for s, gs in g_theta["scales"].items()}
+            grad["floats"] |= {prefix + s: g for s, g in g_theta["floats"].items()}
+            grad["codes"] |= {prefix + s: list(gs) for s, gs in g_theta["codes"].items()}
         return float(loss), grad
 
     # ---- the written file ---------------------------------------------------------------
@@ -318,13 +338,17 @@ class Tuner:
 
 class Trace:
     """One trace's sequences padded to `seq_tokens` (mask 0 on padding) with the reference's top-k
-    distribution (the reference-topk stage's), in fixed-shape batches of `BATCH_SEQS` (a short last
-    batch is padded with empty sequences), so one program is compiled."""
+    distribution (the reference-topk stage's), measured in fixed-shape batches of `batch_seqs` (a short
+    last batch is padded with empty sequences), so one program is compiled. A batch of several
+    sequences gives each token the same loss as one at a time (sequences never meet in the forward):
+    only the float summation order differs."""
 
-    def __init__(self, tokens: np.ndarray, seq: np.ndarray, seq_tokens: int, topk_dir: Path, trace: str):
+    def __init__(self, tokens: np.ndarray, seq: np.ndarray, seq_tokens: int, topk_dir: Path, trace: str,
+                 batch_seqs: int = 1):
         self.tokens, self.mask = padded_sequences(tokens, seq, seq_tokens)  # (S, T) x2
         self.n_seqs, self.n_tokens = len(self.tokens), int(self.mask.sum())
-        n = -(-self.n_seqs // BATCH_SEQS) * BATCH_SEQS
+        self.batch_seqs = batch_seqs
+        n = -(-self.n_seqs // batch_seqs) * batch_seqs
         pad = ((0, n - self.n_seqs), (0, 0))
         self.tokens, self.mask = np.pad(self.tokens, pad), np.pad(self.mask, pad)
         self.ids, self.logp, self.log_rest = read_topk(topk_dir, trace, self.tokens.shape)  # (S,T,k) x2, (S,T)
@@ -332,13 +356,15 @@ class Trace:
     def batches(self, n_seqs: int | None = None) -> range:
         """The batches holding the first `n_seqs` sequences (all by default)."""
         n = self.n_seqs if n_seqs is None else min(n_seqs, self.n_seqs)
-        return range(-(-n // BATCH_SEQS))
+        return range(-(-n // self.batch_seqs))
 
-    def batch_tokens(self, b: int) -> int:
-        return int(self.mask[b * BATCH_SEQS:(b + 1) * BATCH_SEQS].sum())
-
-    def batch(self, b: int, rows: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    def batch(self, b: int, rows: np.ndarray | None = None, limit: int | None = None) -> tuple[np.ndarray, ...]:
         """Batch `b` (or the given sequence rows): tokens (B, T), ids (B, T, k), logp (B, T, k), log_rest
-        (B, T), mask (B, T)."""
-        rows = np.arange(b * BATCH_SEQS, (b + 1) * BATCH_SEQS) if rows is None else rows
-        return self.tokens[rows], self.ids[rows], self.logp[rows], self.log_rest[rows], self.mask[rows]
+        (B, T), mask (B, T); with `limit`, the rows of batch `b` from sequence `limit` on are masked out
+        (a measurement over the first sequences only, whatever the batch size)."""
+        if rows is None:
+            rows = np.arange(b * self.batch_seqs, (b + 1) * self.batch_seqs)
+        mask = self.mask[rows]
+        if limit is not None:
+            mask = mask * (rows < limit)[:, None].astype(mask.dtype)  # (B, T)
+        return self.tokens[rows], self.ids[rows], self.logp[rows], self.log_rest[rows], mask

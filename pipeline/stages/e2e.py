@@ -19,7 +19,7 @@ the forward and again, recomputed, for its backward, the codes kept as the file'
 ``dequantize_parts(frozen codes, tuned scales)``, the float32 products gguf-py decodes the
 written bytes to, so the loss sees exactly the file that will be written (`kernels.e2e`: the
 scales pass through a straight-through fp16 rounding). Steps are Adam on the relative change of
-each parameter, `BATCH_SEQS` calibration sequences at a time, at two learning rates: the variant's
+each parameter, `e2e_batch_seqs` calibration sequences at a time (1 by default), at two learning rates: the variant's
 ``e2e_scale_lr`` for the fp16 scales (most of the tuned values, and the ones that fit the
 calibration text first) and ``e2e_lr`` for the norms and routers (`learning_rates`). Every `EVAL_EVERY` steps the KL
 over the whole unseen trace and over a fixed probe of the calibration trace (its first
@@ -30,9 +30,12 @@ never read.
 
 The output is a folder: `model.gguf`, the assembled file with those tensors' bytes replaced
 (scales packed back with the format's ``pack``, every other byte identical), and the curve.
-Device memory holds one layer and one batch's activations, not the model: `theta` and Adam's
-moments live on the host and each layer's slice is updated on the device in turn
-(docs/e2e-tuning.md, Real sizes).
+Device memory holds one layer and one batch's activations beyond what the tuner's cache keeps of
+the model (all of it where it fits: `pipeline.model.tuner.device_cache_bytes`); `theta` and Adam's
+moments, a few percent of the packed model, stay on the device and each layer's slice is updated
+there in turn, so a step moves no parameter across PCIe (docs/e2e-tuning.md, Real sizes). The
+curve's measurements run `MEASURE_SEQS` sequences per forward pass: the same per-token losses as
+one at a time, fewer passes over the layers.
 """
 
 from __future__ import annotations
@@ -53,10 +56,11 @@ from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.gguf.writer import copy_gguf
 from moeheal.pipeline.lake.files import write_parquet
 from moeheal.pipeline.lake.stage import Log, Stage
-from moeheal.pipeline.model.tuner import BATCH_SEQS, GLOBAL_GROUP, THETA_KINDS, Trace, Tuner, host, layer_of, short_name
+from moeheal.pipeline.model.tuner import GLOBAL_GROUP, THETA_KINDS, Trace, Tuner, layer_of, short_name
 
 EVAL_EVERY = 5  # steps between two measurements of the curve
 CAL_PROBE_SEQS = 4  # the curve's calibration KL: over the calibration trace's first sequences, a fixed probe
+MEASURE_SEQS = 8  # sequences per forward pass of the curve's measurements (one program, fewer passes)
 SEED = 0  # the order the calibration sequences are drawn in
 MODEL_FILE, CURVE_FILE = "model.gguf", "e2e_curve.parquet"
 CURVE_SCHEMA = pa.schema([("variant", pa.string()), ("step", pa.int64()), ("split", pa.string()),
@@ -75,12 +79,14 @@ class E2EParams:
     cal_tokens: int | None = None  # the variant's `cal_tokens`: steps draw only the sequences starting below it
     code_lr: float | None = None  # the sub-block scale codes' Adam step (code units); None: frozen, not in the key
     decay: bool | None = None  # True: every step decays linearly to 0 over `steps`; None: constant, not in the key
+    batch_seqs: int | None = None  # calibration sequences per step; None: one, not in the key
 
     @classmethod
     def of(cls, variant, seq_tokens: int) -> "E2EParams":
         return cls(variant=variant.name, steps=variant.e2e_steps, lr=variant.e2e_lr,
                    scale_lr=variant.e2e_scale_lr, seq_tokens=seq_tokens, cal_tokens=variant.cal_tokens or None,
-                   code_lr=variant.e2e_code_lr or None, decay=variant.e2e_decay or None)
+                   code_lr=variant.e2e_code_lr or None, decay=variant.e2e_decay or None,
+                   batch_seqs=variant.e2e_batch_seqs if variant.e2e_batch_seqs != 1 else None)
 
 
 def learning_rates(theta: dict, params: E2EParams) -> dict:
@@ -111,17 +117,17 @@ def by_layer(tree: dict) -> dict[int, dict]:
 
 
 def adam_by_layer(theta: dict, grad: dict, states: dict[int, Any], lr: dict) -> dict:
-    """One Adam step of every leaf, a layer at a time on the device (Adam is elementwise, so this is the
-    whole-tree step); theta, grad and the moments in `states` (updated in place) stay on the host."""
+    """One Adam step of every leaf, a layer at a time (Adam is elementwise, so this is the whole-tree
+    step; layers alike share one compiled update); theta, grad and the moments in `states` (updated in
+    place) stay where they are, on the device."""
     out: dict = {k: {} for k in THETA_KINDS}
     grads, rates = by_layer(grad), by_layer(lr)
     for layer, group in by_layer(theta).items():
         state = states.get(layer) or adam_init(group)
-        group, state = adam_step(group, grads[layer], state, rates[layer])
-        states[layer] = jax.tree_util.tree_map(host, state)
+        group, states[layer] = adam_step(group, grads[layer], state, rates[layer])
         prefix = f"blk.{layer}." if layer != GLOBAL_GROUP else ""
         for kind in THETA_KINDS:
-            out[kind] |= {prefix + short: jax.tree_util.tree_map(host, leaf) for short, leaf in group[kind].items()}
+            out[kind] |= {prefix + short: leaf for short, leaf in group[kind].items()}
     return out
 
 
@@ -131,7 +137,8 @@ def tune(tuner: Tuner, calibration: Trace, unseen: Trace, params: E2EParams,
     `params.steps` steps; returns the theta of the measured step with the lowest unseen KL (step 0
     included) and the curve's rows."""
     rng = np.random.default_rng(SEED)
-    theta, states = tuner.theta0, {}
+    batch_seqs = params.batch_seqs or 1
+    theta, states = jax.tree_util.tree_map(jnp.asarray, tuner.theta0), {}  # on the device for the whole run
     lr = learning_rates(theta, params)
     rows: list[dict[str, Any]] = []
     started = time.process_time()  # CPU seconds: a shared machine's wall clock says little
@@ -151,9 +158,9 @@ def tune(tuner: Tuner, calibration: Trace, unseen: Trace, params: E2EParams,
                 best = (kls["unseen"], step, theta)
         if step == params.steps:
             break
-        if len(order) < BATCH_SEQS:  # a new pass over the calibration sequences, in a new order
+        if len(order) < batch_seqs:  # a new pass over the calibration sequences, in a new order
             order += list(rng.permutation(train_seqs or calibration.n_seqs))
-        picked, order = np.array(order[:BATCH_SEQS]), order[BATCH_SEQS:]
+        picked, order = np.array(order[:batch_seqs]), order[batch_seqs:]
         _, grad = tuner.step(theta, calibration.batch(0, picked))
         theta = adam_by_layer(theta, grad, states, step_rates(lr, step, params))
     assert best is not None
@@ -165,7 +172,7 @@ def e2e_model(out: Path, assembled: GGUFModel, source: GGUFModel, traces_dir: Pa
               params: E2EParams, log: Callable[[str], None] = print) -> None:
     """Tune `assembled` (`tune`) and write `out/model.gguf` and `out/e2e_curve.parquet`."""
     out.mkdir(parents=True, exist_ok=True)
-    calibration, unseen = (Trace(*trace_tokens(traces_dir, name), params.seq_tokens, topk_dir, name)
+    calibration, unseen = (Trace(*trace_tokens(traces_dir, name), params.seq_tokens, topk_dir, name, MEASURE_SEQS)
                            for name in ("calibration", "unseen"))
     _, seq = trace_tokens(traces_dir, "calibration")
     starts = np.flatnonzero(np.diff(seq, prepend=-1))  # each calibration sequence's first row

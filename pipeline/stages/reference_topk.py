@@ -17,10 +17,10 @@ sequence's row), pos, ids, logp, log_rest.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
 
@@ -53,9 +53,10 @@ def full_batch(tokens: np.ndarray) -> np.ndarray:
     return np.pad(tokens, ((0, pad), (0, 0))) if pad > 0 else tokens  # (B, T)
 
 
-@jax.jit
-def _log_softmax(logits: jax.Array) -> jax.Array:
-    return jax.nn.log_softmax(logits, axis=-1)  # (B, T, V)
+@partial(jax.jit, static_argnums=1)
+def _top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """logits (B, T, V) -> `top_k_distribution` of their log-softmax, in one program on the device."""
+    return top_k_distribution(jax.nn.log_softmax(logits, axis=-1), k)  # (B,T,k) x2, (B,T)
 
 
 def reference_rows(runner: Runner, trace: str, tokens: np.ndarray, mask: np.ndarray, k: int) -> pa.Table:
@@ -64,8 +65,8 @@ def reference_rows(runner: Runner, trace: str, tokens: np.ndarray, mask: np.ndar
     for start in progress(range(0, len(tokens), REFERENCE_BATCH_SEQS), desc=f"reference top-{k} {trace}",
                           unit="batch"):
         rows = slice(start, start + REFERENCE_BATCH_SEQS)
-        logp = _log_softmax(jnp.asarray(runner.forward(full_batch(tokens[rows]))))  # (B, T, V)
-        ids, logp_k, log_rest = (np.asarray(a) for a in top_k_distribution(logp, k))  # (B,T,k) x2, (B,T)
+        logits = runner.forward(full_batch(tokens[rows]), on_device=True)  # (B, T, V), never on the host
+        ids, logp_k, log_rest = (np.asarray(a) for a in _top_k(logits, k))  # (B,T,k) x2, (B,T)
         seq, pos = np.nonzero(mask[rows])  # the real tokens, row-major
         columns["seq"].append((seq + start).astype(np.int32))
         columns["pos"].append(pos.astype(np.int32))
