@@ -11,7 +11,7 @@ the outputs a knob change just replaced), with its provenance, and the stale
 entries of `tmp/`; it is a dry run unless told `--yes`.
 
 It never removes what a running command may read: every command that writes a
-lake holds `tmp/heal.lock` shared for its whole run (`heal_lock`), and `gc`
+lake holds `heal.lock` at its root shared for its whole run (`heal_lock`), and `gc`
 takes it exclusively, so it waits for them and they for it; a stage output or
 work folder is removed under its own fingerprint lock (`try_lock`), taken
 without waiting, so one being built is left alone. It never descends into a
@@ -33,13 +33,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.lake.store import SOURCES_FILE
 
-LOCK_FILE = "heal.lock"  # under tmp/: held shared by every command that writes the lake, exclusively by gc
+LOCK_FILE = "heal.lock"  # at the root, beside tmp/ (whose leftovers gc removes): held shared by every command
+                         # that writes the lake, exclusively by gc
 OUTPUT_FOLDERS = ("dumps", "quant", "models", "parts")
 LAYOUT = ("dumps", "quant", "models", "parts", "runs", "tmp", "published", "current", "tables", "lake.duckdb",
-          "report", "layout.json")
+          "report", "layout.json", LOCK_FILE)
 GENERATION_FILE = "generation.json"  # a published set's record: {"seq": its place in the order of publication, ...}
 NO_PROVENANCE = "(no provenance)"  # an output whose build was cut before its record was written
 ORPHAN = "(provenance alone)"  # a record whose output is gone
@@ -47,11 +50,10 @@ ORPHAN = "(provenance alone)"  # a record whose output is gone
 
 @contextmanager
 def heal_lock(root: Path, exclusive: bool = False, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
-    """`tmp/heal.lock` under the lake at `root`: shared by a command that writes the lake, for its whole
+    """`heal.lock` at the root of the lake at `root`: shared by a command that writes the lake, for its whole
     run; exclusive for `gc`. flock dies with its holder, so a crashed run never blocks gc. The file is
     never removed (shared holders cannot tell who is last)."""
-    path = root / "tmp" / LOCK_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = root / LOCK_FILE
     mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     with open(path, "a") as handle:
         try:
@@ -223,8 +225,6 @@ def survey(root: Path, keep: Keep) -> list[Item]:
         items.append(Item("published", "published", "", (folder,), tuple(files), nested, False,
                           "the lake's own: it keeps the last two"))
     for path in sorted((root / "tmp").iterdir()) if (root / "tmp").is_dir() else ():
-        if path.name == LOCK_FILE:
-            continue
         fp = fingerprint_of(path.name)
         files, nested = files_under(path)
         read = bool(fp) and fp in keep.read
@@ -298,9 +298,6 @@ def others(root: Path) -> list[str]:
 def plan_keep(configs: list[Path], keep_sets: int) -> tuple[Path, Keep]:
     """The lake the configs share, and what gc keeps in it: every fingerprint their plans list
     (`moeheal plan`) and every one the newest `keep_sets` published sets name."""
-    from moeheal.pipeline.config import load_config
-    from moeheal.pipeline.heal import HealRun
-
     loaded = [load_config(path) for path in configs]
     root = loaded[0].lake_root
     for cfg in loaded[1:]:
