@@ -106,10 +106,11 @@ class Tuner:
     tensor one of its shape; it is the only float state beside Adam's moments, a few percent of the
     packed model. A pass brings one layer at a time to the device (unless the cache holds it): its
     frozen tensors dequantized, its tuned tensors as their stored blocks (uint8) with the layer's
-    slice of `theta`, decoded inside the layer's program. `step` runs the layers forward keeping only each layer's
-    input (B, T, d) on the host, then backward in reverse order, each layer brought over again and
-    its forward recomputed inside its vector-Jacobian product: device memory holds one layer and one
-    batch's activations, whatever the depth.
+    slice of `theta`, decoded inside the layer's program. `step` runs the layers forward keeping only each
+    layer's input (B, T, d) (on the device where the cache budget holds all of them, else on the host),
+    then backward in reverse order, each layer brought over again (unless cached) and its forward
+    recomputed inside its vector-Jacobian product: beyond the cache and theta's state, device memory
+    holds one layer and one batch's activations, whatever the depth.
     """
 
     def __init__(self, model: GGUFModel, source: GGUFModel, round_scales: bool = True,
@@ -293,9 +294,12 @@ class Tuner:
         tokens = batch[0]
         cos, sin = (a.astype(self.dtype) for a in self.arch.rope_tables(tokens.shape[1], self.hp))  # (T, r/2) each
         h = self.embed(tokens)  # (B, T, d)
-        inputs = []  # each layer's input, on the host
+        # each layer's input, kept on the device where the cache budget holds all of them (no copy that
+        # waits for the layer's program, so the sweep's programs queue back to back), else on the host
+        keep = self.cache_bytes >= len(self.specs) * h.nbytes
+        inputs = []
         for i, spec in enumerate(self.specs):
-            inputs.append(host(h))
+            inputs.append(h if keep else host(h))
             h = self._forward(spec, *self.layer_inputs(i, theta), h, cos, sin)  # (B, T, d)
         theta_head, head = self.head_inputs(theta)
         loss, (g_head, g_h) = self._head_grad(theta_head, head, h, *self.reference_batch(batch))  # (), ({..}, (B, T, d))
