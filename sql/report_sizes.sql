@@ -22,10 +22,10 @@
 --   Which file to use: the one on the front at the size you can hold (table `frontier`).
 -- group: {set:label}
 -- plot: kld_size
--- alt: eval KLD against bits per routed weight, ours and the peers, the front drawn
--- caption: Pooled eval KLD (bonus 0) against bits per routed-expert weight read from each GGUF: ours
---   (circles) and outside files such as llama.cpp's (crosses); the line joins the files on the
---   Pareto front.
+-- alt: KLD against bits per routed weight, ours and the peers, the front drawn
+-- caption: Pooled KLD (bonus 0) per window set against bits per routed-expert weight read from each
+--   GGUF: ours (circles) and outside files such as llama.cpp's (crosses); the line joins the files on
+--   the Pareto front of eval KLD.
 -- columns:
 --   variant                     | {variant}
 --   kind                        | {kind}
