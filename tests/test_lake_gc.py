@@ -109,6 +109,9 @@ def test_gc_keeps_resumable_work_nested_lakes_and_what_a_build_holds(walked, tmp
         (path / "part").write_bytes(b"x" * 1000)
     stale[2].write_text("")
     stale[3].write_text("{}")
+    pins = lake / "tmp" / "pins"  # the readers' pins of published sets: the lake's own
+    pins.mkdir(exist_ok=True)
+    (pins / "20200101T000000-deadbeef.lock").write_text("")
     nested = Lake(lake / "ablations" / "a").root / "quant" / ("b" * 64)
     nested.mkdir()
     (nested / "layer_0.npz").write_bytes(b"y" * 5000)
@@ -120,7 +123,7 @@ def test_gc_keeps_resumable_work_nested_lakes_and_what_a_build_holds(walked, tmp
         assert main(["lake", "gc", "-c", str(config), "--yes"]) == 0
     out = capsys.readouterr().out
     assert held.exists() and f"left 1 in use (a build holds its lock): {held.name}" in out
-    assert resumable.exists() and nested.exists() and in_tmp.exists()
+    assert resumable.exists() and nested.exists() and in_tmp.exists() and any(pins.iterdir())
     assert not any(p.exists() for p in stale), out
     assert main(["lake", "du", "-c", str(config)]) == 0
     du = capsys.readouterr().out

@@ -147,6 +147,14 @@ def fingerprint_of(name: str) -> str:
     return stem if len(stem) >= 16 and all(c in "0123456789abcdef" for c in stem) else ""
 
 
+def leftover(name: str) -> bool:
+    """A tmp/ entry gc knows the making of, so removes when stale: a stage's work (`<folder>-<fp>`), a
+    set staged and never published (`publish-*`), a `Lake.lock` file, a link or file half written (its
+    writer died). Anything else there (the readers' pins, `tmp/pins/`) is the lake's own and left."""
+    return (bool(fingerprint_of(name)) or name.startswith("publish-") or name.endswith((".lock", ".tmp"))
+            or (name.startswith("current.") and name.endswith(".link")))
+
+
 def provenance_stage(record: Path) -> str:
     try:
         return str(json.loads(record.read_text()).get("stage", NO_PROVENANCE))
@@ -228,8 +236,8 @@ def survey(root: Path, keep: Keep) -> list[Item]:
         fp = fingerprint_of(path.name)
         files, nested = files_under(path)
         read = bool(fp) and fp in keep.read
-        items.append(Item("tmp", "tmp", fp, (path,), tuple(files), nested, read,
-                          "work of a planned stage, to resume" if read else ""))
+        kept = "work of a planned stage, to resume" if read else "" if leftover(path.name) else "the lake's own"
+        items.append(Item("tmp", "tmp", fp, (path,), tuple(files), nested, read, kept))
     return items
 
 
