@@ -205,3 +205,20 @@ def test_an_assembly_that_does_not_fit_names_its_bytes(walked, monkeypatch) -> N
         space.check_room(run.lake.root, node, folder / "absent", paths)
     monkeypatch.setattr(space, "disk_free", lambda path: need)
     space.check_room(run.lake.root, node, folder / "absent", paths)
+
+
+def test_estimates_of_the_stages_the_small_world_does_not_build(walked) -> None:
+    """reference-topk, healed-dump and e2e sized from the walked world's traces, dump and assembly."""
+    _, folder = walked
+    run = HealRun(load_config(folder / "heal.toml"), log=lambda message: None)
+    v1, hp = run.cfg.healed_variants[0], run.source.hp
+    traces = run.result(run.traces()).path
+    tokens = {t: len(space.trace_tokens(traces, t)[0]) for t in ("calibration", "unseen")}
+    topk = run.reference_topk(8)
+    assert space.reference_topk_bytes(topk.params, resolved_paths(run, topk)) == \
+        (tokens["calibration"] + tokens["unseen"]) * (8 * 8 + space.TOPK_ROW_BYTES)
+    first = run.healed_dump(v1, run.source.moe_layers[0])  # reads the traces and the dump only
+    row = space.dump_row_bytes(hp, space.dump_arrays(first.params), "float32") + hp.d_model * 4
+    assert space.healed_dump_bytes(first.params, resolved_paths(run, first)) == tokens["calibration"] * row
+    tuned = run.e2e(v1)
+    assert space.e2e_bytes(tuned.params, resolved_paths(run, tuned)) == run.result(run.assemble(v1)).path.stat().st_size
