@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from functools import cached_property, partial
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pyarrow as pa
 
@@ -118,6 +118,12 @@ class HealRun:
     def source(self) -> GGUFModel:
         return open_model(self.cfg.source)
 
+    @cached_property
+    def tokenizer(self) -> dict[str, Any]:
+        """The reference's tokenizer metadata, read once: every walk of the DAG (each published table
+        declares what it reads, down to the corpus) would otherwise decode the vocabulary again."""
+        return tokenizer_metadata(self.reference)
+
     def declare(self, node: Node) -> Node:
         """The node, once per label: a later declaration of the same invocation is the first one."""
         return self.nodes.setdefault(node.label, node)
@@ -129,7 +135,7 @@ class HealRun:
 
     # ---- corpus, traces, windows, audit --------------------------------------------
     def corpus(self) -> Node:
-        return self.declare(Node(corpus.STAGE, corpus.CorpusParams(tokenizer_metadata(self.reference)),
+        return self.declare(Node(corpus.STAGE, corpus.CorpusParams(self.tokenizer),
                                  inputs={"docs": self.cfg.docs, "split": self.cfg.split}))
 
     def traces(self) -> Node:
