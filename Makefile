@@ -14,7 +14,7 @@ TORCH  := requirements/torch.txt
 # Face's `kernels` (DESIGN.md, Imports).
 PYTEST  = $(BIN)/python -P -m pytest
 
-.PHONY: heal test test-fast test-gpu test-latest lock bench audit sql export report card clean setup setup-test
+.PHONY: heal test test-fast test-slow test-gpu test-latest lock bench audit sql export report card clean setup setup-test
 
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
@@ -57,9 +57,16 @@ heal: setup
 # (the small healed worlds) are built once, and JAX's compilation cache (tests/conftest.py) is
 # shared; the worlds' reports skip their plots (MOEHEAL_PLOTS=0). The whole suite took 8 min 40 s
 # to 9 min 54 s on a 2-core machine, cold cache, and 12 min 30 s on a day that machine ran a third
-# slower (bench/RESULTS.md, Test suite, has each beside a reference pair).
+# slower (bench/RESULTS.md, Test suite, has each beside a reference pair). Tests marked `slow` are
+# left to `make test-slow`.
 test: setup-test
-	$(PYTEST) -q -m "not gpu" -n 2 --dist loadfile
+	$(PYTEST) -q -m "not gpu and not slow" -n 2 --dist loadfile
+
+# The tests marked `slow`, outside CI's time: the 200-round publishing stress test (tests/test_publish.py,
+# minutes), the demo's placement script, the model card's cross-entropy, the wheel installed in a
+# fresh environment.
+test-slow: setup-test
+	$(PYTEST) -q -m "slow and not gpu" -n 2 --dist loadfile
 
 # The edit-test loop: the formats (every registered one: bytes, scales, importance), importance,
 # alpha/ridge, allocation, KLD, n-grams and MoCE kernels, the SQL statistics and audit, config, the

@@ -314,11 +314,25 @@ def cmd_lake_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lake_repair(args: argparse.Namespace) -> int:
+    from moeheal.pipeline.config import load_config
+    from moeheal.pipeline.lake.store import Lake
+
+    roots = {load_config(Path(c), peers_may_be_missing=True).lake_root for c in args.config}
+    if len(roots) > 1:
+        raise InputError(f"-c: the configs name {len(roots)} lakes ({', '.join(map(str, sorted(roots)))}); "
+                         "`moeheal lake repair` repairs one")
+    print(Lake(roots.pop(), check_current=False).repair())
+    return 0
+
+
 # `moeheal lake <command>`: what a lake holds and its upkeep, over every config that shares it.
 LAKE_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "du": (cmd_lake_du, "per stage: outputs, bytes, how many the configs still read, and what gc would free"),
     "gc": (cmd_lake_gc, "remove the outputs no config reads and no kept published set names, and tmp/'s stale "
                         "entries (a dry run unless --yes)"),
+    "repair": (cmd_lake_repair, "point `current` at the newest complete published set where the set it points at "
+                                "is missing or incomplete, and say which"),
 }
 
 

@@ -18,6 +18,14 @@ and a run that fails (a rejected config, a crash) leaves them untouched. All
 links and the views inside `lake.duckdb` are relative, so a lake can be moved:
 open it from inside (`cd lake && duckdb lake.duckdb`; `moeheal sql` does that
 for you).
+
+Every set carries `generation.json`: its sequence number, given under the
+publish lock, the set it replaced, and its files with their sizes. Sets are
+ordered and pruned by that record alone, never by a clock or a modification
+time (a notebook that opens `lake.duckdb` read-write writes into a set's
+folder; the lake may live on NFS). The lake's layout version is in
+`layout.json` (LAYOUT_HISTORY); a lake this code cannot read is refused in
+one line, and a version-1 lake is upgraded in place on its first write.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import time
 import uuid
 from contextlib import contextmanager
@@ -47,7 +56,21 @@ CODE_VERSION = __version__
 STAGE_FOLDERS = ("dumps", "quant", "models", "parts", "runs", "tmp", "published")
 PUBLISHED_LINKS = {"tables": "current/tables", "lake.duckdb": "current/lake.duckdb", "report": "current/report"}
 SOURCES_FILE = "sources.json"  # per published set: table -> the stage fingerprints it was read from
+GENERATION_FILE = "generation.json"  # per published set: its sequence number, the set it replaced, its files
 KEEP_GENERATIONS = 2  # the current published set and the one before it
+
+LAYOUT_FILE = "layout.json"  # at the lake's root: {"layout": N, "written_by": "moeheal X"}
+LAYOUT_VERSION = 2  # what this code writes
+READS_LAYOUTS = (1, 2)  # what it reads (a version-1 lake is upgraded on its first write)
+LAYOUT_HISTORY = {
+    1: "published/<id>/ sets ordered and pruned by folder modification time; no layout.json (moeheal up to 0fb9cec)",
+    2: "every published set carries generation.json (sequence number, the set it replaced, its files), ordered and "
+       "pruned by it; layout.json at the root. Released with the stage code identity that ignores comments and "
+       "docstrings, which gives every stage a new fingerprint once: the first heal after the upgrade recomputes "
+       "(the old outputs stay until `moeheal lake gc`)",
+}
+KILL_AT = "MOEHEAL_KILL_AT"  # tests: a publishing process SIGKILLs itself at this step (`_kill_at`)
+PINS = "pins"  # under tmp/: `<set>.lock`, held shared by the readers of a published set (`Lake.pin_current`)
 
 
 @dataclass(frozen=True)
@@ -134,12 +157,42 @@ class Publication(TableSet):
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+class PinnedConnection:
+    """A DuckDB connection (every attribute is the connection's) whose published set stays pinned
+    until `close()`."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, unpin: Callable[[], None]):
+        self._con, self._unpin = con, unpin
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._con, name)
+
+    def close(self) -> None:
+        try:
+            self._con.close()
+        finally:
+            self._unpin()
+
+    def __enter__(self) -> PinnedConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self._unpin()
+
+
 class Lake(TableSet):
     """One data root. Stage outputs are keyed by fingerprint; tables are read from the published set."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, check_current: bool = True):
+        """Open (or make) the lake at `root`. A layout this code cannot read is refused (InputError,
+        one line); so is a `current` link that points at nothing, unless `check_current` is False
+        (`moeheal lake repair`). Nothing in a version-1 lake is written until its first write."""
         self.root = Path(root).resolve()
         super().__init__(self.root / "tables")
+        self.layout = read_layout(self.root)
         try:
             for sub in STAGE_FOLDERS:
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -148,6 +201,8 @@ class Lake(TableSet):
                     self._link_published_set()
         except OSError as exc:
             raise InputError(f"{exc.filename2 or exc.filename or self.root}: lake: cannot write ({exc.strerror})") from None
+        if check_current:
+            self.current_folder()
 
     def _published_set_linked(self) -> bool:
         current = self.root / "current"
@@ -155,7 +210,8 @@ class Lake(TableSet):
                 and all((self.root / name).is_symlink() for name in PUBLISHED_LINKS))
 
     def _link_published_set(self) -> None:
-        """The links `tables`, `lake.duckdb` and `report` into `current/`, made where missing."""
+        """The links `tables`, `lake.duckdb` and `report` into `current/`, made where missing; a new
+        lake (no layout record, nothing published) records this code's layout version."""
         current = self.root / "current"
         if current.exists() and not current.is_symlink():
             _remove(current)  # copied without its links: whatever is there is not a published set
@@ -164,6 +220,9 @@ class Lake(TableSet):
             if not link.is_symlink():
                 _remove(link)  # loose tables (an older layout, a copy that followed links) are not a set
                 link.symlink_to(target)
+        if not (self.root / LAYOUT_FILE).exists() and not current.is_symlink() and not set_folders(self.root):
+            write_layout(self.root)
+            self.layout = LAYOUT_VERSION
 
     # ---- stage outputs -------------------------------------------------------------
     def output_path(self, kind: str, fingerprint: str, suffix: str = "") -> Path:
@@ -237,6 +296,7 @@ class Lake(TableSet):
             if self.is_complete(kind, fingerprint, suffix):
                 log(f"[{shown}] cache hit {fingerprint[:12]}")
                 return StageResult(stage, fingerprint, final, cached=True)
+            self.ensure_layout()  # the lake's first write brings an older layout up to date
             work = self.work_path(kind, fingerprint, suffix)
             if work.exists() and not resume:
                 _remove(work)
@@ -264,51 +324,202 @@ class Lake(TableSet):
     def begin_publication(self) -> Publication:
         return Publication(self)
 
+    def current_folder(self) -> Path | None:
+        """The published set `current` points at, resolved once (None: nothing published yet).
+        A link that points at nothing is an InputError naming it and `moeheal lake repair`."""
+        link = self.root / "current"
+        if not link.is_symlink():
+            return None
+        folder = link.resolve()
+        if not folder.is_dir():
+            raise InputError(f"{link}: points at {os.readlink(link)}, which does not exist; the lake is left as it "
+                             "is: `moeheal lake repair -c CONFIG` relinks its newest complete published set")
+        return folder
+
+    def connect(self) -> PinnedConnection:
+        """TableSet.connect over the current set, `current` resolved once and the set pinned until the
+        connection is closed: every view reads that one set, whatever is published meanwhile."""
+        folder, unpin = self.pin_current()
+        try:
+            con = TableSet(folder / "tables" if folder is not None else self.tables_dir).connect()
+        except BaseException:
+            unpin()
+            raise
+        return PinnedConnection(con, unpin)
+
+    def pin_current(self) -> tuple[Path | None, Callable[[], None]]:
+        """The current set's folder and the function that unpins it.
+
+        A reader holds `tmp/pins/<set>.lock` shared; pruning takes it exclusively without waiting
+        and leaves a set that is read for a later publication to remove. A set pruned between
+        resolving `current` and pinning it is gone once the pin is held: `current` is resolved
+        again. In a lake this process cannot write, the set is read unpinned.
+        """
+        while True:
+            folder = self.current_folder()
+            if folder is None:
+                return None, lambda: None
+            try:
+                (self.root / "tmp" / PINS).mkdir(exist_ok=True)
+                handle = open(self.root / "tmp" / PINS / f"{folder.name}.lock", "a+")
+            except OSError:
+                return folder, lambda: None
+            fcntl.flock(handle, fcntl.LOCK_SH)
+            if folder.is_dir():
+                return folder, handle.close
+            handle.close()
+
     def publish(self, publication: Publication) -> Path:
         """Make `publication` the lake's current set in one atomic step; return its folder.
 
         Writes `lake.duckdb` (views with paths relative to the lake) into the
-        staged folder, moves it to `published/<id>`, then renames a fresh
-        `current` link over the old one. Older sets beyond the last
-        KEEP_GENERATIONS are removed.
+        staged folder, then, under the publish lock, gives it the next sequence
+        number (`generation.json`), moves it to `published/<id>`, renames a
+        fresh `current` link over the old one and prunes: a set goes once
+        KEEP_GENERATIONS newer sets have been published after it. Killed at any
+        step, the lake shows the old set or the new one (tests/test_publish.py).
         """
-        write_views(publication.folder / "lake.duckdb",
-                    {name: f"tables/{name}.parquet" for name in publication.table_names()})
-        publication.report_dir.mkdir(exist_ok=True)
-        final = self.root / "published" / publication.id
+        _stage_views(publication)
         with self.lock("publish"):
-            os.replace(publication.folder, final)
-            link = self.root / "tmp" / f"current.{os.getpid()}.link"
-            link.unlink(missing_ok=True)
-            link.symlink_to(Path("published") / publication.id)
-            os.replace(link, self.root / "current")
-            generations = sorted((p for p in (self.root / "published").iterdir() if p.is_dir()),
-                                 key=lambda p: p.stat().st_mtime)
-            for old in generations[:-KEEP_GENERATIONS]:
-                if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
+            return self._publish_locked(publication)
+
+    def _publish_locked(self, publication: Publication) -> Path:
+        self._upgrade_locked()
+        replaced = self.current_folder()  # refuses a link that points at nothing: nothing is rebuilt over it
+        generations = published_generations(self.root)
+        record = {"seq": max((g.seq for g in generations), default=0) + 1, "id": publication.id,
+                  "previous": replaced.name if replaced is not None else None, "layout": LAYOUT_VERSION,
+                  "written_by": f"moeheal {CODE_VERSION}", "published": time.time(),  # for people; never ordered by
+                  "files": _file_sizes(publication.folder)}
+        atomic_write_bytes(publication.folder / GENERATION_FILE, json.dumps(record, indent=1).encode())
+        final = self.root / "published" / publication.id
+        os.replace(publication.folder, final)
+        _kill_at("moved")
+        link = self.root / "tmp" / f"current.{os.getpid()}.link"
+        link.unlink(missing_ok=True)
+        link.symlink_to(Path("published") / publication.id)
+        _kill_at("linked")
+        os.replace(link, self.root / "current")
+        _kill_at("switched")
+        self._prune_locked()
         return final
+
+    def _prune_locked(self) -> None:
+        """Remove the sets that KEEP_GENERATIONS newer published sets have followed.
+
+        What was published is the chain of `previous` from the current set (a set
+        moved in by a publication killed before its link never became current, is
+        not on it, and does not count); the sets kept are the chain's first
+        KEEP_GENERATIONS, and everything older than the oldest of them goes. A set
+        goes by a rename out of `published/` first, so no half-removed set is ever
+        there, and the set `current` points at is never touched.
+        """
+        current = self.current_folder()
+        if current is None:
+            return
+        by_name = {g.folder.name: g for g in published_generations(self.root)}
+        chain = [by_name[current.name]] if current.name in by_name else []
+        while chain and len(chain) < KEEP_GENERATIONS and chain[-1].previous in by_name:
+            chain.append(by_name[chain[-1].previous])
+        if len(chain) < KEEP_GENERATIONS:
+            return  # fewer published sets than kept, or a chain broken by hand: nothing is provably old
+        oldest = min(g.seq for g in chain)
+        for old in sorted(by_name.values(), key=lambda g: g.seq):
+            if old.seq < oldest and old.folder != self.current_folder():
+                self._remove_set(old.folder)
+
+    def _remove_set(self, folder: Path) -> bool:
+        """Remove a published set unless a reader has it pinned (then a later publication does)."""
+        pins = self.root / "tmp" / PINS
+        pins.mkdir(exist_ok=True)
+        with open(pins / f"{folder.name}.lock", "a+") as pin:
+            try:
+                fcntl.flock(pin, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            trash = self.root / "tmp" / f"pruned-{folder.name}"
+            _remove(trash)
+            os.replace(folder, trash)  # out of published/ whole, in one step
+            (pins / f"{folder.name}.lock").unlink(missing_ok=True)
+        _kill_at("pruning")
+        shutil.rmtree(trash, ignore_errors=True)
+        return True
+
+    def _upgrade_locked(self) -> None:
+        """Under the publish lock: bring the lake to this code's layout before its first write.
+
+        Each set without `generation.json` (every set of a version-1 lake; one
+        published since by older moeheal) gets the next sequence numbers in
+        the order it was most likely published: `current`'s set last, the
+        others by the modification time of their `sources.json` (written when
+        the set's last table was staged, and never after), else by the start
+        second in their id. Idempotent: a killed upgrade is finished by the
+        next write. Also removes what a killed pruning left under tmp/.
+        """
+        for trash in (self.root / "tmp").glob("pruned-*"):
+            shutil.rmtree(trash, ignore_errors=True)
+        for pin in (self.root / "tmp" / PINS).glob("*.lock"):  # a reader's pin on a set long gone
+            if not (self.root / "published" / pin.stem).is_dir():
+                with open(pin, "a+") as handle:
+                    try:
+                        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        continue
+                    pin.unlink(missing_ok=True)
+        sequenced = published_generations(self.root)
+        strays = [f for f in set_folders(self.root) if read_generation(f) is None]
+        if strays:
+            link = self.root / "current"
+            current = link.resolve() if link.is_symlink() else None
+            strays.sort(key=lambda f: (f == current, _staged_time(f), f.name))
+            previous = max(sequenced, key=lambda g: g.seq, default=None)
+            seq = previous.seq if previous is not None else 0
+            last = previous.folder.name if previous is not None else None
+            for folder in strays:
+                seq += 1
+                record = {"seq": seq, "id": folder.name, "previous": last, "layout": 1,
+                          "written_by": f"moeheal {CODE_VERSION}, upgrading a set it did not write",
+                          "files": _set_files(folder)}
+                atomic_write_bytes(folder / GENERATION_FILE, json.dumps(record, indent=1).encode())
+                _kill_at("sequencing")
+                last = folder.name
+        if read_layout(self.root) < LAYOUT_VERSION:
+            write_layout(self.root)
+        self.layout = LAYOUT_VERSION
+
+    def ensure_layout(self) -> None:
+        """Upgrade an older layout before writing (a no-op once it is this code's)."""
+        if self.layout < LAYOUT_VERSION:
+            with self.lock("publish"):
+                self._upgrade_locked()
 
     def republish(self, replace: dict[str, pa.Table], report: Callable[[TableSet, Path], Any] | None = None) -> Path:
         """A new set: the current tables with `replace` swapped in, and optionally a new report.
 
         For edits after a run (tests, `moeheal report`): the unchanged tables are
         hard links to the current set's files, which are never written again.
+        The whole of it holds the publish lock, so the set it starts from is
+        still the current one when it publishes (no publication in between is
+        undone) and no table of another set is mixed in.
         """
-        publication = self.begin_publication()
-        try:
-            sources = self.sources()
-            for name in self.table_names():
-                if name not in replace:
-                    publication.carry(name, self.table_path(name), sources.get(name))
-            for name, table in replace.items():
-                publication.write_table(name, table)
-            if report is not None:
-                report(publication, publication.report_dir)
-            return self.publish(publication)
-        except BaseException:
-            publication.discard()
-            raise
+        with self.lock("publish"):
+            base = self.current_folder()
+            publication = self.begin_publication()
+            try:
+                if base is not None:
+                    sources, carried = read_sources(base), TableSet(base / "tables")
+                    for name in carried.table_names():
+                        if name not in replace:
+                            publication.carry(name, carried.table_path(name), sources.get(name))
+                for name, table in replace.items():
+                    publication.write_table(name, table)
+                if report is not None:
+                    report(publication, publication.report_dir)
+                _stage_views(publication)
+                return self._publish_locked(publication)
+            except BaseException:
+                publication.discard()
+                raise
 
     def write_table(self, name: str, table: pa.Table) -> None:
         """Publish one table (a new set, the others carried over)."""
@@ -316,7 +527,32 @@ class Lake(TableSet):
 
     def sources(self) -> dict[str, list[str]]:
         """What each table of the current set was computed from (`Publication.write_table`)."""
-        return read_sources(self.root / "current")
+        folder = self.current_folder()
+        return read_sources(folder) if folder is not None else {}
+
+    def repair(self) -> str:
+        """`moeheal lake repair`: point `current` at the newest complete published set when the set it
+        points at is missing or incomplete; say what was done, in one line."""
+        link = self.root / "current"
+        with self.lock("publish"):
+            self._upgrade_locked()
+            target = os.readlink(link) if link.is_symlink() else None
+            problem = set_problem(link.resolve()) if target is not None else "no current link"
+            if problem is None:
+                return f"{link} -> {target}: a complete published set; nothing to repair"
+            for generation in sorted(published_generations(self.root), key=lambda g: g.seq, reverse=True):
+                if set_problem(generation.folder) is None:
+                    staged = self.root / "tmp" / f"current.{os.getpid()}.link"
+                    staged.unlink(missing_ok=True)
+                    staged.symlink_to(Path("published") / generation.folder.name)
+                    os.replace(staged, link)
+                    return (f"{link} -> published/{generation.folder.name}: the newest complete published set "
+                            f"(generation {generation.seq}); it pointed at {target or 'nothing'} ({problem})")
+            if target is None:
+                return f"{self.root}: nothing published yet; nothing to repair"
+            link.unlink()
+            return (f"{link} pointed at {target} ({problem}) and published/ holds no complete set: the link is "
+                    "removed, and nothing is published until the next run publishes")
 
     @property
     def report_dir(self) -> Path:
@@ -327,6 +563,151 @@ def read_sources(folder: Path) -> dict[str, list[str]]:
     """The sources record of a published or staged set ({} for a set without one)."""
     path = folder / SOURCES_FILE
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+# ---- layout version and generations (module level: `moeheal lake` reads them without opening a Lake) ----
+def read_layout(root: Path) -> int:
+    """The layout version of the lake at `root` (1 without a record: every lake before the record was
+    introduced). A version this code cannot read is an InputError saying which moeheal wrote it."""
+    path = root / LAYOUT_FILE
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        version = record["layout"]
+    except FileNotFoundError:
+        return 1
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{path}: not a lake layout record ({type(exc).__name__}: {exc}); moeheal {CODE_VERSION} "
+                         f"reads layout versions {READS_LAYOUTS[0]} to {READS_LAYOUTS[-1]}") from None
+    if version not in READS_LAYOUTS:
+        raise InputError(f"{root}: lake layout version {version}, written by {record.get('written_by', 'unknown')}; "
+                         f"moeheal {CODE_VERSION} reads versions {READS_LAYOUTS[0]} to {READS_LAYOUTS[-1]}: "
+                         "upgrade moeheal (`pip install --upgrade moeheal`), or give [lake] root another folder")
+    return int(version)
+
+
+def write_layout(root: Path) -> None:
+    atomic_write_bytes(root / LAYOUT_FILE, json.dumps({"layout": LAYOUT_VERSION,
+                                                       "written_by": f"moeheal {CODE_VERSION}"}).encode())
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A published set: its folder, its sequence number and the set it replaced (a folder name)."""
+
+    folder: Path
+    seq: int
+    previous: str | None
+
+
+def set_folders(root: Path) -> list[Path]:
+    """Every folder under `published/` (whatever state it is in)."""
+    folder = root / "published"
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")) if folder.is_dir() else []
+
+
+def read_generation(folder: Path) -> dict[str, Any] | None:
+    """A set's `generation.json`, or None where it has none (a version-1 set) or it cannot be read."""
+    try:
+        record = json.loads((folder / GENERATION_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("seq"), int) else None
+
+
+def published_generations(root: Path) -> list[Generation]:
+    """The published sets that carry a sequence number, in no particular order (sort by `seq`)."""
+    found = []
+    for folder in set_folders(root):
+        record = read_generation(folder)
+        if record is not None:
+            found.append(Generation(folder, record["seq"], record.get("previous")))
+    return found
+
+
+def sets_newest_first(root: Path) -> list[Path]:
+    """The folders in `published/`, newest first, in the order of their sequence numbers as they are
+    or as the next write will give them: those without one yet (a version-1 lake; a set published by
+    an older moeheal since) get numbers above the others', `current`'s the highest. What `moeheal lake
+    du` and `gc` mean by the newest N sets."""
+    link = root / "current"
+    current = link.resolve() if link.is_symlink() else None
+    numbered = sorted(published_generations(root), key=lambda g: g.seq, reverse=True)
+    strays = [f for f in set_folders(root) if read_generation(f) is None]
+    strays.sort(key=lambda f: (f == current, _staged_time(f), f.name), reverse=True)
+    return strays + [g.folder for g in numbered]
+
+
+def set_problem(folder: Path) -> str | None:
+    """Why `folder` is not a complete published set, or None when it is: its `lake.duckdb`, `tables/` and
+    `report/`, and every file its `generation.json` lists at the size listed (a version-1 set: the tables
+    its views name)."""
+    if not folder.is_dir():
+        return "missing"
+    for name in ("tables", "report"):
+        if not (folder / name).is_dir():
+            return f"no {name}/"
+    if not (folder / "lake.duckdb").is_file():
+        return "no lake.duckdb"
+    record = read_generation(folder)
+    files = record.get("files") if record is not None else None
+    for rel, size in (files if isinstance(files, dict) else _set_files(folder)).items():
+        path = folder / rel
+        if not path.is_file():
+            return f"{rel} missing"
+        if size is not None and path.stat().st_size != size:
+            return f"{rel} is {path.stat().st_size} bytes, {size} when published"
+    return None
+
+
+def _file_sizes(folder: Path) -> dict[str, int]:
+    """Every file of a staged set with its size, but `lake.duckdb` (a notebook may write into it)."""
+    return {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*"))
+            if f.is_file() and f.name not in ("lake.duckdb", GENERATION_FILE)}
+
+
+def _set_files(folder: Path) -> dict[str, int | None]:
+    """A version-1 set's files as its views name them (size as found, None where missing); the tables
+    present and those `sources.json` names where `lake.duckdb` cannot be read."""
+    names: set[str] = set()
+    try:
+        con = duckdb.connect(str(folder / "lake.duckdb"), read_only=True)
+        try:
+            names = {row[0] for row in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+        finally:
+            con.close()
+    except Exception:  # missing, damaged, or held read-write by a notebook
+        names = set(read_sources(folder)) if (folder / SOURCES_FILE).is_file() else set()
+        names |= {p.stem for p in (folder / "tables").glob("*.parquet")}
+    files: dict[str, int | None] = {}
+    for name in sorted(names):
+        path = folder / "tables" / f"{name}.parquet"
+        files[f"tables/{name}.parquet"] = path.stat().st_size if path.is_file() else None
+    return files
+
+
+def _staged_time(folder: Path) -> float:
+    """When a version-1 set was most likely published: its `sources.json`'s modification time, else
+    the start second in its id (`YYYYmmddTHHMMSS-<hex>`), else 0."""
+    try:
+        return (folder / SOURCES_FILE).stat().st_mtime
+    except OSError:
+        pass
+    try:
+        return time.mktime(time.strptime(folder.name.split("-")[0], "%Y%m%dT%H%M%S"))
+    except ValueError:
+        return 0.0
+
+
+def _stage_views(publication: Publication) -> None:
+    write_views(publication.folder / "lake.duckdb",
+                {name: f"tables/{name}.parquet" for name in publication.table_names()})
+    publication.report_dir.mkdir(exist_ok=True)
+
+
+def _kill_at(step: str) -> None:
+    """Fault injection for the tests: SIGKILL this process at `step` when MOEHEAL_KILL_AT names it."""
+    if os.environ.get(KILL_AT) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _remove(path: Path) -> None:
