@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from moeheal.pipeline.commands.cli import main
+from moeheal.pipeline.commands.init import LADDER_FORMATS
 from moeheal.pipeline.config import CAL_TOKENS, load_config
 from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.sources.package_data import DATA
@@ -88,14 +89,19 @@ def qwen2moe(tmp_path_factory) -> Path:
     return family_gguf("qwen2moe", tmp_path_factory.mktemp("model") / "qwen2moe.gguf")
 
 
-def shrink(config: Path, keep: tuple[str, ...] | None = None) -> None:
-    """Test-sized knobs over what init wrote (init's own defaults untouched): a few hundred calibration
-    and unseen tokens, 2 learned-rounding and 2 e2e steps against the reference's top 16 tokens, 100
-    bootstrap draws; with `keep`, only those variants (and the `compare` pairs among them)."""
+def shrink(config: Path, keep: tuple[str, ...] | None = None, formats: tuple[str, ...] | None = None) -> None:
+    """Test-sized knobs over what init wrote (init's own defaults untouched): 512 calibration and 256
+    unseen tokens, 2 learned-rounding and 2 e2e steps against the reference's top 16 tokens, 100
+    bootstrap draws, one expert-cache repetition; with `keep`, only those variants (and the `compare` pairs among them); with
+    `formats`, the routed recipes choose from those alone (fewer programs to compile)."""
     text = config.read_text(encoding="utf-8")
-    for key, value in (("tokens", 1024), ("unseen_tokens", 512), ("seq_tokens", 128), ("bootstrap", 100)):
+    if formats is not None:
+        routed = f"formats = {json.dumps(list(LADDER_FORMATS))}\n"
+        text = text.replace(routed, f"formats = {json.dumps(list(formats))}\n")
+    for key, value in (("tokens", 512), ("unseen_tokens", 256), ("seq_tokens", 64), ("bootstrap", 100)):
         text = re.sub(rf"(?m)^{key} = \d+$", f"{key} = {value}", text)
     text = text.replace("e2e = true\n", "e2e = true\ne2e_steps = 2\ne2e_topk = 16\nlearned_steps = 2\n")
+    text = text.replace("[moce]\n", "[moce]\nreps = 1\n")
     if keep is not None:
         head, *variants = text.split("\n[[variant]]\n")
         moce = variants[-1][variants[-1].index("[moce]"):]
@@ -236,6 +242,21 @@ def test_init_on_every_family_gives_a_config_heal_accepts(family, texts, tmp_pat
     assert {"dump", "quantize", "evaluate"} <= stages
     has_ridge = open_model(model).arch.has_shared_expert
     assert ("ridge_eta" in (folder / "heal.toml").read_text()) == has_ridge
+
+    # A whole-file size: a recipe over every tensor within it, where the family's attention is one the
+    # sensitivity prices; one line, exit 2, nothing written where it is not.
+    size = str(model.stat().st_size * 3 // 4)  # bytes: three quarters of the Q8_0 file
+    code, _, err = init(capsys, str(tmp_path / "sized"), "--model", str(model), "--text", str(texts), "--size", size)
+    if not open_model(model).arch.standard_attention:
+        assert code == 2 and err.count("\n") == 1 and "attention" in err and not (tmp_path / "sized").exists()
+        return
+    assert code == 0, err
+    cfg = load_config(tmp_path / "sized" / "heal.toml")
+    recipe = cfg.variants[-1]
+    assert recipe.name == f"budget_file_{size}" and recipe.budget_roles == "all"
+    header = model.stat().st_size - sum(b for _, _, b in open_model(model).tensor_sizes().values())
+    total = sum(n for _, n, _ in open_model(model).tensor_sizes().values())
+    assert int(size) - 8 * total / 1e6 <= header + recipe.budget_bpw * total / 8 <= int(size)  # within, to 1e-6 bit
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -306,6 +306,7 @@ class File:
     bytes: int
     budget_bpw: float | None = None  # ours under a budget; None: uniform Q2_K
     budget_roles: str = "routed"
+    formats: tuple[str, ...] = LADDER_FORMATS  # ours under a budget: what its allocation chooses from
     recipe_of: str = ""  # a peer: the variant of ours whose `moeheal recipe` makes it
     quant: str = ""  # a uniform peer: every routed tensor in this format (`moeheal recipe --quant`)
 
@@ -391,22 +392,28 @@ def plan_ladder(model: GGUFModel, bits: list[float], size: str | None, peers: bo
 
 def _file_recipe(model: GGUFModel, text: str, header: int) -> File:
     """The whole-file recipe of `--size`: its budget in bits per weight of the file's tensors (the
-    header, as large as the reference's, left out), refused below the cheapest recipe."""
+    header, as large as the reference's, left out) over the formats of FILE_FORMATS whose blocks fit
+    every tensor it chooses, refused below the cheapest recipe of them."""
     size = parse_file_size(text)
     if not model.arch.standard_attention:
         raise InputError(f"--size {text}: a whole-file recipe prices attention's formats, which the "
                          f"{model.arch} family's attention does not support; use --bits")
     probe = Variant(name=text, kind="healed", budget_bpw=0.0, candidates=FILE_FORMATS, budget_roles="all")
     chosen = chosen_roles(probe, model)
+    formats = tuple(f for f in FILE_FORMATS if all(roles.input_columns(t, model.hp) % format_of(f).block_size == 0
+                                                   for t in chosen))
+    if not formats:
+        raise InputError(f"--size {text}: no format of {', '.join(FILE_FORMATS)} fits the rows of every tensor a "
+                         "whole-file recipe chooses (routed, shared expert, attention); use --bits")
     fixed = budget_fixed(probe, model)
     weights = sum(n for _, n, _ in model.tensor_sizes().values())
-    least = least_bpw(model, FILE_FORMATS, chosen, fixed)
+    least = least_bpw(model, formats, chosen, fixed)
     bpw = math.floor(8e6 * (size - header) / weights) / 1e6  # rounded down: the file stays within the size
     if bpw < least:
         smallest = header + math.ceil(least * weights / 8)
-        raise InputError(f"--size {text}: below the smallest whole file a recipe of {', '.join(FILE_FORMATS)} "
+        raise InputError(f"--size {text}: below the smallest whole file a recipe of {', '.join(formats)} "
                          f"makes of this model, {smallest} bytes ({least:.4f} bits per weight)")
-    return File(_size_name(text), size, bpw, "all")
+    return File(_size_name(text), size, bpw, "all", formats)
 
 
 # ---- the model and the config ------------------------------------------------------------------
@@ -441,8 +448,7 @@ def _variant_toml(file: File, shared_expert: bool) -> str:
     if file.budget_bpw is None:
         quant = 'quant = "q2_k"\n'
     else:
-        formats = FILE_FORMATS if file.budget_roles == "all" else LADDER_FORMATS
-        quant = (f"budget_bpw = {file.budget_bpw}\nformats = {json.dumps(list(formats))}\n"
+        quant = (f"budget_bpw = {file.budget_bpw}\nformats = {json.dumps(list(file.formats))}\n"
                  + ('budget_roles = "all"\n' if file.budget_roles == "all" else "") + 'sensitivity_round = "ls"\n')
     shexp = 'shexp_down = "iq4_nl"\n' if shared_expert and file.budget_roles != "all" else ""
     ridge = f"ridge_rho = 6.0\nridge_eta = 0.15\n{shexp}" if shared_expert else "ridge_rho = 0.0\n"
