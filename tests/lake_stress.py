@@ -408,6 +408,7 @@ class Driver:
                 p["seq"] = None  # counted once
 
     def run(self, rounds: int, wait_for_commands: bool = False) -> Summary:
+        """`rounds` rounds; with `wait_for_commands`, `moeheal sql` and `report` are never killed."""
         start = time.monotonic()
         self.wait_for_commands = wait_for_commands
         self.pending: list[tuple[str, str]] = []
@@ -432,11 +433,10 @@ class Driver:
                 if name not in self.procs:
                     self.start(name)
             self.summary.rounds += 1
-        if wait_for_commands:
-            for name in ("sql", "report"):
-                if name in self.procs:
-                    self.procs[name].wait(timeout=600)
-                    self.reap(name, killed=False)
+        for name in ("sql", "report"):  # the commands running at the end finish, the publishers going on
+            if name in self.procs:
+                self.procs[name].wait(timeout=600)
+                self.reap(name, killed=False)
         for name in list(self.procs):
             os.killpg(self.procs[name].pid, signal.SIGKILL)
             self.reap(name, killed=True)
