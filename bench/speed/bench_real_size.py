@@ -43,6 +43,7 @@ import json
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -53,6 +54,7 @@ from pathlib import Path
 
 import jax
 
+from moeheal.pipeline.commands.init import UNSEEN_TOKENS
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.sources.synth import LIKE, write_synth
@@ -103,6 +105,12 @@ VARIANTS = {
                             'inputs = "healed"\n'),
     "healed_learned_e2e_q2_k": ('[[variant]]\nname = "healed_learned_e2e_q2_k"\nquant = "q2_k"\nround = "learned"\n'
                                 'inputs = "healed"\ne2e = true\n'),
+    # the ladder's best files: uniform Q2_K with learned rounding + e2e, and the KL-priced recipe within Q2_K's
+    # size with the same levers (`moeheal init`'s budget recipe: its formats, its sensitivity and allocation)
+    "learned_e2e_q2_k": '[[variant]]\nname = "learned_e2e_q2_k"\nquant = "q2_k"\nround = "learned"\ne2e = true\n',
+    "recipe_learned_e2e": ('[[variant]]\nname = "recipe_learned_e2e"\nbudget_bpw = 2.6\n'
+                           'formats = ["iq2_xxs", "iq2_xs", "iq2_s", "q2_k", "iq3_xxs"]\nsensitivity_round = "ls"\n'
+                           'round = "learned"\ne2e = true\n'),
     # a budget under 2.1 bits: the sensitivity stage (every candidate format of every routed tensor, priced by
     # the guidance stage of the unseen trace) and the allocation before GPTQ's units
     "budget_2p1": ('[[variant]]\nname = "budget_2p1"\nbudget_bpw = 2.1\n'
@@ -110,7 +118,14 @@ VARIANTS = {
 }
 
 
-def write_config(work: Path, model: Path, tokens: int, windows: Path, variants: list[str]) -> Path:
+def variant_tables(variants: list[str], e2e_batch_seqs: int) -> str:
+    """The config tables of `variants`, each e2e variant with `e2e_batch_seqs` sequences per step."""
+    extra = f"e2e_batch_seqs = {e2e_batch_seqs}\n" if e2e_batch_seqs != 1 else ""
+    return "".join(VARIANTS[name] + (extra if "e2e = true" in VARIANTS[name] else "") for name in variants)
+
+
+def write_config(work: Path, model: Path, tokens: int, windows: Path, variants: list[str],
+                 unseen_tokens: int = UNSEEN_TOKENS, e2e_batch_seqs: int = 1) -> Path:
     """A heal.toml over the synthetic model and the demo's corpus and split, healing `variants`."""
     config = work / "heal.toml"
     config.write_text(f"""
@@ -125,14 +140,14 @@ split = "{DEMO / 'split.csv'}"
 tokens = {tokens}
 seq_tokens = 512
 mix = {{ ops = 0.3, chat_json = 0.3, ja = 0.2, persona = 0.2 }}
-unseen_tokens = {max(512, tokens // 4)}
+unseen_tokens = {unseen_tokens}
 seed = 0
 [eval]
 windows = "{windows}"
 ngram = 16
 bootstrap = 200
 seed = 0
-{"".join(VARIANTS[name] for name in variants)}[moce]
+{variant_tables(variants, e2e_batch_seqs)}[moce]
 bonus = [0.0]
 cache_experts = 8
 """)
@@ -166,22 +181,94 @@ def run_shard_workers(config: Path, shards: int) -> dict[str, object]:
 
 
 class StageClock:
-    """A log that stamps every line; a stage's time runs from its `computing` line to the next stage's line."""
+    """A log that stamps every line (wall and process CPU time); a stage's time runs from its `computing`
+    line to the next stage's line."""
 
     def __init__(self) -> None:
-        self.lines: list[tuple[float, str]] = []
+        self.lines: list[tuple[float, float, str]] = []
         self.start = time.perf_counter()
 
     def __call__(self, message: str) -> None:
         now = time.perf_counter()
-        self.lines.append((now, message))
+        self.lines.append((now, time.process_time(), message))
         print(f"{now - self.start:9.1f} s  {message}", flush=True)  # stamped: a run stopped early still has its times
 
-    def durations(self, end: float) -> list[tuple[str, float]]:
-        """(label, seconds) of every stage computed: to the next stage's line, past its own log lines."""
-        stages = [(t, STAGE_LINE.match(message)) for t, message in self.lines if STAGE_LINE.match(message)]
-        return [(match.group("label"), (stages[i + 1][0] if i + 1 < len(stages) else end) - start)
-                for i, (start, match) in enumerate(stages) if match.group("what") == "computing"]
+    def intervals(self, end: float) -> list[tuple[str, float, float, float]]:
+        """(label, start, end, CPU seconds) of every stage computed: to the next stage's line, past its own
+        log lines."""
+        stages = [(t, cpu, STAGE_LINE.match(message)) for t, cpu, message in self.lines if STAGE_LINE.match(message)]
+        end_cpu = time.process_time()
+        return [(match.group("label"), start, stages[i + 1][0] if i + 1 < len(stages) else end,
+                 (stages[i + 1][1] if i + 1 < len(stages) else end_cpu) - cpu)
+                for i, (start, cpu, match) in enumerate(stages) if match.group("what") == "computing"]
+
+
+class CompileClock:
+    """XLA compilation seconds, stamped when each ends (JAX's `backend_compile` duration events): the
+    share of a stage's wall time spent compiling programs rather than running them."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, float]] = []
+        jax.monitoring.register_event_duration_secs_listener(self._record)
+
+    def _record(self, event: str, duration: float, **_: object) -> None:
+        if event.endswith("backend_compile_duration"):
+            self.events.append((time.perf_counter(), duration))
+
+    def within(self, start: float, end: float) -> float:
+        return sum(d for t, d in self.events if start < t <= end)
+
+
+class DeviceSampler:
+    """nvidia-smi's utilisation and memory of GPU 0, one sample a second, in a thread (nothing where there
+    is no nvidia-smi): utilisation is the share of the second a kernel ran, so summed over a stage's samples
+    it is the stage's device-busy seconds."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float, float]] = []  # (time, utilisation %, memory used MiB)
+        self._proc: subprocess.Popen | None = None
+        self._thread = threading.Thread(target=self._read, daemon=True)
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            fields = [f.strip() for f in line.split(",")]
+            if len(fields) == 2 and all(f.replace(".", "").isdigit() for f in fields):
+                self.samples.append((time.perf_counter(), float(fields[0]), float(fields[1])))
+
+    def __enter__(self) -> "DeviceSampler":
+        try:
+            self._proc = subprocess.Popen(["nvidia-smi", "-i", "0", "--query-gpu=utilization.gpu,memory.used",
+                                           "--format=csv,noheader,nounits", "-lms", "1000"],
+                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self._thread.start()
+        except OSError:  # no NVIDIA GPU here
+            self._proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._thread.join(timeout=5)
+
+    def within(self, start: float, end: float) -> list[tuple[float, float, float]]:
+        return [s for s in self.samples if start < s[0] <= end]
+
+    def busy_seconds(self, start: float, end: float) -> float:
+        return sum(util / 100 for _, util, _ in self.within(start, end))
+
+
+def stage_split(label: str, start: float, end: float, cpu: float, compiles: CompileClock,
+                device: DeviceSampler) -> dict[str, float]:
+    """Where one stage's wall time went: compilation (XLA's own clock); device busy (nvidia-smi's
+    utilisation, where sampled); host CPU seconds of the process's threads less compilation (Python, NumPy,
+    Zarr decoding, dispatch; several threads can make it exceed the wall time); and the wall time that is
+    neither device-busy nor compiling, an upper bound on the time the device waited for the host
+    (transfers, reads, Python between programs)."""
+    wall, compile_s = end - start, compiles.within(start, end)
+    busy = device.busy_seconds(start, end) if device.samples else None
+    return {"wall_s": wall, "compile_s": compile_s, "host_cpu_s": max(0.0, cpu - compile_s),
+            **({"device_busy_s": busy, "device_idle_s": max(0.0, wall - busy - compile_s)} if busy is not None else {})}
 
 
 class HostMemory:
@@ -241,6 +328,12 @@ def llama_cpp_kld(source: Path, healed: dict[str, Path], work: Path) -> dict[str
             ((name, document_kld(binary, str(path), text, base)) for name, path in healed.items())}
 
 
+def stop_run(*_: object) -> None:
+    """SIGTERM as an interrupt, so a run stopped by its time limit still prints the stages it finished
+    (labelled `stopped`; the stage in progress is then counted to the stop)."""
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--like", default="qwen3-30b-a3b", choices=sorted(LIKE))
@@ -258,6 +351,10 @@ def main() -> int:
     parser.add_argument("--llama-kld", action="store_true",
                         help="also have llama.cpp ($LLAMA_CPP_DIR) run every healed GGUF: its KLD against the "
                              "synthetic source on 2 chunks of the demo's held-out text")
+    parser.add_argument("--unseen-tokens", type=int, default=UNSEEN_TOKENS,
+                        help=f"the unseen trace's tokens (default {UNSEEN_TOKENS}, what `moeheal init` writes)")
+    parser.add_argument("--e2e-batch-seqs", type=int, default=1,
+                        help="calibration sequences per e2e step of the e2e variants (their `e2e_batch_seqs`)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/moeheal-real-size"))
     parser.add_argument("--json", type=Path, help="write the figures here too")
     parser.add_argument("--shards", type=int, default=0, metavar="N",
@@ -272,42 +369,64 @@ def main() -> int:
     synth = write_synth(model, args.like, n_layer=args.layers, n_expert=args.experts, vocab_size=args.vocab,
                         jobs=args.jobs) if not model.exists() else None
     synth_s = time.perf_counter() - start
-    clock = StageClock()
+    clock, compiles = StageClock(), CompileClock()
     start = time.perf_counter()
-    config = write_config(args.work, model, args.tokens, write_windows(args.work, args.windows), args.variants)
+    config = write_config(args.work, model, args.tokens, write_windows(args.work, args.windows), args.variants,
+                          args.unseen_tokens, args.e2e_batch_seqs)
     run = HealRun(load_config(config), log=clock)
     sharded = run_shard_workers(config, args.shards) if args.shards else {}
-    with HostMemory() as host:
-        if args.no_eval:  # up to the healed GGUFs: a real vocabulary makes every evaluated window costly
-            run.overlap()
-        else:
-            run.heal()
-        healed = {variant.name: run.final_model(variant)[1] for variant in run.all_quantized_variants()}
+    signal.signal(signal.SIGTERM, stop_run)  # `timeout`'s signal: the stages finished so far are still reported
+    stopped, healed = False, {}
+    with HostMemory() as host, DeviceSampler() as device:
+        try:
+            if args.no_eval:  # up to the healed GGUFs: a real vocabulary makes every evaluated window costly
+                run.overlap()
+            else:
+                run.heal()
+            healed = {variant.name: run.final_model(variant)[1] for variant in run.all_quantized_variants()}
+        except KeyboardInterrupt:
+            stopped = True
     end = time.perf_counter()
     heal_s = end - start
 
     per_kind: dict[str, float] = defaultdict(float)
     per_layer: dict[str, list[float]] = defaultdict(list)
-    for label, seconds in clock.durations(end):
+    split: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for label, began, ended, cpu in clock.intervals(end):
+        seconds = ended - began
         parts = label.split(":")
         layered = len(parts) > 2 and parts[-1].isdigit()  # quantize:<variant>:<layer>, not reference-topk:k:unseen
         kind = ":".join(parts[:-1]) if layered else parts[0]  # quantize:<variant> over its layers
         per_kind[kind] += seconds
+        for key, value in stage_split(label, began, ended, cpu, compiles, device).items():
+            split[kind][key] += value
         if layered:
             per_layer[kind].append(seconds)
+    heal_samples = device.within(start, end)
     figures = {
         "like": args.like, "layers": args.layers, "real_layers": like.hp.n_layer, "calibration_tokens": args.tokens,
-        "device": str(jax.devices()[0]), "synth_s": synth_s if synth is not None else None, "heal_s": heal_s,
+        "stopped": stopped, "unseen_tokens": args.unseen_tokens, "e2e_batch_seqs": args.e2e_batch_seqs, "variants": args.variants,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind,
+        "synth_s": synth_s if synth is not None else None, "heal_s": heal_s,
         "per_stage_s": dict(per_kind),
+        "per_stage_split": {k: dict(v) for k, v in split.items()},
+        "compile_s": compiles.within(start, end),
         "per_layer_s": {k: sum(v) / len(v) for k, v in per_layer.items()},
         "extrapolated_whole_model_s": {k: sum(v) / len(v) * like.hp.n_layer for k, v in per_layer.items()},
         "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "heal_peak_anon_bytes": host.peaks["RssAnon"] or None,  # allocated by the process while healing
         "heal_peak_file_bytes": host.peaks["RssFile"] or None,  # memory-mapped files' resident pages
         "device_peak_bytes": device_peak_bytes(),
+        # nvidia-smi over the heal: its memory peak (the process's whole footprint, the CUDA context included),
+        # the mean utilisation and the share of 1-second samples above 50%
+        **({"nvidia_smi_peak_mib": max(m for _, _, m in heal_samples),
+            "gpu_util_mean": sum(u for _, u, _ in heal_samples) / len(heal_samples),
+            "gpu_busy_fraction": sum(u > 50 for _, u, _ in heal_samples) / len(heal_samples)}
+           if heal_samples else {}),
         **sharded,
     }
-    if args.llama_kld:
+    if args.llama_kld and not stopped:
         figures["llama_cpp_kld"] = llama_cpp_kld(model, healed, args.work)
     print(json.dumps(figures, indent=1))
     if figures["synth_s"]:

@@ -1,0 +1,126 @@
+"""The real-size record: runs of `bench/speed/bench_real_size.py --json` at several depths, one model
+shape, joined and extrapolated to the real model's depth.
+
+    python bench/tools/real_size_record.py RUN.json [RUN.json ...] --out bench/results/real-size/qwen3-30b-a3b.json
+
+Each run heals some variants of a synthetic model of `layers` layers (random weights of the real shapes:
+time and memory, never quality). Every stage's wall time is linear in the depth (a per-layer unit runs once
+per layer, a forward pass such as a dump or the reference's top-k crosses every layer, an e2e step sweeps
+them twice), so per stage kind the runs that share a variant set give `wall = fixed + per_layer x layers`
+by least squares over their depths (with one depth, the proportional `wall / layers x layers`, which
+charges compilation to every layer and so overstates), evaluated at the real depth and labelled as
+extrapolated. A stage kind belongs to the variant its label names (`quantize:<variant>:<layer>`,
+`e2e:<variant>`); the unhealed baseline's stages, which every run builds, belong to no total; the rest
+(corpus, traces, dumps, the reference's top-k, audit) are shared. `total_s` is the first variant's whole
+heal from the source GGUF to its evaluated file (its stages and the shared ones), `recipe_total_s` the
+second's, `ladder_total_s` every variant's stages with the shared ones once.
+
+Memory and utilisation are the runs' own figures (the largest over runs for the peaks; utilisation from
+the deepest run of the first variant, over its heal phase), never extrapolated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+BASELINE = "unhealed"
+GB = 1e9
+
+
+def owner(kind: str, variants: list[str]) -> str | None:
+    """The variant a stage kind's label names, BASELINE for the unhealed baseline's, None when shared."""
+    parts = kind.split(":")
+    for name in [*variants, BASELINE]:
+        if name in parts:
+            return name
+    return None
+
+
+def fit_depth(walls: dict[int, float]) -> dict[str, float]:
+    """`fixed + per_layer x layers` through the (layers, wall) points by least squares; with one point,
+    the line through the origin."""
+    layers = np.array(sorted(walls), np.float64)
+    wall = np.array([walls[int(n)] for n in layers], np.float64)
+    if len(layers) == 1:
+        return {"fixed_s": 0.0, "per_layer_s": float(wall[0] / layers[0])}
+    per_layer, fixed = np.polyfit(layers, wall, 1)
+    return {"fixed_s": float(fixed), "per_layer_s": float(per_layer)}
+
+
+def join_runs(runs: list[dict], depth: int) -> dict:
+    """The record of `runs` (bench_real_size figures, each with its `json` path) extrapolated to `depth`."""
+    groups: dict[tuple[str, ...], list[dict]] = defaultdict(list)
+    for run in runs:
+        groups[tuple(run["variants"])].append(run)
+    order = list(dict.fromkeys(v for run in runs for v in run["variants"]))
+    stages: dict[str, dict] = {}
+    for variants, members in groups.items():
+        kinds = sorted({k for run in members for k in run["per_stage_s"]})
+        for kind in kinds:
+            who = owner(kind, list(variants))
+            if who == BASELINE:
+                continue
+            walls = {run["layers"]: run["per_stage_s"][kind] for run in members if kind in run["per_stage_s"]}
+            fit = fit_depth(walls)
+            entry = {"variant": who, "measured_s": {str(n): s for n, s in sorted(walls.items())}, **fit,
+                     "wall_s": fit["fixed_s"] + fit["per_layer_s"] * depth}
+            deepest = max(members, key=lambda run: run["layers"])
+            if kind in deepest.get("per_stage_split", {}):
+                entry["split_at_deepest"] = deepest["per_stage_split"][kind]
+            if kind not in stages or who is not None:  # a shared stage measured by several groups: the first
+                stages[kind] = entry
+
+    def total(names: list[str]) -> float:
+        return sum(e["wall_s"] for e in stages.values() if e["variant"] is None or e["variant"] in names)
+
+    first = [r for r in runs if order[0] in r["variants"]]
+    deepest_first = max(first, key=lambda run: run["layers"])
+    record = {
+        "like": runs[0]["like"], "extrapolated_to": depth, "calibration_tokens": runs[0]["calibration_tokens"],
+        "unseen_tokens": runs[0].get("unseen_tokens"),
+        "label": f"extrapolated linearly in depth from {sorted({r['layers'] for r in runs})} layers to {depth}",
+        "device": runs[0].get("device_kind") or runs[0]["device"],
+        "variants": order,
+        "layers_measured": sorted({r["layers"] for r in runs}),
+        "stages": stages,
+        "total_s": total(order[:1]),
+        **({"recipe_total_s": total(order[1:2])} if len(order) > 1 else {}),
+        "ladder_total_s": total(order),
+        "gpu_peak_gb": max((r.get("device_peak_bytes") or 0) for r in runs) / GB or None,
+        "nvidia_smi_peak_gb": max((r.get("nvidia_smi_peak_mib") or 0) for r in runs) * 2**20 / GB or None,
+        "host_rss_gb": max((r.get("heal_peak_anon_bytes") or 0) for r in runs) / GB or None,
+        "gpu_util_mean": deepest_first.get("gpu_util_mean"),
+        "gpu_busy_fraction": deepest_first.get("gpu_busy_fraction"),
+        "runs": [{"layers": r["layers"], "variants": r["variants"], "command": r.get("command"),
+                  "json": r["json"], "log": r["json"].replace(".json", ".log"), "heal_s": r["heal_s"],
+                  "stopped": r.get("stopped", False)} for r in runs],
+    }
+    return record
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="bench_real_size.py --json files")
+    parser.add_argument("--depth", type=int, help="the depth to extrapolate to (default: the runs' real_layers)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    runs = [{**json.loads(p.read_text()), "json": str(p)} for p in args.runs]
+    record = join_runs(runs, args.depth or runs[0]["real_layers"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"{record['label']} on {record['device']}:")
+    for kind, e in sorted(record["stages"].items(), key=lambda kv: -kv[1]["wall_s"]):
+        print(f"  {kind:44s} {e['wall_s']:8.1f} s  ({e['fixed_s']:.1f} + {e['per_layer_s']:.2f} / layer)")
+    for key in ("total_s", "recipe_total_s", "ladder_total_s"):
+        if key in record:
+            print(f"{key}: {record[key] / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
