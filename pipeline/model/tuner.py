@@ -165,6 +165,12 @@ class Tuner:
         return specs
 
     # ---- bringing tensors to the device ----------------------------------------------
+    def release(self) -> None:
+        """Drop the device cache now. The tuner's compiled methods refer back to it, a cycle that
+        Python frees only at its next collection: until then the cache (up to 60% of an accelerator)
+        would stay allocated under the next stage's programs, so a stage calls this when done."""
+        self._cache, self._held = {}, 0
+
     def _device(self, name: str, blocks: bool = False) -> jax.Array:
         """A frozen or tuned float tensor dequantized (in `dtype`), or a quantized one's stored blocks
         (`blocks`, uint8), on the device; kept while the cache has room."""

@@ -178,8 +178,11 @@ def e2e_model(out: Path, assembled: GGUFModel, source: GGUFModel, traces_dir: Pa
     starts = np.flatnonzero(np.diff(seq, prepend=-1))  # each calibration sequence's first row
     train_seqs = int(np.sum(starts < params.cal_tokens)) if params.cal_tokens else None
     tuner = Tuner(assembled, source, tune_codes=bool(params.code_lr))
-    theta, rows = tune(tuner, calibration, unseen, params, log, train_seqs)
-    copy_gguf(assembled, out / MODEL_FILE, tuner.replacements(theta))
+    try:
+        theta, rows = tune(tuner, calibration, unseen, params, log, train_seqs)
+        copy_gguf(assembled, out / MODEL_FILE, tuner.replacements(theta))
+    finally:
+        tuner.release()
     write_parquet(out / CURVE_FILE, pa.Table.from_pylist(rows, schema=CURVE_SCHEMA))
 
 

@@ -105,6 +105,7 @@ def build_guidance(out: Path, params: GuidanceParams, *, reference: Path, traces
             write_rows(arrays[layer], row, values)
             sums[layer] += float(np.sum(values, dtype=np.float64))
         row += n
+    tuner.release()  # the device cache, before the next stage's programs need the memory
     for layer in layers:
         mean = sums[layer] / max(1, trace.n_tokens * d)
         if not np.isfinite(mean) or mean <= 0:
