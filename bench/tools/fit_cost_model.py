@@ -1,7 +1,7 @@
 """Fit the constants of `moeheal plan --estimate` (pipeline/estimate.py) to committed timing records.
 
     python bench/tools/fit_cost_model.py                        # the default records below -> moeheal/data/cost_model.json
-    python bench/tools/fit_cost_model.py 'bench/results/h200-*/rs*.json' 'bench/results/real-size/*.json' \\
+    python bench/tools/fit_cost_model.py 'bench/results/h200-*/rs*.json' 'bench/results/real-size/runs/rs*.json' \\
         'bench/results/demo-cpu*/stage_times.csv'               # records named by path or glob
     python bench/tools/fit_cost_model.py h100='runs/a.json'     # a record's device class named, not read from its path
     python bench/tools/fit_cost_model.py --holdout              # each record predicted from the others: the error
@@ -56,7 +56,7 @@ OUT = REPO / "moeheal" / "data" / estimate.COST_MODEL
 # healed dumps to other stages (its README).
 DEFAULT_RECORDS = ("bench/results/h200-65k/rs*.json", "bench/results/h200-budget/rs*.json",
                    "bench/results/h200-levers/rs_levers2.json", "bench/results/h100-*/rs*.json",
-                   "bench/results/real-size/*.json", "bench/results/demo-cpu*/stage_times.csv")
+                   "bench/results/real-size/runs/rs*.json", "bench/results/demo-cpu*/stage_times.csv")
 ONCE_PENALTY = 0.1  # see `fit`
 SIZE_PENALTY = 0.03  # see `fit`
 SEQ_TOKENS = 512  # the bench's and the demo's sequence length
@@ -159,7 +159,7 @@ def record_observations(record: dict, name: str, logged: dict[str, float]) -> li
     hp, layers, tokens = LIKE[record["like"]].hp, record["layers"], record["calibration_tokens"]
     shapes = Shapes(layers, record.get("experts", hp.n_expert), hp.n_expert_used, hp.d_model, hp.d_expert,
                     record.get("vocab", hp.vocab_size))
-    unseen = max(512, tokens // 4)
+    unseen = record.get("unseen_tokens") or max(512, tokens // 4)  # the bench's default before it recorded it
     known = {**bench_variants(), UNHEALED.name: UNHEALED}
     used = [known[label.split(":")[1]] for label in record["per_stage_s"] if label.startswith("quantize:")]
     budget = [v for v in used if v.budgeted]
@@ -181,8 +181,10 @@ def record_observations(record: dict, name: str, logged: dict[str, float]) -> li
             grouped[stage].append((secs, [invocation(stage, shapes, unseen if budget else tokens)]))
         elif stage == "sensitivity":
             grouped[stage].append((secs, [invocation(stage, shapes, unseen, formats=len(v.candidates)) for v in budget]))
-        elif stage == "e2e":
-            grouped[stage].append((secs, [invocation(stage, shapes, e2e_steps(variant, tokens) * SEQ_TOKENS)]))
+        elif stage == "e2e":  # `e2e:<variant>`, or the kind alone over every e2e variant the run healed
+            tuned = [variant] if variant is not None else [v for v in used if v.e2e]
+            grouped[stage].append((secs, [invocation(stage, shapes, e2e_steps(v, tokens) * SEQ_TOKENS * v.e2e_batch_seqs)
+                                          for v in tuned]))
         else:
             grouped[stage].append((secs, [invocation(stage, shapes)]))
     return [Observation(name, stage, sum(s for s, _ in parts), tuple(i for _, invs in parts for i in invs))

@@ -7,7 +7,7 @@ Each run heals some variants of a synthetic model of `layers` layers (random wei
 time and memory, never quality). Every stage's wall time is linear in the depth (a per-layer unit runs once
 per layer, a forward pass such as a dump or the reference's top-k crosses every layer, an e2e step sweeps
 them twice), so per stage kind the runs that share a variant set give `wall = fixed + per_layer x layers`
-by least squares over their depths (with one depth, the proportional `wall / layers x layers`, which
+by least squares over their depths (the stages that never read a layer, `DEPTH_FREE`, their mean; with one depth, the proportional `wall / layers x layers`, which
 charges compilation to every layer and so overstates), evaluated at the real depth and labelled as
 extrapolated. A stage kind belongs to the variant its label names (`quantize:<variant>:<layer>`,
 `e2e:<variant>`); the unhealed baseline's stages, which every run builds, belong to no total; the rest
@@ -30,6 +30,9 @@ import numpy as np
 
 BASELINE = "unhealed"
 GB = 1e9
+# Stages that never read the model's layers (the text, its split and windows, the audit's SQL): their time
+# does not follow the depth, so their mean over runs is kept, not a line whose slope is noise.
+DEPTH_FREE = ("corpus", "traces", "windows", "audit")
 
 
 def owner(kind: str, variants: list[str]) -> str | None:
@@ -66,7 +69,8 @@ def join_runs(runs: list[dict], depth: int) -> dict:
             if who == BASELINE:
                 continue
             walls = {run["layers"]: run["per_stage_s"][kind] for run in members if kind in run["per_stage_s"]}
-            fit = fit_depth(walls)
+            fit = ({"fixed_s": float(np.mean(list(walls.values()))), "per_layer_s": 0.0} if kind in DEPTH_FREE
+                   else fit_depth(walls))
             entry = {"variant": who, "measured_s": {str(n): s for n, s in sorted(walls.items())}, **fit,
                      "wall_s": fit["fixed_s"] + fit["per_layer_s"] * depth}
             deepest = max(members, key=lambda run: run["layers"])
