@@ -63,8 +63,7 @@ test: setup-test
 	$(PYTEST) -q -m "not gpu and not slow" -n 2 --dist loadfile
 
 # The tests marked `slow`, outside CI's time: the 200-round publishing stress test (tests/test_publish.py,
-# minutes), the demo's placement script, the model card's cross-entropy, the wheel installed in a
-# fresh environment.
+# minutes).
 test-slow: setup-test
 	$(PYTEST) -q -m "slow and not gpu" -n 2 --dist loadfile
 
@@ -78,7 +77,7 @@ FAST_TESTS ?= tests/test_formats.py tests/test_importance.py tests/test_alpha_ri
 	tests/test_audit.py tests/test_config.py tests/test_corpus.py tests/test_dag.py tests/test_card.py \
 	tests/test_bench_tools.py tests/test_imports.py
 test-fast: setup-test
-	$(PYTEST) -q -x -m "not gpu and not slow and not llamacpp" -n 2 --dist loadfile $(FAST_TESTS)
+	$(PYTEST) -q -x -m "not gpu and not slow and not long and not llamacpp" -n 2 --dist loadfile $(FAST_TESTS)
 
 # The GPU against the CPU, on a machine with JAX for CUDA (`pip install -e '.[cuda]'`); the tests
 # default JAX to the CPU, so the platforms are named here.

@@ -74,7 +74,7 @@ def test_headline_pairs_each_peer_with_ours_at_its_size():
         assert row[5].startswith(card._signed(index["canary", a, b]["delta_pct"], 1))
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_model_card_cross_entropy_is_recomputed():
     """Under 30 s on two cores: one forward pass of the demo model over the 32 eval windows."""
     committed = card.blocks(card.MODEL_CARD.read_text(encoding="utf-8"))[card.CE_BLOCK]

@@ -107,7 +107,7 @@ def test_tokenizer_round_trips_utf8(tokenizer, docs):
         assert tokenizer.decode(ids, skip_special_tokens=False) == text
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_windows_are_what_the_placement_script_draws(tmp_path):
     """demo/windows.csv is exactly demo/corpus/windows.py's output for the committed corpus and tokenizer."""
     for name in ("docs.jsonl", "split.csv", "tokenizer.json"):

@@ -92,7 +92,7 @@ def test_an_installed_distribution_packs_again_into_the_wheel_it_was(offline_pip
     assert not any(name.startswith("..") or name.endswith((".pyc", "/INSTALLER")) for name in names)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_installed_beside_hf_kernels(wheel, offline_pip, tmp_path):
     """A fresh environment: our wheel, its dependencies (borrowed from the test environment's
     site-packages, read-only) and Hugging Face's `kernels`, from the wheelhouse."""
