@@ -1,5 +1,6 @@
 """The scripts that turn runs into RESULTS figures: bench/tools/compare_runs.py,
-bench/tools/stage_times.py, the rotation of bench/experiments/hadamard_rotation.py, the error
+bench/tools/stage_times.py, bench/tools/real_size_record.py, the rotation of
+bench/experiments/hadamard_rotation.py, the error
 of bench/experiments/format_floor.py and the best recipe of bench/experiments/budget_floor.py.
 
 What is checked is what the scripts compute: every figure they print parses and equals a
@@ -247,3 +248,30 @@ def test_budget_floor_picks_the_brute_forces_recipe() -> None:
         want_kl, want = min(feasible)
         assert recipe == list(want) and kl == pytest.approx(want_kl, rel=1e-12)
         assert got_bits <= budget
+
+
+def test_real_size_record_extrapolates_each_stage_linearly_in_depth():
+    """bench/tools/real_size_record.py: per stage kind, the line through the runs' (layers, wall) points
+    evaluated at the real depth (the stages that read no layer: their mean), the baseline's stages in no
+    total, and the committed 30B record is the tool's output for its two committed runs."""
+    from bench.tools import real_size_record
+
+    def run(layers: int, stages: dict[str, float]) -> dict:
+        return {"like": "qwen3-30b-a3b", "layers": layers, "calibration_tokens": 65536, "variants": ["v"],
+                "device": "gpu", "per_stage_s": stages, "heal_s": sum(stages.values()), "json": f"l{layers}.json"}
+
+    # e2e:v costs 10 + 5 per layer, dump 20 + 1 per layer, corpus about 2 whatever the depth
+    runs = [run(n, {"corpus": 2.0 + 0.1 * (n % 2), "dump": 20.0 + n, "e2e:v": 10.0 + 5 * n,
+                    "calibrate:unhealed": 7.0 * n}) for n in (2, 3, 4)]
+    record = real_size_record.join_runs(runs, 48)
+    assert record["stages"]["e2e:v"]["per_layer_s"] == pytest.approx(5.0)
+    assert record["stages"]["e2e:v"]["wall_s"] == pytest.approx(10 + 5 * 48)
+    assert record["stages"]["corpus"]["per_layer_s"] == 0.0
+    assert record["stages"]["corpus"]["wall_s"] == pytest.approx(np.mean([2.0, 2.1, 2.0]))
+    assert "calibrate:unhealed" not in record["stages"]
+    assert record["total_s"] == pytest.approx(10 + 5 * 48 + 20 + 48 + np.mean([2.0, 2.1, 2.0]))
+    assert record["layers_measured"] == [2, 3, 4]
+
+    committed = json.loads((REPO / "bench/results/real-size/qwen3-30b-a3b.json").read_text())
+    runs = [{**json.loads((REPO / r["json"]).read_text()), "json": r["json"]} for r in committed["runs"]]
+    assert real_size_record.join_runs(runs, committed["extrapolated_to"]) == committed
