@@ -4,6 +4,9 @@ keeping what the previous published set names), `gc --yes`, `du`, and a last hea
 stage in the lake.
 
     python bench/tools/lake_walkthrough.py [DIR]
+    python bench/tools/lake_walkthrough.py --demo DIR     # the same on the bundled demo (demo/heal.toml
+                                                          # with its lake in DIR; q2_k_healed's ridge_rho
+                                                          # 6.0 -> 3.0): about as long as two `make heal`s
 
 prints the transcript (paths under DIR shown relative to it) that docs/reference.md records;
 tests/test_lake_gc.py walks the same steps and checks what they show.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -27,6 +31,31 @@ from bench.inputs.healworld import V1, write_world  # noqa: E402
 from moeheal.pipeline.commands.cli import main as moeheal  # noqa: E402
 
 KNOB = ("ridge_rho = 6.0", "ridge_rho = 3.0")  # the one knob changed: v1's ridge strength
+DEMO = Path(__file__).resolve().parents[2] / "demo"
+DEMO_VARIANT = "q2_k_healed"  # the demo's variant whose knob is changed
+PATH_VALUE = re.compile(r'^(\s*\w+\s*=\s*)"([^"]+)"', re.M)
+
+
+def demo_config(folder: Path) -> Path:
+    """demo/heal.toml written into `folder` with its lake there: every value naming a file beside the demo's
+    config made absolute, so the copy reads the demo's model, corpus, windows and peers."""
+    text = (DEMO / "heal.toml").read_text(encoding="utf-8").replace('root = "../lake"', f'root = "{folder / "lake"}"')
+    text = PATH_VALUE.sub(lambda m: f'{m.group(1)}"{DEMO / m.group(2)}"' if (DEMO / m.group(2)).exists()
+                          else m.group(0), text)
+    config = folder / "heal.toml"
+    config.write_text(text, encoding="utf-8")
+    return config
+
+
+def change_knob(text: str, variant: str | None) -> str:
+    """`text` with KNOB changed in the [[variant]] named `variant` (None: the only one it holds)."""
+    blocks = text.split("[[variant]]")
+    for i, block in enumerate(blocks[1:], 1):
+        if variant is None or f'name = "{variant}"\n' in block:
+            assert KNOB[0] in block
+            blocks[i] = block.replace(*KNOB, 1)
+            return "[[variant]]".join(blocks)
+    raise ValueError(f"no variant {variant}")
 
 
 @dataclass(frozen=True)
@@ -44,25 +73,24 @@ def run(argv: list[str]) -> Step:
     return Step(tuple(argv), rc, out.getvalue())
 
 
-def walk(folder: Path) -> list[Step]:
-    """The walk-through's commands, in order, on a new world under `folder`."""
-    config = write_world(folder.resolve(), variants=V1)
+def walk(folder: Path, demo: bool = False) -> list[Step]:
+    """The walk-through's commands, in order, on a new world (or the demo's config) under `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = demo_config(folder.resolve()) if demo else write_world(folder.resolve(), variants=V1)
     c = str(config)
     steps = [run(["heal", "-c", c]), run(["lake", "du", "-c", c])]
-    text = config.read_text()
-    assert KNOB[0] in text
-    config.write_text(text.replace(*KNOB))
+    config.write_text(change_knob(config.read_text(), DEMO_VARIANT if demo else None))
     steps += [run(["heal", "-c", c]), run(["lake", "du", "-c", c]), run(["lake", "gc", "-c", c]),
               run(["lake", "gc", "-c", c, "--keep-sets", "2"]), run(["lake", "gc", "-c", c, "--yes"]), run(["lake", "du", "-c", c]), run(["heal", "-c", c]),
               run(["plan", "-c", c])]
     return steps
 
 
-def transcript(steps: list[Step], folder: Path) -> str:
+def transcript(steps: list[Step], folder: Path, variant: str = "v1") -> str:
     lines = []
     for i, step in enumerate(steps):
         if i == 2:
-            lines.append(f"# v1's {KNOB[0]} -> {KNOB[1]} in heal.toml")
+            lines.append(f"# {variant}'s {KNOB[0]} -> {KNOB[1]} in heal.toml")
         shown = [str(Path(a).relative_to(folder)) if a.startswith(str(folder)) else a for a in step.argv]
         out = step.out
         if step.argv[0] == "heal":
@@ -76,9 +104,12 @@ def transcript(steps: list[Step], folder: Path) -> str:
 
 
 def main() -> int:
+    args = sys.argv[1:]
+    demo = args[:1] == ["--demo"]
+    args = args[1:] if demo else args
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tmp)
-        print(transcript(walk(folder), folder.resolve()))
+        folder = Path(args[0]) if args else Path(tmp)
+        print(transcript(walk(folder, demo), folder.resolve(), DEMO_VARIANT if demo else "v1"))
     return 0
 
 
