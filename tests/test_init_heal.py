@@ -15,7 +15,7 @@ import pytest
 from moeheal.pipeline.commands.cli import main
 from tests.test_init import FAMILIES, family_gguf, shrink, write_text_folder
 
-pytestmark = pytest.mark.compile_bound
+pytestmark = [pytest.mark.compile_bound, pytest.mark.long]  # heals: left out of test-fast
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "demo" / "model" / "demo-q8_0.gguf"
 
