@@ -7,7 +7,9 @@
   ``iquants_encode``, ``iq1m_encode``, GPTQ in ``gptq``, learned rounding in ``learned``;
 - routing (``routing``), cache-aware routing (``moce``), and the statistics
   the stages fit (``importance``, ``alpha``, ``ridge``, ``allocate``, ``kld``,
-  ``ngram``, ``narrow``, ``e2e``), and the optimiser both learners use (``adam``).
+  ``ngram``, ``narrow``, ``e2e``), and the optimiser both learners use (``adam``);
+- the host's BLAS held at one thread where its thread count would decide bytes
+  (``threads``).
 
 This file only re-exports, and lazily: importing any module of the package
 runs it first, and a stage's code identity is the closure of what it imports,

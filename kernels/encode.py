@@ -37,6 +37,7 @@ from moeheal.kernels.gptq import CPU_SCHEDULE, GptqSchedule, factor_is_finite, g
 from moeheal.kernels.iq1m_encode import IQ1_MEncoder
 from moeheal.kernels.iquants_encode import IQ2_SEncoder, IQ2_XSEncoder, IQ2_XXSEncoder, IQ3_XXSEncoder
 from moeheal.kernels.kquants_encode import Q2_KEncoder, Q3_KEncoder, Q4_KEncoder, Q5_KEncoder, Q6_KEncoder
+from moeheal.kernels.threads import one_blas_thread
 
 # Every format's encoder, by name: the same names as ``decode.FORMATS``, each a subclass of its decoder.
 ENCODERS: dict[str, type[Encoder]] = {cls.name: cls for cls in (
@@ -189,7 +190,9 @@ def quantize(
     ``damp_hessian``) selects GPTQ rounding (formats whose ``supports_gptq``);
     given both, the importance weights the scale searches and H the error
     feedback. Returns uint8 [rows, cols / block * type_size], the rows of a
-    ggml tensor.
+    ggml tensor. The host's BLAS runs on one thread meanwhile (``kernels.threads``):
+    on the CPU, GPTQ's factorisation is LAPACK's, whose last bits follow the
+    thread count, and the bytes may not.
     """
     cls = encoder_of(fmt)
     x = np.asarray(x, np.float32)
@@ -205,13 +208,14 @@ def quantize(
         hessian = np.asarray(hessian, np.float32)
     _check_hessian(cls, hessian, cols, ())
     schedule = gptq_schedule()
-    upper = None
-    if hessian is not None:  # factored once, shared by every chunk of rows
-        upper, importance, factored = _gptq_factor_jit(jnp.asarray(hessian), importance, schedule)
-        _check_factored(np.asarray(factored))
-    chunk_rows = max(1, min(CHUNK_WEIGHTS // cols, rows))
-    return map_chunks(lambda w: _quantize_rows_jit(fmt, w, importance, upper, schedule), chunk_rows,
-                       x)  # (rows, bytes)
+    with one_blas_thread():  # GPTQ's factor and solves on the CPU are the host's LAPACK: bytes whatever its threads
+        upper = None
+        if hessian is not None:  # factored once, shared by every chunk of rows
+            upper, importance, factored = _gptq_factor_jit(jnp.asarray(hessian), importance, schedule)
+            _check_factored(np.asarray(factored))
+        chunk_rows = max(1, min(CHUNK_WEIGHTS // cols, rows))
+        return map_chunks(lambda w: _quantize_rows_jit(fmt, w, importance, upper, schedule), chunk_rows,
+                          x)  # (rows, bytes), read back before the limit ends
 
 
 def quantize_experts(
@@ -232,7 +236,8 @@ def quantize_experts(
     batch the same compiled program; with several ``devices`` (default: this
     host's devices of the default backend) each takes one batch per step.
     ValueError if a Hessian's factorisation (float32, or float64 where
-    ``gptq_schedule`` says) fails on the device.
+    ``gptq_schedule`` says) fails on the device. The host's BLAS runs on one
+    thread meanwhile, as in ``quantize``: the bytes do not depend on the thread count.
     """
     cls = encoder_of(fmt)
     w = _float32(w)  # (E, rows, cols), on the device already when the caller's arrays are
@@ -255,8 +260,9 @@ def quantize_experts(
         batch_weights = ACCELERATOR_CHUNK_WEIGHTS if on_accelerator(mesh.devices.flat) else CHUNK_WEIGHTS
     per_device = max(1, min(batch_weights // (rows * cols), n_expert))
     sharding = NamedSharding(mesh, PartitionSpec(EXPERT_AXIS))
-    raw, factored = map_chunks(partial(experts_batch_jit, fmt, gptq_schedule(mesh.devices.flat), mesh),
-                                        per_device * mesh.size,
-                                        w, importance, hessians, sharding=sharding)  # (E, rows, bytes), (E,)
+    with one_blas_thread():  # GPTQ's factor and solves on the CPU are the host's LAPACK: bytes whatever its threads
+        raw, factored = map_chunks(partial(experts_batch_jit, fmt, gptq_schedule(mesh.devices.flat), mesh),
+                                   per_device * mesh.size, w, importance, hessians,
+                                   sharding=sharding)  # (E, rows, bytes), (E,), read back before the limit ends
     _check_factored(factored)
     return raw

@@ -42,6 +42,7 @@ import pyarrow as pa
 from moeheal.kernels import decode, encode
 from moeheal.kernels.alpha import fit_alpha, oracle_from_gram, output_gram, residual_from_gram
 from moeheal.kernels.ridge import alpha_ridge_cv_sweep, effective_dof, matrix_rank, ridge_stats, solve_ridge
+from moeheal.kernels.threads import one_blas_thread
 from moeheal.pipeline.data.dumps import open_dump, read_layer
 from moeheal.pipeline.data.units import EXPERT_TENSORS, load_quantized
 from moeheal.pipeline.errors import InputError
@@ -256,13 +257,19 @@ def build_calibrate(out: Path, params: CalibrateParams, *, source: Path, quantiz
     """One unit of the calibrate stage: alpha and ridge for layer `params.layer` of one variant's
     quantized experts (`quantized`, the quantize unit of that layer), on the dumps (`dump`: with
     healed inputs, the layer's healed-inputs dump; and
-    `unseen` if there is one), from the `source`."""
+    `unseen` if there is one), from the `source`.
+
+    The unit runs on one host BLAS thread (`kernels.threads`), whatever the caller's environment:
+    the ridge's solve and eigendecompositions and the float64 products of its statistics give other
+    last bits with other thread counts (the ridge_cv table's dof and gains, and the requantized
+    shared down projection), and a unit's bytes must be those of its key however it ran."""
     assert params.layer is not None, "a calibrate unit is one layer"
     model = open_model(source)
     cal_layers = (params.layer,) if params.inputs is not None else model.moe_layers  # a healed-inputs dump: one layer
-    calibrate_layer(out, model, quantized, open_dump(dump, model.hp, cal_layers),
-                    open_dump(unseen, model.hp, model.moe_layers) if unseen is not None else None,
-                    params, params.layer)
+    with one_blas_thread():
+        calibrate_layer(out, model, quantized, open_dump(dump, model.hp, cal_layers),
+                        open_dump(unseen, model.hp, model.moe_layers) if unseen is not None else None,
+                        params, params.layer)
 
 
 STAGE = Stage("calibrate", "quant", build_calibrate, outputs=("layer_{layer}.npz", "layer_metrics.parquet"))

@@ -73,6 +73,7 @@ import pyarrow as pa
 from moeheal.kernels import encode, learned
 from moeheal.kernels import importance as imp
 from moeheal.kernels.gptq import damp_hessian
+from moeheal.kernels.threads import one_blas_thread
 from moeheal.pipeline.data.dumps import open_dump, read_layer
 from moeheal.pipeline.data.fisher import read_fisher
 from moeheal.pipeline.errors import InputError
@@ -433,15 +434,21 @@ def build_quantize(out: Path, params: QuantizeParams, *, source: Path, dump: Pat
     """One unit of the quantize stage: layer `params.layer` of the `source`'s routed experts, with the
     calibration dump's (`dump`; with healed inputs, that layer's healed-inputs dump) statistics if any, in the formats of the allocation stage's output
     (`recipe`) when given (learned rounding also measures itself on the `unseen` dump, if given, and
-    weighs its loss by the `guidance` stage's Fisher estimate, if given)."""
+    weighs its loss by the `guidance` stage's Fisher estimate, if given).
+
+    The unit runs on one host BLAS thread (`kernels.threads`), whatever the caller's environment:
+    GPTQ's factorisation on the CPU and the host's products (the shared expert's target, the
+    Hessians of a recipe's other matrices) give other last bits with other thread counts, and a
+    unit's bytes must be those of its key however it ran (under Ray, a one-CPU task gets one thread)."""
     assert params.layer is not None, "a quantize unit is one layer"
     model = open_model(source)
     chosen = read_recipe(recipe) if recipe is not None else None
     cal_layers = (params.layer,) if params.inputs is not None else model.moe_layers  # a healed-inputs dump: one layer
     cal = open_dump(dump, model.hp, cal_layers) if params.importance and dump is not None else None
     held_out = open_dump(unseen, model.hp, model.moe_layers) if unseen is not None else None
-    quantize_layer(out, model, cal, params, params.layer, layer_formats(params, params.layer, chosen), held_out, log,
-                   guidance)
+    with one_blas_thread():
+        quantize_layer(out, model, cal, params, params.layer, layer_formats(params, params.layer, chosen), held_out,
+                       log, guidance)
 
 
 STAGE = Stage("quantize", "quant", build_quantize, outputs=("layer_{layer}.npz",))

@@ -53,6 +53,7 @@ import pyarrow as pa
 from moeheal.kernels import decode, encode
 from moeheal.kernels.alpha import fit_alpha, relative_residual
 from moeheal.kernels.fisher import kl_estimate
+from moeheal.kernels.threads import one_blas_thread
 from moeheal.pipeline.data.dumps import open_dump, read_layer
 from moeheal.pipeline.data.fisher import read_fisher_values
 from moeheal.pipeline.data.units import EXPERT_TENSORS
@@ -181,10 +182,12 @@ def measure_sensitivity(source: GGUFModel, cal, unseen, guidance: Path, params: 
 def build_sensitivity(out: Path, params: SensitivityParams, *, source: Path, dump: Path, unseen: Path,
                       guidance: Path, log: Log) -> None:
     """The sensitivity stage: `sensitivity.parquet`, the `source`'s tensors measured on the
-    calibration (`dump`) and unseen (`unseen`) dumps, priced by the unseen trace's Fisher (`guidance`)."""
+    calibration (`dump`) and unseen (`unseen`) dumps, priced by the unseen trace's Fisher (`guidance`).
+    On one host BLAS thread, as the quantize unit whose code it runs (`kernels.threads`)."""
     model = open_model(source)
-    table = measure_sensitivity(model, open_dump(dump, model.hp, model.moe_layers),
-                                open_dump(unseen, model.hp, model.moe_layers), guidance, params)
+    with one_blas_thread():
+        table = measure_sensitivity(model, open_dump(dump, model.hp, model.moe_layers),
+                                    open_dump(unseen, model.hp, model.moe_layers), guidance, params)
     write_parquet(out / "sensitivity.parquet", table)
 
 
