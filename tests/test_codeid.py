@@ -353,11 +353,11 @@ def bumped(version: str, part: int) -> str:
 
 @pytest.mark.parametrize(("library", "part", "rekeys"), [
     ("zarr", 2, False), ("zarr", 1, False), ("duckdb", 2, False), ("tokenizers", 2, False),
-    ("jax", 2, True), ("jaxlib", 2, True), ("numpy", 2, True), ("gguf", 2, True),
+    ("jax", 2, True), ("jaxlib", 2, True), ("numpy", 2, True), ("gguf", 2, True), ("scipy", 2, True),
     ("duckdb", 1, True), ("tokenizers", 1, True), ("zarr", 0, True),
 ])
 def test_a_library_version_re_keys_every_stage_or_none(library, part, rekeys, world, sources, base, monkeypatch):
-    """A release of a library whose arithmetic writes an output's bytes (jax, jaxlib, numpy, gguf:
+    """A release of a library whose arithmetic writes an output's bytes (jax, jaxlib, numpy, gguf, scipy:
     any release; duckdb, tokenizers: a minor; zarr, a lossless store: a major) re-keys every stage;
     any other release of them re-keys none."""
     installed = fingerprint.library_versions()

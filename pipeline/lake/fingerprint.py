@@ -69,6 +69,8 @@ def canonical_json(value: Any) -> str:
 #   release changes fusion and reduction order, so float bits, so the whole version;
 # - numpy: the encoders' and decoders' arithmetic; a patch release can swap a SIMD kernel;
 # - gguf: gguf-py dequantizes the source's tensors and lays out every GGUF written;
+# - scipy: its OpenBLAS is the LAPACK JAX's CPU backend calls for GPTQ's Cholesky factor and solves,
+#   and the ridge's solves; a new build can move their last bits, so near-tie codes: the whole version;
 # - duckdb: the audit's and the comparisons' SQL, made exact on purpose (integer sums, a
 #   counter-based bootstrap hash); a function's semantics or the Parquet writer change in a
 #   minor release, a patch release fixes bugs: major.minor;
@@ -78,7 +80,8 @@ def canonical_json(value: Any) -> str:
 #   format (v2, v3), which an older major cannot read, changes with the major: major.
 # Python's own version is not keyed: the project's arithmetic is the libraries'.
 KEYED_RELEASE_PARTS: dict[str, int | None] = {
-    "jax": None, "jaxlib": None, "numpy": None, "gguf": None, "duckdb": 2, "tokenizers": 2, "zarr": 1,
+    "jax": None, "jaxlib": None, "numpy": None, "gguf": None, "scipy": None, "duckdb": 2, "tokenizers": 2,
+    "zarr": 1,
 }
 
 
