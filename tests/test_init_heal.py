@@ -1,6 +1,6 @@
-"""What `moeheal init` writes, healed end to end: on the demo's model and on a converter file of each
-family, the ladder's smallest recipe (allocation, learned rounding, e2e: every lever init sets), on the
-demo's model reported and exported with its frontier. Test-sized knobs (and two candidate formats) are
+"""What `moeheal init` writes, healed end to end on the demo's model: the ladder's smallest recipe
+(allocation, learned rounding, e2e: every lever init sets), reported and exported with its frontier
+(each family's converter file: tests/test_init_heal_families.py). Test-sized knobs (and two candidate formats) are
 applied to the written config by `shrink`, never to init's defaults; the JAX programs compile
 unoptimised (`compile_bound`: compiling is most of the time here).
 """
@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from moeheal.pipeline.commands.cli import main
-from tests.test_init import FAMILIES, family_gguf, shrink, write_text_folder
+from tests.test_init import shrink
 
 pytestmark = [pytest.mark.compile_bound, pytest.mark.long]  # heals: left out of test-fast
 
@@ -56,19 +56,3 @@ def test_the_ladder_heals_on_the_demo_model_and_publishes_its_frontier(tmp_path,
     assert "## 4c. Size and budget recipes: the frontier" in report
     readme = (tmp_path / "bundle" / "README.md").read_text(encoding="utf-8")
     assert "### frontier (2 rows)" in readme and "| on_front | bool |" in readme
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_the_smallest_recipe_heals_on_every_family(family, tmp_path, capsys):
-    model = family_gguf(family, tmp_path / f"{family}.gguf")
-    texts = write_text_folder(tmp_path / "texts", {"prose": 7, "notes": 6})
-    folder = tmp_path / "mine"
-    run(capsys, "init", str(folder), "--model", str(model), "--text", str(texts))
-    shrink(folder / "heal.toml", keep=("budget_2p3",), formats=("iq2_xxs", "q2_k"))
-    run(capsys, "heal", "-c", str(folder / "heal.toml"))
-    lake = folder / "lake" / "tables"
-    rows = {r["variant"]: r for r in pq.read_table(lake / "frontier.parquet").to_pylist()}
-    assert set(rows) == {"unhealed", "budget_2p3"} and rows["budget_2p3"]["routed_bpw"] <= 2.3
-    assert rows["budget_2p3"]["eval_kld"] > 0
-    assert {r["variant"] for r in pq.read_table(lake / "e2e_curve.parquet").to_pylist()} == {"budget_2p3"}
-    assert {r["variant"] for r in pq.read_table(lake / "learned_curve.parquet").to_pylist()} == {"budget_2p3"}

@@ -1,0 +1,34 @@
+"""What `moeheal init` writes, healed end to end on a converter file of each family: the ladder's smallest
+recipe (allocation, learned rounding, e2e: every lever init sets). Test-sized knobs (and two candidate
+formats) are applied to the written config by `shrink`, never to init's defaults; the JAX programs compile
+unoptimised (`compile_bound`). `make test` heals two families unlike the demo's qwen2moe (qwen3moe, the
+30B's; deepseek2, a shared expert and latent attention); the other four are marked slow (`make test-slow`):
+each heal compiles the whole pipeline for its shapes, a minute or more of a CI worker.
+"""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.test_init import FAMILIES, family_gguf, shrink, write_text_folder
+from tests.test_init_heal import run
+
+pytestmark = [pytest.mark.compile_bound, pytest.mark.long]  # heals: left out of test-fast
+CI_FAMILIES = ("qwen3moe", "deepseek2")
+
+
+@pytest.mark.parametrize("family", [f if f in CI_FAMILIES else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
+def test_the_smallest_recipe_heals_on_every_family(family, tmp_path, capsys):
+    model = family_gguf(family, tmp_path / f"{family}.gguf")
+    texts = write_text_folder(tmp_path / "texts", {"prose": 7, "notes": 6})
+    folder = tmp_path / "mine"
+    run(capsys, "init", str(folder), "--model", str(model), "--text", str(texts))
+    shrink(folder / "heal.toml", keep=("budget_2p3",), formats=("iq2_xxs", "q2_k"))
+    run(capsys, "heal", "-c", str(folder / "heal.toml"))
+    lake = folder / "lake" / "tables"
+    rows = {r["variant"]: r for r in pq.read_table(lake / "frontier.parquet").to_pylist()}
+    assert set(rows) == {"unhealed", "budget_2p3"} and rows["budget_2p3"]["routed_bpw"] <= 2.3
+    assert rows["budget_2p3"]["eval_kld"] > 0
+    assert {r["variant"] for r in pq.read_table(lake / "e2e_curve.parquet").to_pylist()} == {"budget_2p3"}
+    assert {r["variant"] for r in pq.read_table(lake / "learned_curve.parquet").to_pylist()} == {"budget_2p3"}
