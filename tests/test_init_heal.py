@@ -1,6 +1,6 @@
 """What `moeheal init` writes, healed end to end on the demo's model: the ladder's smallest recipe
 (allocation, learned rounding, e2e: every lever init sets), reported and exported with its frontier
-(each family's converter file: tests/test_init_heal_families.py). Test-sized knobs (and two candidate formats) are
+(each family's converter file: tests/test_families_init_heal.py). Test-sized knobs (and two candidate formats) are
 applied to the written config by `shrink`, never to init's defaults; the JAX programs compile
 unoptimised (`compile_bound`: compiling is most of the time here).
 """
