@@ -348,7 +348,8 @@ class TokenSet:
     def __len__(self) -> int:
         return self.x.shape[0]
 
-    def take(self, rows: np.ndarray) -> "TokenSet":
+    def take(self, rows: np.ndarray | slice) -> "TokenSet":
+        """The rows `rows` (a slice: views, no copy)."""
         gate = None if self.shared_gate is None else self.shared_gate[rows]
         weight = None if self.weight is None else self.weight[rows]
         return TokenSet(self.x[rows], self.experts[rows], self.weights[rows], self.target[rows], self.yr[rows], gate,
@@ -392,23 +393,39 @@ def _capacity(experts: np.ndarray, n_expert: int, batches: list[np.ndarray]) -> 
     return size
 
 
-def _pack_batches(data: TokenSet, batches: list[np.ndarray], n_expert: int, capacity: int, batch: int
-                  ) -> dict[str, np.ndarray]:
-    """Stack batches (each <= ``batch`` rows) as (S, ...) arrays, short ones padded with zero rows."""
-    d = data.x.shape[1]
-    out: dict[str, list[np.ndarray]] = {"x": [], "target": [], "weight": [], "tok": [], "wt": [], "gate": []}
-    for rows in batches:
-        pad = batch - rows.size
-        part = data.take(rows)
-        tok, wt = _batch_layout(part.experts, part.weights, n_expert, batch, capacity)
-        out["x"].append(np.concatenate([part.x, np.zeros((pad, d), np.float32)]))
-        out["target"].append(np.concatenate([part.target, np.zeros((pad, d), np.float32)]))
-        out["weight"].append(np.concatenate([part.output_weight(), np.zeros((pad, d), np.float32)]))
-        out["tok"].append(tok)
-        out["wt"].append(wt)
-        gate = part.shared_gate if part.shared_gate is not None else np.zeros(rows.size, np.float32)
-        out["gate"].append(np.concatenate([gate, np.zeros(pad, np.float32)]))
-    return {k: np.stack(v) for k, v in out.items()}
+def _layouts(data: TokenSet, batches: list[np.ndarray], n_expert: int, capacity: int, batch: int
+             ) -> dict[str, np.ndarray]:
+    """Batches (each <= ``batch`` rows of ``data``) as what a step gathers on the device: idx (S, batch)
+    the rows, short batches padded with ``len(data)`` (`_device_rows`' zero row), and each batch's
+    expert layout tok, wt (S, E, capacity). Integers only: the rows themselves cross to the device once."""
+    idx = np.full((len(batches), batch), len(data), np.int32)  # (S, B)
+    tok = np.empty((len(batches), n_expert, capacity), np.int32)  # (S, E, C)
+    wt = np.empty((len(batches), n_expert, capacity), np.float32)  # (S, E, C)
+    for i, rows in enumerate(batches):
+        idx[i, :rows.size] = rows
+        tok[i], wt[i] = _batch_layout(data.experts[rows], data.weights[rows], n_expert, batch, capacity)
+    return {"idx": idx, "tok": tok, "wt": wt}
+
+
+def _device_rows(data: TokenSet) -> dict[str, jax.Array]:
+    """The rows a layer's batches gather from, on the device once, a zero row appended (index
+    ``len(data)``, the padding): x, target (T+1, d), weight (T+1, d), or (T+1, 1) ones when unweighted
+    (1 x r^2 is r^2 exactly), gate (T+1,)."""
+    n = len(data)
+    weight = data.weight if data.weight is not None else np.ones((n, 1), np.float32)
+    gate = data.shared_gate if data.shared_gate is not None else np.zeros(n, np.float32)
+
+    def padded(a: np.ndarray) -> jax.Array:
+        return jnp.concatenate([jnp.asarray(a, jnp.float32), jnp.zeros((1, *np.shape(a)[1:]), jnp.float32)])
+
+    return {"x": padded(data.x), "target": padded(data.target), "weight": padded(weight), "gate": padded(gate)}
+
+
+def _gather(rows: dict[str, jax.Array], layout: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """One batch for `layer_error` from the device rows and its layout (idx (B,), tok/wt (E, C))."""
+    idx = layout["idx"]  # (B,)
+    return {"x": rows["x"][idx], "target": rows["target"][idx], "weight": rows["weight"][idx],  # (B, d), (B, d|1)
+            "gate": rows["gate"][idx], "tok": layout["tok"], "wt": layout["wt"]}  # (B,), (E, C)
 
 
 def _silu_glu(x: jax.Array, gate: jax.Array, up: jax.Array, spec: str) -> jax.Array:
@@ -456,9 +473,10 @@ def relative_error(weights: dict[str, np.ndarray], data: TokenSet, batch_tokens:
     n_expert = weights["ffn_gate_exps"].shape[0]
     rows = [np.arange(s, min(len(data), s + batch_tokens)) for s in range(0, len(data), batch_tokens)]
     capacity = _capacity(data.experts, n_expert, rows)
-    stacked = _pack_batches(data, rows, n_expert, capacity, batch_tokens)
+    layouts = _layouts(data, rows, n_expert, capacity, batch_tokens)
     w = {name: jnp.asarray(v, jnp.float32) for name, v in weights.items()}
-    total = jax.jit(lambda w, s: jax.lax.map(lambda b: layer_error(w, b), s).sum())(w, stacked)
+    total = jax.jit(lambda w, r, s: jax.lax.map(lambda lay: layer_error(w, _gather(r, lay)), s).sum())(
+        w, _device_rows(data), layouts)
     return float(total) / max(data.energy(), 1e-30)
 
 
@@ -476,7 +494,8 @@ def _programs(layout: tuple[tuple[str, str, tuple[int, ...]], ...], optimizer: s
         return _weights(theta, consts, shapes, relax, fixed)
 
     @jax.jit
-    def step(theta, moments, consts, fixed, b, lr, t, bounds, rates):
+    def step(theta, moments, consts, fixed, rows, layouts, i, lr, t, bounds, rates):
+        b = _gather(rows, jax.tree.map(lambda v: v[i], layouts))  # step i's batch
         loss, grad = jax.value_and_grad(lambda th: layer_error(weights(th, consts, fixed), b))(theta)
         if optimizer == "adam":
             direction, m, v = adam_direction(moments[0], moments[1], grad, t, ADAM_B1, ADAM_B2, ADAM_EPS)
@@ -488,9 +507,9 @@ def _programs(layout: tuple[tuple[str, str, tuple[int, ...]], ...], optimizer: s
         return theta, moments, loss
 
     @jax.jit
-    def set_error(theta, consts, fixed, stacked):
+    def set_error(theta, consts, fixed, rows, layouts):
         w = weights(theta, consts, fixed)
-        return jax.lax.map(lambda b: layer_error(w, b), stacked).sum()
+        return jax.lax.map(lambda lay: layer_error(w, _gather(rows, lay)), layouts).sum()
 
     return step, set_error
 
@@ -533,14 +552,18 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
     eval_rows = {name: chunks(len(s)) for name, s in sets.items()}
     capacity = max([_capacity(s.experts, n_expert, eval_rows[name]) for name, s in sets.items()]
                    + ([_capacity(train.experts, n_expert, order)] if order else []))
-    eval_batches = {name: _pack_batches(s, eval_rows[name], n_expert, capacity, batch) for name, s in sets.items()}
+    eval_layouts = {name: _layouts(s, eval_rows[name], n_expert, capacity, batch) for name, s in sets.items()}
+    eval_sets = {name: _device_rows(s) for name, s in sets.items()}
+    train_rows = _device_rows(train)
+    train_layouts = jax.tree.map(jnp.asarray, _layouts(train, order, n_expert, capacity, batch))
     norm = {name: max(s.energy(), 1e-30) for name, s in sets.items()}
     train_norm = max(train.energy() / len(train) * batch, 1e-30)  # a batch's expected energy
 
     step, set_error = _programs(tuple((name, t.fmt, tuple(t.shape)) for name, t in tensors.items()),
                                 settings.optimizer)
     def measure(theta, names) -> dict[str, float]:
-        return {name: float(set_error(theta, consts, fixed_dev, eval_batches[name])) / norm[name] for name in names}
+        return {name: float(set_error(theta, consts, fixed_dev, eval_sets[name], eval_layouts[name])) / norm[name]
+                for name in names}
 
     rows: list[dict[str, Any]] = []
     first = measure(theta0, sets)
@@ -548,17 +571,20 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
     best, best_loss, best_step, theta = theta0, first["heldout"], 0, theta0
     zeros = jax.tree.map(jnp.zeros_like, theta0)
     moments = (zeros, zeros) if settings.optimizer == "adam" else ()
+    train_losses: list[tuple[dict[str, Any], jax.Array]] = []  # read once the steps are queued: no wait per step
     for i in range(settings.steps):
         decay = 1.0 - i / settings.steps
-        b = {k: v[0] for k, v in _pack_batches(train, [order[i]], n_expert, capacity, batch).items()}
-        theta, moments, loss = step(theta, moments, consts, fixed_dev, b, jnp.float32(decay), jnp.float32(i + 1),
-                                    bounds, rates)
-        rows.append({"step": i + 1, "split": "train", "loss": float(loss) / train_norm})
+        theta, moments, loss = step(theta, moments, consts, fixed_dev, train_rows, train_layouts, jnp.int32(i),
+                                    jnp.float32(decay), jnp.float32(i + 1), bounds, rates)
+        rows.append({"step": i + 1, "split": "train"})
+        train_losses.append((rows[-1], loss))
         if (i + 1) % settings.eval_every == 0 or i + 1 == settings.steps:
             now = measure(theta, sets if measure_extra else ["heldout"])
             rows += [{"step": i + 1, "split": name, "loss": v} for name, v in now.items()]
             if now["heldout"] < best_loss:
                 best, best_loss, best_step = theta, now["heldout"], i + 1
+    for row, loss in train_losses:
+        row["loss"] = float(loss) / train_norm
     if log is not None:
         log(f"learned rounding: {settings.steps} steps of {settings.batch_tokens} tokens, held-out relative error {first['heldout']:.5f} -> "
             f"{best_loss:.5f} (step {best_step})")

@@ -174,12 +174,13 @@ def test_the_loss_is_the_layers_output_error_with_the_shared_expert():
     full = L.TokenSet(data.x, data.experts, data.weights, target, data.yr, gate)
     rows = [np.arange(0, 256), np.arange(256, 300)]
     cap = L._capacity(full.experts, 4, rows)
-    batches = L._pack_batches(full, rows, 4, cap, 256)
+    layouts, device_rows = L._layouts(full, rows, 4, cap, 256), L._device_rows(full)
+    batches = [L._gather(device_rows, {k: v[i] for k, v in layouts.items()}) for i in range(2)]
     weights = {k: jnp.asarray(v) for k, v in {**w, **shared}.items()}
-    exact = sum(float(L.layer_error(weights, {k: v[i] for k, v in batches.items()})) for i in range(2))
+    exact = sum(float(L.layer_error(weights, b)) for b in batches)
     assert exact < 1e-6 * full.energy()
     moved = dict(weights, ffn_down_exps=weights["ffn_down_exps"] * 1.1)  # the routed output times 1.1
-    error = sum(float(L.layer_error(moved, {k: v[i] for k, v in batches.items()})) for i in range(2))
+    error = sum(float(L.layer_error(moved, b)) for b in batches)
     assert error == pytest.approx(0.01 * full.energy(), rel=1e-3)
 
 

@@ -38,9 +38,12 @@ of merely producing the file.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import csv
+import io
 import json
 import os
+import pstats
 import re
 import resource
 import signal
@@ -328,6 +331,15 @@ def llama_cpp_kld(source: Path, healed: dict[str, Path], work: Path) -> dict[str
             ((name, document_kld(binary, str(path), text, base)) for name, path in healed.items())}
 
 
+def write_profile(profiler: cProfile.Profile, out: Path, rows: int = 80) -> None:
+    """The profile's `rows` busiest functions by own time, then by cumulative time, as pstats prints them."""
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).strip_dirs()
+    for key in ("tottime", "cumulative"):
+        stats.sort_stats(key).print_stats(rows)
+    out.write_text(text.getvalue(), encoding="utf-8")
+
+
 def stop_run(*_: object) -> None:
     """SIGTERM as an interrupt, so a run stopped by its time limit still prints the stages it finished
     (labelled `stopped`; the stage in progress is then counted to the stop)."""
@@ -357,6 +369,10 @@ def main() -> int:
                         help="calibration sequences per e2e step of the e2e variants (their `e2e_batch_seqs`)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/moeheal-real-size"))
     parser.add_argument("--json", type=Path, help="write the figures here too")
+    parser.add_argument("--profile", type=Path, metavar="TXT",
+                        help="run the heal under cProfile and write its busiest functions here (by own time and "
+                             "by cumulative time): where the host's time goes; the profiler slows Python, so a "
+                             "profiled run's timings are not figures")
     parser.add_argument("--shards", type=int, default=0, metavar="N",
                         help="first build the per-layer units with N `heal --shard` workers at once (one per GPU "
                              "where there are GPUs); the timed heal then finds them cached")
@@ -377,8 +393,11 @@ def main() -> int:
     sharded = run_shard_workers(config, args.shards) if args.shards else {}
     signal.signal(signal.SIGTERM, stop_run)  # `timeout`'s signal: the stages finished so far are still reported
     stopped, healed = False, {}
+    profiler = cProfile.Profile() if args.profile else None
     with HostMemory() as host, DeviceSampler() as device:
         try:
+            if profiler is not None:
+                profiler.enable()
             if args.no_eval:  # up to the healed GGUFs: a real vocabulary makes every evaluated window costly
                 run.overlap()
             else:
@@ -386,7 +405,12 @@ def main() -> int:
             healed = {variant.name: run.final_model(variant)[1] for variant in run.all_quantized_variants()}
         except KeyboardInterrupt:
             stopped = True
+        finally:
+            if profiler is not None:
+                profiler.disable()
     end = time.perf_counter()
+    if profiler is not None:
+        write_profile(profiler, args.profile)
     heal_s = end - start
 
     per_kind: dict[str, float] = defaultdict(float)

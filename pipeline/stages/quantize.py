@@ -379,7 +379,7 @@ def learn_layer_rounding(arrays: dict[str, np.ndarray], source: GGUFModel, dump_
     settings = learned.Settings(steps=steps, batch_tokens=batch, lr=LEARNED_LR,
                                 eval_every=max(1, steps // LEARNED_EVALS), sub_lr=LEARNED_SUB_LR,
                                 scale_lr=LEARNED_SCALE_LR, optimizer=LEARNED_OPTIMIZER)
-    raw, curve = learned.learn_layer(tensors, fixed, cal.take(np.arange(cut)), cal.take(np.arange(cut, n)), settings,
+    raw, curve = learned.learn_layer(tensors, fixed, cal.take(slice(0, cut)), cal.take(slice(cut, n)), settings,
                                      extra, lambda line: log(f"quantize layer {layer}: {line}"))
     for name, value in raw.items():
         arrays[name] = value
