@@ -1,0 +1,107 @@
+"""The routed experts' forward, and its gradient, at a real layer's shapes: the scan over expert blocks
+(`pipeline.model.layers.moe_forward`, what every stage runs today) against one batched product over all
+blocks, each block's expert matrices picked by a one-hot product (`moe_forward_batched` below).
+
+    python bench/speed/bench_moe_forward.py                          # a small shape, CPU: minutes
+    python bench/speed/bench_moe_forward.py --experts 128 --d 2048 --f 768 --tokens 512 4096   # Qwen3-30B-A3B's layer (a GPU)
+
+Why: e2e's step runs every layer forward, then forward again inside its backward, at 512 tokens a
+sequence. With 128 experts and 8 choices a token, the scan runs about 384 blocks of 16 rows, one small
+program after another, each waiting for the last: the device is busy but does little. The batched form
+runs the same products as three large batched matmuls (block = rows per block, so the padding stays
+below E x block rows); the one-hot product copies each block's expert matrices exactly (1 x w + 0 x
+the others, float32 at full precision) and keeps the backward a matmul, where a gather's backward would
+be a scatter-add over repeated experts (atomics on a GPU: bits that change from run to run).
+
+Printed per (tokens, implementation): the median time of the forward and of forward + gradient (all
+weights and the input), the ratio to the scan's in the same run, and the largest difference from the
+scan's output relative to its largest value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # after site-packages: DESIGN.md, Imports
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moeheal.pipeline.model.layers import einsum, expert_blocks, moe_forward, swiglu
+
+
+def moe_forward_batched(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weights: jax.Array,
+                        block: int) -> jax.Array:
+    """`moe_forward`'s routed output (N, d) from one batched product over its expert blocks."""
+    w_gate, w_up, w_down = (expert_weights[f"ffn_{w}_exps.weight"] for w in ("gate", "up", "down"))
+    N, d = mixed.shape
+    k, n_expert = experts.shape[1], w_gate.shape[0]
+    block_expert, slot_pair = expert_blocks(experts.reshape(-1).astype(jnp.int32), n_expert, block)  # (nB,), (nB*b,)
+    n_blocks = block_expert.shape[0]
+    pairs = jnp.broadcast_to(mixed[:, None, :], (N, k, d)).reshape(N * k, d)  # (P, d): each pair's input
+    pairs = jnp.concatenate([pairs, jnp.zeros((1, d), mixed.dtype)])  # (P+1, d): row P is the empty slot
+    xb = pairs[slot_pair].reshape(n_blocks, block, d)  # (nB, b, d); unique rows but the empty one
+    pick = jax.nn.one_hot(block_expert, n_expert, dtype=w_gate.dtype)  # (nB, E)
+    wg, wu, wd = (einsum("be,e...->b...", pick, w) for w in (w_gate, w_up, w_down))  # (nB, f, d) x2, (nB, d, f)
+    hidden = jax.nn.silu(einsum("bcd,bfd->bcf", xb, wg)) * einsum("bcd,bfd->bcf", xb, wu)  # (nB, b, f)
+    y = einsum("bcf,bdf->bcd", hidden, wd).reshape(n_blocks * block, d)  # (nB*b, d)
+    dest = jnp.zeros((N * k + 1,), jnp.int32).at[slot_pair].set(jnp.arange(n_blocks * block, dtype=jnp.int32))
+    y_pairs = jnp.concatenate([y, jnp.zeros((1, d), y.dtype)])[dest[:N * k]].reshape(N, k, d)  # (N, k, d)
+    return jnp.sum(y_pairs * weights[..., None].astype(jnp.float32), axis=1)  # (N, d)
+
+
+def timed(fn, *args, repeat: int = 5) -> float:
+    """Median seconds of `fn(*args)` after one warm-up call (its compilation)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--d", type=int, default=512)
+    parser.add_argument("--f", type=int, default=256)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[512])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[32, 64, 128], help="rows per block, batched form")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    w = {"ffn_gate_exps.weight": rng.standard_normal((args.experts, args.f, args.d), np.float32) * 0.02,
+         "ffn_up_exps.weight": rng.standard_normal((args.experts, args.f, args.d), np.float32) * 0.02,
+         "ffn_down_exps.weight": rng.standard_normal((args.experts, args.d, args.f), np.float32) * 0.02}
+    w = jax.tree.map(jnp.asarray, w)
+    print(f"device {jax.devices()[0].device_kind}; E={args.experts} k={args.k} d={args.d} f={args.f}")
+    for n in args.tokens:
+        x = jnp.asarray(rng.standard_normal((n, args.d), np.float32))
+        logits = rng.standard_normal((n, args.experts)) + np.linspace(0, 2, args.experts)  # uneven loads
+        experts = jnp.asarray(np.argsort(-logits, axis=1)[:, :args.k].astype(np.int32))  # (N, k)
+        weights = jnp.asarray(rng.dirichlet(np.ones(args.k), n).astype(np.float32))  # (N, k)
+        g = jnp.asarray(rng.standard_normal((n, args.d), np.float32))
+        impls = {"scan": lambda w_, x_: moe_forward(w_, x_, experts, weights)}
+        for b in args.blocks:
+            impls[f"batched b={b}"] = (lambda b_: lambda w_, x_: moe_forward_batched(w_, x_, experts, weights, b_))(b)
+        ref = np.asarray(impls["scan"](w, x))
+        base = None
+        for name, fn in impls.items():
+            fwd = jax.jit(fn)
+            grad = jax.jit(jax.grad(lambda w_, x_: jnp.sum(fn(w_, x_) * g), argnums=(0, 1)))
+            t_fwd, t_grad = timed(fwd, w, x), timed(grad, w, x)
+            base = base or (t_fwd, t_grad)
+            diff = float(np.max(np.abs(np.asarray(fwd(w, x)) - ref)) / np.max(np.abs(ref)))
+            print(f"N={n:6d} {name:14s} forward {1e3 * t_fwd:8.2f} ms ({base[0] / t_fwd:5.2f}x)  "
+                  f"forward+grad {1e3 * t_grad:8.2f} ms ({base[1] / t_grad:5.2f}x)  max rel diff {diff:.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
