@@ -89,3 +89,29 @@ def test_iq1_m_bytes_on_gpu_are_the_cpus():
         gpu = np.asarray(encode.quantize(w, "iq1_m", imp))
         cpu = np.asarray(on_cpu(encode.quantize, w, "iq1_m", imp))
         assert np.array_equal(gpu, cpu), f"{np.mean(np.any(gpu != cpu, axis=-1)):.1%} of rows differ"
+
+
+def test_moe_forward_on_gpu_batches_small_loads_deterministically():
+    """At e2e's load (one 512-token sequence, 128 experts, 8 a token) the GPU runs the batched expert blocks:
+    its output is the CPU scan's to float32 rounding, and its gradient the same bits on every run."""
+    import jax.numpy as jnp
+
+    from moeheal.pipeline.model import layers as M
+
+    rng = np.random.default_rng(5)
+    n, k, n_expert, d, f = 512, 8, 128, 256, 128
+    assert n * k <= M.BATCHED_MAX_LOAD * n_expert
+    w = {"ffn_gate_exps.weight": 0.05 * rng.standard_normal((n_expert, f, d)),
+         "ffn_up_exps.weight": 0.05 * rng.standard_normal((n_expert, f, d)),
+         "ffn_down_exps.weight": 0.05 * rng.standard_normal((n_expert, d, f))}
+    w = {name: jnp.asarray(v, jnp.float32) for name, v in w.items()}
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)  # (N, d)
+    experts = jnp.asarray(np.argsort(-rng.standard_normal((n, n_expert)), axis=1)[:, :k].astype(np.int32))  # (N, k)
+    weights = jnp.asarray(rng.dirichlet(np.ones(k), n).astype(np.float32))  # (N, k)
+    got = np.asarray(M.moe_forward(w, x, experts, weights))
+    ref = on_cpu(lambda *a: np.asarray(M.moe_forward(*a)), w, x, experts, weights)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    grad = jax.jit(jax.grad(lambda w_, x_: jnp.sum(M.moe_forward(w_, x_, experts, weights) ** 2), argnums=(0, 1)))
+    first, second = (jax.tree.leaves(grad(w, x)) for _ in range(2))
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -266,6 +268,29 @@ def test_moe_forward_matches_numpy(tiny_qwen2moe, n_tokens, skew):
     short = {"gate_exps": params["ffn_gate_exps.weight"], "up_exps": params["ffn_up_exps.weight"],
              "down_exps": params["ffn_down_exps.weight"]}
     np.testing.assert_array_equal(np.asarray(M.moe_forward(short, mixed, experts, weights)), got)
+
+
+@pytest.mark.parametrize("n_tokens, skew", [(1, False), (37, False), (64, True)])
+def test_batched_moe_forward_and_its_gradient_match_the_scan(tiny_qwen2moe, n_tokens, skew):
+    """The accelerator's batched expert blocks (`_moe_batched`, run here on the CPU) against float64 NumPy,
+    and their gradient in every weight and the input against the scan's."""
+    params = GGUFModel(tiny_qwen2moe).layer(0)
+    w = {name: jnp.asarray(params[name]) for name in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")}
+    rng = np.random.default_rng(n_tokens + 100)
+    mixed = rng.standard_normal((n_tokens, 64)).astype(np.float32)  # (N, d)
+    experts = np.stack([rng.permutation(8)[:2] for _ in range(n_tokens)]).astype(np.int32)  # (N, k)
+    if skew:  # one expert in every token: its rows span many blocks
+        experts[:, 0] = 3
+        experts[:, 1] = np.where(experts[:, 1] == 3, 5, experts[:, 1])
+    weights = rng.random((n_tokens, 2)).astype(np.float32)  # (N, k)
+    got = np.asarray(M._moe_batched(w, mixed, experts, weights))
+    ref = numpy_moe(params, mixed, experts, weights)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    g = rng.standard_normal(ref.shape).astype(np.float32)  # (N, d)
+    grads = [jax.grad(lambda w_, x_: jnp.sum(f(w_, x_, experts, weights) * g), argnums=(0, 1))(w, jnp.asarray(mixed))
+             for f in (M._moe_batched, M._moe_scan)]
+    for batched, scanned in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(batched, scanned, rtol=0, atol=1e-5 * np.abs(scanned).max())
 
 
 def test_tied_embeddings_without_output_tensor(tiny_qwen3moe, tmp_path):
