@@ -409,10 +409,10 @@ def _layouts(data: TokenSet, batches: list[np.ndarray], n_expert: int, capacity:
 
 def _device_rows(data: TokenSet) -> dict[str, jax.Array]:
     """The rows a layer's batches gather from, on the device once, a zero row appended (index
-    ``len(data)``, the padding): x, target (T+1, d), weight (T+1, d), or (T+1, 1) ones when unweighted
-    (1 x r^2 is r^2 exactly), gate (T+1,)."""
+    ``len(data)``, the padding): x, target, weight (T+1, d) (ones when unweighted: the same program as
+    any weighting, so ones give the unweighted sums to the bit), gate (T+1,)."""
     n = len(data)
-    weight = data.weight if data.weight is not None else np.ones((n, 1), np.float32)
+    weight = data.output_weight()
     gate = data.shared_gate if data.shared_gate is not None else np.zeros(n, np.float32)
 
     def padded(a: np.ndarray) -> jax.Array:
@@ -424,7 +424,7 @@ def _device_rows(data: TokenSet) -> dict[str, jax.Array]:
 def _gather(rows: dict[str, jax.Array], layout: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """One batch for `layer_error` from the device rows and its layout (idx (B,), tok/wt (E, C))."""
     idx = layout["idx"]  # (B,)
-    return {"x": rows["x"][idx], "target": rows["target"][idx], "weight": rows["weight"][idx],  # (B, d), (B, d|1)
+    return {"x": rows["x"][idx], "target": rows["target"][idx], "weight": rows["weight"][idx],  # (B, d) each
             "gate": rows["gate"][idx], "tok": layout["tok"], "wt": layout["wt"]}  # (B,), (E, C)
 
 

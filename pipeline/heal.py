@@ -38,6 +38,7 @@ from moeheal.pipeline.data.dumps import check_spec_fits, open_dump, raw_dump_fil
 from moeheal.pipeline.data.units import read_recipe
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
+from moeheal.pipeline.model.compile_cache import enable_compile_cache
 from moeheal.pipeline.gguf.tokenizer import tokenizer_metadata
 from moeheal.pipeline.lake import space
 from moeheal.pipeline.lake.dag import Executor, Node, PlannedStage, Use
@@ -103,6 +104,8 @@ class HealRun:
         self.cfg = config
         self.log = log
         self.planning = plan
+        if not plan:
+            enable_compile_cache()
         self.nodes: dict[str, Node] = {}  # by label: each invocation declared once
         for stage in STAGES:  # each code identity read now, next to the imports, not when the stage is
             stage.code()      # reached: a file edited during a long run cannot key the old code's output

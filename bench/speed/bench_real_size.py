@@ -30,7 +30,10 @@ do the same work on the same shapes), the process's peak host memory
 (ru_maxrss), the peaks of its anonymous and file-backed resident memory while
 healing (what it allocates, and the read pages of the memory-mapped GGUF and
 dumps, which ru_maxrss also counts), and the device's peak memory (JAX's
-`peak_bytes_in_use`, where the backend reports it). The baseline in the same run is the synth step
+`peak_bytes_in_use`, where the backend reports it). XLA's compilation is counted apart
+(`compile_s`, `programs_compiled`), and so are the programs the heal found in moeheal's persistent
+compilation cache (`compile_cache_hits`: a new cache folder per run unless `$MOEHEAL_XLA_CACHE` names
+one, so these are programs compiled once already in the same heal). The baseline in the same run is the synth step
 (writing the model), so the ratios say how heal time compares with the cost
 of merely producing the file.
 """
@@ -49,6 +52,7 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -60,6 +64,7 @@ import jax
 from moeheal.pipeline.commands.init import UNSEEN_TOKENS
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.heal import HealRun
+from moeheal.pipeline.model.compile_cache import CACHE_ENV, enable_compile_cache
 from moeheal.pipeline.sources.synth import LIKE, write_synth
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
@@ -212,11 +217,17 @@ class CompileClock:
 
     def __init__(self) -> None:
         self.events: list[tuple[float, float]] = []
+        self.cache_hits = 0  # programs loaded from the persistent compilation cache instead
         jax.monitoring.register_event_duration_secs_listener(self._record)
+        jax.monitoring.register_event_listener(self._count)
 
     def _record(self, event: str, duration: float, **_: object) -> None:
         if event.endswith("backend_compile_duration"):
             self.events.append((time.perf_counter(), duration))
+
+    def _count(self, event: str, **_: object) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            self.cache_hits += 1
 
     def within(self, start: float, end: float) -> float:
         return sum(d for t, d in self.events if start < t <= end)
@@ -377,6 +388,10 @@ def main() -> int:
                         help="first build the per-layer units with N `heal --shard` workers at once (one per GPU "
                              "where there are GPUs); the timed heal then finds them cached")
     args = parser.parse_args()
+    # as `moeheal heal` does, before anything compiles; in a new folder unless $MOEHEAL_XLA_CACHE names one
+    # (empty: off), so the figures are a first heal's: programs compiled again within it are the only hits
+    os.environ.setdefault(CACHE_ENV, tempfile.mkdtemp(prefix="moeheal-xla-"))
+    cache = enable_compile_cache()
     like = LIKE[args.like]
     args.work.mkdir(parents=True, exist_ok=True)
     shrunk = (f"-{args.experts}e" if args.experts else "") + (f"-{args.vocab}v" if args.vocab else "")
@@ -436,6 +451,9 @@ def main() -> int:
         "per_stage_s": dict(per_kind),
         "per_stage_split": {k: dict(v) for k, v in split.items()},
         "compile_s": compiles.within(start, end),
+        "programs_compiled": sum(start < t <= end for t, _ in compiles.events),
+        "compile_cache_hits": compiles.cache_hits,
+        "compile_cache": str(cache) if cache else None,
         "per_layer_s": {k: sum(v) / len(v) for k, v in per_layer.items()},
         "extrapolated_whole_model_s": {k: sum(v) / len(v) * like.hp.n_layer for k, v in per_layer.items()},
         "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

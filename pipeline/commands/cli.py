@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 from moeheal import __version__
 from moeheal.pipeline.errors import InputError, MoehealError
+from moeheal.pipeline.model.compile_cache import enable_compile_cache
 
 if TYPE_CHECKING:
     from moeheal.pipeline.config import Config
@@ -442,6 +443,7 @@ WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    enable_compile_cache()  # before anything compiles: JAX reads the setting at its first compilation
     try:
         with contextlib.ExitStack() as args.held:  # what the command holds until it ends (`_pipeline`)
             return args.fn(args)
