@@ -105,8 +105,19 @@ def _plots_where_marked(request):
         yield
 
 
+# The files that keep one worker a minute or more (`--durations`, bench/RESULTS.md "Test suite"), longest
+# first: `--dist loadfile` hands files out in collection order, so a long file handed out last leaves the
+# other worker idle while it runs; handed out first, the short files fill in around them.
+RUN_FIRST = ("test_init_heal.py", "test_families_init_heal.py", "test_scaleout.py", "test_budget.py",
+             "test_trust.py", "test_wheel_init.py", "test_thread_determinism.py", "test_arch_deepseek2.py",
+             "test_guidance.py", "test_e2e.py")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """`gpu` tests run only where JAX sees a GPU; `llamacpp` tests only with LLAMA_CPP_DIR set."""
+    """`gpu` tests run only where JAX sees a GPU; `llamacpp` tests only with LLAMA_CPP_DIR set; the
+    files of `RUN_FIRST` first, in its order (the same order on every worker)."""
+    first = {name: i for i, name in enumerate(RUN_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest as collected
     has_gpu = jax.default_backend() in ("gpu", "cuda", "rocm", "METAL")
     llama = os.environ.get("LLAMA_CPP_DIR")
     for item in items:
