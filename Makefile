@@ -63,7 +63,7 @@ test: setup-test
 	$(PYTEST) -q -m "not gpu and not slow" -n 2 --dist loadfile
 
 # The tests marked `slow`, outside CI's time: the 200-round publishing stress test (tests/test_publish.py,
-# minutes) and what `moeheal init` writes healed on four more families (tests/test_families_init_heal.py).
+# minutes) and what `moeheal init` writes healed on five more families (tests/test_families_init_heal.py).
 test-slow: setup-test
 	$(PYTEST) -q -m "slow and not gpu" -n 2 --dist loadfile
 

@@ -1,9 +1,10 @@
 """What `moeheal init` writes, healed end to end on a converter file of each family: the ladder's smallest
 recipe (allocation, learned rounding, e2e: every lever init sets). Test-sized knobs (and two candidate
 formats) are applied to the written config by `shrink`, never to init's defaults; the JAX programs compile
-unoptimised (`compile_bound`). `make test` heals two families unlike the demo's qwen2moe (qwen3moe, the
-30B's; deepseek2, a shared expert and latent attention); the other four are marked slow (`make test-slow`):
-each heal compiles the whole pipeline for its shapes, a minute or more of a CI worker.
+unoptimised (`compile_bound`). `make test` heals the family unlike the demo's qwen2moe that the 30B is
+(qwen3moe); the other five are marked slow (`make test-slow`): each heal compiles the whole pipeline for
+its shapes, a minute or more of a CI worker, and the suite must stay under 20 minutes on 2 cores
+(deepseek2's own heal, latent attention and its dense first layer, stays in CI: tests/test_arch_deepseek2.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tests.test_init import FAMILIES, family_gguf, shrink, write_text_folder
 from tests.test_init_heal import run
 
 pytestmark = [pytest.mark.compile_bound, pytest.mark.long]  # heals: left out of test-fast
-CI_FAMILIES = ("qwen3moe", "deepseek2")
+CI_FAMILIES = ("qwen3moe",)
 
 
 @pytest.mark.parametrize("family", [f if f in CI_FAMILIES else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
