@@ -140,8 +140,14 @@ def test_stage_times_sums_per_stage_and_round_trips(tmp_path, monkeypatch, capsy
     rows = table_rows(capsys.readouterr().out, "stage")
     assert rows == [["evaluate", "1", "10.0", "1", "10.0", "1.00x"], ["quantize", "2", "5.5", "2", "5.5", "1.00x"],
                     ["all", "3", "15.5", "3", "15.5", "1.00x"]]  # the longest stage first
+    assert stage_times.stage_seconds(tmp_path) == {"quantize": (2, 5.5), "evaluate": (1, 10.0)}  # the lake's root
+    empty = tmp_path / "empty"
+    empty.mkdir()
     with pytest.raises(SystemExit, match="no provenance records"):
-        stage_times.stage_seconds(tmp_path)
+        stage_times.stage_seconds(empty)
+    (empty / "x.json").write_text(json.dumps({"fingerprint": "f"}))
+    with pytest.raises(SystemExit, match="x.json: not a stage's provenance record"):
+        stage_times.stage_seconds(empty)
 
 
 def test_results_stage_table_is_the_scripts_output(monkeypatch, capsys) -> None:

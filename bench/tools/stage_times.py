@@ -29,9 +29,13 @@ def stage_seconds(source: Path) -> dict[str, tuple[int, float]]:
     if source.suffix == ".csv":
         with source.open(newline="", encoding="utf-8") as f:
             return {r["stage"]: (int(r["units"]), float(r["seconds"])) for r in csv.DictReader(f)}
+    if (source / "runs").is_dir():  # a lake's root: its records are in runs/
+        source = source / "runs"
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for path in source.glob("*.json"):
         run = json.loads(path.read_text(encoding="utf-8"))
+        if not {"stage", "started", "finished"} <= run.keys():
+            raise SystemExit(f"{path}: not a stage's provenance record (no stage, started and finished)")
         totals[run["stage"]][0] += 1
         totals[run["stage"]][1] += run["finished"] - run["started"]
     if not totals:
@@ -41,7 +45,7 @@ def stage_seconds(source: Path) -> dict[str, tuple[int, float]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("sources", type=Path, nargs="+", help="a lake's runs/ folder or a CSV, one or two")
+    parser.add_argument("sources", type=Path, nargs="+", help="a lake (or its runs/ folder) or a CSV, one or two")
     parser.add_argument("--csv", type=Path, help="write the first source's figures here")
     args = parser.parse_args()
     if len(args.sources) > 2:
