@@ -1,12 +1,12 @@
 """JAX's persistent compilation cache for every heal, outside the lake.
 
 Why: at a real shape XLA's compilation is the largest fixed cost of a heal (about 200 s of a
-Qwen3-30B-A3B heal on an H100, bench/RESULTS.md, "The best ladder at the 30B shape"). Several stages
-compile the same program (the layer forward of the dumps, the reference's logits, the evaluation:
-each stage builds its own jitted functions, so JAX's in-memory cache does not see that they are
-alike), and a heal resumed, or run again after a knob change, compiles everything it computes once
-more. The persistent cache is keyed by the program's HLO, the compile options and the backend, so a
-hit loads the executable those same inputs compile to: no result depends on it.
+Qwen3-30B-A3B heal on an H100, bench/RESULTS.md, "The best ladder at the 30B shape"), and a heal
+resumed, run again after a knob change, or a shard's process on the same host compiles everything it
+computes once more. Within a first heal the stages' programs differ, so the cache finds none there
+(bench/RESULTS.md, "The compilation cache"). The persistent cache is keyed by the program's HLO, the
+compile options and the backend, so a hit loads the executable those same inputs compile to: no result
+depends on it.
 
 Where: `$MOEHEAL_XLA_CACHE` if set (empty: off), else `$XDG_CACHE_HOME/moeheal/xla` (`~/.cache`
 by default). A cache that the caller already chose (`JAX_COMPILATION_CACHE_DIR`, or JAX's config, as
@@ -20,7 +20,7 @@ from pathlib import Path
 
 CACHE_ENV = "MOEHEAL_XLA_CACHE"
 MAX_BYTES = 4 << 30  # the cache's size on disk before JAX evicts its oldest entries
-MIN_COMPILE_SECONDS = 0.5  # programs that compile faster are not worth a file
+MIN_COMPILE_SECONDS = 0.0  # every program: a CPU heal compiles a hundred that each take under a second
 
 
 def default_cache_dir() -> Path:
