@@ -48,24 +48,26 @@ test-latest:
 	.venv-latest/bin/python -m pip install -q -r $(TORCH)
 	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -c $(TORCH) -e '.[test,ray]'
 	.venv-latest/bin/python -m pip list --format=freeze > .venv-latest/versions.txt
-	.venv-latest/bin/python -P -m pytest -q -m "not gpu" -n 2 --dist loadfile
+	.venv-latest/bin/python -P -m pytest -q -m "not gpu" -n 2 --dist loadfile --no-loadscope-reorder
 
 heal: setup
 	$(BIN)/moeheal heal -c $(CONFIG)
 
 # Two workers (pytest-xdist), each test file on one of them (`--dist loadfile`): module fixtures
 # (the small healed worlds) are built once, and JAX's compilation cache (tests/conftest.py) is
-# shared; the worlds' reports skip their plots (MOEHEAL_PLOTS=0). The whole suite took 8 min 40 s
+# shared; the worlds' reports skip their plots (MOEHEAL_PLOTS=0). Files go out in collection order
+# (`--no-loadscope-reorder`; tests/conftest.py puts the longest first): xdist's default sends the files
+# with the most tests first, so the one-test heals ran last on one worker. The whole suite took 8 min 40 s
 # to 9 min 54 s on a 2-core machine, cold cache, and 12 min 30 s on a day that machine ran a third
 # slower (bench/RESULTS.md, Test suite, has each beside a reference pair). Tests marked `slow` are
 # left to `make test-slow`.
 test: setup-test
-	$(PYTEST) -q -m "not gpu and not slow" -n 2 --dist loadfile
+	$(PYTEST) -q -m "not gpu and not slow" -n 2 --dist loadfile --no-loadscope-reorder
 
 # The tests marked `slow`, outside CI's time: the 200-round publishing stress test (tests/test_publish.py,
 # minutes) and what `moeheal init` writes healed on five more families (tests/test_families_init_heal.py).
 test-slow: setup-test
-	$(PYTEST) -q -m "slow and not gpu" -n 2 --dist loadfile
+	$(PYTEST) -q -m "slow and not gpu" -n 2 --dist loadfile --no-loadscope-reorder
 
 # The edit-test loop: the formats (every registered one: bytes, scales, importance), importance,
 # alpha/ridge, allocation, KLD, n-grams and MoCE kernels, the SQL statistics and audit, config, the
@@ -77,7 +79,7 @@ FAST_TESTS ?= tests/test_formats.py tests/test_importance.py tests/test_alpha_ri
 	tests/test_audit.py tests/test_config.py tests/test_corpus.py tests/test_dag.py tests/test_card.py \
 	tests/test_bench_tools.py tests/test_imports.py
 test-fast: setup-test
-	$(PYTEST) -q -x -m "not gpu and not slow and not long and not llamacpp" -n 2 --dist loadfile $(FAST_TESTS)
+	$(PYTEST) -q -x -m "not gpu and not slow and not long and not llamacpp" -n 2 --dist loadfile --no-loadscope-reorder $(FAST_TESTS)
 
 # The GPU against the CPU, on a machine with JAX for CUDA (`pip install -e '.[cuda]'`); the tests
 # default JAX to the CPU, so the platforms are named here.

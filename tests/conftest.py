@@ -106,8 +106,9 @@ def _plots_where_marked(request):
 
 
 # The files that keep one worker a minute or more (`--durations`, bench/RESULTS.md "Test suite"), longest
-# first: `--dist loadfile` hands files out in collection order, so a long file handed out last leaves the
-# other worker idle while it runs; handed out first, the short files fill in around them.
+# first: `--dist loadfile --no-loadscope-reorder` (the Makefile) hands files out in collection order, so a
+# long file handed out last would leave the other worker idle while it runs; handed out first, the short
+# files fill in around them.
 RUN_FIRST = ("test_init_heal.py", "test_families_init_heal.py", "test_scaleout.py", "test_budget.py",
              "test_trust.py", "test_wheel_init.py", "test_thread_determinism.py", "test_arch_deepseek2.py",
              "test_guidance.py", "test_e2e.py")

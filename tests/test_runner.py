@@ -252,16 +252,21 @@ def test_logits_at_positions_are_those_positions_of_the_full_logits(tiny_qwen3mo
     assert runner.forward(tokens, positions=slice(15, 16)).shape == (2, 1, runner.hp.vocab_size)
 
 
+def routed_rows(rng: np.random.Generator, n_tokens: int, skew: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """mixed (N, 64), experts (N, 2) of 8 and their routing weights (N, 2); with `skew` every token uses
+    expert 3, whose group then spans many blocks."""
+    mixed = rng.standard_normal((n_tokens, 64)).astype(np.float32)  # (N, d)
+    experts = np.stack([rng.permutation(8)[:2] for _ in range(n_tokens)]).astype(np.int32)  # (N, k)
+    if skew:
+        experts[:, 0] = 3
+        experts[:, 1] = np.where(experts[:, 1] == 3, 5, experts[:, 1])
+    return mixed, experts, rng.random((n_tokens, 2)).astype(np.float32)
+
+
 @pytest.mark.parametrize("n_tokens, skew", [(1, False), (37, False), (64, True)])
 def test_moe_forward_matches_numpy(tiny_qwen2moe, n_tokens, skew):
     params = GGUFModel(tiny_qwen2moe).layer(0)
-    rng = np.random.default_rng(n_tokens)
-    mixed = rng.standard_normal((n_tokens, 64)).astype(np.float32)  # (N, d)
-    experts = np.stack([rng.permutation(8)[:2] for _ in range(n_tokens)]).astype(np.int32)  # (N, k)
-    if skew:  # every token uses expert 3: one expert's group spans many blocks
-        experts[:, 0] = 3
-        experts[:, 1] = np.where(experts[:, 1] == 3, 5, experts[:, 1])
-    weights = rng.random((n_tokens, 2)).astype(np.float32)  # (N, k)
+    mixed, experts, weights = routed_rows(np.random.default_rng(n_tokens), n_tokens, skew)
     got = np.asarray(M.moe_forward(params, mixed, experts, weights))
     ref = numpy_moe(params, mixed, experts, weights)
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
@@ -277,12 +282,7 @@ def test_batched_moe_forward_and_its_gradient_match_the_scan(tiny_qwen2moe, n_to
     params = GGUFModel(tiny_qwen2moe).layer(0)
     w = {name: jnp.asarray(params[name]) for name in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")}
     rng = np.random.default_rng(n_tokens + 100)
-    mixed = rng.standard_normal((n_tokens, 64)).astype(np.float32)  # (N, d)
-    experts = np.stack([rng.permutation(8)[:2] for _ in range(n_tokens)]).astype(np.int32)  # (N, k)
-    if skew:  # one expert in every token: its rows span many blocks
-        experts[:, 0] = 3
-        experts[:, 1] = np.where(experts[:, 1] == 3, 5, experts[:, 1])
-    weights = rng.random((n_tokens, 2)).astype(np.float32)  # (N, k)
+    mixed, experts, weights = routed_rows(rng, n_tokens, skew)
     got = np.asarray(M._moe_batched(w, mixed, experts, weights))
     ref = numpy_moe(params, mixed, experts, weights)
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())

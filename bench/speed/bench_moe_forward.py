@@ -1,6 +1,7 @@
 """The routed experts' forward, and its gradient, at a real layer's shapes: the scan over expert blocks
-(`pipeline.model.layers.moe_forward`, what every stage runs today) against one batched product over all
-blocks, each block's expert matrices picked by a one-hot product (`moe_forward_batched` below).
+(`pipeline.model.layers._moe_scan`, what the CPU and large loads run) against one batched product over all
+blocks, each block's expert matrices picked by a one-hot product (`_moe_batched`, what an accelerator runs
+at small loads), at several block sizes.
 
     python bench/speed/bench_moe_forward.py                          # a small shape, CPU: minutes
     python bench/speed/bench_moe_forward.py --experts 128 --d 2048 --f 768 --tokens 512 4096   # Qwen3-30B-A3B's layer (a GPU)
@@ -32,27 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moeheal.pipeline.model.layers import einsum, expert_blocks, moe_forward, swiglu
-
-
-def moe_forward_batched(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weights: jax.Array,
-                        block: int) -> jax.Array:
-    """`moe_forward`'s routed output (N, d) from one batched product over its expert blocks."""
-    w_gate, w_up, w_down = (expert_weights[f"ffn_{w}_exps.weight"] for w in ("gate", "up", "down"))
-    N, d = mixed.shape
-    k, n_expert = experts.shape[1], w_gate.shape[0]
-    block_expert, slot_pair = expert_blocks(experts.reshape(-1).astype(jnp.int32), n_expert, block)  # (nB,), (nB*b,)
-    n_blocks = block_expert.shape[0]
-    pairs = jnp.broadcast_to(mixed[:, None, :], (N, k, d)).reshape(N * k, d)  # (P, d): each pair's input
-    pairs = jnp.concatenate([pairs, jnp.zeros((1, d), mixed.dtype)])  # (P+1, d): row P is the empty slot
-    xb = pairs[slot_pair].reshape(n_blocks, block, d)  # (nB, b, d); unique rows but the empty one
-    pick = jax.nn.one_hot(block_expert, n_expert, dtype=w_gate.dtype)  # (nB, E)
-    wg, wu, wd = (einsum("be,e...->b...", pick, w) for w in (w_gate, w_up, w_down))  # (nB, f, d) x2, (nB, d, f)
-    hidden = jax.nn.silu(einsum("bcd,bfd->bcf", xb, wg)) * einsum("bcd,bfd->bcf", xb, wu)  # (nB, b, f)
-    y = einsum("bcf,bdf->bcd", hidden, wd).reshape(n_blocks * block, d)  # (nB*b, d)
-    dest = jnp.zeros((N * k + 1,), jnp.int32).at[slot_pair].set(jnp.arange(n_blocks * block, dtype=jnp.int32))
-    y_pairs = jnp.concatenate([y, jnp.zeros((1, d), y.dtype)])[dest[:N * k]].reshape(N, k, d)  # (N, k, d)
-    return jnp.sum(y_pairs * weights[..., None].astype(jnp.float32), axis=1)  # (N, d)
+from moeheal.pipeline.model import layers as M
 
 
 def timed(fn, *args, repeat: int = 5) -> float:
@@ -87,9 +68,9 @@ def main() -> int:
         experts = jnp.asarray(np.argsort(-logits, axis=1)[:, :args.k].astype(np.int32))  # (N, k)
         weights = jnp.asarray(rng.dirichlet(np.ones(args.k), n).astype(np.float32))  # (N, k)
         g = jnp.asarray(rng.standard_normal((n, args.d), np.float32))
-        impls = {"scan": lambda w_, x_: moe_forward(w_, x_, experts, weights)}
+        impls = {"scan": lambda w_, x_: M._moe_scan(w_, x_, experts, weights)}
         for b in args.blocks:
-            impls[f"batched b={b}"] = (lambda b_: lambda w_, x_: moe_forward_batched(w_, x_, experts, weights, b_))(b)
+            impls[f"batched b={b}"] = (lambda b_: lambda w_, x_: M._moe_batched(w_, x_, experts, weights, b_))(b)
         ref = np.asarray(impls["scan"](w, x))
         base = None
         for name, fn in impls.items():

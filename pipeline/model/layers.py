@@ -177,8 +177,10 @@ def moe_forward(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weig
     return _moe_scan(expert_weights, mixed, experts, weights)
 
 
-def _moe_batched(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
-    """`moe_forward` as three batched products over all expert blocks: (N, d) -> yr (N, d).
+def _moe_batched(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weights: jax.Array,
+                 block: int | None = None) -> jax.Array:
+    """`moe_forward` as three batched products over all expert blocks of `block` rows (None: about twice
+    the mean load, 16 to 128): (N, d) -> yr (N, d).
 
     Each block's expert matrices are picked by a one-hot product, which copies them exactly (1 x w plus
     0 x the others at full precision) and keeps the backward a matrix product: a gather's backward would
@@ -188,7 +190,8 @@ def _moe_batched(expert_weights: dict, mixed: jax.Array, experts: jax.Array, wei
     w_gate, w_up, w_down = (_expert_matrix(expert_weights, w) for w in ("gate", "up", "down"))
     N, d = mixed.shape
     k, n_expert = experts.shape[1], w_gate.shape[0]
-    block = int(min(128, max(16, 1 << (2 * N * k // n_expert - 1).bit_length())))  # about twice the mean load
+    if block is None:
+        block = int(min(128, max(16, 1 << (2 * N * k // n_expert - 1).bit_length())))  # about twice the mean load
     block_expert, slot_pair = expert_blocks(experts.reshape(-1).astype(jnp.int32), n_expert, block)  # (nB,), (nB*b,)
     n_blocks = block_expert.shape[0]
     pairs = jnp.broadcast_to(mixed[:, None, :], (N, k, d)).reshape(N * k, d)  # (P, d): each pair's input
