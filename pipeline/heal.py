@@ -38,11 +38,11 @@ from moeheal.pipeline.data.dumps import check_spec_fits, open_dump, raw_dump_fil
 from moeheal.pipeline.data.units import read_recipe
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel, open_model
-from moeheal.pipeline.model.compile_cache import enable_compile_cache
 from moeheal.pipeline.gguf.tokenizer import tokenizer_metadata
 from moeheal.pipeline.lake import space
 from moeheal.pipeline.lake.dag import Executor, Node, PlannedStage, Use
 from moeheal.pipeline.lake.store import Lake, StageResult
+from moeheal.pipeline.model.compile_cache import enable_compile_cache
 from moeheal.pipeline.llamacpp import perplexity_binary
 from moeheal.pipeline.model import roles
 from moeheal.pipeline.progress import progress
