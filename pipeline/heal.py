@@ -42,9 +42,9 @@ from moeheal.pipeline.gguf.tokenizer import tokenizer_metadata
 from moeheal.pipeline.lake import space
 from moeheal.pipeline.lake.dag import Executor, Node, PlannedStage, Use
 from moeheal.pipeline.lake.store import Lake, StageResult
-from moeheal.pipeline.model.compile_cache import enable_compile_cache
 from moeheal.pipeline.llamacpp import perplexity_binary
 from moeheal.pipeline.model import roles
+from moeheal.pipeline.model.compile_cache import enable_compile_cache
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.publish import tables
 from moeheal.pipeline.publish.summary import summary_table
