@@ -50,7 +50,16 @@ test-latest:
 	.venv-latest/bin/python -m pip list --format=freeze > .venv-latest/versions.txt
 	.venv-latest/bin/python -P -m pytest -q -m "not gpu" -n 2 --dist loadfile --no-loadscope-reorder
 
+# The per-layer units (quantize + calibrate per variant and layer, and the dumps and recipes they read)
+# on HEAL_WORKERS processes at once (`moeheal heal --shard I/N`, docs/scale-out.md: every stage built
+# once under its lock, the same bytes as one process), then one heal that finds them cached and does the
+# rest: one process leaves a second core idle much of the time. HEAL_WORKERS=1: a single process.
+HEAL_WORKERS ?= 2
 heal: setup
+	@if [ "$(HEAL_WORKERS)" -gt 1 ]; then \
+	  pids=""; i=0; while [ $$i -lt $(HEAL_WORKERS) ]; do \
+	    $(BIN)/moeheal heal -c $(CONFIG) --shard $$i/$(HEAL_WORKERS) & pids="$$pids $$!"; i=$$((i + 1)); done; \
+	  rc=0; for p in $$pids; do wait $$p || rc=$$?; done; exit $$rc; fi
 	$(BIN)/moeheal heal -c $(CONFIG)
 
 # Two workers (pytest-xdist), each test file on one of them (`--dist loadfile`): module fixtures

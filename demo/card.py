@@ -16,7 +16,8 @@ written. Two kinds of block:
 - ``card:<config>.<block>`` (the files in ``DOCUMENTS``: demo/README.md, the
   headline of README.md, bench/RESULTS.md), ``<config>`` being the config's file
   stem (``heal`` for demo/heal.toml): rendered from the lake of that config
-  with the report's own queries (``sql/report_*.sql``), so those documents and
+  with the report's own queries (``sql/report_*.sql``) and the published
+  ``frontier`` and ``frontier_pairs`` tables, so those documents and
   ``lake/report/report.md`` cannot disagree. The rows each block renders
   from are written to ``demo/results/<config>/*.csv`` (a few KB), because a
   lake takes minutes to build: a test re-renders every such block from that
@@ -229,6 +230,17 @@ SNAPSHOTS: dict[str, tuple[str, tuple[str, ...]]] = {
         "sensitivity", "set", "variant", "covered", "pred_err", "kld", "rank_pred", "rank_kld", "spearman",
         "n_variants", "n_roles")),
 }
+# snapshot file -> (published table, the columns the renderers read, its order): tables the pipeline
+# publishes itself (`sql/frontier.sql`, `sql/frontier_pairs.sql`), read as stored; a lake without one
+# (a config without outside files) snapshots no rows.
+TABLE_SNAPSHOTS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "frontier": ("frontier", (
+        "variant", "side", "budget_bpw", "routed_bpw", "file_bytes", "eval_kld", "canary_kld", "llama_eval_kld",
+        "llama_canary_kld", "llama_docs", "on_front"), "routed_bpw, variant"),
+    "frontier_pairs": ("frontier_pairs", (
+        "set", "ours", "peer", "ours_bpw", "peer_bpw", "ours_kld", "peer_kld", "ratio", "ratio_lo", "ratio_hi",
+        "n_windows", "llama_ratio", "llama_lo", "llama_hi", "llama_docs"), "set, ours_bpw, ours, peer_bpw, peer"),
+}
 # Report plots kept beside a config's snapshot, for demo/README.md to show.
 PLOTS = ("kld_size.png",)
 
@@ -247,6 +259,14 @@ def snapshot_lake(lake: Lake, settings: dict[str, object]) -> dict[str, list[Row
         if absent:
             raise SystemExit(f"sql/{query}.sql no longer returns {', '.join(absent)}; update demo/card.py")
         snap[name] = table.select(list(columns)).to_pylist()
+    for name, (table_name, columns, order) in TABLE_SNAPSHOTS.items():
+        if table_name not in present:
+            continue
+        con = lake.connect()
+        try:
+            snap[name] = con.sql(f"SELECT {', '.join(columns)} FROM {table_name} ORDER BY {order}").to_arrow_table().to_pylist()
+        finally:
+            con.close()
     return snap
 
 
@@ -280,7 +300,7 @@ def write_snapshot(snap: dict[str, list[Row]], folder: Path) -> None:
         if old.stem not in snap:
             old.unlink()
     for name, rows in snap.items():
-        columns = list(rows[0]) if rows else list(SNAPSHOTS[name][1])
+        columns = list(rows[0]) if rows else list({**SNAPSHOTS, **TABLE_SNAPSHOTS}[name][1])
         with (folder / f"{name}.csv").open("w", newline="", encoding="utf-8") as f:
             out = csv.writer(f, lineterminator="\n")
             out.writerow(columns)
@@ -479,6 +499,96 @@ def render_headline(snap: dict[str, list[Row]]) -> str:
     return "\n".join(lines)
 
 
+def _ratio(ratio: float | None, lo: float | None, hi: float | None) -> str:
+    return "—" if ratio is None else f"{ratio:.3f}x [{lo:.3f}, {hi:.3f}]"
+
+
+def frontier_rows(snap: dict[str, list[Row]]) -> list[tuple[float, Row, Row]]:
+    """At each size the config's recipes are budgeted to (bits per routed weight), the file of ours and
+    the outside file with the lowest pooled eval KLD among those at or below that size: (size, ours, peer)."""
+    files = snap.get("frontier", [])
+    sizes = sorted({r["budget_bpw"] for r in files if r["side"] == "ours" and r["budget_bpw"] is not None})
+    out = []
+    for size in sizes:
+        best = {}
+        for side in ("ours", "peer"):
+            here = [r for r in files if r["side"] == side and r["eval_kld"] is not None
+                    and r["routed_bpw"] <= size + 1e-9]
+            best[side] = min(here, key=lambda r: (r["eval_kld"], r["variant"])) if here else None
+        if best["ours"] is not None and best["peer"] is not None:
+            out.append((size, best["ours"], best["peer"]))
+    return out
+
+
+def render_frontier(snap: dict[str, list[Row]]) -> str:
+    """The README's headline: at each size of the ladder, the best file of ours against the best outside
+    file at or below that size (best = lowest pooled eval KLD), as the ratio of their KLDs with our
+    window-bootstrap 95% CI and llama.cpp's per-document ratio with its document-bootstrap CI, eval and
+    canary sets (`frontier_pairs`; — where the config does not compare the two or llama.cpp did not run)."""
+    pairs = {(r["set"], r["ours"], r["peer"]): r for r in snap.get("frontier_pairs", [])}
+    lines = ["| size (bits per routed weight) | best of ours | best peer | KLD eval: peer → ours "
+             "| ours / peer, eval [95% CI] | llama.cpp's check, eval | ours / peer, canary [95% CI] "
+             "| llama.cpp's check, canary |", "|---|---|---|---|---|---|---|---|"]
+    for size, ours, peer in frontier_rows(snap):
+        cells = []
+        for set_name in ("eval", "canary"):
+            r = pairs.get((set_name, ours["variant"], peer["variant"]))
+            cells += ["—", "—"] if r is None else [_ratio(r["ratio"], r["ratio_lo"], r["ratio_hi"]),
+                                                   _ratio(r["llama_ratio"], r["llama_lo"], r["llama_hi"])]
+        lines.append(f"| {size:g} | {ours['variant']} ({ours['routed_bpw']:.3f}) | {peer['variant']} "
+                     f"({peer['routed_bpw']:.3f}) | {peer['eval_kld']:.4f} → {ours['eval_kld']:.4f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_files(snap: dict[str, list[Row]]) -> str:
+    """Every evaluated file of the `frontier` table, smallest first: its size, its KLD by our windows and
+    by llama.cpp's per-document check, and whether it is on the front (eval KLD against size)."""
+    def kld(x: float | None) -> str:
+        return "—" if x is None else f"{x:.4f}"
+
+    lines = ["| file | side | bits per routed weight | KLD eval | KLD canary | llama.cpp eval | llama.cpp canary "
+             "| on the front |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(snap.get("frontier", []), key=lambda r: (r["routed_bpw"], r["variant"])):
+        lines.append(f"| {r['variant']} | {r['side']} | {r['routed_bpw']:.3f} | {kld(r['eval_kld'])} "
+                     f"| {kld(r['canary_kld'])} | {kld(r['llama_eval_kld'])} | {kld(r['llama_canary_kld'])} "
+                     f"| {'yes' if r['on_front'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def render_frontier_pairs(snap: dict[str, list[Row]]) -> str:
+    """Every declared pair of one of ours and an outside file at or below its size, eval then canary."""
+    lines = ["| set | ours (bits) | peer (bits) | KLD peer → ours | ours / peer [95% CI] | llama.cpp's check "
+             "[95% CI] |", "|---|---|---|---|---|---|"]
+    rows = sorted(snap.get("frontier_pairs", []), key=lambda r: (r["set"] != "eval", r["ours_bpw"], r["ours"],
+                                                                 r["peer_bpw"], r["peer"]))
+    for r in rows:
+        lines.append(f"| {r['set']} | {r['ours']} ({r['ours_bpw']:.3f}) | {r['peer']} ({r['peer_bpw']:.3f}) "
+                     f"| {r['peer_kld']:.4f} → {r['ours_kld']:.4f} | {_ratio(r['ratio'], r['ratio_lo'], r['ratio_hi'])} "
+                     f"| {_ratio(r['llama_ratio'], r['llama_lo'], r['llama_hi'])} |")
+    return "\n".join(lines)
+
+
+def render_at_size(snap: dict[str, list[Row]]) -> str:
+    """Of the config's own pairs, each outside file against each of ours no larger than it (bits per
+    routed weight), as the ratio ours / peer of pooled KLD with the window-bootstrap 95% CI, eval and
+    canary: a snapshot's frontier pairs where the lake predates the `frontier_pairs` table."""
+    kinds = {r["variant"]: r["kind"] for r in snap["variants"]}
+    bits = {r["variant"]: r["routed_bpw"] for r in snap["sizes"]}
+    index = {(r["set"], r["a"], r["b"]): r for r in snap["comparisons"]
+             if r["moce_bonus_a"] == 0 and r["moce_bonus"] == 0}
+    lines = ["| ours (bits per routed weight) | peer (bits) | KLD eval: peer → ours | ours / peer, eval [95% CI] "
+             "| ours / peer, canary [95% CI] |", "|---|---|---|---|---|"]
+    for a, b in _compare_pairs(snap):
+        if kinds.get(a) != "external" or kinds.get(b) != "healed" or bits[b] > bits[a] + 1e-9:
+            continue
+        ev, ca = index[("eval", a, b)], index[("canary", a, b)]
+        ratios = [_ratio(1 + r["delta_pct"] / 100, 1 + r["ci_lo"] / 100, 1 + r["ci_hi"] / 100) for r in (ev, ca)]
+        lines.append(f"| {b} ({bits[b]:.3f}) | {a} ({bits[a]:.3f}) | {ev['kld_a']:.4f} → {ev['kld_b']:.4f} "
+                     f"| {ratios[0]} | {ratios[1]} |")
+    return "\n".join(lines)
+
+
 RENDERERS: dict[str, Callable[[dict[str, list[Row]]], str]] = {
     "windows": render_windows,
     "comparisons": render_comparisons,
@@ -487,6 +597,10 @@ RENDERERS: dict[str, Callable[[dict[str, list[Row]]], str]] = {
     "moce": render_moce,
     "sizes": render_sizes,
     "headline": render_headline,
+    "frontier": render_frontier,
+    "files": render_files,
+    "frontier_pairs": render_frontier_pairs,
+    "at_size": render_at_size,
 }
 
 

@@ -44,8 +44,9 @@ def test_splice_rewrites_only_marked_blocks_and_refuses_missing_markers():
         card.splice(text, {"gone": "x"})
 
 
-def test_comparison_rows_follow_the_ladder():
-    snap = card.read_snapshot(card.RESULTS / "heal")
+@pytest.mark.parametrize("config", ["heal", "uniform-8k"])
+def test_comparison_rows_follow_the_ladder(config):
+    snap = card.read_snapshot(card.RESULTS / config)
     pairs = card._pairs(snap)
     order = card._variant_order(snap)
     kinds = {r["variant"]: r["kind"] for r in snap["variants"]}
@@ -57,9 +58,10 @@ def test_comparison_rows_follow_the_ladder():
 
 
 def test_headline_pairs_each_peer_with_ours_at_its_size():
-    """README's headline: rows are `[eval] compare` pairs of an outside GGUF and one of ours whose
-    routed experts take the same bits, in the config's order, with the eval and canary rows' numbers."""
-    snap = card.read_snapshot(card.RESULTS / "heal")
+    """The earlier ladder's headline (bench/RESULTS.md): rows are `[eval] compare` pairs of an outside GGUF
+    and one of ours whose routed experts take the same bits, in the config's order, with the eval and
+    canary rows' numbers."""
+    snap = card.read_snapshot(card.RESULTS / "uniform-8k")
     kinds = {r["variant"]: r["kind"] for r in snap["variants"]}
     bits = {r["variant"]: r["routed_bpw"] for r in snap["sizes"]}
     rows = [line.split(" | ") for line in card.render_headline(snap).splitlines()[2:]]
@@ -72,6 +74,41 @@ def test_headline_pairs_each_peer_with_ours_at_its_size():
     for (a, b), row in zip(shown, rows):
         assert row[3] == f"{index['eval', a, b]['kld_a']:.4f} → {index['eval', a, b]['kld_b']:.4f}"
         assert row[5].startswith(card._signed(index["canary", a, b]["delta_pct"], 1))
+
+
+def test_frontier_is_the_best_file_of_each_side_at_each_size():
+    """README's headline: at each size a recipe of the demo is budgeted to, the file of ours and the
+    outside file with the lowest eval KLD among those no larger, and their ratios as frontier_pairs holds them."""
+    snap = card.read_snapshot(card.RESULTS / "heal")
+    files = snap["frontier"]
+    sizes = sorted({r["budget_bpw"] for r in files if r["side"] == "ours" and r["budget_bpw"] is not None})
+    rows = card.frontier_rows(snap)
+    assert [size for size, _, _ in rows] == sizes and len(sizes) == 2  # init's --bits 2.625 and 2.3
+    for size, ours, peer in rows:
+        for best, side in ((ours, "ours"), (peer, "peer")):
+            assert best["side"] == side and best["routed_bpw"] <= size + 1e-9
+            assert all(r["eval_kld"] >= best["eval_kld"] for r in files
+                       if r["side"] == side and r["routed_bpw"] <= size + 1e-9)
+    pairs = {(r["set"], r["ours"], r["peer"]): r for r in snap["frontier_pairs"]}
+    table = card.render_frontier(snap).splitlines()[2:]
+    assert len(table) == len(rows)
+    for line, (size, ours, peer) in zip(table, rows):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1].startswith(ours["variant"] + " ") and cells[2].startswith(peer["variant"] + " ")
+        for set_name, ratio_cell in (("eval", 4), ("canary", 6)):
+            r = pairs[(set_name, ours["variant"], peer["variant"])]  # every frontier pair is compared, with its CI
+            assert cells[ratio_cell] == f"{r['ratio']:.3f}x [{r['ratio_lo']:.3f}, {r['ratio_hi']:.3f}]"
+
+
+def test_at_size_rows_are_peers_no_smaller_than_ours():
+    """README's 65,536-token figures: each outside file against each of ours no larger, ratio = 1 + Δ."""
+    snap = card.read_snapshot(card.RESULTS / "budget-64k")
+    bits = {r["variant"]: r["routed_bpw"] for r in snap["sizes"]}
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in card.render_at_size(snap).splitlines()[2:]]
+    assert rows
+    for cells in rows:
+        ours, peer = cells[0].split(" ")[0], cells[1].split(" ")[0]
+        assert bits[ours] <= bits[peer] + 1e-9 and [peer, ours] in [list(p) for p in card._compare_pairs(snap)]
 
 
 @pytest.mark.long

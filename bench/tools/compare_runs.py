@@ -1,6 +1,6 @@
 """One config healed twice (two devices, two builds): does every figure, and every conclusion, agree?
 
-    python bench/tools/compare_runs.py demo/results/heal bench/results/demo-h200
+    python bench/tools/compare_runs.py demo/results/uniform-8k bench/results/demo-h200
 
 Each side is a snapshot folder as ``demo/card.py`` writes it (``sizes.csv``,
 ``comparisons.csv``; ``--lake-tables DIR --out FOLDER`` writes one from a lake's
