@@ -44,7 +44,7 @@ from moeheal.pipeline.lake.dag import Executor, Node, PlannedStage, Use
 from moeheal.pipeline.lake.store import Lake, StageResult
 from moeheal.pipeline.llamacpp import perplexity_binary
 from moeheal.pipeline.model import roles
-from moeheal.pipeline.model.compile_cache import enable_compile_cache
+from moeheal.pipeline.model.compile_cache import prepare_compilation
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.publish import tables
 from moeheal.pipeline.publish.summary import summary_table
@@ -105,7 +105,7 @@ class HealRun:
         self.log = log
         self.planning = plan
         if not plan:
-            enable_compile_cache()
+            prepare_compilation()
         self.nodes: dict[str, Node] = {}  # by label: each invocation declared once
         for stage in STAGES:  # each code identity read now, next to the imports, not when the stage is
             stage.code()      # reached: a file edited during a long run cannot key the old code's output

@@ -1,6 +1,11 @@
-"""Every heal turns JAX's persistent compilation cache on, outside the lake, unless the caller chose one."""
+"""Every heal turns JAX's persistent compilation cache on, outside the lake, unless the caller chose one,
+and leaves a GPU's matrix products to the vendor's library unless the caller's XLA flags say otherwise."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -45,3 +50,26 @@ def test_a_cache_the_caller_chose_is_kept(no_cache_chosen, monkeypatch, tmp_path
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
     assert compile_cache.enable_compile_cache() is None
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "set")
+
+
+def test_gemm_flag_is_added_once_and_a_callers_choice_kept(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    compile_cache.library_gemms()
+    compile_cache.library_gemms()
+    assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=/tmp/x {compile_cache.GEMM_FLAG}=false"
+    monkeypatch.setenv("XLA_FLAGS", f"{compile_cache.GEMM_FLAG}=true")
+    compile_cache.library_gemms()
+    assert os.environ["XLA_FLAGS"] == f"{compile_cache.GEMM_FLAG}=true"
+    monkeypatch.delenv("XLA_FLAGS")
+    compile_cache.library_gemms()
+    assert os.environ["XLA_FLAGS"] == f"{compile_cache.GEMM_FLAG}=false"
+
+
+def test_this_xla_knows_the_gemm_flag(tmp_path):
+    """XLA aborts a process whose XLA_FLAGS name a flag it does not know: a renamed flag fails here, not in a heal."""
+    code = ("from moeheal.pipeline.model.compile_cache import library_gemms; library_gemms(); "
+            "import jax.numpy as jnp; print(float((jnp.ones((4, 4)) @ jnp.ones((4, 4))).sum()))")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "64.0"

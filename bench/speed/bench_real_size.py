@@ -64,7 +64,7 @@ import jax
 from moeheal.pipeline.commands.init import UNSEEN_TOKENS
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.heal import HealRun
-from moeheal.pipeline.model.compile_cache import CACHE_ENV, enable_compile_cache
+from moeheal.pipeline.model.compile_cache import CACHE_ENV, prepare_compilation
 from moeheal.pipeline.sources.synth import LIKE, write_synth
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
@@ -391,7 +391,7 @@ def main() -> int:
     # as `moeheal heal` does, before anything compiles; in a new folder unless $MOEHEAL_XLA_CACHE names one
     # (empty: off), so the figures are a first heal's: programs compiled again within it are the only hits
     os.environ.setdefault(CACHE_ENV, tempfile.mkdtemp(prefix="moeheal-xla-"))
-    cache = enable_compile_cache()
+    cache = prepare_compilation()
     like = LIKE[args.like]
     args.work.mkdir(parents=True, exist_ok=True)
     shrunk = (f"-{args.experts}e" if args.experts else "") + (f"-{args.vocab}v" if args.vocab else "")
@@ -446,6 +446,7 @@ def main() -> int:
         "like": args.like, "layers": args.layers, "real_layers": like.hp.n_layer, "calibration_tokens": args.tokens,
         "stopped": stopped, "unseen_tokens": args.unseen_tokens, "e2e_batch_seqs": args.e2e_batch_seqs, "variants": args.variants,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind,
         "synth_s": synth_s if synth is not None else None, "heal_s": heal_s,
         "per_stage_s": dict(per_kind),

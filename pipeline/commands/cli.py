@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 from moeheal import __version__
 from moeheal.pipeline.errors import InputError, MoehealError
-from moeheal.pipeline.model.compile_cache import enable_compile_cache
+from moeheal.pipeline.model.compile_cache import prepare_compilation
 
 if TYPE_CHECKING:
     from moeheal.pipeline.config import Config
@@ -443,7 +443,7 @@ WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    enable_compile_cache()  # before anything compiles: JAX reads the setting at its first compilation
+    prepare_compilation()  # before anything compiles: XLA reads its flags when the backend starts
     try:
         with contextlib.ExitStack() as args.held:  # what the command holds until it ends (`_pipeline`)
             return args.fn(args)

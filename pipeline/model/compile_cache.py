@@ -1,4 +1,5 @@
-"""JAX's persistent compilation cache for every heal, outside the lake.
+"""What every moeheal process tells XLA before it compiles: JAX's persistent compilation cache,
+outside the lake, and matrix products through the vendor's library on a GPU.
 
 Why: at a real shape XLA's compilation is the largest fixed cost of a heal (about 200 s of a
 Qwen3-30B-A3B heal on an H100, bench/RESULTS.md, "The best ladder at the 30B shape"), and a heal
@@ -11,6 +12,14 @@ depends on it.
 Where: `$MOEHEAL_XLA_CACHE` if set (empty: off), else `$XDG_CACHE_HOME/moeheal/xla` (`~/.cache`
 by default). A cache that the caller already chose (`JAX_COMPILATION_CACHE_DIR`, or JAX's config, as
 the tests do) is left alone. JAX evicts the least recently used entries past `MAX_BYTES`.
+
+Matrix products on a GPU (`GEMM_FLAG`): XLA's default fuses them into Triton kernels and autotunes
+each one's tiling at compilation, timing every candidate on the device. At the Qwen3-30B-A3B shape
+that was most of a heal's compilation, 247 s or more of a one-layer heal's, against 25 s with the
+products left to cuBLAS; the steps ran as fast there (learned rounding's device time 3.5 s against
+4.2 s), and a whole 2-layer heal at 65,536 tokens took 155 s instead of 331 s (bench/RESULTS.md,
+"Where a 30B heal's compilation went"). A caller's own `XLA_FLAGS` that name the flag are kept; other
+backends ignore it.
 """
 
 from __future__ import annotations
@@ -21,6 +30,21 @@ from pathlib import Path
 CACHE_ENV = "MOEHEAL_XLA_CACHE"
 MAX_BYTES = 4 << 30  # the cache's size on disk before JAX evicts its oldest entries
 MIN_COMPILE_SECONDS = 0.0  # every program: a CPU heal compiles a hundred that each take under a second
+GEMM_FLAG = "--xla_gpu_enable_triton_gemm"  # false: cuBLAS runs the matrix products, no Triton autotuning
+
+
+def prepare_compilation() -> Path | None:
+    """Everything this module sets (`library_gemms`, `enable_compile_cache`), before JAX's backend starts:
+    XLA reads its flags once, when the first computation creates the backend. The cache's folder or None."""
+    library_gemms()
+    return enable_compile_cache()
+
+
+def library_gemms() -> None:
+    """Add `GEMM_FLAG`=false to `XLA_FLAGS` unless the caller's flags already name it."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if GEMM_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {GEMM_FLAG}=false".strip()
 
 
 def default_cache_dir() -> Path:
