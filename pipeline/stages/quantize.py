@@ -208,14 +208,17 @@ def layer_importance(weights: dict[str, jax.Array], mixed: np.ndarray, experts: 
     return {"ffn_gate_exps": (gate_up, h_x), "ffn_up_exps": (gate_up, h_x), "ffn_down_exps": (down, h_h)}
 
 
-def importance_plan(weights: dict[str, jax.Array], dump_root, layer: int, params: QuantizeParams
-                    ) -> dict[str, tuple[np.ndarray | None, jax.Array | None]]:
-    """Per tensor of one layer: (importance, damped hessians) from the calibration dump, or (None, None)."""
+def importance_plan(weights: dict[str, jax.Array], dump_root, layer: int, params: QuantizeParams,
+                    data: dict[str, np.ndarray] | None = None) -> dict[str, tuple[np.ndarray | None, jax.Array | None]]:
+    """Per tensor of one layer: (importance, damped hessians) from the calibration dump, or (None, None).
+    `data`: the layer's rows (`calibration_rows`) when the caller has read them already: a layer's rows
+    are most of a unit's reading (1 GB a layer at the 30B width and 65,536 tokens), so each is read once."""
     if dump_root is None:
         return {name: (None, None) for name in EXPERT_TENSORS}
-    group = dump_root[str(layer)]
-    rows = slice(0, params.cal_tokens or None)  # a prefix: the trace interleaves strata
-    return layer_importance(weights, group["mixed"][rows], group["experts"][rows], group["weights"][rows], params)
+    if data is None:
+        group, rows = dump_root[str(layer)], slice(0, params.cal_tokens or None)  # a prefix: the trace interleaves strata
+        data = {name: group[name][rows] for name in ("mixed", "experts", "weights")}
+    return layer_importance(weights, data["mixed"], data["experts"], data["weights"], params)
 
 
 def matrix_importance(role: str, x: np.ndarray, beta_gate_up: float, beta_down: float) -> np.ndarray:
@@ -257,13 +260,11 @@ def calibration_rows(dump_root, layer: int, params: QuantizeParams, names: tuple
     return data, seqs
 
 
-def quantize_matrices(source: GGUFModel, layer: int, formats: dict[str, str], dump_root, params: QuantizeParams
-                      ) -> dict[str, np.ndarray]:
-    """The non-routed roles of one layer in `formats` ({role: format}): bytes, shape, format, importance."""
+def quantize_matrices(source: GGUFModel, layer: int, formats: dict[str, str], params: QuantizeParams,
+                      data: dict[str, np.ndarray] | None, seqs: roles.Sequences) -> dict[str, np.ndarray]:
+    """The non-routed roles of one layer in `formats` ({role: format}): bytes, shape, format, importance
+    (from `calibration_rows`' `data` and `seqs` holding `roles.dump_arrays(formats)`; None: no importance)."""
     matrices = layer_matrices(source, layer)
-    data, seqs = None, []
-    if params.importance:
-        data, seqs = calibration_rows(dump_root, layer, params, roles.dump_arrays(tuple(formats)))
     arrays: dict[str, np.ndarray] = {}
     for role, fmt in formats.items():
         w = matrices[f"{role}.weight"]  # (rows, cols)
@@ -302,7 +303,12 @@ def quantize_layer(out: Path, source: GGUFModel, dump_root, params: QuantizePara
     """
     out.mkdir(parents=True, exist_ok=True)
     weights = expert_weights(source, layer)
-    plan = importance_plan(weights, dump_root, layer, params)
+    learning = params.round == LEARNED
+    others = {role: fmt for role, fmt in formats.items() if role not in EXPERT_TENSORS}
+    data, seqs = None, []
+    if dump_root is not None and (learning or others):  # the rows every step reads, read once
+        data, seqs = calibration_rows(dump_root, layer, params, roles.dump_arrays(tuple(others)))
+    plan = importance_plan(weights, dump_root, layer, params, data)
     arrays: dict[str, np.ndarray] = {}
     for name, w in weights.items():
         importance, hessians = plan[name]
@@ -313,12 +319,12 @@ def quantize_layer(out: Path, source: GGUFModel, dump_root, params: QuantizePara
         arrays[f"{name}.format"] = np.asarray(fmt)
         if importance is not None:
             arrays[f"{name}.importance"] = np.asarray(importance, np.float32)
-    others = {role: fmt for role, fmt in formats.items() if role not in EXPERT_TENSORS}
     if others:
-        arrays |= quantize_matrices(source, layer, others, dump_root, params)
-    if params.round == LEARNED:
+        arrays |= quantize_matrices(source, layer, others, params, data, seqs)
+    if learning:
         del weights, plan  # the float experts and the Hessians: one layer's learning state takes their place
-        curve = learn_layer_rounding(arrays, source, dump_root, unseen_root, params, layer, log, guidance)
+        assert data is not None, "learned rounding reads the calibration dump"
+        curve = learn_layer_rounding(arrays, source, data, unseen_root, params, layer, log, guidance)
         write_parquet(out / "learned_curve.parquet", pa.Table.from_pylist(curve, schema=CURVE_SCHEMA))
     np.savez(out / f"layer_{layer}.npz", **arrays)
 
@@ -348,11 +354,12 @@ def learned_schedule(train_rows: int, steps: int) -> tuple[int, int]:
     return max(LEARNED_MIN_STEPS, -(-train_rows // batch)), batch
 
 
-def learn_layer_rounding(arrays: dict[str, np.ndarray], source: GGUFModel, dump_root, unseen_root,
+def learn_layer_rounding(arrays: dict[str, np.ndarray], source: GGUFModel, rows: dict[str, np.ndarray], unseen_root,
                          params: QuantizeParams, layer: int, log: Callable[[str], None],
                          guidance: Path | None = None) -> list[dict[str, Any]]:
     """Replace, in `arrays`, the bytes of every tensor whose effect reaches the MoE output by their
-    learned rounding (`kernels.learned.learn_layer`); return the curve's rows. With `guidance` (the
+    learned rounding (`kernels.learned.learn_layer`) on the layer's calibration rows `rows`
+    (`calibration_rows`); return the curve's rows. With `guidance` (the
     guidance stage's output) the calibration rows' errors are weighted by its Fisher estimate, the
     unseen dump's stay plain (a diagnostic the weights do not shape)."""
     shared_roles = [r for r in roles.SHARED if r in arrays] if source.arch.has_shared_expert else []
@@ -360,7 +367,6 @@ def learn_layer_rounding(arrays: dict[str, np.ndarray], source: GGUFModel, dump_
     tensors = {name: learned.LearnedTensor(str(arrays[f"{name}.format"]), tuple(int(n) for n in arrays[f"{name}.shape"]),
                                            arrays[name]) for name in names}
     fixed = {r: source.tensor(f"blk.{layer}.{r}.weight") for r in roles.SHARED if shared_roles and r not in arrays}
-    rows = read_layer(dump_root[str(layer)], slice(0, params.cal_tokens or None))
     n = len(rows["mixed"])
     cut = n - max(1, n // LEARNED_HOLDOUT)
     cal = token_set(source, layer, rows, bool(shared_roles))

@@ -163,9 +163,9 @@ def measure_sensitivity(source: GGUFModel, cal, unseen, guidance: Path, params: 
     rows = []
     for layer in progress(source.moe_layers, desc="sensitivity", unit="layer"):
         weights = expert_weights(source, layer)
-        plan = importance_plan(weights, cal if qp.importance else None, layer, qp)
         data = {"in_sample": read_layer(cal[str(layer)], in_rows, extra),
                 "unseen": read_layer(unseen[str(layer)], slice(None), extra)}
+        plan = importance_plan(weights, cal if qp.importance else None, layer, qp, data["in_sample"])
         fisher = read_fisher_values(guidance, layer)  # (T, d): the unseen dump's rows are the trace's tokens
         if len(fisher) != len(data["unseen"]["yr"]):
             raise InputError(f"{guidance}: layer {layer}: {len(fisher)} rows of guidance for an unseen dump of "
