@@ -9,8 +9,8 @@ each candidate codec, in float32 and in bfloat16 (`dump_dtype`), chunked as
 the dump chunks them (one 512-token sequence per chunk), and reads it back.
 Printed per codec and dtype: stored bytes against the raw array bytes, and
 write and read throughput in MB/s of raw bytes (best of `--repeats`). The baseline, measured in the same run, is the
-pipeline's codec (`CHUNK_CODEC`: zstd at its default level, with the frame
-checksum that lets a read name a flipped bit). Every codec must give back
+pipeline's codec (`CHUNK_CODECS`: the bytes as they are, with a CRC-32C
+checksum that lets a read name a flipped bit or a chunk cut short). Every codec must give back
 the same bits; the script checks it.
 """
 
@@ -33,14 +33,15 @@ sys.path.append(str(REPO))
 
 from moeheal.pipeline.gguf.model import GGUFModel  # noqa: E402
 from moeheal.pipeline.model.runner import Runner  # noqa: E402
-from moeheal.pipeline.data.dumps import ARRAYS, CHUNK_CODEC, dump_trace, open_dump, to_stored  # noqa: E402
+from moeheal.pipeline.data.dumps import ARRAYS, CHUNK_CODECS, dump_trace, open_dump, to_stored  # noqa: E402
 from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode  # noqa: E402
 
 SEQ_TOKENS = 512
 # (name, compressors); the first is the pipeline's. Byte shuffling groups the bytes of each
 # position of a value (a float32's exponent bytes together), where zstd alone sees them interleaved.
 CODECS = (
-    ("zstd, checksum (the pipeline's)", (CHUNK_CODEC,)),
+    ("crc32c (the pipeline's)", CHUNK_CODECS),
+    ("zstd, checksum (the pipeline's before)", (ZstdCodec(level=0, checksum=True),)),
     ("none", ()),
     ("zstd level 1, checksum", (ZstdCodec(level=1, checksum=True),)),
     ("blosc zstd 3 + byte shuffle, crc32c", (BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"), Crc32cCodec())),

@@ -23,10 +23,8 @@ type) and the root attribute `dump_dtype` naming the choice; routing (experts,
 weights) stays exact. `DumpArray` reads them back as float32, so every stage
 sees float32 whatever the dump stores. Measured on the test world
 (`tests/healworld.py`: 2 layers, d = f = 256, 1024 calibration + 512 unseen
-tokens) the two dumps take 8.48 MiB on disk in float32 and 3.67 MiB in
-bfloat16 (0.43x): half the bytes, and zstd compresses bfloat16 better (its
-sign-and-exponent byte carries little entropy), so each layer's reads move
-less than half the I/O.
+tokens) bfloat16 halves the dumps' bytes on disk, so each layer's reads move
+half the I/O.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ import numpy as np
 import pyarrow as pa
 import zarr
 from numpy.typing import ArrayLike
-from zarr.codecs import ZstdCodec
+from zarr.codecs import Crc32cCodec
 
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import HParams
@@ -54,10 +52,11 @@ ARRAYS = ("mixed", "yr", "hh", "experts", "weights")
 ATTENTION_ARRAYS = ("attn_in",)  # dumped only when asked (`attention_inputs`)
 
 
-# Zarr's default zstd frame carries no checksum, so a flipped bit in a stored chunk can
-# decode to plausible wrong numbers; with it, every such chunk fails to decode, and the
-# read names the layer and array (`DumpArray`). Costs 4 bytes and one hash per chunk.
-CHUNK_CODEC = ZstdCodec(level=0, checksum=True)
+# Every chunk's bytes as they are, with a CRC-32C checksum: a flipped bit or a chunk cut short fails
+# to decode, and the read names the layer and array (`DumpArray`). No compression: activations are
+# mostly mantissa noise (zstd kept 93% of float32's bytes, 79% of bfloat16's), and its decoding
+# halved the read rate every unit pays on every layer (bench/RESULTS.md, "Dump codecs").
+CHUNK_CODECS = (Crc32cCodec(),)
 
 
 ROUTING_COLUMNS = ("trace", "layer", "pos", "k", "expert", "weight")
@@ -93,7 +92,7 @@ def from_stored(values: np.ndarray, dtype: str) -> np.ndarray:
 def _create(group: zarr.Group, name: str, width: int, dtype: str, chunk_rows: int) -> zarr.Array:
     """An empty array of the dump, chunked one sequence long; a bfloat16 one stored as its bits, marked so."""
     arr = group.create_array(name, shape=(0, width), chunks=(chunk_rows, max(width, 1)),
-                             dtype=BFLOAT16_BITS if dtype == "bfloat16" else dtype, compressors=CHUNK_CODEC)
+                             dtype=BFLOAT16_BITS if dtype == "bfloat16" else dtype, compressors=CHUNK_CODECS)
     if dtype == "bfloat16":
         arr.attrs["stored_as"] = "bfloat16"
     return arr
@@ -533,7 +532,7 @@ def import_raw_dump(spec_path: Path, out: Path) -> None:
         group.attrs["trace"] = trace
         for name, values in layer_arrays.items():
             arr = group.create_array(name, shape=values.shape, chunks=(min(T, 512), max(values.shape[1], 1)),
-                                     dtype=values.dtype, compressors=CHUNK_CODEC)
+                                     dtype=values.dtype, compressors=CHUNK_CODECS)
             arr[:] = values
         routing_rows.append(pa.table({
             "trace": pa.array([trace] * T * k, pa.string()),

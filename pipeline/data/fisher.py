@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import zarr
 
-from moeheal.pipeline.data.dumps import BFLOAT16_BITS, CHUNK_CODEC, from_stored, to_stored
+from moeheal.pipeline.data.dumps import BFLOAT16_BITS, CHUNK_CODECS, from_stored, to_stored
 from moeheal.pipeline.errors import InputError
 
 
@@ -24,7 +24,7 @@ def create_fisher(path: Path, layers: tuple[int, ...], rows: int, width: int, ch
     arrays = {}
     for layer in layers:
         arrays[layer] = root.create_array(str(layer), shape=(rows, width), chunks=(chunk_rows, width),
-                                          dtype=BFLOAT16_BITS, compressors=CHUNK_CODEC)
+                                          dtype=BFLOAT16_BITS, compressors=CHUNK_CODECS)
         arrays[layer].attrs["stored_as"] = "bfloat16"
     return arrays
 
