@@ -53,12 +53,14 @@ test-latest:
 # The per-layer units (quantize + calibrate per variant and layer, and the dumps and recipes they read)
 # on HEAL_WORKERS processes at once (`moeheal heal --shard I/N`, docs/scale-out.md: every stage built
 # once under its lock, the same bytes as one process), then one heal that finds them cached and does the
-# rest: one process leaves a second core idle much of the time. HEAL_WORKERS=1: a single process.
+# rest: one process leaves a second core idle much of the time. HEAL_WORKERS=1: a single process. The
+# workers do not preallocate GPU memory (XLA_PYTHON_CLIENT_PREALLOCATE), so two share one GPU.
 HEAL_WORKERS ?= 2
 heal: setup
 	@if [ "$(HEAL_WORKERS)" -gt 1 ]; then \
 	  pids=""; i=0; while [ $$i -lt $(HEAL_WORKERS) ]; do \
-	    $(BIN)/moeheal heal -c $(CONFIG) --shard $$i/$(HEAL_WORKERS) & pids="$$pids $$!"; i=$$((i + 1)); done; \
+	    XLA_PYTHON_CLIENT_PREALLOCATE=false $(BIN)/moeheal heal -c $(CONFIG) --shard $$i/$(HEAL_WORKERS) & \
+	    pids="$$pids $$!"; i=$$((i + 1)); done; \
 	  rc=0; for p in $$pids; do wait $$p || rc=$$?; done; exit $$rc; fi
 	$(BIN)/moeheal heal -c $(CONFIG)
 
