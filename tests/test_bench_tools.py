@@ -281,3 +281,32 @@ def test_real_size_record_extrapolates_each_stage_linearly_in_depth():
     committed = json.loads((REPO / "bench/results/real-size/qwen3-30b-a3b.json").read_text())
     runs = [{**json.loads((REPO / r["json"]).read_text()), "json": r["json"]} for r in committed["runs"]]
     assert real_size_record.join_runs(runs, committed["extrapolated_to"]) == committed
+
+
+def test_real_size_bench_sums_each_units_logged_steps_by_variant():
+    """bench_real_size's `unit_phases` reads the line `progress.Phases` makes each unit log, and puts it
+    to the variant of the unit computing then (the line names the layer only)."""
+    from bench.speed import bench_real_size
+    from moeheal.pipeline.progress import Phases
+
+    def line(unit: str, seconds: dict[str, float]) -> str:
+        phases = Phases()
+        phases.seconds = seconds
+        return f"{unit}: {phases}"
+
+    clock = bench_real_size.StageClock()
+    clock.lines = [(0.0, 0.0, message) for message in (
+        "[quantize:a:0] computing 0123456789ab",
+        line("quantize layer 0", {"read": 1.5, "learned rounding": 2.25, "write": 0.1}),
+        "quantize layer 0: learned rounding: 224 steps of 256 tokens, held-out relative error 0.1 -> 0.1 (step 0)",
+        "[quantize:b:0] computing 0123456789ac",
+        line("quantize layer 0", {"read": 0.5}),
+        "[calibrate:a:1] computing 0123456789ad",
+        line("calibrate layer 1", {"routed output": 1.0, "alpha": 0.25}),
+        "[quantize:a:1] computing 0123456789ae",
+        line("quantize layer 1", {"read": 1.0}),
+        "[quantize:a:2] cache hit 0123456789af",
+    )]
+    assert clock.unit_phases() == {"quantize:a": {"read": 2.5, "learned rounding": 2.25, "write": 0.1},
+                                   "quantize:b": {"read": 0.5},
+                                   "calibrate:a": {"routed output": 1.0, "alpha": 0.25}}

@@ -75,6 +75,8 @@ from moeheal.pipeline.llamacpp import perplexity_binary  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[2] / "demo"
 STAGE_LINE = re.compile(r"^\[(?P<label>[^\]]+)\] (?P<what>computing|cache hit) ")
+PHASE_LINE = re.compile(r"^(?:quantize|calibrate) layer \d+: (?P<phases>.*) \(total [0-9.]+ s\)$")
+PHASE_ITEM = re.compile(r"([a-z][a-z ]*?) ([0-9.]+) s(?:, |$)")
 
 
 def write_windows(work: Path, per_stratum: int) -> Path:
@@ -209,6 +211,20 @@ class StageClock:
         return [(match.group("label"), start, stages[i + 1][0] if i + 1 < len(stages) else end,
                  (stages[i + 1][1] if i + 1 < len(stages) else end_cpu) - cpu)
                 for i, (start, cpu, match) in enumerate(stages) if match.group("what") == "computing"]
+
+    def unit_phases(self) -> dict[str, dict[str, float]]:
+        """Seconds per step of the layer units, summed over layers, by the unit's stage kind
+        (`quantize:<variant>`): the one line each quantize and calibrate unit logs (`progress.Phases`),
+        which names its layer but not its variant, so it goes to the unit computing when it was logged."""
+        phases: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        kind = None
+        for _, _, message in self.lines:
+            if (stage := STAGE_LINE.match(message)) and stage.group("what") == "computing":
+                kind = stage.group("label").rsplit(":", 1)[0]
+            elif (unit := PHASE_LINE.match(message)) and kind is not None:
+                for name, seconds in PHASE_ITEM.findall(unit.group("phases")):
+                    phases[kind][name] += float(seconds)
+        return {k: dict(v) for k, v in phases.items()}
 
 
 class CompileClock:
@@ -456,6 +472,7 @@ def main() -> int:
         "programs_compiled": sum(start < t <= end for t, _ in compiles.events) - compiles.cache_hits,
         "compile_cache_hits": compiles.cache_hits,
         "compile_cache": str(cache) if cache else None,
+        "unit_phases_s": clock.unit_phases(),
         "per_layer_s": {k: sum(v) / len(v) for k, v in per_layer.items()},
         "extrapolated_whole_model_s": {k: sum(v) / len(v) * like.hp.n_layer for k, v in per_layer.items()},
         "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

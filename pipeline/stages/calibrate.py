@@ -51,6 +51,7 @@ from moeheal.pipeline.lake.files import write_parquet
 from moeheal.pipeline.lake.stage import Log, Stage
 from moeheal.pipeline.model.layers import swiglu
 from moeheal.pipeline.model.routed import routed_output
+from moeheal.pipeline.progress import Phases
 
 OUTPUTS = ("layer_<i>.npz", "layer_metrics.parquet", "ridge_cv.parquet")  # a unit's: its layer and its rows
 
@@ -152,26 +153,32 @@ def dequantized_matrix(arrays: dict[str, np.ndarray], name: str, keep_on_device:
 
 
 def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, params: CalibrateParams,
-                    layer: int) -> None:
+                    layer: int, log: Log = print) -> None:
     """Write one layer's healed tensors (`layer_<layer>.npz`) and its rows of `layer_metrics.parquet`
     and `ridge_cv.parquet`, from the quantize unit of the same layer (`quant_dir`) and that layer's
     rows of the dumps."""
     out.mkdir(parents=True, exist_ok=True)
+    phases = Phases()
     splits = {"in_sample": cal, **({"unseen": unseen} if unseen is not None else {})}
     shared = source.arch.has_shared_expert  # the ridge runs through the shared down projection
     metrics, cv_rows = [], []
     arrays = load_quantized(quant_dir, layer)
+    phases.done("load")
     in_sample_rows = slice(0, params.cal_tokens or None)  # the rows quantization saw
     groups = {s: read_layer(d[str(layer)], in_sample_rows if s == "in_sample" else slice(None))
               for s, d in splits.items()}
     y_ref = {s: g["yr"] for s, g in groups.items()}  # (T, d) each
+    phases.done("read")
     experts_f32 = dequantized_experts(arrays)  # once: a real layer is hundreds of millions of weights
     y_q = {s: routed_output(experts_f32, g) for s, g in groups.items()}
+    phases.done("routed output", y_q)
     alpha = fit_alpha(y_ref["in_sample"], y_q["in_sample"]) if params.alpha else 1.0
+    phases.done("alpha")
     arrays["ffn_down_exps"] = scale_expert_scales(arrays, "ffn_down_exps", alpha, f"layer {layer}")
     experts_f32["ffn_down_exps"] = dequantized_matrix(arrays, "ffn_down_exps", keep_on_device=True)  # alpha in its scales
     y_healed = {s: routed_output(experts_f32, g) for s, g in groups.items()}
     del experts_f32
+    phases.done("routed output", y_healed)
 
     if shared:
         w_down = source.tensor(f"blk.{layer}.ffn_down_shexp.weight")  # (d, f)
@@ -194,6 +201,7 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
             arrays["ffn_down_shexp.format"], arrays["ffn_down_shexp.shape"] = np.asarray(fmt), np.asarray(w_down.shape)
         w_requant = dequantized_matrix(arrays, "ffn_down_shexp")  # (d, f)
         shexp_delta = {s: z_q[s] @ w_requant.T - z[s] @ w_down.T for s in groups}  # (T, d)
+        phases.done("ridge")
     # every residual below from one pass over each split's outputs: y_ref, y_q, y_healed (and the shared
     # expert's change), the oracle alpha fitted on the split itself among them
     ref, quant, healed, moved_shared = range(4)
@@ -219,10 +227,13 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
             "resid_oracle": resid_oracle,
             "resid_ridge": residual_from_gram(g, ref, with_ridge),
         })
+    phases.done("residuals")
     np.savez(out / f"layer_{layer}.npz", **arrays, alpha=np.float32(alpha))
     for name, rows, schema in (("layer_metrics", metrics, METRICS_SCHEMA), ("ridge_cv", cv_rows, RIDGE_CV_SCHEMA)):
         unit_schema = pa.schema(list(schema)[UNIT_COLUMNS:])
         write_parquet(out / f"{name}.parquet", pa.Table.from_pylist(rows, schema=unit_schema))
+    phases.done("write")
+    log(f"calibrate layer {layer}: {phases}")
 
 
 def ridge_cv_rows(z: np.ndarray, y_ref: np.ndarray, y_q: np.ndarray, gram: np.ndarray, rank: int, rho: float,
@@ -269,7 +280,7 @@ def build_calibrate(out: Path, params: CalibrateParams, *, source: Path, quantiz
     with one_blas_thread():
         calibrate_layer(out, model, quantized, open_dump(dump, model.hp, cal_layers),
                         open_dump(unseen, model.hp, model.moe_layers) if unseen is not None else None,
-                        params, params.layer)
+                        params, params.layer, log)
 
 
 STAGE = Stage("calibrate", "quant", build_calibrate, outputs=("layer_{layer}.npz", "layer_metrics.parquet"))

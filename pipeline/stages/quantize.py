@@ -82,6 +82,7 @@ from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.lake.files import write_parquet
 from moeheal.pipeline.lake.stage import Log, Stage
 from moeheal.pipeline.model import roles
+from moeheal.pipeline.progress import Phases
 
 # the unit's layer: each quantized tensor's block bytes, its shape and the importance used; with learned
 # rounding, its learning curve
@@ -302,13 +303,17 @@ def quantize_layer(out: Path, source: GGUFModel, dump_root, params: QuantizePara
     guidance stage's output, the loss weighted by its Fisher estimate).
     """
     out.mkdir(parents=True, exist_ok=True)
+    phases = Phases()
     weights = expert_weights(source, layer)
+    phases.done("weights", weights)
     learning = params.round == LEARNED
     others = {role: fmt for role, fmt in formats.items() if role not in EXPERT_TENSORS}
     data, seqs = None, []
     if dump_root is not None and (learning or others):  # the rows every step reads, read once
         data, seqs = calibration_rows(dump_root, layer, params, roles.dump_arrays(tuple(others)))
+    phases.done("read")
     plan = importance_plan(weights, dump_root, layer, params, data)
+    phases.done("statistics", plan)
     arrays: dict[str, np.ndarray] = {}
     for name, w in weights.items():
         importance, hessians = plan[name]
@@ -319,14 +324,19 @@ def quantize_layer(out: Path, source: GGUFModel, dump_root, params: QuantizePara
         arrays[f"{name}.format"] = np.asarray(fmt)
         if importance is not None:
             arrays[f"{name}.importance"] = np.asarray(importance, np.float32)
+    phases.done("rounding")
     if others:
         arrays |= quantize_matrices(source, layer, others, params, data, seqs)
+        phases.done("other matrices")
     if learning:
         del weights, plan  # the float experts and the Hessians: one layer's learning state takes their place
         assert data is not None, "learned rounding reads the calibration dump"
         curve = learn_layer_rounding(arrays, source, data, unseen_root, params, layer, log, guidance)
         write_parquet(out / "learned_curve.parquet", pa.Table.from_pylist(curve, schema=CURVE_SCHEMA))
+        phases.done("learned rounding")
     np.savez(out / f"layer_{layer}.npz", **arrays)
+    phases.done("write")
+    log(f"quantize layer {layer}: {phases}")
 
 
 def token_set(source: GGUFModel, layer: int, data: dict[str, np.ndarray], shared: bool) -> learned.TokenSet:
