@@ -264,7 +264,8 @@ def snapshot_lake(lake: Lake, settings: dict[str, object]) -> dict[str, list[Row
             continue
         con = lake.connect()
         try:
-            snap[name] = con.sql(f"SELECT {', '.join(columns)} FROM {table_name} ORDER BY {order}").to_arrow_table().to_pylist()
+            query = f"SELECT {', '.join(columns)} FROM {table_name} ORDER BY {order}"
+            snap[name] = con.sql(query).to_arrow_table().to_pylist()
         finally:
             con.close()
     return snap
