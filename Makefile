@@ -54,14 +54,18 @@ test-latest:
 # on HEAL_WORKERS processes at once (`moeheal heal --shard I/N`, docs/scale-out.md: every stage built
 # once under its lock, the same bytes as one process), then one heal that finds them cached and does the
 # rest: one process leaves a second core idle much of the time. HEAL_WORKERS=1: a single process. The
-# workers do not preallocate GPU memory (XLA_PYTHON_CLIENT_PREALLOCATE), so two share one GPU.
+# workers do not preallocate GPU memory (XLA_PYTHON_CLIENT_PREALLOCATE), so two share one GPU. Their
+# output goes through one filter that drops a line another worker already printed, so bad input is
+# one line, not one per worker; the workers' exit status is make's.
 HEAL_WORKERS ?= 2
 heal: setup
 	@if [ "$(HEAL_WORKERS)" -gt 1 ]; then \
-	  pids=""; i=0; while [ $$i -lt $(HEAL_WORKERS) ]; do \
-	    XLA_PYTHON_CLIENT_PREALLOCATE=false $(BIN)/moeheal heal -c $(CONFIG) --shard $$i/$(HEAL_WORKERS) & \
-	    pids="$$pids $$!"; i=$$((i + 1)); done; \
-	  rc=0; for p in $$pids; do wait $$p || rc=$$?; done; exit $$rc; fi
+	  status=$$(mktemp); \
+	  { pids=""; i=0; while [ $$i -lt $(HEAL_WORKERS) ]; do \
+	      XLA_PYTHON_CLIENT_PREALLOCATE=false $(BIN)/moeheal heal -c $(CONFIG) --shard $$i/$(HEAL_WORKERS) 2>&1 & \
+	      pids="$$pids $$!"; i=$$((i + 1)); done; \
+	    rc=0; for p in $$pids; do wait $$p || rc=$$?; done; echo $$rc > $$status; } | awk '!seen[$$0]++ { print; fflush() }'; \
+	  rc=$$(cat $$status); rm -f $$status; [ "$$rc" -eq 0 ] || exit $$rc; fi
 	$(BIN)/moeheal heal -c $(CONFIG)
 
 # Two workers (pytest-xdist), each test file on one of them (`--dist loadfile`): module fixtures
