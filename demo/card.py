@@ -36,7 +36,7 @@ import itertools
 import json
 import re
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -481,19 +481,26 @@ def render_peers(snap: dict[str, list[Row]]) -> str:
     return render_comparisons(snap, _compare_pairs(snap))
 
 
-def render_headline(snap: dict[str, list[Row]]) -> str:
-    """The README's headline: of the config's own pairs, each outside GGUF against the variant of
-    ours that stores the routed experts in the same bits per weight, eval and canary side by side."""
+def _peer_pairs(snap: dict[str, list[Row]]) -> Iterator[tuple[str, str, dict[str, float], Row, Row]]:
+    """Of the config's own pairs, each (outside file a, healed variant b) without cache-aware routing:
+    a, b, every variant's bits per routed weight, and the pair's eval and canary comparison rows."""
     kinds = {r["variant"]: r["kind"] for r in snap["variants"]}
     bits = {r["variant"]: r["routed_bpw"] for r in snap["sizes"]}
     index = {(r["set"], r["a"], r["b"]): r for r in snap["comparisons"]
              if r["moce_bonus_a"] == 0 and r["moce_bonus"] == 0}
+    for a, b in _compare_pairs(snap):
+        if kinds.get(a) == "external" and kinds.get(b) == "healed":
+            yield a, b, bits, index[("eval", a, b)], index[("canary", a, b)]
+
+
+def render_headline(snap: dict[str, list[Row]]) -> str:
+    """The README's headline: of the config's own pairs, each outside GGUF against the variant of
+    ours that stores the routed experts in the same bits per weight, eval and canary side by side."""
     lines = ["| bits per routed weight | peer | ours | KLD eval: peer → ours "
              "| Δ KLD eval [95% CI] | Δ KLD canary [95% CI] |", "|---|---|---|---|---|---|"]
-    for a, b in _compare_pairs(snap):
-        if kinds.get(a) != "external" or kinds.get(b) != "healed" or abs(bits[a] - bits[b]) > 1e-9:
+    for a, b, bits, ev, ca in _peer_pairs(snap):
+        if abs(bits[a] - bits[b]) > 1e-9:
             continue
-        ev, ca = index[("eval", a, b)], index[("canary", a, b)]
         lines.append(f"| {bits[b]:.3f} | {a} | {b} | {ev['kld_a']:.4f} → {ev['kld_b']:.4f} "
                      f"| {_delta(ev['delta_pct'], ev['ci_lo'], ev['ci_hi'])} "
                      f"| {_delta(ca['delta_pct'], ca['ci_lo'], ca['ci_hi'])} |")
@@ -574,16 +581,11 @@ def render_at_size(snap: dict[str, list[Row]]) -> str:
     """Of the config's own pairs, each outside file against each of ours no larger than it (bits per
     routed weight), as the ratio ours / peer of pooled KLD with the window-bootstrap 95% CI, eval and
     canary: a snapshot's frontier pairs where the lake predates the `frontier_pairs` table."""
-    kinds = {r["variant"]: r["kind"] for r in snap["variants"]}
-    bits = {r["variant"]: r["routed_bpw"] for r in snap["sizes"]}
-    index = {(r["set"], r["a"], r["b"]): r for r in snap["comparisons"]
-             if r["moce_bonus_a"] == 0 and r["moce_bonus"] == 0}
     lines = ["| ours (bits per routed weight) | peer (bits) | KLD eval: peer → ours | ours / peer, eval [95% CI] "
              "| ours / peer, canary [95% CI] |", "|---|---|---|---|---|"]
-    for a, b in _compare_pairs(snap):
-        if kinds.get(a) != "external" or kinds.get(b) != "healed" or bits[b] > bits[a] + 1e-9:
+    for a, b, bits, ev, ca in _peer_pairs(snap):
+        if bits[b] > bits[a] + 1e-9:
             continue
-        ev, ca = index[("eval", a, b)], index[("canary", a, b)]
         ratios = [_ratio(1 + r["delta_pct"] / 100, 1 + r["ci_lo"] / 100, 1 + r["ci_hi"] / 100) for r in (ev, ca)]
         lines.append(f"| {b} ({bits[b]:.3f}) | {a} ({bits[a]:.3f}) | {ev['kld_a']:.4f} → {ev['kld_b']:.4f} "
                      f"| {ratios[0]} | {ratios[1]} |")
