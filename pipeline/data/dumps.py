@@ -317,7 +317,7 @@ class DumpArray:
     def __getitem__(self, index: slice | int | tuple) -> np.ndarray:
         try:
             values = from_stored(np.asarray(self._array[index]), self._declared_dtype)
-        except Exception as exc:  # codecs raise their own types (zstd, blosc, ValueError on a bad size)
+        except Exception as exc:  # codecs raise their own types (a CRC-32C mismatch, zstd in older dumps, a bad size)
             raise InputError(f"{self._where}: cannot decode stored chunk ({type(exc).__name__}: "
                              f"{' '.join(str(exc).split())[:160]})") from None
         if values.dtype.kind == "f" and not np.isfinite(values).all():

@@ -5,10 +5,11 @@ A dump of a real model is hundreds of gigabytes; one that fills the disk half wa
 So before such a stage builds (`dag.Executor`'s `before_build`, set by `HealRun`), its output is
 sized from what it will hold: tokens x widths x bytes per value for the dumps, the scored positions
 x vocabulary for the reference's logits, the source's tensors with the calibrate units' formats for
-an assembly. The figures are the uncompressed bytes, so an upper bound where the stage compresses
-(Zarr's zstd chunks, Parquet). A stage that does not fit stops with one line naming it, the bytes it
-needs and the bytes free, before it writes anything (exit 2); a partial, resumable output already
-under tmp/ counts as written.
+an assembly. The figures are the uncompressed bytes: what the dumps store (each Zarr chunk also
+carries a 4-byte checksum, which the 1 MiB margin covers), an upper bound where the stage
+compresses (Parquet). A stage that does not fit stops with one line naming it, the bytes it needs
+and the bytes free, before it writes anything (exit 2); a partial, resumable output already under
+tmp/ counts as written.
 
 `disk_free` is the one place the free figure is read, so a test can set it.
 """
