@@ -12,31 +12,26 @@ same formula fitted on the evaluation data itself (`oracle_from_gram`): the best
 any single scale could do there, against which the calibration-fitted alpha is
 judged.
 
-Sums are accumulated in float64 over row chunks: activations are float32 and a
-dump holds tens of millions of them, so float32 sums would lose digits. Where
-several residuals of the same outputs are wanted, `output_gram` reads the rows
-once and `residual_from_gram` gives each from its inner products.
+Every sum is an inner product from `output_gram`: each row's products summed on
+the device where the outputs already are (float32, a row at a time), the rows'
+partial sums added in float64 on the host. A dump holds tens of millions of
+activations, so one float32 sum over all of them would lose digits, and a
+float64 pass on the host over (65,536, 2,048) outputs is seconds of one core a
+layer (bench/speed/bench_calibrate_stats.py); a row's 2,048 products lose at
+most a few float32 ulps. Where several residuals of the same outputs are
+wanted, `output_gram` reads the rows once and `residual_from_gram` gives each
+from its inner products.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
+import jax
+import jax.numpy as jnp
 import numpy as np
-
-_CHUNK_ROWS = 4096
-
-
-def _row_chunks(*arrays: np.ndarray) -> Iterator[tuple[np.ndarray, ...]]:
-    """Equal row slices of same-shape arrays, cast to float64 one chunk at a time."""
-    shape = np.shape(arrays[0])
-    if any(np.shape(a) != shape for a in arrays):
-        raise ValueError(f"shape mismatch: {[np.shape(a) for a in arrays]}")
-    for start in range(0, shape[0], _CHUNK_ROWS):
-        yield tuple(np.asarray(a[start : start + _CHUNK_ROWS], dtype=np.float64) for a in arrays)
+from numpy.typing import ArrayLike
 
 
-def alpha_stats(y_ref: np.ndarray, y_q: np.ndarray) -> tuple[float, float, float]:
+def alpha_stats(y_ref: ArrayLike, y_q: ArrayLike) -> tuple[float, float, float]:
     """(<y_ref, y_q>, ||y_q||^2, ||y_ref||^2) in float64 (`output_gram`'s entries); additive over token chunks."""
     gram = output_gram(y_ref, y_q)  # (2, 2)
     return float(gram[0, 1]), float(gram[1, 1]), float(gram[0, 0])
@@ -49,49 +44,41 @@ def alpha_from_stats(dot: float, norm_q: float) -> float:
     return dot / norm_q
 
 
-def fit_alpha(y_ref: np.ndarray, y_q: np.ndarray) -> float:
+def fit_alpha(y_ref: ArrayLike, y_q: ArrayLike) -> float:
     """argmin_a ||y_ref - a y_q||^2 = <y_ref, y_q> / ||y_q||^2; y_ref, y_q (N, d)."""
     dot, norm_q, _ = alpha_stats(y_ref, y_q)
     return alpha_from_stats(dot, norm_q)
 
 
-def relative_residual(y_ref: np.ndarray, y: np.ndarray, scale: float = 1.0) -> float:
-    """||y_ref - scale * y||^2 / ||y_ref||^2 over all rows and columns, float64; (N, d) each.
+def relative_residual(y_ref: ArrayLike, y: ArrayLike, scale: float = 1.0) -> float:
+    """||y_ref - scale * y||^2 / ||y_ref||^2 over all rows and columns; (N, d) each.
 
-    `scale` is applied in float64 inside the sum, so the residual of alpha * y_q
-    is exact without materialising a rounded float32 alpha * y_q.
+    From the inner products (`residual_from_gram`), `scale` applied in float64,
+    so the residual of alpha * y_q needs no rounded float32 alpha * y_q.
     """
-    err = norm_ref = 0.0
-    for ref, approx in _row_chunks(y_ref, y):  # (n, d) each
-        diff = ref - scale * approx  # (n, d)
-        err += float(np.einsum("nd,nd->", diff, diff))
-        norm_ref += float(np.einsum("nd,nd->", ref, ref))
-    if not norm_ref > 0:
-        raise ValueError("y_ref is zero: the relative residual is undefined")
-    return err / norm_ref
+    return residual_from_gram(output_gram(y_ref, y), 0, {1: scale})
 
 
-_GRAM_ROWS = 256  # rows per chunk of `output_gram`: a float64 buffer of k x 256 x d (16 MB at k = 4, d = 2,048)
+@jax.jit
+def _row_products(*outputs: jax.Array) -> jax.Array:
+    """P[i, j, n] = <outputs[i][n], outputs[j][n]>, each row's products summed in float32 on the device;
+    k outputs (N, ...) -> (k, k, N). P[j, i] is P[i, j] itself, so the gram is exactly symmetric."""
+    rows = [o.reshape(o.shape[0], -1).astype(jnp.float32) for o in outputs]  # (N, w) each
+    upper = {(i, j): jnp.sum(rows[i] * rows[j], axis=1) for i in range(len(rows)) for j in range(i, len(rows))}
+    return jnp.stack([jnp.stack([upper[min(i, j), max(i, j)] for j in range(len(rows))])
+                      for i in range(len(rows))])  # (k, k, N)
 
 
-def output_gram(*outputs: np.ndarray) -> np.ndarray:
-    """G[i, j] = <outputs[i], outputs[j]> over all rows and columns, float64, from one pass over row
-    chunks (each copied into one float64 buffer, then a matrix product): every scale and residual
-    among these outputs follows from it (`residual_from_gram`), where a pass per residual would read
-    the rows again each time, seconds of host time per pass at 65,536 rows of a 2,048-wide layer
-    (bench/speed/bench_calibrate_stats.py). (k, k) for k outputs of the same shape (N, d)."""
+def output_gram(*outputs: ArrayLike) -> np.ndarray:
+    """G[i, j] = <outputs[i], outputs[j]> over all rows and columns, float64: every scale and residual
+    among these outputs follows from it (`residual_from_gram`), from one pass over the rows on the
+    device that holds them (NumPy inputs are copied there), each row's partial sum added in float64.
+    (k, k) for k outputs of the same shape (N, d)."""
     shape = np.shape(outputs[0])
     if any(np.shape(a) != shape for a in outputs):
         raise ValueError(f"shape mismatch: {[np.shape(a) for a in outputs]}")
-    width = int(np.prod(shape[1:], dtype=np.int64))
-    gram = np.zeros((len(outputs), len(outputs)))  # (k, k)
-    buffer = np.empty((len(outputs), _GRAM_ROWS * width))  # (k, rows d)
-    for start in range(0, shape[0], _GRAM_ROWS):
-        n = (min(start + _GRAM_ROWS, shape[0]) - start) * width
-        for i, a in enumerate(outputs):
-            buffer[i, :n] = np.asarray(a[start : start + _GRAM_ROWS]).reshape(-1)  # float32 -> float64
-        gram += buffer[:, :n] @ buffer[:, :n].T  # (k, k)
-    return gram
+    partials = np.asarray(_row_products(*(jnp.asarray(a) for a in outputs)), dtype=np.float64)  # (k, k, N)
+    return partials.sum(axis=-1)  # (k, k)
 
 
 def residual_from_gram(gram: np.ndarray, ref: int, terms: dict[int, float]) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from scipy import optimize
@@ -39,16 +40,16 @@ def shrunk_output(rng: np.random.Generator, n: int = 5000, d: int = 64) -> tuple
 
 def test_fit_alpha_matches_float64_and_minimises_residual() -> None:
     rng = np.random.default_rng(0)
-    y_ref, y_q = shrunk_output(rng)  # 5000 rows: more than one accumulation chunk
+    y_ref, y_q = shrunk_output(rng)  # 5000 rows: 5000 float32 partial sums added in float64
     ref64, q64 = y_ref.astype(np.float64), y_q.astype(np.float64)
     alpha = fit_alpha(y_ref, y_q)
-    assert alpha == pytest.approx(np.sum(ref64 * q64) / np.sum(q64 * q64), rel=1e-12)
+    assert alpha == pytest.approx(np.sum(ref64 * q64) / np.sum(q64 * q64), rel=1e-8)
     best = optimize.minimize_scalar(lambda a: np.sum((ref64 - a * q64) ** 2), bracket=(0.5, 1.5), tol=1e-12)
     assert alpha == pytest.approx(best.x, rel=1e-7)
-    assert relative_residual(y_ref, y_q, alpha) == pytest.approx(best.fun / np.sum(ref64**2), rel=1e-10)
+    assert relative_residual(y_ref, y_q, alpha) == pytest.approx(best.fun / np.sum(ref64**2), rel=1e-7)
     assert relative_residual(y_ref, y_q, alpha) < relative_residual(y_ref, y_q)  # alpha = 1 is worse here
     dot, norm_q, norm_ref = alpha_stats(y_ref, y_q)
-    assert norm_ref == pytest.approx(np.sum(ref64**2), rel=1e-12) and dot / norm_q == alpha
+    assert norm_ref == pytest.approx(np.sum(ref64**2), rel=1e-8) and dot / norm_q == alpha
 
 
 def test_residuals_from_one_gram_match_float64_passes() -> None:
@@ -61,24 +62,38 @@ def test_residuals_from_one_gram_match_float64_passes() -> None:
     r, q, h, s = (a.astype(np.float64) for a in (y_ref, y_q, y_h, y_s))
     gram = output_gram(y_ref, y_q, y_h, y_s)
     np.testing.assert_allclose(gram, np.array([[np.sum(a * b) for b in (r, q, h, s)] for a in (r, q, h, s)]),
-                               rtol=1e-12)
+                               rtol=1e-8)
     rr = np.sum(r * r)
-    assert residual_from_gram(gram, 0, {1: 1.0}) == pytest.approx(np.sum((r - q) ** 2) / rr, rel=1e-10)
+    assert residual_from_gram(gram, 0, {1: 1.0}) == pytest.approx(np.sum((r - q) ** 2) / rr, rel=1e-7)
     c = np.sum(r * q) / np.sum(q * q)
-    assert residual_from_gram(gram, 0, {1: c}) == pytest.approx(np.sum((r - c * q) ** 2) / rr, rel=1e-10)
-    assert residual_from_gram(gram, 0, {2: 1.0, 3: 1.0}) == pytest.approx(np.sum((r - h - s) ** 2) / rr, rel=1e-10)
+    assert residual_from_gram(gram, 0, {1: c}) == pytest.approx(np.sum((r - c * q) ** 2) / rr, rel=1e-7)
+    assert residual_from_gram(gram, 0, {2: 1.0, 3: 1.0}) == pytest.approx(np.sum((r - h - s) ** 2) / rr, rel=1e-7)
     gain = residual_from_gram(gram, 0, {2: 1.0, 3: 1.0}) / residual_from_gram(gram, 0, {2: 1.0}) - 1.0
-    assert gain == pytest.approx(relative_residual(y_ref - y_h, y_s) - 1.0, rel=1e-9)
+    assert gain == pytest.approx(relative_residual(y_ref - y_h, y_s) - 1.0, rel=1e-6)
     assert residual_from_gram(output_gram(y_ref, y_ref), 0, {1: 1.0}) == 0.0
     with pytest.raises(ValueError, match="shape"):
         output_gram(y_ref, y_q[:-1])
+
+
+def test_output_gram_keeps_float64_digits_where_one_float32_sum_loses_them() -> None:
+    """Two million rows of outputs with a large common offset: one float32 accumulation over every
+    product drifts by far more than 1e-6, `output_gram` (float32 per row, float64 over rows) stays within
+    1e-9 of float64 NumPy. Its outputs on the device or on the host give the same matrix."""
+    rng = np.random.default_rng(7)
+    y = (100.0 + rng.normal(size=(2_000_000, 8))).astype(np.float32)  # (N, d)
+    exact = float(np.sum(y.astype(np.float64) ** 2))
+    naive = float(np.cumsum((y * y).reshape(-1), dtype=np.float32)[-1])  # one float32 running sum
+    assert abs(naive / exact - 1) > 1e-6
+    gram = output_gram(y, y)
+    assert gram[0, 0] == pytest.approx(exact, rel=1e-9) and gram[0, 1] == gram[1, 0] == gram[0, 0]
+    np.testing.assert_array_equal(output_gram(jax.device_put(y), y), gram)
 
 
 def test_relative_residual_matches_float64() -> None:
     rng = np.random.default_rng(1)
     y_ref, y_q = shrunk_output(rng, n=300, d=16)
     ref64, q64 = y_ref.astype(np.float64), y_q.astype(np.float64)
-    assert relative_residual(y_ref, y_q) == pytest.approx(np.sum((ref64 - q64) ** 2) / np.sum(ref64**2), rel=1e-12)
+    assert relative_residual(y_ref, y_q) == pytest.approx(np.sum((ref64 - q64) ** 2) / np.sum(ref64**2), rel=1e-7)
     assert relative_residual(y_ref, y_ref) == 0.0
     with pytest.raises(ValueError, match="shape"):
         relative_residual(y_ref, y_q[:-1])

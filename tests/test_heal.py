@@ -100,7 +100,7 @@ def test_alpha_is_fitted_from_the_unscaled_quantization_and_applied_to_the_scale
     healed_down = GGUFModel(run.result(run.assemble(variant)).path).raw("blk.0.ffn_down_exps.weight").data
     d_unscaled = quantized["ffn_down_exps"].reshape(-1, 66)[:, 64:].copy().view(np.float16)
     d_healed = healed_down.reshape(-1, 66)[:, 64:].copy().view(np.float16)
-    np.testing.assert_array_equal(d_healed, (d_unscaled.astype(np.float32) * np.float32(alpha)).astype(np.float16))
+    np.testing.assert_array_equal(d_healed, (d_unscaled.astype(np.float32) * np.float32(row["alpha"])).astype(np.float16))
 
 
 def test_realized_ridge_gain_matches_the_healed_model(healed):

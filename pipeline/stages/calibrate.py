@@ -50,7 +50,7 @@ from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.lake.files import write_parquet
 from moeheal.pipeline.lake.stage import Log, Stage
 from moeheal.pipeline.model.layers import swiglu
-from moeheal.pipeline.model.routed import routed_output
+from moeheal.pipeline.model.routed import routed_inputs_on_device, routed_output
 from moeheal.pipeline.progress import Phases
 
 OUTPUTS = ("layer_<i>.npz", "layer_metrics.parquet", "ridge_cv.parquet")  # a unit's: its layer and its rows
@@ -167,20 +167,24 @@ def calibrate_layer(out: Path, source: GGUFModel, quant_dir: Path, cal, unseen, 
     in_sample_rows = slice(0, params.cal_tokens or None)  # the rows quantization saw
     groups = {s: read_layer(d[str(layer)], in_sample_rows if s == "in_sample" else slice(None))
               for s, d in splits.items()}
-    y_ref = {s: g["yr"] for s, g in groups.items()}  # (T, d) each
     phases.done("read")
+    # copied to the device once: both routed outputs read them, and every sum below runs where they are
+    on_device = {s: routed_inputs_on_device(g) for s, g in groups.items()}
+    y_ref = {s: d["yr"] for s, d in on_device.items()}  # (T, d) each
     experts_f32 = dequantized_experts(arrays)  # once: a real layer is hundreds of millions of weights
-    y_q = {s: routed_output(experts_f32, g) for s, g in groups.items()}
+    y_q = {s: routed_output(experts_f32, d) for s, d in on_device.items()}  # (T, d) each, on the device
     phases.done("routed output", y_q)
     alpha = fit_alpha(y_ref["in_sample"], y_q["in_sample"]) if params.alpha else 1.0
     phases.done("alpha")
     arrays["ffn_down_exps"] = scale_expert_scales(arrays, "ffn_down_exps", alpha, f"layer {layer}")
     experts_f32["ffn_down_exps"] = dequantized_matrix(arrays, "ffn_down_exps", keep_on_device=True)  # alpha in its scales
-    y_healed = {s: routed_output(experts_f32, g) for s, g in groups.items()}
+    y_healed = {s: routed_output(experts_f32, d) for s, d in on_device.items()}  # (T, d) each, on the device
     del experts_f32
     phases.done("routed output", y_healed)
 
-    if shared:
+    if shared:  # the ridge's statistics in float64 on the host, from host copies of the outputs
+        y_ref = {s: g["yr"] for s, g in groups.items()}
+        y_q, y_healed = ({s: np.asarray(y[s]) for s in groups} for y in (y_q, y_healed))
         w_down = source.tensor(f"blk.{layer}.ffn_down_shexp.weight")  # (d, f)
         z = {s: _gated_hidden(source, layer, g) for s, g in groups.items()}  # (T, f) the source's
         z_q = {s: _gated_hidden(source, layer, g, arrays) for s, g in groups.items()}  # (T, f) as written

@@ -63,7 +63,7 @@ from moeheal.pipeline.gguf.sizes import tensor_bytes
 from moeheal.pipeline.lake.files import write_parquet
 from moeheal.pipeline.lake.stage import Log, Stage
 from moeheal.pipeline.model import roles
-from moeheal.pipeline.model.routed import routed_output
+from moeheal.pipeline.model.routed import routed_inputs_on_device, routed_output
 from moeheal.pipeline.progress import progress
 from moeheal.pipeline.stages.quantize import (
     QuantizeParams,
@@ -108,9 +108,10 @@ def _row(layer: int, role: str, fmt: str, n_weights: int, n_bytes: int, errors: 
             "rel_err": errors["unseen"], "rel_err_in_sample": errors["in_sample"], "kl_est": kl_est, "alpha": alpha}
 
 
-def _routed_rows(layer: int, role: str, weights: dict[str, jax.Array], plan, data, fisher: np.ndarray,
-                 params: "SensitivityParams") -> list[dict[str, Any]]:
-    """One routed role of one layer in every candidate format: the routed output error after alpha."""
+def _routed_rows(layer: int, role: str, weights: dict[str, jax.Array], plan, data: dict[str, dict[str, jax.Array]],
+                 fisher: np.ndarray, params: "SensitivityParams") -> list[dict[str, Any]]:
+    """One routed role of one layer in every candidate format: the routed output error after alpha;
+    `data` each split's routed inputs on the device (`routed_inputs_on_device`)."""
     w = weights[role]  # (E, rows, cols)
     importance, hessians = plan[role]
     rows = []
@@ -120,8 +121,8 @@ def _routed_rows(layer: int, role: str, weights: dict[str, jax.Array], plan, dat
         w_q = decode.dequantize(raw, fmt, w.shape, keep_on_device=True)  # (E, rows, cols)
         y = {s: routed_output({**weights, role: w_q}, d) for s, d in data.items()}  # (T, d) each
         alpha = fit_alpha(data["in_sample"]["yr"], y["in_sample"]) if params.alpha else 1.0
-        errors = {s: relative_residual(d["yr"], alpha * y[s]) for s, d in data.items()}
-        delta = alpha * y["unseen"] - data["unseen"]["yr"]  # (T, d)
+        errors = {s: relative_residual(d["yr"], y[s], alpha) for s, d in data.items()}
+        delta = np.asarray(alpha * y["unseen"] - data["unseen"]["yr"])  # (T, d)
         rows.append(_row(layer, role, fmt, int(w.size), raw.nbytes, errors, kl_estimate(fisher, delta), float(alpha)))
     return rows
 
@@ -171,9 +172,10 @@ def measure_sensitivity(source: GGUFModel, cal, unseen, guidance: Path, params: 
             raise InputError(f"{guidance}: layer {layer}: {len(fisher)} rows of guidance for an unseen dump of "
                              f"{len(data['unseen']['yr'])}")
         matrices = layer_matrices(source, layer) if set(params.roles) - set(EXPERT_TENSORS) else {}
+        routed = {s: routed_inputs_on_device(d) for s, d in data.items()}
         for role in params.roles:
             if role in EXPERT_TENSORS:
-                rows += _routed_rows(layer, role, weights, plan, data, fisher, params)
+                rows += _routed_rows(layer, role, weights, plan, routed, fisher, params)
             else:
                 rows += _matrix_rows(source, layer, role, matrices, data, seqs, fisher, params)
     return pa.Table.from_pylist(rows, schema=SENSITIVITY_SCHEMA)
