@@ -35,6 +35,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, Keys
 
 from moeheal.pipeline.errors import InputError
+from moeheal.pipeline.lake.fingerprint import content_digest
 
 _DIGEST_CACHE: dict[tuple[tuple[str, int, int], ...], str] = {}
 SHARD_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")  # llama.cpp's llama_split_path
@@ -321,7 +322,11 @@ class GGUFFile:
 
 
     def digest(self) -> str:
-        """SHA-256 of the file's bytes (of every shard's, in order), cached per (path, mtime, size)."""
+        """SHA-256 of the file's bytes (of every shard's, in order). A single file's is the lake's content
+        digest, which the heal has already taken to key its stages: a real source is tens of GB, a
+        second pass over it is most of a minute."""
+        if len(self.shards) == 1:
+            return content_digest(self.shards[0])
         key = tuple((str(p.resolve()), p.stat().st_mtime_ns, p.stat().st_size) for p in self.shards)
         if key not in _DIGEST_CACHE:
             h = hashlib.sha256()
