@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moeheal.kernels.adam import adam_direction
+from moeheal.kernels.alpha import output_gram
 from moeheal.kernels.decode import FORMATS, format_of
 from moeheal.kernels.formats import BlockFormat, GridFormat, Q8_0, fp16_round
 from moeheal.kernels.iquants import IQuant, gguf_grid
@@ -355,14 +356,11 @@ class TokenSet:
         return TokenSet(self.x[rows], self.experts[rows], self.weights[rows], self.target[rows], self.yr[rows], gate,
                         weight)
 
-    def output_weight(self) -> np.ndarray:
-        """The output errors' weights (T, d): `weight`, or ones."""
-        return np.ones_like(self.yr) if self.weight is None else self.weight
-
     def energy(self) -> float:
-        """sum_tc weight_tc yr_tc^2 (sum_t ||yr_t||^2 unweighted)."""
-        squares = np.square(self.yr, dtype=np.float64)  # (T, d)
-        return float(np.sum(squares if self.weight is None else squares * self.weight))
+        """sum_tc weight_tc yr_tc^2 (sum_t ||yr_t||^2 unweighted, on the device: `output_gram`)."""
+        if self.weight is None:
+            return float(output_gram(self.yr)[0, 0])
+        return float(np.sum(np.square(self.yr, dtype=np.float64) * self.weight))
 
 
 def _batch_layout(experts: np.ndarray, weights: np.ndarray, n_expert: int, rows: int, capacity: int
@@ -412,12 +410,13 @@ def _device_rows(data: TokenSet) -> dict[str, jax.Array]:
     ``len(data)``, the padding): x, target, weight (T+1, d) (ones when unweighted: the same program as
     any weighting, so ones give the unweighted sums to the bit), gate (T+1,)."""
     n = len(data)
-    weight = data.output_weight()
-    gate = data.shared_gate if data.shared_gate is not None else np.zeros(n, np.float32)
 
-    def padded(a: np.ndarray) -> jax.Array:
+    def padded(a: np.ndarray | jax.Array) -> jax.Array:
         return jnp.concatenate([jnp.asarray(a, jnp.float32), jnp.zeros((1, *np.shape(a)[1:]), jnp.float32)])
 
+    # unweighted: the ones made on the device (a real layer's are 0.5 GB that need not cross from the host)
+    weight = jnp.ones(data.yr.shape, jnp.float32) if data.weight is None else data.weight  # (T, d)
+    gate = jnp.zeros(n, jnp.float32) if data.shared_gate is None else data.shared_gate  # (T,)
     return {"x": padded(data.x), "target": padded(data.target), "weight": padded(weight), "gate": padded(gate)}
 
 
