@@ -51,22 +51,12 @@ test-latest:
 	.venv-latest/bin/python -P -m pytest -q -m "not gpu" -n 2 --dist loadfile --no-loadscope-reorder
 
 # The per-layer units (quantize + calibrate per variant and layer, and the dumps and recipes they read)
-# on HEAL_WORKERS processes at once (`moeheal heal --shard I/N`, docs/scale-out.md: every stage built
-# once under its lock, the same bytes as one process), then one heal that finds them cached and does the
-# rest: one process leaves a second core idle much of the time. HEAL_WORKERS=1: a single process. The
-# workers do not preallocate GPU memory (XLA_PYTHON_CLIENT_PREALLOCATE), so two share one GPU. Their
-# output goes through one filter that drops a line another worker already printed, so bad input is
-# one line, not one per worker; the workers' exit status is make's.
+# on HEAL_WORKERS processes at once (`moeheal heal --workers N`: N `--shard I/N` workers, every stage
+# built once under its lock, the same bytes as one process; docs/scale-out.md), then the rest in one:
+# one process leaves a second core idle much of the time. HEAL_WORKERS=1: a single process.
 HEAL_WORKERS ?= 2
 heal: setup
-	@if [ "$(HEAL_WORKERS)" -gt 1 ]; then \
-	  status=$$(mktemp); \
-	  { pids=""; i=0; while [ $$i -lt $(HEAL_WORKERS) ]; do \
-	      XLA_PYTHON_CLIENT_PREALLOCATE=false $(BIN)/moeheal heal -c $(CONFIG) --shard $$i/$(HEAL_WORKERS) 2>&1 & \
-	      pids="$$pids $$!"; i=$$((i + 1)); done; \
-	    rc=0; for p in $$pids; do wait $$p || rc=$$?; done; echo $$rc > $$status; } | awk '!seen[$$0]++ { print; fflush() }'; \
-	  rc=$$(cat $$status); rm -f $$status; [ "$$rc" -eq 0 ] || exit $$rc; fi
-	$(BIN)/moeheal heal -c $(CONFIG)
+	$(BIN)/moeheal heal -c $(CONFIG) --workers $(HEAL_WORKERS)
 
 # Two workers (pytest-xdist), each test file on one of them (`--dist loadfile`): module fixtures
 # (the small healed worlds) are built once, and JAX's compilation cache (tests/conftest.py) is

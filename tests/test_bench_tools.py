@@ -277,6 +277,12 @@ def test_real_size_record_extrapolates_each_stage_linearly_in_depth():
     assert "calibrate:unhealed" not in record["stages"]
     assert record["total_s"] == pytest.approx(10 + 5 * 48 + 20 + 48 + np.mean([2.0, 2.1, 2.0]))
     assert record["layers_measured"] == [2, 3, 4]
+    # shard workers built the dump and the units: their phase is one shared stage kind, linear in depth
+    sharded = [{**r, "shard_phase_s": 30.0 + 9 * r["layers"], "per_stage_s": {"e2e:v": r["per_stage_s"]["e2e:v"]}}
+               for r in runs]
+    record = real_size_record.join_runs(sharded, 48)
+    assert record["stages"][real_size_record.SHARD_PHASE]["per_layer_s"] == pytest.approx(9.0)
+    assert record["total_s"] == pytest.approx(30 + 9 * 48 + 10 + 5 * 48)
 
     committed = json.loads((REPO / "bench/results/real-size/qwen3-30b-a3b.json").read_text())
     runs = [{**json.loads((REPO / r["json"]).read_text()), "json": r["json"]} for r in committed["runs"]]

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from moeheal.pipeline.commands.cli import main
+from moeheal.pipeline.commands.workers import run_shard_workers
 from bench.inputs.ggufs import make_tiny_gguf
 from bench.inputs.healworld import write_world
 
@@ -94,6 +95,45 @@ def test_plan_units_lists_every_layer_of_every_variant(world, capsys):
     fresh = with_lake(world, "lake-unplanned")
     assert main(["plan", "-c", str(fresh), "--units"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "6 units: 0 cached, 6 to compute"
+
+
+# ---- --workers ------------------------------------------------------------------------------------
+def test_heal_with_two_workers_gives_the_single_process_lake(world):
+    """`heal --workers 2`: two `--shard` processes build the units, each once, then the rest in the command."""
+    config = with_lake(world, "lake-workers")
+    done = heal(config, "--workers", "2")
+    assert "shard 0/2:" in done.stdout and "shard 1/2:" in done.stdout
+    built = [line for line in done.stdout.splitlines() if "computing" in line and "quantize:v1:" in line]
+    assert len(built) == 3, built  # every layer's unit once, by one worker or the other
+    assert_same_lake(world.parent / "lake", config.parent / "lake-workers")
+
+
+def test_workers_echo_a_line_both_printed_once(tmp_path):
+    """Both workers fail on the same bad input: its line is echoed once, and both exit 2."""
+    echoed: list[str] = []
+    missing = tmp_path / "missing.toml"
+    old = {k: os.environ.get(k) for k in ENV}
+    os.environ.update(ENV)
+    try:
+        runs = run_shard_workers(missing, 2, echo=echoed.append)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert [r.returncode for r in runs] == [2, 2]
+    errors = [line for line in echoed if line.startswith("moeheal: error:")]
+    assert len(errors) == 1 and str(missing) in errors[0], echoed
+    assert all(errors[0] in r.lines for r in runs)
+
+
+@pytest.mark.parametrize("extra, named", [(["--workers", "2", "--shard", "0/2"], "--shard"),
+                                          (["--workers", "0"], "--workers 0")])
+def test_workers_with_a_shard_or_none_are_refused(world, capsys, extra, named):
+    assert main(["heal", "-c", str(world), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0]
 
 
 # ---- Slurm ----------------------------------------------------------------------------------------

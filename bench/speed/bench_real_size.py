@@ -17,10 +17,12 @@ squares, alpha and ridge); `--variants` picks among it, `gptq_iq2_xxs`
 (IQ2_XXS, importance, GPTQ, alpha and ridge; ridge only where the model has a
 shared expert) and `ls_tq2_0` (TQ2_0, importance, least squares, alpha and
 ridge), the cheapest healed one. `--shards N` first runs N `moeheal heal --shard i/N`
-workers at once on the lake (worker i on GPU i mod the GPU count), as a
-machine with several GPUs runs a real model; the in-process heal then finds
+workers at once on the lake, what `moeheal heal --workers N` runs (worker i on
+GPU i mod the GPU count where there are several; on one GPU they share it, one
+reading and packing while another computes); the in-process heal then finds
 every unit cached, and the figures add the workers' phase (its wall time,
-each worker's, the stages each built).
+each worker's, the stages each built; the GPU's samples and nvidia-smi's peak
+span it, JAX's peak and the host's are this process's only).
 
 Printed: each stage invocation's wall time (from its start to the next
 stage's start, so a unit's reading of its inputs is in it), the sums per
@@ -56,12 +58,12 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
 
 from moeheal.pipeline.commands.init import UNSEEN_TOKENS
+from moeheal.pipeline.commands.workers import run_shard_workers
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.model.compile_cache import CACHE_ENV, prepare_compilation
@@ -164,30 +166,20 @@ cache_experts = 8
     return config
 
 
-def run_shard_workers(config: Path, shards: int) -> dict[str, object]:
-    """`moeheal heal --shard i/N` for i < N, all at once on the config's lake, worker i on GPU i mod
-    the GPU count (`CUDA_VISIBLE_DEVICES`) where there are GPUs: the phase's wall time, each worker's
-    own time and the units it built (its `computing` lines)."""
+def run_shards(config: Path, shards: int) -> dict[str, object]:
+    """`moeheal heal --shard i/N` for i < N, all at once on the config's lake (`commands.workers`, what
+    `heal --workers N` runs), worker i on GPU i mod the GPU count where there are several: the phase's
+    wall time, each worker's own time and the units it built (its `computing` lines)."""
     gpus = len(jax.devices("gpu")) if jax.default_backend() == "gpu" else 0
     start = time.perf_counter()
-    workers = []
-    for i in range(shards):
-        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": str(i % gpus)} if gpus else {})}
-        workers.append((time.perf_counter(), subprocess.Popen(
-            [sys.executable, "-m", "moeheal", "heal", "-c", str(config), "--shard", f"{i}/{shards}"],
-            stdout=subprocess.PIPE, text=True, env=env)))
-
-    def finish(began: float, worker: subprocess.Popen) -> tuple[float, int]:
-        out, _ = worker.communicate()
-        if worker.returncode != 0:
-            raise SystemExit(f"shard worker exited {worker.returncode}")
-        return time.perf_counter() - began, sum(" computing " in line for line in out.splitlines()
-                                                 if STAGE_LINE.match(line))
-
-    with ThreadPoolExecutor(shards) as pool:  # each worker's own end, whichever finishes first
-        done = list(pool.map(lambda pair: finish(*pair), workers))
+    runs = run_shard_workers(config, shards, devices=gpus if gpus > 1 else 0, echo=lambda line: None)
+    if any(run.returncode for run in runs):
+        raise SystemExit(f"shard worker exited {[run.returncode for run in runs]}: "
+                         + "\n".join(line for run in runs for line in run.lines[-5:]))
     return {"shards": shards, "gpus_used": min(gpus, shards), "shard_phase_s": time.perf_counter() - start,
-            "shard_worker_s": [seconds for seconds, _ in done], "shard_stages_built": [n for _, n in done]}
+            "shard_worker_s": [run.seconds for run in runs],
+            "shard_stages_built": [sum(" computing " in line for line in run.lines if STAGE_LINE.match(line))
+                                   for run in runs]}
 
 
 class StageClock:
@@ -421,12 +413,13 @@ def main() -> int:
     config = write_config(args.work, model, args.tokens, write_windows(args.work, args.windows), args.variants,
                           args.unseen_tokens, args.e2e_batch_seqs)
     run = HealRun(load_config(config), log=clock)
-    sharded = run_shard_workers(config, args.shards) if args.shards else {}
     signal.signal(signal.SIGTERM, stop_run)  # `timeout`'s signal: the stages finished so far are still reported
-    stopped, healed = False, {}
+    stopped, healed, sharded = False, {}, {}
     profiler = cProfile.Profile() if args.profile else None
-    with HostMemory() as host, DeviceSampler() as device:
+    with HostMemory() as host, DeviceSampler() as device:  # the GPU's samples span the workers' phase too
         try:
+            if args.shards:
+                sharded = run_shards(config, args.shards)
             if profiler is not None:
                 profiler.enable()
             if args.no_eval:  # up to the healed GGUFs: a real vocabulary makes every evaluated window costly

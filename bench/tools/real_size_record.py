@@ -15,6 +15,10 @@ extrapolated. A stage kind belongs to the variant its label names (`quantize:<va
 heal from the source GGUF to its evaluated file (its stages and the shared ones), `recipe_total_s` the
 second's, `ladder_total_s` every variant's stages with the shared ones once.
 
+A run with shard workers (`--shards N`, what `heal --workers N` runs) built its dumps and every per-layer
+unit in the workers' phase, which is the stage kind `shard workers` here (shared: the unhealed baseline's
+units are in it too, so its totals are an upper bound); the units it left for the heal are cache hits.
+
 Memory and utilisation are the runs' own figures (the largest over runs for the peaks; utilisation from
 the deepest run of the first variant, over its heal phase), never extrapolated.
 """
@@ -33,6 +37,7 @@ GB = 1e9
 # Stages that never read the model's layers (the text, its split and windows, the audit's SQL): their time
 # does not follow the depth, so their mean over runs is kept, not a line whose slope is noise.
 DEPTH_FREE = ("corpus", "traces", "windows", "audit")
+SHARD_PHASE = "shard workers"  # a run's `shard_phase_s` as a stage kind
 
 
 def owner(kind: str, variants: list[str]) -> str | None:
@@ -59,6 +64,8 @@ def join_runs(runs: list[dict], depth: int) -> dict:
     """The record of `runs` (bench_real_size figures, each with its `json` path) extrapolated to `depth`."""
     groups: dict[tuple[str, ...], list[dict]] = defaultdict(list)
     for run in runs:
+        if "shard_phase_s" in run:
+            run = {**run, "per_stage_s": {**run["per_stage_s"], SHARD_PHASE: run["shard_phase_s"]}}
         groups[tuple(run["variants"])].append(run)
     order = list(dict.fromkeys(v for run in runs for v in run["variants"]))
     stages: dict[str, dict] = {}

@@ -64,12 +64,21 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 def cmd_heal(args: argparse.Namespace) -> int:
     shard = parse_shard(args.shard) if args.shard else None
+    if args.workers < 1:
+        raise InputError(f"--workers {args.workers}: expected a count of worker processes, at least 1")
+    if args.workers > 1 and (shard is not None or args.executor == "ray"):
+        raise InputError(f"--workers {args.workers}: its workers are shards of this heal; leave out "
+                         + ("--shard" if shard is not None else "--executor ray"))
     if args.executor == "ray":
         from moeheal.pipeline.lake import scaleout
 
         if shard is not None:
             raise InputError("--executor ray: Ray schedules every unit; leave out --shard")
         scaleout.import_ray(local=args.ray_address is None)  # before any work: one line if it is not installed
+    if args.workers > 1:
+        from moeheal.pipeline.commands.workers import share_the_device
+
+        share_the_device()  # before this process starts a device: it and the workers share it
     run = _pipeline(args)
     if shard is not None:
         units = run.shard_units(*shard)
@@ -81,6 +90,12 @@ def cmd_heal(args: argparse.Namespace) -> int:
     note = long_heal_note(_pipeline(args, plan=True))  # a heal past 10 minutes says so first
     if note:
         print(note, flush=True)
+    if args.workers > 1:
+        from moeheal.pipeline.commands.workers import run_shard_workers
+
+        failed = [w.returncode for w in run_shard_workers(Path(args.config), args.workers) if w.returncode]
+        if failed:  # each worker printed its own error; the line once
+            return failed[0]
     if args.executor == "ray":
         scaleout.heal_units_on_ray(run, args.ray_address, args.gpus_per_unit)
     run.heal()
@@ -368,6 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--shard", metavar="I/N",
                            help="build only worker I's share of the per-layer quantize and calibrate units of N "
                                 "workers on this lake (one per GPU or host), then stop; run without it afterwards")
+            p.add_argument("--workers", type=int, default=1, metavar="N",
+                           help="build the per-layer units on N `--shard I/N` processes at once on this machine "
+                                "(sharing its GPU: one reads and packs while another computes), then the rest "
+                                "here; the same bytes as one process")
             p.add_argument("--executor", choices=("local", "ray"), default="local",
                            help="ray: the per-layer units (and what they read) as Ray tasks in the DAG's order, "
                                 "then the rest here (pip install 'moeheal[ray]'; docs/scale-out.md)")
