@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import zarr
 
+from bench.inputs.dump_reference import sequential_dump
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.model.runner import Runner
@@ -141,6 +143,56 @@ def test_nan_names_layer_and_position(tiny_qwen2moe, tmp_path):
     tokens, seq = trace(model.hp.vocab_size, n_tokens=SEQ)
     with pytest.raises(InputError, match=r"layer 1: NaN or Inf in yr at token position 0"):
         dump_trace(tmp_path / "d.zarr", runner, tokens, seq, "calibration", SEQ, SEQ)
+
+
+@pytest.mark.parametrize("dump_dtype, attention", [("float32", False), ("bfloat16", True)])
+def test_dump_bytes_equal_the_sequential_writer(tiny_qwen2moe, tmp_path, dump_dtype, attention):
+    """The writer thread, the uncopied float32 rows and the Arrow-built `trace` column change no stored
+    byte: every file (chunks, metadata, routing parts) equals the one-chunk-at-a-time writer's, with two
+    passes per chunk and a short last sequence."""
+    runner = Runner(GGUFModel(tiny_qwen2moe))
+    tokens, seq = trace(runner.hp.vocab_size, n_tokens=9 * SEQ + 17)
+    sequential_dump(tmp_path / "ref.zarr", runner, tokens, seq, "unseen", 8 * SEQ, SEQ, attention, dump_dtype)
+    dump_trace(tmp_path / "new.zarr", runner, tokens, seq, "unseen", 8 * SEQ, SEQ, attention_inputs=attention,
+               dump_dtype=dump_dtype)
+    ref, new = (
+        {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+        for d in (tmp_path / "ref.zarr", tmp_path / "new.zarr"))
+    assert sum(key.startswith("routing") for key in ref) == 2
+    assert ref.keys() == new.keys() and [key for key in ref if ref[key] != new[key]] == []
+
+
+def test_a_writer_error_surfaces_and_rows_done_stays_at_the_last_whole_chunk(tiny_qwen2moe, tmp_path):
+    """A NaN in the second chunk is found on the writer thread: the caller gets the InputError naming
+    its position, `rows_done` stays at the first chunk's end, and a resume writes the same bytes as a
+    clean dump."""
+    model = GGUFModel(tiny_qwen2moe)
+    tokens, seq = trace(model.hp.vocab_size, n_tokens=8 * SEQ)  # two chunks of 4 sequences
+
+    class NaNInSecondChunk(Runner):
+        def forward(self, tokens, on_layer=None, **kwargs):
+            def poisoned(layer, cap):
+                if layer == 1 and self.passes == 1:
+                    yr = np.array(cap.yr)
+                    yr[2, 5] = np.nan  # sequence 2 of the pass, its row 5
+                    cap = dataclasses.replace(cap, yr=yr)
+                on_layer(layer, cap)
+            out = super().forward(tokens, on_layer=poisoned, **kwargs)
+            self.passes += 1
+            return out
+
+    runner = NaNInSecondChunk(model)
+    runner.passes = 0
+    with pytest.raises(InputError, match=rf"layer 1: NaN or Inf in yr at token position {4 * SEQ + 2 * SEQ + 5}$"):
+        dump_trace(tmp_path / "d.zarr", runner, tokens, seq, "calibration", 4 * SEQ, SEQ)
+    attrs = zarr.open_group(str(tmp_path / "d.zarr"), mode="r").attrs
+    assert attrs["rows_done"] == 4 * SEQ and not attrs.get("complete")
+    assert [p.name for p in (tmp_path / "d.zarr" / "routing").iterdir()] == [f"{0:012d}.parquet"]
+    clean = Runner(model)
+    dump_trace(tmp_path / "d.zarr", clean, tokens, seq, "calibration", 4 * SEQ, SEQ)
+    dump_trace(tmp_path / "fresh.zarr", clean, tokens, seq, "calibration", 4 * SEQ, SEQ)
+    assert array_files(tmp_path / "d.zarr") == array_files(tmp_path / "fresh.zarr")
+    assert read_routing(tmp_path / "d.zarr").equals(read_routing(tmp_path / "fresh.zarr"))
 
 
 def test_import_checks_sizes_against_T(tmp_path):

@@ -3,9 +3,13 @@
 Streaming, bounded memory, O(T) I/O: the trace is processed a chunk of
 sequences at a time and each layer's arrays are *appended* (resize + write of
 the new rows only). Zarr's chunk is one sequence long, so appends never
-rewrite an earlier chunk. After every processing chunk the root attribute
-`rows_done` is advanced, last; a killed dump resumes from there, truncating
-anything written past it. Each sequence runs on its own from position 0, so
+rewrite an earlier chunk. A chunk is checked and written on one writer thread
+while the next chunk's forward passes run (on a GPU the host's writing took
+most of a layer's time while the device waited); at most one chunk is in
+flight, so memory holds two chunks' activations at most. After every chunk's
+arrays and routing part are written the root attribute `rows_done` is
+advanced, last; a killed dump resumes from there, truncating anything written
+past it. Each sequence runs on its own from position 0, so
 how the trace is cut into processing chunks cannot change a single byte.
 
 Layout (SPEC.md): group per layer (`"0"`, `"1"`, ...) with `mixed` [T,d],
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -76,10 +81,12 @@ def array_widths(hp, k: int, dump_dtype: str = "float32") -> dict[str, tuple[int
 
 
 def to_stored(values: np.ndarray, dtype: str) -> np.ndarray:
-    """Values (T, width) as the dump stores them: bfloat16 as its uint16 bits (rounded to nearest even)."""
+    """Values (T, width) as the dump stores them: bfloat16 as its uint16 bits (rounded to nearest even);
+    values already of the stored dtype are returned as they are (a copy would only cost time: every
+    caller writes the result and keeps nothing)."""
     if dtype == "bfloat16":
         return values.astype(ml_dtypes.bfloat16).view(np.uint16)  # (T, width)
-    return values.astype(dtype)
+    return values.astype(dtype, copy=False)
 
 
 def from_stored(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -137,9 +144,13 @@ def _truncate(root: zarr.Group, layers: tuple[int, ...], rows: int, routing_dir:
 
 
 def _check_finite(name: str, layer: int, values: np.ndarray, first_pos: int) -> None:
-    bad = ~np.isfinite(values)
-    if bad.any():
-        row = int(np.argwhere(bad)[0][0])
+    """NaN or Inf in a layer's values is an InputError naming the first bad row's token position. The
+    finite case (every good dump) is one pass, `isfinite(...).all()`; the bad row is looked for only
+    after that failed. (A sum or min/max over the values was no faster on a 2-core AVX-512 CPU,
+    bench/RESULTS.md, "The dump's host path".)"""
+    finite = np.isfinite(values)
+    if not finite.all():
+        row = int(np.argwhere(~finite)[0][0])
         raise InputError(f"dump: layer {layer}: NaN or Inf in {name} at token position {first_pos + row}")
 
 
@@ -191,6 +202,9 @@ def rows_of(batch: ArrayLike) -> np.ndarray:
     return values.reshape(int(np.prod(values.shape[:-1])), values.shape[-1])
 
 
+Captured = tuple[int, str, int, np.ndarray]  # (layer, array name, first token position, rows (n, width))
+
+
 def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: str, chunk_tokens: int,
                seq_tokens: int, log: Callable[[str], None] = print, attention_inputs: bool = False,
                dump_dtype: str = "float32") -> None:
@@ -215,41 +229,73 @@ def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: st
     bounds = list(zip(starts, list(starts[1:]) + [total]))
     per_chunk = chunk_sequences(chunk_tokens, seq_tokens)
     chunks = [bounds[i:i + per_chunk] for i in range(0, len(bounds), per_chunk)]
-    arrays = {(layer, name): root[str(layer)][name] for layer in layers for name in names}
+    # Every chunk is written, zeros too: Zarr's default compares each chunk with the fill value to skip
+    # it (a third of its write time at the 30B width), and `open_dump` refuses a dump with a chunk file
+    # missing, so a skipped chunk could only make a dump unreadable. Any other chunk's bytes are the same.
+    arrays = {(layer, name): root[str(layer)][name].with_config({"write_empty_chunks": True})
+              for layer in layers for name in names}
     if done:
         log(f"[dump:{trace}] resuming after {done} of {total} tokens")
-    for chunk in progress([c for c in chunks if c[0][0] >= done], desc=f"dump {trace}", unit="chunk"):
-        lo, hi = int(chunk[0][0]), int(chunk[-1][1])
-        buffers: dict[tuple[int, str], list[np.ndarray]] = {key: [] for key in arrays}
-        for run in forward_batches([(int(s), int(e)) for s, e in chunk]):
-            def on_layer(layer: int, cap, s=run[0][0]) -> None:
-                for name in names:
-                    values = rows_of(getattr(cap, name))  # (B T_seq, width)
-                    if values.dtype.kind == "f":
-                        _check_finite(name, layer, values, s)
-                    buffers[(layer, name)].append(to_stored(values, widths[name][1]))
-            runner.forward(np.stack([tokens[s:e] for s, e in run]), capture=True, on_layer=on_layer,
-                           logits=False)  # (B, T_seq) tokens
-        routing_rows = []
-        for (layer, name), arr in arrays.items():
-            block = np.concatenate(buffers[(layer, name)], axis=0)  # (hi - lo, width)
-            arr.resize((hi, arr.shape[1]))
-            arr[lo:hi] = block
-        for layer in layers:
-            experts = np.concatenate(buffers[(layer, "experts")])  # (n, k)
-            weights = np.concatenate(buffers[(layer, "weights")])  # (n, k)
-            n = experts.shape[0]
-            routing_rows.append(pa.table({
-                "trace": pa.array([trace] * n * k, pa.string()),
-                "layer": pa.array(np.full(n * k, layer, np.int32)),
-                "pos": pa.array(np.repeat(np.arange(lo, hi, dtype=np.int64), k)),
-                "k": pa.array(np.tile(np.arange(k, dtype=np.int32), n)),
-                "expert": pa.array(experts.reshape(-1).astype(np.int32)),
-                "weight": pa.array(weights.reshape(-1).astype(np.float32)),
-            }))
-        write_parquet(routing_dir / f"{lo:012d}.parquet", pa.concat_tables(routing_rows))
-        root.attrs["rows_done"] = hi  # last: the chunk is complete
+    # One writer thread: chunk c is checked and written while chunk c + 1's passes run, and the caller
+    # waits for it before handing over the next, so its error surfaces here, in order, and at most
+    # one chunk's activations wait for the writer.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dump-writer") as writer:
+        pending: Future | None = None
+        for chunk in progress([c for c in chunks if c[0][0] >= done], desc=f"dump {trace}", unit="chunk"):
+            captured: list[Captured] = []
+            for run in forward_batches([(int(s), int(e)) for s, e in chunk]):
+                def on_layer(layer: int, cap, s=run[0][0]) -> None:
+                    captured.extend((layer, name, s, rows_of(getattr(cap, name))) for name in names)  # (B T_seq, width)
+                runner.forward(np.stack([tokens[s:e] for s, e in run]), capture=True, on_layer=on_layer,
+                               logits=False)  # (B, T_seq) tokens
+            if pending is not None:
+                pending.result()
+            lo, hi = int(chunk[0][0]), int(chunk[-1][1])
+            pending = writer.submit(_write_chunk, root, arrays, layers, routing_dir / f"{lo:012d}.parquet", trace,
+                                    k, (lo, hi), captured, {name: widths[name][1] for name in names})
+        if pending is not None:
+            pending.result()
     root.attrs["complete"] = True
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """Rows of consecutive passes as one block; a single pass's rows (the default chunk is one pass)
+    as they are, not copied."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+
+def _write_chunk(root: zarr.Group, arrays: dict[tuple[int, str], zarr.Array], layers: tuple[int, ...],
+                 routing_part: Path, trace: str, k: int, rows: tuple[int, int], captured: list[Captured],
+                 dtypes: dict[str, str]) -> None:
+    """One chunk of a dump, rows [lo, hi): every value checked finite (in the order the passes made
+    them, so the error names the same first bad row as a check during the pass would), every array
+    appended, the routing part written, and `rows_done` advanced last: the chunk is complete."""
+    lo, hi = rows
+    for layer, name, first, values in captured:
+        if values.dtype.kind == "f":
+            _check_finite(name, layer, values, first)
+    parts: dict[tuple[int, str], list[np.ndarray]] = {key: [] for key in arrays}
+    for layer, name, _, values in captured:
+        parts[(layer, name)].append(to_stored(values, dtypes[name]))
+    blocks = {key: _joined(p) for key, p in parts.items()}  # (hi - lo, width) each
+    for key, arr in arrays.items():
+        arr.resize((hi, arr.shape[1]))
+        arr[lo:hi] = blocks[key]
+    n = hi - lo
+    # the constant `trace` column built in Arrow, not from a Python list of n k strings (the same string
+    # array, so the same Parquet); `pos` and `k` are every layer's
+    trace_column = pa.repeat(pa.scalar(trace, pa.string()), n * k)
+    pos = pa.array(np.repeat(np.arange(lo, hi, dtype=np.int64), k))
+    ks = pa.array(np.tile(np.arange(k, dtype=np.int32), n))
+    write_parquet(routing_part, pa.concat_tables([pa.table({
+        "trace": trace_column,
+        "layer": pa.array(np.full(n * k, layer, np.int32)),
+        "pos": pos,
+        "k": ks,
+        "expert": pa.array(blocks[(layer, "experts")].reshape(-1).astype(np.int32, copy=False)),
+        "weight": pa.array(blocks[(layer, "weights")].reshape(-1).astype(np.float32, copy=False)),
+    }) for layer in layers]))
+    root.attrs["rows_done"] = hi  # last: the chunk is complete
 
 
 def create_layer_dump(out: Path, trace: str, layer: int, widths: dict[str, tuple[int, str]], seq_tokens: int,
