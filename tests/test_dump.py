@@ -17,6 +17,7 @@ from bench.inputs.dump_reference import sequential_dump
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.model.runner import Runner
+from moeheal.pipeline.data import dumps
 from moeheal.pipeline.data.dumps import (
     ARRAYS,
     chunk_sequences,
@@ -97,16 +98,18 @@ import numpy as np
 from pathlib import Path
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.model.runner import Runner
+from moeheal.pipeline.data import dumps
 from moeheal.pipeline.stages import dump
+dumps.DUMP_SEGMENT_BYTES = 1  # a segment per chunk: `rows_done` moves chunk by chunk
 slow = len(sys.argv) > 1
 runner = Runner(GGUFModel({str(tiny_qwen2moe)!r}))
-forward = runner.forward
+forward_layers = runner.forward_layers
 def paced(*a, **k):
-    out = forward(*a, **k)
+    out = forward_layers(*a, **k)
     if slow:
         time.sleep(0.3)
     return out
-runner.forward = paced
+runner.forward_layers = paced
 t = Path({str(tmp_path)!r})
 dump.dump_trace(t / "d.zarr", runner, np.load(t / "tokens.npy"), np.load(t / "seq.npy"), "calibration", {SEQ}, {SEQ})
 """)
@@ -162,27 +165,28 @@ def test_dump_bytes_equal_the_sequential_writer(tiny_qwen2moe, tmp_path, dump_dt
     assert ref.keys() == new.keys() and [key for key in ref if ref[key] != new[key]] == []
 
 
-def test_a_writer_error_surfaces_and_rows_done_stays_at_the_last_whole_chunk(tiny_qwen2moe, tmp_path):
-    """A NaN in the second chunk is found on the writer thread: the caller gets the InputError naming
-    its position, `rows_done` stays at the first chunk's end, and a resume writes the same bytes as a
-    clean dump."""
+def test_a_writer_error_surfaces_and_rows_done_stays_at_the_last_whole_segment(tiny_qwen2moe, tmp_path,
+                                                                               monkeypatch):
+    """A NaN in the second chunk (a segment of its own here) is found on the writer thread: the caller
+    gets the InputError naming its position, `rows_done` stays at the first segment's end, and a resume
+    writes the same bytes as a clean dump."""
     model = GGUFModel(tiny_qwen2moe)
     tokens, seq = trace(model.hp.vocab_size, n_tokens=8 * SEQ)  # two chunks of 4 sequences
+    monkeypatch.setattr(dumps, "DUMP_SEGMENT_BYTES", 4 * SEQ * 4 * model.hp.d_model)  # a chunk's streams
 
     class NaNInSecondChunk(Runner):
-        def forward(self, tokens, on_layer=None, **kwargs):
-            def poisoned(layer, cap):
-                if layer == 1 and self.passes == 1:
+        def forward_layers(self, batches, on_layer, after_layer=None):
+            def poisoned(layer, b, cap):
+                if layer == 1 and self.segments == 1:
                     yr = np.array(cap.yr)
                     yr[2, 5] = np.nan  # sequence 2 of the pass, its row 5
                     cap = dataclasses.replace(cap, yr=yr)
-                on_layer(layer, cap)
-            out = super().forward(tokens, on_layer=poisoned, **kwargs)
-            self.passes += 1
-            return out
+                on_layer(layer, b, cap)
+            super().forward_layers(batches, poisoned, after_layer)
+            self.segments += 1
 
     runner = NaNInSecondChunk(model)
-    runner.passes = 0
+    runner.segments = 0
     with pytest.raises(InputError, match=rf"layer 1: NaN or Inf in yr at token position {4 * SEQ + 2 * SEQ + 5}$"):
         dump_trace(tmp_path / "d.zarr", runner, tokens, seq, "calibration", 4 * SEQ, SEQ)
     attrs = zarr.open_group(str(tmp_path / "d.zarr"), mode="r").attrs
@@ -193,6 +197,35 @@ def test_a_writer_error_surfaces_and_rows_done_stays_at_the_last_whole_chunk(tin
     dump_trace(tmp_path / "fresh.zarr", clean, tokens, seq, "calibration", 4 * SEQ, SEQ)
     assert array_files(tmp_path / "d.zarr") == array_files(tmp_path / "fresh.zarr")
     assert read_routing(tmp_path / "d.zarr").equals(read_routing(tmp_path / "fresh.zarr"))
+
+
+def test_a_dump_makes_each_layers_weights_once_per_segment(tiny_qwen2moe, tmp_path, monkeypatch):
+    """The passes of a segment run layer by layer: every layer's tensors are made once per segment, not
+    once per pass (a real layer's experts are GBs to dequantize onto the device), and the bytes are those
+    of a dump cut into more segments."""
+    model = GGUFModel(tiny_qwen2moe)
+    tokens, seq = trace(model.hp.vocab_size, n_tokens=9 * SEQ + 17)  # 10 sequences: 3 passes
+
+    class Counting(Runner):
+        made = 0
+
+        def layer_params(self, i):
+            Counting.made += 1
+            return super().layer_params(i)
+
+    dump_trace(tmp_path / "one.zarr", Counting(model), tokens, seq, "calibration", 4 * SEQ, SEQ)
+    assert Counting.made == model.hp.n_layer  # one segment, three passes
+    Counting.made = 0
+    monkeypatch.setattr(dumps, "DUMP_SEGMENT_BYTES", 4 * SEQ * 4 * model.hp.d_model)  # a chunk each
+    dump_trace(tmp_path / "three.zarr", Counting(model), tokens, seq, "calibration", 4 * SEQ, SEQ)
+    assert Counting.made == 3 * model.hp.n_layer
+    one, three = (
+        {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+        for d in (tmp_path / "one.zarr", tmp_path / "three.zarr"))
+    assert one.keys() == three.keys() and [key for key in one if one[key] != three[key]] == []
+    chunks = [[(i * SEQ, i * SEQ + SEQ)] for i in range(6)]
+    monkeypatch.setattr(dumps, "DUMP_SEGMENT_BYTES", 4 * 2 * SEQ * 100)
+    assert dumps.segments(chunks, 100) == [chunks[0:2], chunks[2:4], chunks[4:6]]
 
 
 def test_import_checks_sizes_against_T(tmp_path):

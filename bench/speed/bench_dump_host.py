@@ -51,6 +51,14 @@ class ReplayRunner:
             time.sleep(self._device_s)
             on_layer(layer, cap)
 
+    def forward_layers(self, batches: list[np.ndarray], on_layer, after_layer=None) -> None:
+        for layer, cap in self._captures.items():
+            for b in range(len(batches)):
+                time.sleep(self._device_s)
+                on_layer(layer, b, cap)
+            if after_layer is not None:
+                after_layer(layer)
+
 
 def files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}

@@ -1,16 +1,21 @@
 """Dump the reference model's MoE activations over a trace into chunked Zarr.
 
-Streaming, bounded memory, O(T) I/O: the trace is processed a chunk of
+Streaming, bounded memory, O(T) I/O: the trace is processed a segment of
 sequences at a time and each layer's arrays are *appended* (resize + write of
 the new rows only). Zarr's chunk is one sequence long, so appends never
-rewrite an earlier chunk. A chunk is checked and written on one writer thread
-while the next chunk's forward passes run (on a GPU the host's writing took
-most of a layer's time while the device waited); at most one chunk is in
-flight, so memory holds two chunks' activations at most. After every chunk's
-arrays and routing part are written the root attribute `rows_done` is
-advanced, last; a killed dump resumes from there, truncating anything written
-past it. Each sequence runs on its own from position 0, so
-how the trace is cut into processing chunks cannot change a single byte.
+rewrite an earlier chunk. A segment's forward passes run layer by layer
+(`Runner.forward_layers`): each layer's weights are made on the device once per
+segment, not once per pass, and the passes' residual streams wait on the
+device between layers (`DUMP_SEGMENT_BYTES` of them: a whole 65,536-token trace
+at a 2,048-wide model). A layer's rows of the segment are checked and written
+on one writer thread while the next layer's passes run (on a GPU the host's
+writing took most of a layer's time while the device waited); at most one
+layer's rows are in flight. After every layer's arrays and the segment's
+routing parts are written the root attribute `rows_done` is advanced, last; a
+killed dump resumes from there, truncating anything written past it. Each
+sequence runs on its own from position 0, in passes of the same sequences
+whatever the segments and chunks, so how the trace is cut cannot change a
+single byte.
 
 Layout (SPEC.md): group per layer (`"0"`, `"1"`, ...) with `mixed` [T,d],
 `yr` [T,d], `hh` [T,f], plus `experts` [T,k] and `weights` [T,k] (the routing
@@ -46,6 +51,7 @@ import zarr
 from numpy.typing import ArrayLike
 from zarr.codecs import Crc32cCodec
 
+from moeheal.pipeline.data.chunk_files import read_rows
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import HParams
 from moeheal.pipeline.lake.files import read_part, write_parquet
@@ -205,6 +211,26 @@ def rows_of(batch: ArrayLike) -> np.ndarray:
 Captured = tuple[int, str, int, np.ndarray]  # (layer, array name, first token position, rows (n, width))
 
 
+# The residual streams one segment of a dump keeps on the device between layers (float32, d per token):
+# a segment's passes run layer by layer, each layer's weights made once for all of them. 512 MiB holds
+# 65,536 tokens at a 2,048-wide model, so a whole default trace is one segment there.
+DUMP_SEGMENT_BYTES = 512 << 20
+
+
+def segments(chunks: list[list[tuple[int, int]]], d_model: int) -> list[list[list[tuple[int, int]]]]:
+    """Consecutive chunks grouped into segments whose tokens' residual streams fit DUMP_SEGMENT_BYTES
+    (a chunk alone where one does not)."""
+    budget = max(1, DUMP_SEGMENT_BYTES // (4 * max(1, d_model)))  # tokens
+    out: list[list[list[tuple[int, int]]]] = []
+    for chunk in chunks:
+        tokens = chunk[-1][1] - chunk[0][0]
+        if out and out[-1][-1][-1][1] - out[-1][0][0][0] + tokens <= budget:
+            out[-1].append(chunk)
+        else:
+            out.append([chunk])
+    return out
+
+
 def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: str, chunk_tokens: int,
                seq_tokens: int, log: Callable[[str], None] = print, attention_inputs: bool = False,
                dump_dtype: str = "float32") -> None:
@@ -228,65 +254,89 @@ def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: st
     root.attrs["seq_starts"] = [int(s) for s in starts]
     bounds = list(zip(starts, list(starts[1:]) + [total]))
     per_chunk = chunk_sequences(chunk_tokens, seq_tokens)
-    chunks = [bounds[i:i + per_chunk] for i in range(0, len(bounds), per_chunk)]
+    chunks = [[(int(s), int(e)) for s, e in bounds[i:i + per_chunk]] for i in range(0, len(bounds), per_chunk)]
     # Every chunk is written, zeros too: Zarr's default compares each chunk with the fill value to skip
     # it (a third of its write time at the 30B width), and `open_dump` refuses a dump with a chunk file
     # missing, so a skipped chunk could only make a dump unreadable. Any other chunk's bytes are the same.
     arrays = {(layer, name): root[str(layer)][name].with_config({"write_empty_chunks": True})
               for layer in layers for name in names}
+    dtypes = {name: widths[name][1] for name in names}
     if done:
         log(f"[dump:{trace}] resuming after {done} of {total} tokens")
-    # One writer thread: chunk c is checked and written while chunk c + 1's passes run, and the caller
-    # waits for it before handing over the next, so its error surfaces here, in order, and at most
-    # one chunk's activations wait for the writer.
+    # One writer thread: a layer's rows of the segment are checked and written while the next layer's
+    # passes run, and the caller waits for them before handing over the next, so an error surfaces here,
+    # in order, and at most one layer's activations wait for the writer.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dump-writer") as writer:
-        pending: Future | None = None
-        for chunk in progress([c for c in chunks if c[0][0] >= done], desc=f"dump {trace}", unit="chunk"):
-            captured: list[Captured] = []
-            for run in forward_batches([(int(s), int(e)) for s, e in chunk]):
-                def on_layer(layer: int, cap, s=run[0][0]) -> None:
-                    captured.extend((layer, name, s, rows_of(getattr(cap, name))) for name in names)  # (B T_seq, width)
-                runner.forward(np.stack([tokens[s:e] for s, e in run]), capture=True, on_layer=on_layer,
-                               logits=False)  # (B, T_seq) tokens
-            if pending is not None:
-                pending.result()
-            lo, hi = int(chunk[0][0]), int(chunk[-1][1])
-            pending = writer.submit(_write_chunk, root, arrays, layers, routing_dir / f"{lo:012d}.parquet", trace,
-                                    k, (lo, hi), captured, {name: widths[name][1] for name in names})
-        if pending is not None:
-            pending.result()
+        for segment in progress(segments([c for c in chunks if c[0][0] >= done], hp.d_model),
+                                desc=f"dump {trace}", unit="segment"):
+            passes = [run for chunk in segment for run in forward_batches(chunk)]
+            captured: list[Captured] = []  # the layer's rows of every pass, in pass order
+            routing: list[Captured] = []  # every layer's experts and weights, for the chunks' routing parts
+            pending: list[Future] = []
+
+            def on_layer(layer: int, b: int, cap) -> None:
+                rows = [(layer, name, passes[b][0][0], rows_of(getattr(cap, name))) for name in names]  # (B T_seq, width)
+                captured.extend(rows)
+                routing.extend(r for r in rows if r[1] in ("experts", "weights"))
+
+            def after_layer(layer: int) -> None:
+                log(f"[dump:{trace}] {layer + 1} of {hp.n_layer} layers over rows {passes[0][0][0]}-"
+                    f"{passes[-1][-1][1]} of {total}")
+                for job in pending:
+                    job.result()
+                pending[:] = [writer.submit(_write_layer_rows, arrays, list(captured), dtypes)] if captured else []
+                captured.clear()
+
+            runner.forward_layers([np.stack([tokens[s:e] for s, e in run]) for run in passes], on_layer,
+                                  after_layer)  # (B, T_seq) tokens each
+            for job in pending:
+                job.result()
+            for chunk in segment:
+                lo, hi = chunk[0][0], chunk[-1][1]
+                _write_routing(routing_dir / f"{lo:012d}.parquet", trace, k, layers, (lo, hi),
+                               [r for r in routing if lo <= r[2] < hi])
+            root.attrs["rows_done"] = segment[-1][-1][1]  # last: the segment's every chunk is complete
     root.attrs["complete"] = True
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
-    """Rows of consecutive passes as one block; a single pass's rows (the default chunk is one pass)
-    as they are, not copied."""
+    """Rows of consecutive passes as one block; a single pass's rows as they are, not copied."""
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
 
 
-def _write_chunk(root: zarr.Group, arrays: dict[tuple[int, str], zarr.Array], layers: tuple[int, ...],
-                 routing_part: Path, trace: str, k: int, rows: tuple[int, int], captured: list[Captured],
-                 dtypes: dict[str, str]) -> None:
-    """One chunk of a dump, rows [lo, hi): every value checked finite (in the order the passes made
-    them, so the error names the same first bad row as a check during the pass would), every array
-    appended, the routing part written, and `rows_done` advanced last: the chunk is complete."""
-    lo, hi = rows
+def _write_layer_rows(arrays: dict[tuple[int, str], zarr.Array], captured: list[Captured],
+                      dtypes: dict[str, str]) -> None:
+    """One layer's rows of a segment, [first pass's first row, last pass's end): every value checked
+    finite (in the order the passes made them, so the error names the first bad row of the layer), then
+    every array of the layer appended."""
     for layer, name, first, values in captured:
         if values.dtype.kind == "f":
             _check_finite(name, layer, values, first)
-    parts: dict[tuple[int, str], list[np.ndarray]] = {key: [] for key in arrays}
-    for layer, name, _, values in captured:
-        parts[(layer, name)].append(to_stored(values, dtypes[name]))
-    blocks = {key: _joined(p) for key, p in parts.items()}  # (hi - lo, width) each
-    for key, arr in arrays.items():
-        arr.resize((hi, arr.shape[1]))
-        arr[lo:hi] = blocks[key]
+    parts: dict[tuple[int, str], list[np.ndarray]] = {}
+    lo: dict[tuple[int, str], int] = {}
+    for layer, name, first, values in captured:
+        parts.setdefault((layer, name), []).append(to_stored(values, dtypes[name]))
+        lo.setdefault((layer, name), first)
+    for key, blocks in parts.items():
+        block = _joined(blocks)  # (hi - lo, width)
+        arr, start = arrays[key], lo[key]
+        arr.resize((start + block.shape[0], arr.shape[1]))
+        arr[start:start + block.shape[0]] = block
+
+
+def _write_routing(routing_part: Path, trace: str, k: int, layers: tuple[int, ...], rows: tuple[int, int],
+                   routing: list[Captured]) -> None:
+    """One chunk's routing part, rows [lo, hi) of every layer (`routing`: the chunk's captured experts and
+    weights, in pass order)."""
+    lo, hi = rows
     n = hi - lo
     # the constant `trace` column built in Arrow, not from a Python list of n k strings (the same string
     # array, so the same Parquet); `pos` and `k` are every layer's
     trace_column = pa.repeat(pa.scalar(trace, pa.string()), n * k)
     pos = pa.array(np.repeat(np.arange(lo, hi, dtype=np.int64), k))
     ks = pa.array(np.tile(np.arange(k, dtype=np.int32), n))
+    blocks = {(layer, name): _joined([v for lay, nm, _, v in routing if lay == layer and nm == name])
+              for layer in layers for name in ("experts", "weights")}  # (n, k) each
     write_parquet(routing_part, pa.concat_tables([pa.table({
         "trace": trace_column,
         "layer": pa.array(np.full(n * k, layer, np.int32)),
@@ -295,7 +345,6 @@ def _write_chunk(root: zarr.Group, arrays: dict[tuple[int, str], zarr.Array], la
         "expert": pa.array(blocks[(layer, "experts")].reshape(-1).astype(np.int32, copy=False)),
         "weight": pa.array(blocks[(layer, "weights")].reshape(-1).astype(np.float32, copy=False)),
     }) for layer in layers]))
-    root.attrs["rows_done"] = hi  # last: the chunk is complete
 
 
 def create_layer_dump(out: Path, trace: str, layer: int, widths: dict[str, tuple[int, str]], seq_tokens: int,
@@ -341,10 +390,11 @@ def read_routing(dump: Path) -> pa.Table:
 class DumpArray:
     """One dumped array whose reads name the dump, layer and array when the stored bytes are bad.
 
-    A chunk cut short or with flipped bits fails inside the codec (or decodes
-    to the wrong size); a flip that still decodes can leave NaN or an expert id
-    that no model has. Each is an InputError here, not a codec traceback or a
-    NaN that surfaces stages later.
+    A chunk cut short or with flipped bits fails its checksum or its size (in
+    the codec, or in `chunk_files.read_rows`, which reads a plain dump's rows
+    straight from their chunk files, about twice Zarr's rate); a flip that
+    still decodes can leave NaN or an expert id that no model has. Each is an
+    InputError here, not a codec traceback or a NaN that surfaces stages later.
     """
 
     def __init__(self, array: zarr.Array, where: str, n_expert: int | None):
@@ -362,7 +412,8 @@ class DumpArray:
 
     def __getitem__(self, index: slice | int | tuple) -> np.ndarray:
         try:
-            values = from_stored(np.asarray(self._array[index]), self._declared_dtype)
+            stored = read_rows(self._array, index) if isinstance(index, slice) else None  # a plain dump's rows
+            values = from_stored(np.asarray(self._array[index]) if stored is None else stored, self._declared_dtype)
         except Exception as exc:  # codecs raise their own types (a CRC-32C mismatch, zstd in older dumps, a bad size)
             raise InputError(f"{self._where}: cannot decode stored chunk ({type(exc).__name__}: "
                              f"{' '.join(str(exc).split())[:160]})") from None

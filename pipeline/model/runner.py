@@ -41,7 +41,8 @@ OUTPUT_CACHE_BYTES = 4 << 30
 
 @dataclass(frozen=True)
 class LayerCapture:
-    """One layer's activations for a batch (NumPy, float32 unless noted)."""
+    """One layer's activations for a batch (NumPy, float32 unless noted; JAX arrays on the device from
+    `Runner.forward_layers`)."""
 
     attn_in: np.ndarray  # (B, T, d) attention input, after attn_norm
     mixed: np.ndarray  # (B, T, d) MoE input, after ffn_norm
@@ -188,15 +189,46 @@ class Runner:
                 return None
             return self.logits(h[:, positions], probing=peaks is not None, on_device=on_device)  # (B, T', V)
 
+    def forward_layers(self, batches: list[np.ndarray], on_layer: Callable[[int, int, LayerCapture], None],
+                       after_layer: Callable[[int], None] | None = None) -> None:
+        """Batches of sequences (each (B, T) tokens, every sequence from position 0) through the model
+        one layer at a time, for a dump: each layer's tensors are made (dequantized onto the device)
+        once for all the batches, where `forward` makes every layer's again for every batch (a real
+        MoE layer's experts are GBs: no cache holds a model's). The batches' residual streams wait on
+        the device between layers. After each MoE layer of each batch `on_layer(layer, batch index,
+        capture)` with the capture's arrays still on the device (a caller copies what it keeps), called
+        once the next batch's layer is queued, so the copy overlaps the device's work; `after_layer(layer)` once every batch has passed the layer. Every
+        value is the one `forward` gives: the same programs on the same shapes."""
+        tokens = [self._check_tokens(t) for t in batches]
+        tables = {t.shape[1]: self.arch.rope_tables(t.shape[1], self.hp) for t in tokens}  # (T, rotated / 2) each
+        streams = [self.embed(t) for t in tokens]  # (B, T, d) each
+        for i in range(self.hp.n_layer):
+            params = self.layer_params(i)  # made once for every batch
+            queued: tuple[int, LayerCapture] | None = None
+            for b, t in enumerate(tokens):
+                streams[b], cap = self.layer(i, streams[b], *tables[t.shape[1]], capture=True, params=params,
+                                             on_host=False)
+                if queued is not None:
+                    on_layer(i, *queued)
+                queued = (b, cap) if cap is not None else None
+            if queued is not None:
+                on_layer(i, *queued)
+            del params
+            if after_layer is not None:
+                after_layer(i)
+
     def layer(self, i: int, h: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray,
               routing_hook: RoutingHook | None = None, peaks: ActivationPeaks | None = None,
-              capture: bool = False) -> tuple[jnp.ndarray, LayerCapture | None]:
+              capture: bool = False, params: dict | None = None,
+              on_host: bool = True) -> tuple[jnp.ndarray, LayerCapture | None]:
         """Layer i on the residual stream h (B, T, d) of sequences from position 0 (`cos`, `sin` the
         family's rotary tables for T): the stream after it, and with `capture` a MoE layer's
-        activations on the host (None for a dense layer, or without `capture`). `forward` is
-        this from layer 0; the healed-inputs dump runs it from where the previous one stopped."""
+        activations on the host (None for a dense layer, or without `capture`; on the device, as JAX
+        arrays, with `on_host=False`). `params`: the layer's tensors when the caller holds them
+        (`layer_params(i)`). `forward` is this from layer 0; the healed-inputs dump runs it from where
+        the previous one stopped."""
         hp = self.hp
-        params = self.layer_params(i)  # the only layer resident
+        params = self.layer_params(i) if params is None else params  # the only layer resident
         if peaks is not None:  # a dict key: static under jit, so only probing passes trace the probes
             params = {**params, PEAK_LAYER: jnp.int32(i)}
         h_attn, attn_in, mixed, router_logits = self.arch.layer_attention_block(i, params, h, cos, sin, hp)  # (B,T,d) x3, (B,T,E)
@@ -206,6 +238,10 @@ class Runner:
         h, yr, hh, gate = self.arch.moe_block(params, h_attn, mixed, experts, weights)  # (B,T,d) x2, (B,T,f_s), (B,T)
         if not capture:
             return h, None
+        if not on_host:
+            return h, LayerCapture(attn_in=attn_in, mixed=mixed, router_logits=router_logits,
+                                   experts=experts.astype(jnp.int32), weights=weights.astype(jnp.float32), yr=yr,
+                                   hh=hh, shexp_gate=gate)
         return h, LayerCapture(attn_in=np.asarray(attn_in), mixed=np.asarray(mixed),
                                router_logits=np.asarray(router_logits), experts=np.asarray(experts, np.int32),
                                weights=np.asarray(weights, np.float32), yr=np.asarray(yr), hh=np.asarray(hh),
