@@ -9,7 +9,7 @@ import pytest
 import zarr
 from zarr.codecs import ZstdCodec
 
-from moeheal.pipeline.data.chunk_files import ChunkError, plain_chunk_folder, read_rows
+from moeheal.pipeline.data.chunk_files import ChunkError, plain_chunk_folder, read_rows, write_rows
 from moeheal.pipeline.data.dumps import CHUNK_CODECS
 
 ROWS, WIDTH, CHUNK = 1000, 24, 64  # the last chunk partly filled, as a dump's usually is
@@ -63,3 +63,26 @@ def test_a_flipped_bit_or_a_cut_chunk_fails_its_read(tmp_path):
     chunk.write_bytes(good[:-9])
     with pytest.raises(ChunkError, match="bytes, expected"):
         read_rows(arr, slice(None))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32", "uint16"])
+def test_rows_written_to_chunk_files_are_zarrs_files(tmp_path, dtype):
+    """Appends of whole chunks and a last, shorter one: every file (chunks and metadata) as Zarr writes it."""
+    arr, values = stored(tmp_path / "zarr", dtype)  # Zarr's own appends
+    group = zarr.open_group(str(tmp_path / "direct" / "dump.zarr"), mode="w")
+    direct = group.create_array("x", shape=(0, WIDTH), chunks=(CHUNK, WIDTH), dtype=dtype, compressors=CHUNK_CODECS)
+    for lo in range(0, ROWS, 5 * CHUNK):
+        assert write_rows(direct, lo, values[lo:lo + 5 * CHUNK])
+    files = [{str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+             for root in (tmp_path / "zarr" / "dump.zarr", tmp_path / "direct" / "dump.zarr")]
+    assert files[0].keys() == files[1].keys() and [k for k in files[0] if files[0][k] != files[1][k]] == []
+    np.testing.assert_array_equal(zarr.open_group(str(tmp_path / "direct" / "dump.zarr"), mode="r")["x"][:], values)
+
+
+def test_a_write_zarr_must_make_is_left_to_it(tmp_path):
+    """Compressed, a start inside a chunk, or other values' type: nothing written, False."""
+    arr, values = stored(tmp_path, "float32", compressors=(ZstdCodec(),))
+    assert not write_rows(arr, ROWS, values[:CHUNK])
+    plain, values = stored(tmp_path / "b", "float32")
+    assert not write_rows(plain, 5, values[:CHUNK]) and not write_rows(plain, 0, values[:CHUNK].astype(np.float64))
+    assert plain.shape == (ROWS, WIDTH)

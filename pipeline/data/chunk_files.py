@@ -1,4 +1,4 @@
-"""Rows of a dump's array read straight from its chunk files, where the array is stored plainly.
+"""Rows of a dump's array read from and written to its chunk files directly, where it is stored plainly.
 
 Every unit of a heal reads its layer's rows of the dumps: at 65,536 calibration tokens of a
 2,048-wide layer that is 1 GB, read two or three times per layer. Zarr's reader passes each chunk
@@ -9,8 +9,12 @@ them: two dimensions chunked by rows only, little-endian bytes, a CRC-32C of eac
 (Zarr v3's `bytes` and `crc32c` codecs), chunk files under the default key encoding `c/<row chunk>/0`
 of a local store. For such an array `read_rows` reads each chunk's bytes into their place in the
 result, checks its CRC-32C there, and reads the chunks on a few threads (file reads release the
-interpreter). Any other layout (an older compressed dump, a store that is not a folder) returns None
-and Zarr reads it: the result is the same array either way.
+interpreter). `write_rows` is the same for the dump's appends: Zarr's writer compares every chunk with
+its fill value and passes it through its pipeline on one event-loop thread (about 2 s per GB of a
+layer's rows on the GPU machine's host, most of a dump's time per layer); here each chunk's bytes and
+CRC-32C go to its file from a few threads, a trace's last, shorter chunk padded with the fill value
+(zero) as Zarr pads it. Any other layout (an older compressed dump, a store that is not a folder)
+returns None and Zarr reads or writes it: the files are the same either way.
 """
 
 from __future__ import annotations
@@ -89,3 +93,34 @@ def read_rows(array: zarr.Array, rows: slice) -> np.ndarray | None:
         with ThreadPoolExecutor(READ_THREADS) as pool:
             list(pool.map(lambda job: _read_chunk(*job), jobs))
     return out
+
+
+def _write_chunk(file: Path, values: np.ndarray) -> None:
+    """One chunk file: the chunk's bytes as stored (little-endian), then their CRC-32C."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    flat = np.ascontiguousarray(values).reshape(-1).view(np.uint8)  # (chunk bytes,)
+    with open(file, "wb") as f:
+        f.write(flat)
+        f.write(int(google_crc32c.value(flat)).to_bytes(CHECKSUM_BYTES, "little"))
+
+
+def write_rows(array: zarr.Array, start: int, rows: np.ndarray) -> bool:
+    """Rows [start, start + len(rows)) of `array` written (the array grown to end there), where the array
+    is plain and `start` begins a chunk; False, and nothing written, where Zarr must write them."""
+    plain = plain_chunk_folder(array)
+    if (plain is None or rows.dtype != array.dtype or rows.dtype.byteorder == ">" or rows.ndim != 2
+            or rows.shape[1] != array.shape[1]):
+        return False
+    folder, chunk_rows = plain
+    if start % chunk_rows or array.metadata.fill_value != 0:
+        return False
+    array.resize((start + rows.shape[0], array.shape[1]))
+    jobs = []
+    for lo in range(0, rows.shape[0], chunk_rows):
+        values = rows[lo:lo + chunk_rows]  # (chunk rows or fewer, width)
+        if values.shape[0] < chunk_rows:  # the trace's last chunk: padded with the fill value, as Zarr does
+            values = np.concatenate([values, np.zeros((chunk_rows - values.shape[0], rows.shape[1]), rows.dtype)])
+        jobs.append((folder / str((start + lo) // chunk_rows) / "0", values))
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        list(pool.map(lambda job: _write_chunk(*job), jobs))
+    return True

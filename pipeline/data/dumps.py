@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -51,7 +52,7 @@ import zarr
 from numpy.typing import ArrayLike
 from zarr.codecs import Crc32cCodec
 
-from moeheal.pipeline.data.chunk_files import read_rows
+from moeheal.pipeline.data.chunk_files import read_rows, write_rows
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import HParams
 from moeheal.pipeline.lake.files import read_part, write_parquet
@@ -271,13 +272,15 @@ def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: st
                                 desc=f"dump {trace}", unit="segment"):
             passes = [run for chunk in segment for run in forward_batches(chunk)]
             captured: list[Captured] = []  # the layer's rows of every pass, in pass order
-            routing: list[Captured] = []  # every layer's experts and weights, for the chunks' routing parts
+            routing: dict[tuple[int, str], list[tuple[int, np.ndarray]]] = defaultdict(list)  # for the routing parts
             pending: list[Future] = []
 
             def on_layer(layer: int, b: int, cap) -> None:
                 rows = [(layer, name, passes[b][0][0], rows_of(getattr(cap, name))) for name in names]  # (B T_seq, width)
                 captured.extend(rows)
-                routing.extend(r for r in rows if r[1] in ("experts", "weights"))
+                for _, name, first, values in rows:
+                    if name in ("experts", "weights"):
+                        routing[(layer, name)].append((first, values))  # in pass order
 
             def after_layer(layer: int) -> None:
                 log(f"[dump:{trace}] {layer + 1} of {hp.n_layer} layers over rows {passes[0][0][0]}-"
@@ -293,8 +296,9 @@ def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: st
                 job.result()
             for chunk in segment:
                 lo, hi = chunk[0][0], chunk[-1][1]
-                _write_routing(routing_dir / f"{lo:012d}.parquet", trace, k, layers, (lo, hi),
-                               [r for r in routing if lo <= r[2] < hi])
+                _write_routing(routing_dir / f"{lo:012d}.parquet", trace, k, (lo, hi),
+                               {(layer, name): _joined([v for first, v in routing[(layer, name)] if lo <= first < hi])
+                                for layer in layers for name in ("experts", "weights")})
             root.attrs["rows_done"] = segment[-1][-1][1]  # last: the segment's every chunk is complete
     root.attrs["complete"] = True
 
@@ -318,16 +322,21 @@ def _write_layer_rows(arrays: dict[tuple[int, str], zarr.Array], captured: list[
         parts.setdefault((layer, name), []).append(to_stored(values, dtypes[name]))
         lo.setdefault((layer, name), first)
     for key, blocks in parts.items():
-        block = _joined(blocks)  # (hi - lo, width)
-        arr, start = arrays[key], lo[key]
+        _append(arrays[key], lo[key], _joined(blocks))  # (hi - lo, width)
+
+
+def _append(arr: zarr.Array, start: int, block: np.ndarray) -> None:
+    """Rows [start, start + len(block)) of `arr`, stored values: straight to a plain dump's chunk files
+    (`chunk_files.write_rows`), else through Zarr; the same files either way."""
+    if not write_rows(arr, start, block):
         arr.resize((start + block.shape[0], arr.shape[1]))
         arr[start:start + block.shape[0]] = block
 
 
-def _write_routing(routing_part: Path, trace: str, k: int, layers: tuple[int, ...], rows: tuple[int, int],
-                   routing: list[Captured]) -> None:
-    """One chunk's routing part, rows [lo, hi) of every layer (`routing`: the chunk's captured experts and
-    weights, in pass order)."""
+def _write_routing(routing_part: Path, trace: str, k: int, rows: tuple[int, int],
+                   blocks: dict[tuple[int, str], np.ndarray]) -> None:
+    """One chunk's routing part, rows [lo, hi) of every layer (`blocks`: (layer, experts | weights) ->
+    (hi - lo, k), in layer order)."""
     lo, hi = rows
     n = hi - lo
     # the constant `trace` column built in Arrow, not from a Python list of n k strings (the same string
@@ -335,8 +344,7 @@ def _write_routing(routing_part: Path, trace: str, k: int, layers: tuple[int, ..
     trace_column = pa.repeat(pa.scalar(trace, pa.string()), n * k)
     pos = pa.array(np.repeat(np.arange(lo, hi, dtype=np.int64), k))
     ks = pa.array(np.tile(np.arange(k, dtype=np.int32), n))
-    blocks = {(layer, name): _joined([v for lay, nm, _, v in routing if lay == layer and nm == name])
-              for layer in layers for name in ("experts", "weights")}  # (n, k) each
+    layers = list(dict.fromkeys(layer for layer, _ in blocks))
     write_parquet(routing_part, pa.concat_tables([pa.table({
         "trace": trace_column,
         "layer": pa.array(np.full(n * k, layer, np.int32)),
@@ -358,9 +366,7 @@ def create_layer_dump(out: Path, trace: str, layer: int, widths: dict[str, tuple
 def append_rows(group: zarr.Group, lo: int, hi: int, values: dict[str, np.ndarray]) -> None:
     """Rows [lo, hi) of each named array of one layer's group, stored as the array declares."""
     for name, block in values.items():  # (hi - lo, width) each
-        arr = group[name]
-        arr.resize((hi, arr.shape[1]))
-        arr[lo:hi] = to_stored(block, _read_dtype(arr))
+        _append(group[name], lo, to_stored(block, _read_dtype(group[name])))
 
 
 def finish_dump(root: zarr.Group, seq_starts: list[int]) -> None:
