@@ -525,3 +525,25 @@ def test_with_decay_the_steps_fall_linearly_to_zero(monkeypatch):
         for rates, factor in zip(seen, expected):
             assert float(rates["scales"]["blk.0.a"]) == pytest.approx(5e-4 * factor, rel=1e-6)
             assert float(rates["floats"]["blk.0.n"]) == pytest.approx(2e-3 * factor, rel=1e-6)
+
+
+def test_the_reference_topk_rows_are_the_same_layer_by_layer_as_batch_by_batch(tuned, monkeypatch):
+    """The top-k stage runs its batches layer by layer (`Runner.forward_layers`: each layer's weights made
+    once per segment of batches): its rows are the bytes of a run with one batch per segment, which is
+    `forward`'s batch-by-batch order of work."""
+    from moeheal.pipeline.stages import reference_topk
+
+    _, run = tuned
+    runner = Runner(GGUFModel(run.cfg.reference))
+    tokens, mask = padded_sequences(*trace_tokens(run.result(run.traces()).path, "calibration"),
+                                    run.cfg.seq_tokens)
+    monkeypatch.setattr(reference_topk, "REFERENCE_BATCH_SEQS", 3)
+    assert len(tokens) == 4  # two batches in the one segment, the last one short (padded)
+    whole = reference_topk.reference_rows(runner, "calibration", tokens, mask, 4)
+    monkeypatch.setattr(reference_topk, "REFERENCE_SEGMENT_BYTES", 1)  # a batch per segment
+    assert reference_topk.reference_rows(runner, "calibration", tokens, mask, 4).equals(whole)
+    first = runner.forward(reference_topk.full_batch(tokens[:3]), on_device=True)
+    ids = np.asarray(reference_topk._top_k(first, 4)[0])
+    seq, pos = np.nonzero(mask[:3])
+    got = whole.column("ids").to_pylist()[:len(seq)]
+    np.testing.assert_array_equal(np.asarray(got), ids[seq, pos])

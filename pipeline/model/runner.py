@@ -189,16 +189,19 @@ class Runner:
                 return None
             return self.logits(h[:, positions], probing=peaks is not None, on_device=on_device)  # (B, T', V)
 
-    def forward_layers(self, batches: list[np.ndarray], on_layer: Callable[[int, int, LayerCapture], None],
-                       after_layer: Callable[[int], None] | None = None) -> None:
+    def forward_layers(self, batches: list[np.ndarray],
+                       on_layer: Callable[[int, int, LayerCapture], None] | None = None,
+                       after_layer: Callable[[int], None] | None = None) -> list[jax.Array]:
         """Batches of sequences (each (B, T) tokens, every sequence from position 0) through the model
-        one layer at a time, for a dump: each layer's tensors are made (dequantized onto the device)
-        once for all the batches, where `forward` makes every layer's again for every batch (a real
-        MoE layer's experts are GBs: no cache holds a model's). The batches' residual streams wait on
-        the device between layers. After each MoE layer of each batch `on_layer(layer, batch index,
-        capture)` with the capture's arrays still on the device (a caller copies what it keeps), called
-        once the next batch's layer is queued, so the copy overlaps the device's work; `after_layer(layer)` once every batch has passed the layer. Every
-        value is the one `forward` gives: the same programs on the same shapes."""
+        one layer at a time, for a dump or the reference's top-k: each layer's tensors are made
+        (dequantized onto the device) once for all the batches, where `forward` makes every layer's
+        again for every batch (a real MoE layer's experts are GBs: no cache holds a model's). The
+        batches' residual streams wait on the device between layers; returned after the last (B, T, d)
+        each, for `logits`. After each MoE layer of each batch `on_layer(layer, batch index, capture)`
+        with the capture's arrays still on the device (a caller copies what it keeps), called once the
+        next batch's layer is queued, so the copy overlaps the device's work; `after_layer(layer)` once
+        every batch has passed the layer. Every value is the one `forward` gives: the same programs on
+        the same shapes."""
         tokens = [self._check_tokens(t) for t in batches]
         tables = {t.shape[1]: self.arch.rope_tables(t.shape[1], self.hp) for t in tokens}  # (T, rotated / 2) each
         streams = [self.embed(t) for t in tokens]  # (B, T, d) each
@@ -206,8 +209,8 @@ class Runner:
             params = self.layer_params(i)  # made once for every batch
             queued: tuple[int, LayerCapture] | None = None
             for b, t in enumerate(tokens):
-                streams[b], cap = self.layer(i, streams[b], *tables[t.shape[1]], capture=True, params=params,
-                                             on_host=False)
+                streams[b], cap = self.layer(i, streams[b], *tables[t.shape[1]], capture=on_layer is not None,
+                                             params=params, on_host=False)
                 if queued is not None:
                     on_layer(i, *queued)
                 queued = (b, cap) if cap is not None else None
@@ -216,6 +219,7 @@ class Runner:
             del params
             if after_layer is not None:
                 after_layer(i)
+        return streams
 
     def layer(self, i: int, h: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray,
               routing_hook: RoutingHook | None = None, peaks: ActivationPeaks | None = None,
