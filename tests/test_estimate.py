@@ -36,6 +36,13 @@ def test_a_held_out_record_is_predicted_within_30_percent(records, device, recor
     assert abs(predicted / measured - 1) < 0.30, (measured, predicted, unknown)
 
 
+def test_the_30b_shapes_deepest_h100_record_is_predicted_within_30_percent_by_the_other_two(records):
+    """The H100's records are one code's three depths of the 30B shape (real-size/runs/rs8_*)."""
+    measured, predicted, unknown = fit.holdout(records["h100"], "bench/results/real-size/runs/rs8_l4.json")
+    assert measured > 150 and not unknown
+    assert abs(predicted / measured - 1) < 0.30, (measured, predicted, unknown)
+
+
 def test_the_shipped_constants_are_the_fit_of_the_committed_records(records):
     """moeheal/data/cost_model.json is what the script writes from the default records: rerun it after
     adding a record (bench/RESULTS.md, "Predicting a heal's wall time")."""
