@@ -64,7 +64,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from moeheal.kernels.adam import adam_direction
-from moeheal.kernels.alpha import output_gram
 from moeheal.kernels.decode import FORMATS, format_of
 from moeheal.kernels.formats import BlockFormat, GridFormat, Q8_0, fp16_round
 from moeheal.kernels.iquants import IQuant, gguf_grid
@@ -357,10 +356,18 @@ class TokenSet:
                         weight)
 
     def energy(self) -> float:
-        """sum_tc weight_tc yr_tc^2 (sum_t ||yr_t||^2 unweighted, on the device: `output_gram`)."""
-        if self.weight is None:
-            return float(output_gram(self.yr)[0, 0])
-        return float(np.sum(np.square(self.yr, dtype=np.float64) * self.weight))
+        """sum_tc weight_tc yr_tc^2 (sum_t ||yr_t||^2 unweighted): each row's sum on the device, the rows'
+        in float64 (as `kernels.alpha.output_gram`; a real layer's yr is 0.5 GB, a float64 copy of it on
+        the host twice that). Unweighted is the same program with ones, so its bits are ones' bits."""
+        yr = jnp.asarray(self.yr, jnp.float32)  # (T, d)
+        weight = jnp.ones_like(yr) if self.weight is None else jnp.asarray(self.weight, jnp.float32)  # (T, d)
+        return float(np.asarray(_row_energy(yr, weight), np.float64).sum())
+
+
+@jax.jit
+def _row_energy(yr: jax.Array, weight: jax.Array) -> jax.Array:
+    """sum_c weight_tc yr_tc^2 per row: (T, d) x2 -> (T,)."""
+    return jnp.sum(weight * yr * yr, axis=1)
 
 
 def _batch_layout(experts: np.ndarray, weights: np.ndarray, n_expert: int, rows: int, capacity: int
