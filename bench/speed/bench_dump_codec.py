@@ -10,8 +10,9 @@ the dump chunks them (one 512-token sequence per chunk), and reads it back.
 Printed per codec and dtype: stored bytes against the raw array bytes, and
 write and read throughput in MB/s of raw bytes (best of `--repeats`). The baseline, measured in the same run, is the
 pipeline's codec (`CHUNK_CODECS`: the bytes as they are, with a CRC-32C
-checksum that lets a read name a flipped bit or a chunk cut short). Every codec must give back
-the same bits; the script checks it.
+checksum that lets a read name a flipped bit or a chunk cut short), through Zarr; beside it the
+same files written and read the dumps' own way (`pipeline/data/chunk_files.py`). Every codec must
+give back the same bits; the script checks it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ sys.path.append(str(REPO))
 
 from moeheal.pipeline.gguf.model import GGUFModel  # noqa: E402
 from moeheal.pipeline.model.runner import Runner  # noqa: E402
+from moeheal.pipeline.data.chunk_files import read_rows, write_rows  # noqa: E402
 from moeheal.pipeline.data.dumps import ARRAYS, CHUNK_CODECS, dump_trace, open_dump, to_stored  # noqa: E402
 from moeheal.pipeline.gguf.tokenizer import build_tokenizer, encode  # noqa: E402
 
@@ -75,22 +77,27 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def measure(arrays: list[np.ndarray], compressors: tuple, work: Path, repeats: int) -> tuple[int, float, float]:
-    """(stored bytes, write s, read s) of `arrays` written as one-sequence chunks, best of `repeats`."""
+def measure(arrays: list[np.ndarray], compressors: tuple, work: Path, repeats: int,
+            direct: bool = False) -> tuple[int, float, float]:
+    """(stored bytes, write s, read s) of `arrays` written as one-sequence chunks, best of `repeats`;
+    `direct`: written and read by `chunk_files` (the dump's way for its own layout) instead of Zarr."""
     writes, reads, stored = [], [], 0
     for _ in range(repeats):
         shutil.rmtree(work, ignore_errors=True)
         start = time.perf_counter()
         group = zarr.open_group(work, mode="w")
         for i, values in enumerate(arrays):
-            arr = group.create_array(str(i), shape=values.shape, chunks=(SEQ_TOKENS, values.shape[1]),
-                                     dtype=values.dtype, compressors=compressors)
-            arr[:] = values
+            arr = group.create_array(str(i), shape=(0, values.shape[1]) if direct else values.shape,
+                                     chunks=(SEQ_TOKENS, values.shape[1]), dtype=values.dtype, compressors=compressors)
+            if not direct:
+                arr[:] = values
+            elif not write_rows(arr, 0, values):
+                raise SystemExit(f"{compressors}: not a layout chunk_files writes")
         writes.append(time.perf_counter() - start)
         stored = folder_bytes(work)
         start = time.perf_counter()
         group = zarr.open_group(work, mode="r")
-        back = [group[str(i)][:] for i in range(len(arrays))]
+        back = [read_rows(group[str(i)], slice(None)) if direct else group[str(i)][:] for i in range(len(arrays))]
         reads.append(time.perf_counter() - start)
         for a, b in zip(arrays, back):
             if not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
@@ -128,6 +135,12 @@ def main() -> None:
                 baseline = baseline or stored
                 print(f"| {dtype} | {name} | {stored / raw:.3f} | {stored / baseline:.3f} | {raw / write_s / 1e6:.0f} "
                       f"| {raw / read_s / 1e6:.0f} |", flush=True)
+                if compressors is CHUNK_CODECS:  # the same files, the dump's own reads and writes
+                    stored, write_s, read_s = measure(arrays, compressors, Path(tmp) / "codec.zarr", args.repeats,
+                                                      direct=True)
+                    print(f"| {dtype} | crc32c, its chunk files directly (`chunk_files`, what the dumps do) | "
+                          f"{stored / raw:.3f} | {stored / baseline:.3f} | {raw / write_s / 1e6:.0f} "
+                          f"| {raw / read_s / 1e6:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
