@@ -16,6 +16,7 @@ import zarr
 from bench.inputs.dump_reference import sequential_dump
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.model import runner as runner_module
 from moeheal.pipeline.model.runner import Runner
 from moeheal.pipeline.data import dumps
 from moeheal.pipeline.data.dumps import (
@@ -98,9 +99,9 @@ import numpy as np
 from pathlib import Path
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.model.runner import Runner
-from moeheal.pipeline.data import dumps
+from moeheal.pipeline.model import runner as runner_module
 from moeheal.pipeline.stages import dump
-dumps.DUMP_SEGMENT_BYTES = 1  # a segment per chunk: `rows_done` moves chunk by chunk
+runner_module.LAYERWISE_STREAM_BYTES = 1  # a segment per chunk: `rows_done` moves chunk by chunk
 slow = len(sys.argv) > 1
 runner = Runner(GGUFModel({str(tiny_qwen2moe)!r}))
 forward_layers = runner.forward_layers
@@ -172,7 +173,7 @@ def test_a_writer_error_surfaces_and_rows_done_stays_at_the_last_whole_segment(t
     writes the same bytes as a clean dump."""
     model = GGUFModel(tiny_qwen2moe)
     tokens, seq = trace(model.hp.vocab_size, n_tokens=8 * SEQ)  # two chunks of 4 sequences
-    monkeypatch.setattr(dumps, "DUMP_SEGMENT_BYTES", 4 * SEQ * 4 * model.hp.d_model)  # a chunk's streams
+    monkeypatch.setattr(runner_module, "LAYERWISE_STREAM_BYTES", 4 * SEQ * 4 * model.hp.d_model)  # a chunk's streams
 
     class NaNInSecondChunk(Runner):
         def forward_layers(self, batches, on_layer, after_layer=None):
@@ -216,7 +217,7 @@ def test_a_dump_makes_each_layers_weights_once_per_segment(tiny_qwen2moe, tmp_pa
     dump_trace(tmp_path / "one.zarr", Counting(model), tokens, seq, "calibration", 4 * SEQ, SEQ)
     assert Counting.made == model.hp.n_layer  # one segment, three passes
     Counting.made = 0
-    monkeypatch.setattr(dumps, "DUMP_SEGMENT_BYTES", 4 * SEQ * 4 * model.hp.d_model)  # a chunk each
+    monkeypatch.setattr(runner_module, "LAYERWISE_STREAM_BYTES", 4 * SEQ * 4 * model.hp.d_model)  # a chunk each
     dump_trace(tmp_path / "three.zarr", Counting(model), tokens, seq, "calibration", 4 * SEQ, SEQ)
     assert Counting.made == 3 * model.hp.n_layer
     one, three = (
@@ -224,8 +225,8 @@ def test_a_dump_makes_each_layers_weights_once_per_segment(tiny_qwen2moe, tmp_pa
         for d in (tmp_path / "one.zarr", tmp_path / "three.zarr"))
     assert one.keys() == three.keys() and [key for key in one if one[key] != three[key]] == []
     chunks = [[(i * SEQ, i * SEQ + SEQ)] for i in range(6)]
-    monkeypatch.setattr(dumps, "DUMP_SEGMENT_BYTES", 4 * 2 * SEQ * 100)
-    assert dumps.segments(chunks, 100) == [chunks[0:2], chunks[2:4], chunks[4:6]]
+    assert dumps.segments(chunks, 2 * SEQ) == [chunks[0:2], chunks[2:4], chunks[4:6]]
+    assert dumps.segments(chunks, 1) == [[c] for c in chunks]  # a chunk alone where none fits
 
 
 def test_import_checks_sizes_against_T(tmp_path):

@@ -531,6 +531,7 @@ def test_the_reference_topk_rows_are_the_same_layer_by_layer_as_batch_by_batch(t
     """The top-k stage runs its batches layer by layer (`Runner.forward_layers`: each layer's weights made
     once per segment of batches): its rows are the bytes of a run with one batch per segment, which is
     `forward`'s batch-by-batch order of work."""
+    from moeheal.pipeline.model import runner as runner_module
     from moeheal.pipeline.stages import reference_topk
 
     _, run = tuned
@@ -540,7 +541,7 @@ def test_the_reference_topk_rows_are_the_same_layer_by_layer_as_batch_by_batch(t
     monkeypatch.setattr(reference_topk, "REFERENCE_BATCH_SEQS", 3)
     assert len(tokens) == 4  # two batches in the one segment, the last one short (padded)
     whole = reference_topk.reference_rows(runner, "calibration", tokens, mask, 4)
-    monkeypatch.setattr(reference_topk, "REFERENCE_SEGMENT_BYTES", 1)  # a batch per segment
+    monkeypatch.setattr(runner_module, "LAYERWISE_STREAM_BYTES", 1)  # a batch per segment
     assert reference_topk.reference_rows(runner, "calibration", tokens, mask, 4).equals(whole)
     first = runner.forward(reference_topk.full_batch(tokens[:3]), on_device=True)
     ids = np.asarray(reference_topk._top_k(first, 4)[0])

@@ -45,11 +45,15 @@ class ReplayRunner:
 
     def __init__(self, runner: Runner, captures: dict, device_s: float):
         self.hp, self.model, self._captures, self._device_s = runner.hp, runner.model, captures, device_s
+        self._layerwise_tokens = runner.layerwise_tokens()
 
     def forward(self, tokens: np.ndarray, capture: bool, on_layer, logits: bool) -> None:
         for layer, cap in self._captures.items():
             time.sleep(self._device_s)
             on_layer(layer, cap)
+
+    def layerwise_tokens(self) -> int:
+        return self._layerwise_tokens
 
     def forward_layers(self, batches: list[np.ndarray], on_layer, after_layer=None) -> None:
         for layer, cap in self._captures.items():

@@ -385,8 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "workers on this lake (one per GPU or host), then stop; run without it afterwards")
             p.add_argument("--workers", type=int, default=1, metavar="N",
                            help="build the per-layer units on N `--shard I/N` processes at once on this machine "
-                                "(sharing its GPU: one reads and packs while another computes), then the rest "
-                                "here; the same bytes as one process")
+                                "(its cores; on one GPU they share it, no faster at 2 layers of a 30B in the one "
+                                "measurement, docs/real-sizes.md), then the rest here; the same bytes as one process")
             p.add_argument("--executor", choices=("local", "ray"), default="local",
                            help="ray: the per-layer units (and what they read) as Ray tasks in the DAG's order, "
                                 "then the rest here (pip install 'moeheal[ray]'; docs/scale-out.md)")

@@ -6,8 +6,8 @@ the new rows only). Zarr's chunk is one sequence long, so appends never
 rewrite an earlier chunk. A segment's forward passes run layer by layer
 (`Runner.forward_layers`): each layer's weights are made on the device once per
 segment, not once per pass, and the passes' residual streams wait on the
-device between layers (`DUMP_SEGMENT_BYTES` of them: a whole 65,536-token trace
-at a 2,048-wide model). A layer's rows of the segment are checked and written
+device between layers (`runner.LAYERWISE_STREAM_BYTES` of them: a whole
+65,536-token trace at a 2,048-wide model). A layer's rows of the segment are checked and written
 on one writer thread while the next layer's passes run (on a GPU the host's
 writing took most of a layer's time while the device waited); at most one
 layer's rows are in flight. After every layer's arrays and the segment's
@@ -212,16 +212,10 @@ def rows_of(batch: ArrayLike) -> np.ndarray:
 Captured = tuple[int, str, int, np.ndarray]  # (layer, array name, first token position, rows (n, width))
 
 
-# The residual streams one segment of a dump keeps on the device between layers (float32, d per token):
-# a segment's passes run layer by layer, each layer's weights made once for all of them. 512 MiB holds
-# 65,536 tokens at a 2,048-wide model, so a whole default trace is one segment there.
-DUMP_SEGMENT_BYTES = 512 << 20
-
-
-def segments(chunks: list[list[tuple[int, int]]], d_model: int) -> list[list[list[tuple[int, int]]]]:
-    """Consecutive chunks grouped into segments whose tokens' residual streams fit DUMP_SEGMENT_BYTES
-    (a chunk alone where one does not)."""
-    budget = max(1, DUMP_SEGMENT_BYTES // (4 * max(1, d_model)))  # tokens
+def segments(chunks: list[list[tuple[int, int]]], budget: int) -> list[list[list[tuple[int, int]]]]:
+    """Consecutive chunks grouped into segments of at most `budget` tokens (the runner's
+    `layerwise_tokens`: their residual streams wait on the device between layers), a chunk alone where
+    one does not fit."""
     out: list[list[list[tuple[int, int]]]] = []
     for chunk in chunks:
         tokens = chunk[-1][1] - chunk[0][0]
@@ -268,7 +262,7 @@ def dump_trace(out: Path, runner, tokens: np.ndarray, seq: np.ndarray, trace: st
     # passes run, and the caller waits for them before handing over the next, so an error surfaces here,
     # in order, and at most one layer's activations wait for the writer.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dump-writer") as writer:
-        for segment in progress(segments([c for c in chunks if c[0][0] >= done], hp.d_model),
+        for segment in progress(segments([c for c in chunks if c[0][0] >= done], runner.layerwise_tokens()),
                                 desc=f"dump {trace}", unit="segment"):
             passes = [run for chunk in segment for run in forward_batches(chunk)]
             captured: list[Captured] = []  # the layer's rows of every pass, in pass order

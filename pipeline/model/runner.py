@@ -39,6 +39,12 @@ WEIGHT_CACHE_BYTES = 1 << 30
 OUTPUT_CACHE_BYTES = 4 << 30
 
 
+# The residual streams `Runner.forward_layers` keeps on the device between layers (float32, d per token):
+# the dump and the reference's top-k cut their passes into segments of at most this many bytes of them.
+# 512 MiB holds 65,536 tokens of a 2,048-wide model, so a default trace is one segment there.
+LAYERWISE_STREAM_BYTES = 512 << 20
+
+
 @dataclass(frozen=True)
 class LayerCapture:
     """One layer's activations for a batch (NumPy, float32 unless noted; JAX arrays on the device from
@@ -188,6 +194,11 @@ class Runner:
             if not logits:
                 return None
             return self.logits(h[:, positions], probing=peaks is not None, on_device=on_device)  # (B, T', V)
+
+    def layerwise_tokens(self) -> int:
+        """Tokens whose residual streams fit LAYERWISE_STREAM_BYTES (at least one): how many one
+        `forward_layers` call should take."""
+        return max(1, LAYERWISE_STREAM_BYTES // (4 * max(1, self.hp.d_model)))
 
     def forward_layers(self, batches: list[np.ndarray],
                        on_layer: Callable[[int, int, LayerCapture], None] | None = None,

@@ -59,17 +59,13 @@ def _top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     return top_k_distribution(jax.nn.log_softmax(logits, axis=-1), k)  # (B,T,k) x2, (B,T)
 
 
-# The residual streams a segment of batches keeps on the device between layers (float32): the batches of
-# a segment run layer by layer (`Runner.forward_layers`), each layer's weights made once for all of them
-# rather than once per batch; 512 MiB holds both default traces at a 2,048-wide model.
-REFERENCE_SEGMENT_BYTES = 512 << 20
-
-
 def reference_rows(runner: Runner, trace: str, tokens: np.ndarray, mask: np.ndarray, k: int) -> pa.Table:
     """One trace's rows: the reference's `top_k_distribution` at every real token."""
     columns: dict[str, list[np.ndarray]] = {"seq": [], "pos": [], "ids": [], "logp": [], "log_rest": []}
     starts = range(0, len(tokens), REFERENCE_BATCH_SEQS)
-    per_segment = max(1, REFERENCE_SEGMENT_BYTES // (4 * REFERENCE_BATCH_SEQS * tokens.shape[1] * runner.hp.d_model))
+    # a segment's batches run layer by layer (`Runner.forward_layers`): each layer's weights made once for
+    # all of them, not once per batch; as many as the runner's budget of residual streams holds
+    per_segment = max(1, runner.layerwise_tokens() // (REFERENCE_BATCH_SEQS * tokens.shape[1]))
     for first in progress(range(0, len(starts), per_segment), desc=f"reference top-{k} {trace}", unit="segment"):
         segment = starts[first:first + per_segment]
         streams = runner.forward_layers([full_batch(tokens[start:start + REFERENCE_BATCH_SEQS])
