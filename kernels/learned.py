@@ -597,9 +597,14 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
     rows.append({"step": best_step, "split": "chosen", "loss": best_loss})
     if extra and not measure_extra and best_step > 0:
         rows += [{"step": best_step, "split": name, "loss": v} for name, v in measure(best, extra).items()]
-    raw = {}
-    for name, t in tensors.items():
-        cls = format_of(t.fmt)
-        parts = relax[name].parts(best[name], consts[name])
-        raw[name] = np.asarray(jax.jit(cls.pack)(*parts)).reshape(np.shape(t.raw))  # (..., rows, bytes)
+    raw = {name: np.asarray(_harden(t.fmt)(best[name], consts[name])).reshape(np.shape(t.raw))  # (..., rows, bytes)
+           for name, t in tensors.items()}
     return raw, rows
+
+
+@cache
+def _harden(fmt: str) -> Callable[[Params, dict[str, jax.Array]], jax.Array]:
+    """The jitted bytes of a format's rounded parameters, one program per format for every layer (a
+    jit made per call would trace and compile again each time: seconds per layer on a GPU)."""
+    relax = relaxation(fmt)
+    return jax.jit(lambda theta, const: relax.cls.pack(*relax.parts(theta, const)))  # (n, type_size)

@@ -36,6 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.append(str(ROOT))
 
+from bench.tools.device_trace import traced  # noqa: E402
 from bench.tools.timing import best_of  # noqa: E402
 from moeheal.pipeline.config import E2E_TOPK  # noqa: E402
 
@@ -59,7 +60,8 @@ def assembled_q2_k(source: Path, out: Path) -> Path:
     return out
 
 
-def bench_model(reference_path: Path, assembled_path: Path, batch: int, seq: int, reps: int, topk: int) -> dict:
+def bench_model(reference_path: Path, assembled_path: Path, batch: int, seq: int, reps: int, topk: int,
+                trace: Path | None = None) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -106,6 +108,13 @@ def bench_model(reference_path: Path, assembled_path: Path, batch: int, seq: int
     row["step_vs_plain_forward"] = row["step_s"] / plain
     stats = jax.devices()[0].memory_stats() or {}
     row["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
+    if trace is not None:  # after the figures: a traced call is slower
+        texts = []
+        for label, fn in (("step", step), ("KL pass", kl)):
+            with traced(trace / f"{row['layers']}l-{label.split()[0].lower()}", f"{row['layers']} layers, {label}") as s:
+                fn()
+            texts.append(s.text)
+        (trace / f"{row['layers']}l-summary.md").write_text("\n\n".join(texts) + "\n")
     return row
 
 
@@ -121,6 +130,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=8, help="synth's worker processes")
     parser.add_argument("--work", type=Path, default=Path("/tmp/moeheal-bench-e2e"))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="also trace one step and one KL pass per model with jax.profiler into this folder and "
+                             "print the summaries (bench/tools/device_trace.py)")
     parser.add_argument("--json-line", action="store_true", help="print the row only (a run of several models)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -139,15 +151,18 @@ def main() -> None:
     for source in sources:
         if len(sources) == 1:
             assembled = assembled_q2_k(source, args.work / f"{source.stem}-q2_k.gguf")
-            rows.append(bench_model(source, assembled, args.batch, args.seq, args.reps, args.topk))
+            rows.append(bench_model(source, assembled, args.batch, args.seq, args.reps, args.topk, args.trace))
         else:  # each in a process of its own: its own peak memory
             one = [sys.executable, __file__, "--gguf", str(source), "--batch", str(args.batch), "--seq", str(args.seq),
-                   "--reps", str(args.reps), "--topk", str(args.topk), "--work", str(args.work), "--json-line"]
+                   "--reps", str(args.reps), "--topk", str(args.topk), "--work", str(args.work), "--json-line",
+                   *(["--trace", str(args.trace)] if args.trace else [])]
             out = subprocess.run(one, check=True, capture_output=True, text=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
     if args.json_line:
         return
+    for summary in sorted(args.trace.glob("*l-summary.md")) if args.trace else []:
+        print("\n" + summary.read_text(), flush=True)
     print("| layers | d | vocab | tokens | backend | step s | ms/token | KL pass s | plain forward s | step / forward |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 
+from bench.tools.device_trace import traced  # noqa: E402
 from bench.tools.timing import best_of  # noqa: E402
 
 SHAPES = {"small": (4, 256, 256, 2), "demo": (32, 256, 256, 4), "30b": (128, 2048, 768, 8)}  # experts, d, f, k
@@ -65,6 +66,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--steps", type=int, default=None,
                         help="learned_steps (default: the config's, one pass over the training rows)")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="also run each learned unit once under jax.profiler into this folder and print the "
+                             "trace's summary (bench/tools/device_trace.py)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time CPU seconds of every thread (time.process_time): on a shared machine the wall "
                              "clock counts other people's work too")
@@ -85,6 +89,7 @@ def main() -> None:
     print("| format | GPTQ unit s | learned unit s | learned / GPTQ | learning alone s | ms per step "
           "| held-out rel. error GPTQ | held-out rel. error learned |")
     print("|---|---|---|---|---|---|---|---|")
+    traces: list[str] = []
     with jax.default_device(device):
         w, x, experts, weights, yr = synthetic_layer(n_expert, d, f, k, args.tokens)
         cut = args.tokens - args.tokens // Q.LEARNED_HOLDOUT
@@ -114,6 +119,12 @@ def main() -> None:
             chosen = next(r["loss"] for r in out["curve"] if r["split"] == "chosen")
             print(f"| {fmt} | {t_gptq:.2f} | {t_gptq + t_learn:.2f} | {(t_gptq + t_learn) / t_gptq:.2f}x "
                   f"| {t_learn:.2f} | {1e3 * t_learn / steps:.1f} | {held_rows[0]:.5f} | {chosen:.5f} |", flush=True)
+            if args.trace is not None:
+                with traced(args.trace / fmt, f"learned unit, {fmt}, {steps} steps") as summary:
+                    learn()
+                traces.append(summary.text)
+        for text in traces:
+            print("\n" + text, flush=True)
 
 
 if __name__ == "__main__":
