@@ -371,20 +371,24 @@ def _row_energy(yr: jax.Array, weight: jax.Array) -> jax.Array:
 
 
 def _batch_layout(experts: np.ndarray, weights: np.ndarray, n_expert: int, rows: int, capacity: int
-                  ) -> tuple[np.ndarray, np.ndarray]:
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per expert the batch rows routed to it and their routing weights, padded to ``capacity`` with row
-    ``rows`` (a zero input) and weight 0: tok, wt (E, capacity)."""
+    ``rows`` (a zero input) and weight 0: tok, wt (E, capacity); and per batch row its k pairs' slots in
+    the flattened (E * capacity) layout: slot (rows, k), a row past the batch's pairs pointing at slot
+    E * capacity (a zero output)."""
     tok = np.full((n_expert, capacity), rows, np.int32)  # (E, C)
     wt = np.zeros((n_expert, capacity), np.float32)  # (E, C)
-    flat_e = experts.reshape(-1)  # (B*k,)
+    slot = np.full((rows, experts.shape[1]), n_expert * capacity, np.int32)  # (B, k)
+    flat_e = experts.reshape(-1)  # (n*k,)
     order = np.argsort(flat_e, kind="stable")
     counts = np.bincount(flat_e, minlength=n_expert)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    slot = np.arange(flat_e.size) - np.repeat(starts, counts)  # position of each sorted pair in its expert
+    position = np.arange(flat_e.size) - np.repeat(starts, counts)  # position of each sorted pair in its expert
     e_sorted = flat_e[order]
-    tok[e_sorted, slot] = order // experts.shape[1]
-    wt[e_sorted, slot] = weights.reshape(-1)[order]
-    return tok, wt
+    tok[e_sorted, position] = order // experts.shape[1]
+    wt[e_sorted, position] = weights.reshape(-1)[order]
+    slot.reshape(-1)[order] = e_sorted * capacity + position  # rows beyond `experts` keep the zero slot
+    return tok, wt, slot
 
 
 def _capacity(experts: np.ndarray, n_expert: int, batches: list[np.ndarray]) -> int:
@@ -406,10 +410,11 @@ def _layouts(data: TokenSet, batches: list[np.ndarray], n_expert: int, capacity:
     idx = np.full((len(batches), batch), len(data), np.int32)  # (S, B)
     tok = np.empty((len(batches), n_expert, capacity), np.int32)  # (S, E, C)
     wt = np.empty((len(batches), n_expert, capacity), np.float32)  # (S, E, C)
+    slot = np.empty((len(batches), batch, data.experts.shape[1]), np.int32)  # (S, B, k)
     for i, rows in enumerate(batches):
         idx[i, :rows.size] = rows
-        tok[i], wt[i] = _batch_layout(data.experts[rows], data.weights[rows], n_expert, batch, capacity)
-    return {"idx": idx, "tok": tok, "wt": wt}
+        tok[i], wt[i], slot[i] = _batch_layout(data.experts[rows], data.weights[rows], n_expert, batch, capacity)
+    return {"idx": idx, "tok": tok, "wt": wt, "slot": slot}
 
 
 def _device_rows(data: TokenSet) -> dict[str, jax.Array]:
@@ -431,7 +436,8 @@ def _gather(rows: dict[str, jax.Array], layout: dict[str, jax.Array]) -> dict[st
     """One batch for `layer_error` from the device rows and its layout (idx (B,), tok/wt (E, C))."""
     idx = layout["idx"]  # (B,)
     return {"x": rows["x"][idx], "target": rows["target"][idx], "weight": rows["weight"][idx],  # (B, d) each
-            "gate": rows["gate"][idx], "tok": layout["tok"], "wt": layout["wt"]}  # (B,), (E, C)
+            "gate": rows["gate"][idx], "tok": layout["tok"], "wt": layout["wt"],  # (B,), (E, C) x2
+            "slot": layout["slot"]}  # (B, k)
 
 
 def _silu_glu(x: jax.Array, gate: jax.Array, up: jax.Array, spec: str) -> jax.Array:
@@ -445,7 +451,10 @@ def layer_error(w: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Arr
     w: the routed experts gate/up (E, f, d), down (E, d, f) and, when the shared expert is in the
     loss, its gate/up (f_s, d), down (d, f_s); batch: x (B, d), target (B, d), tok/wt (E, C), gate (B,).
     Grouped by expert: each expert's rows gathered (padded to C), its output computed for all
-    experts at once and scatter-added to its tokens with their routing weights. batch["weight"]
+    experts at once, weighted by the pairs' routing weights, and each token's k pair outputs gathered
+    back by their slots (B, k) and summed in k's order. Not a scatter-add onto the tokens: a token
+    sits in k experts, and a GPU adds repeated rows with atomics in no fixed order, so the loss, and
+    the bytes learned from it, would change from run to run. batch["weight"]
     (B, d) weighs each squared error (ones unweighted: the products are then exact).
     """
     x, tok, wt = batch["x"], batch["tok"], batch["wt"]
@@ -454,7 +463,8 @@ def layer_error(w: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Arr
     xe = x_pad[tok]  # (E, C, d)
     h = _silu_glu(xe, w["ffn_gate_exps"], w["ffn_up_exps"], "ecd,efd->ecf")  # (E, C, f)
     y = jnp.einsum("ecf,edf->ecd", h, w["ffn_down_exps"], precision=HIGHEST) * wt[..., None]  # (E, C, d)
-    out = jnp.zeros((b + 1, d), jnp.float32).at[tok].add(y)[:b]  # (B, d)
+    y = jnp.concatenate([y.reshape(-1, d), jnp.zeros((1, d), y.dtype)])  # (E*C+1, d): the last row is no pair
+    out = jnp.sum(y[batch["slot"]], axis=1)  # (B, k, d) -> (B, d)
     if "ffn_down_shexp" in w:
         hs = _silu_glu(x, w["ffn_gate_shexp"], w["ffn_up_shexp"], "bd,fd->bf")  # (B, f_s)
         out = out + jnp.einsum("bf,df->bd", hs, w["ffn_down_shexp"], precision=HIGHEST) * batch["gate"][:, None]

@@ -210,3 +210,28 @@ def test_the_default_schedule_is_one_pass_over_the_training_rows(rows, steps, ex
     assert got == expected
     if not steps:  # one pass: every training row is reached, in at most LEARNED_MAX_STEPS steps
         assert got[0] * got[1] >= rows and (got[0] <= LEARNED_MAX_STEPS or got[1] == 256)
+
+
+def test_each_pair_slot_holds_that_pair_and_the_loss_adds_no_repeated_rows():
+    """`_batch_layout`'s slot of every (token, choice) pair is the expert's row holding that token with
+    that routing weight, and a row past the batch's tokens points at the zero slot; `layer_error` sums
+    a token's pairs by gathering them, with no scatter-add in its program (on a GPU a scatter-add of
+    a token's k outputs runs as atomics in no fixed order: a new loss, and new bytes, every run)."""
+    rng = np.random.default_rng(5)
+    n_expert, k, rows = 6, 3, 40
+    experts = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(33)]).astype(np.int32)  # (33, k)
+    weights = rng.random((33, k)).astype(np.float32)
+    cap = L._capacity(experts, n_expert, [np.arange(33)])
+    tok, wt, slot = L._batch_layout(experts, weights, n_expert, rows, cap)
+    e, c = np.divmod(slot[:33], cap)  # (33, k) x2
+    np.testing.assert_array_equal(e, experts)
+    np.testing.assert_array_equal(tok[e, c], np.repeat(np.arange(33)[:, None], k, axis=1))
+    np.testing.assert_array_equal(wt[e, c], weights)
+    assert (slot[33:] == n_expert * cap).all()
+    assert len(np.unique(slot[:33])) == 33 * k
+    w, data = _small_layer(tokens=256)
+    cap = L._capacity(data.experts, 4, [np.arange(256)])
+    layouts, device_rows = L._layouts(data, [np.arange(256)], 4, cap, 256), L._device_rows(data)
+    batch = L._gather(device_rows, {name: v[0] for name, v in layouts.items()})
+    program = str(jax.make_jaxpr(L.layer_error)({n: jnp.asarray(v) for n, v in w.items()}, batch))
+    assert "scatter-add" not in program and "scatter_add" not in program
