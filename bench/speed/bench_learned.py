@@ -15,12 +15,15 @@ that plus `kernels.learned.learn_layer` with the pipeline's settings
 the held-out 1/8. Times (wall seconds, or CPU seconds with --cpu-time) exclude compilation (each is run once before), best
 of ``--repeats``; the printed ratio is learned unit / GPTQ unit. Also printed:
 the held-out relative error of the layer's output at GPTQ's bytes and at the
-learned ones (in-sample selection: the held-out rows pick the step).
+learned ones (in-sample selection: the held-out rows pick the step), and whether
+every run of the learned unit wrote the same bytes (a device that sums in no
+fixed order would not).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -100,6 +103,7 @@ def main() -> None:
                                       beta_gate_up=0.5, beta_down=0.5, down_blend_tokens=16.0, cal_tokens=0,
                                       gptq_damp=1.0, gptq_shrink=64.0, gptq_router_weighted=False)
             out: dict = {}
+            digests: set[str] = set()  # the learned bytes of every run: one digest if the device repeats itself
 
             def gptq() -> None:
                 plan = Q.layer_importance(w, x, experts, weights, params)
@@ -111,6 +115,7 @@ def main() -> None:
                                             eval_every=max(1, steps // Q.LEARNED_EVALS), sub_lr=Q.LEARNED_SUB_LR,
                                             scale_lr=Q.LEARNED_SCALE_LR, optimizer=Q.LEARNED_OPTIMIZER)
                 out["learned"], out["curve"] = learned.learn_layer(tensors, {}, train, held, settings)
+                digests.add(hashlib.sha256(b"".join(out["learned"][n].tobytes() for n in sorted(w))).hexdigest())
 
             gptq(), learn()  # compile
             clock = time.process_time if args.cpu_time else time.perf_counter
@@ -123,6 +128,9 @@ def main() -> None:
                 with traced(args.trace / fmt, f"learned unit, {fmt}, {steps} steps") as summary:
                     learn()
                 traces.append(summary.text)
+            runs = 1 + args.repeats + (args.trace is not None)
+            print(f"{fmt}: learned bytes of {runs} runs {'identical' if len(digests) == 1 else 'DIFFER'} "
+                  f"({len(digests)} distinct)", flush=True)
         for text in traces:
             print("\n" + text, flush=True)
 
