@@ -510,8 +510,11 @@ def _programs(layout: tuple[tuple[str, str, tuple[int, ...]], ...], optimizer: s
         return _weights(theta, consts, shapes, relax, fixed)
 
     @jax.jit
-    def step(theta, moments, consts, fixed, rows, layouts, i, lr, t, bounds, rates):
+    def step(theta, moments, consts, fixed, rows, layouts, i, decays, bounds, rates):
+        """Step i (a device scalar, returned as i + 1: no host value crosses per step) at the rate
+        decays[i]."""
         b = _gather(rows, jax.tree.map(lambda v: v[i], layouts))  # step i's batch
+        lr, t = decays[i], (i + 1).astype(jnp.float32)
         loss, grad = jax.value_and_grad(lambda th: layer_error(weights(th, consts, fixed), b))(theta)
         if optimizer == "adam":
             direction, m, v = adam_direction(moments[0], moments[1], grad, t, ADAM_B1, ADAM_B2, ADAM_EPS)
@@ -520,7 +523,7 @@ def _programs(layout: tuple[tuple[str, str, tuple[int, ...]], ...], optimizer: s
             direction = jax.tree.map(jnp.sign, grad)
         theta = jax.tree.map(lambda p, g, lim, rate: jnp.clip(p - rate * lr * g, -lim, lim),
                              theta, direction, bounds, rates)
-        return theta, moments, loss
+        return theta, moments, loss, i + 1
 
     @jax.jit
     def set_error(theta, consts, fixed, rows, layouts):
@@ -588,10 +591,13 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
     zeros = jax.tree.map(jnp.zeros_like, theta0)
     moments = (zeros, zeros) if settings.optimizer == "adam" else ()
     train_losses: list[tuple[dict[str, Any], jax.Array]] = []  # read once the steps are queued: no wait per step
+    # every per-step value on the device before the first step: the rate decays linearly to 0
+    decays = jnp.asarray(np.array([1.0 - i / settings.steps for i in range(settings.steps)], np.float32))  # (S,)
+    bounds, rates = jax.tree.map(jnp.float32, (bounds, rates))
+    index = jnp.int32(0)
     for i in range(settings.steps):
-        decay = 1.0 - i / settings.steps
-        theta, moments, loss = step(theta, moments, consts, fixed_dev, train_rows, train_layouts, jnp.int32(i),
-                                    jnp.float32(decay), jnp.float32(i + 1), bounds, rates)
+        theta, moments, loss, index = step(theta, moments, consts, fixed_dev, train_rows, train_layouts, index, decays,
+                                           bounds, rates)
         rows.append({"step": i + 1, "split": "train"})
         train_losses.append((rows[-1], loss))
         if (i + 1) % settings.eval_every == 0 or i + 1 == settings.steps:
