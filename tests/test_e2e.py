@@ -548,3 +548,50 @@ def test_the_reference_topk_rows_are_the_same_layer_by_layer_as_batch_by_batch(t
     seq, pos = np.nonzero(mask[:3])
     got = whole.column("ids").to_pylist()[:len(seq)]
     np.testing.assert_array_equal(np.asarray(got), ids[seq, pos])
+
+
+@pytest.mark.parametrize("tune_codes", [False, True])
+def test_packed_experts_decode_only_the_picked_blocks_with_the_same_bits_and_gradients(tune_codes):
+    """The tuner's `PackedExperts` in the batched MoE product (what a GPU runs; forced here on the CPU)
+    and in the scan, against the same experts decoded whole: the forward bit for bit, the gradient in
+    every scale change (and code offset) to float32 rounding."""
+    from moeheal.kernels import encode
+    from moeheal.kernels.decode import format_of
+    from moeheal.pipeline.model import layers as M
+    from moeheal.pipeline.model.tuner import BlockDecoder
+
+    rng = np.random.default_rng(7)
+    n_expert, f, d, n, k = 8, 256, 256, 48, 2
+    fmt = format_of("q2_k")
+    decoder = BlockDecoder(fmt)
+    stored = {}
+    for name in M.EXPERT_TENSORS:
+        w = (0.02 * rng.standard_normal((n_expert, f, d))).astype(np.float32)  # gate/up (E, f, d); down square here
+        stored[name] = jnp.asarray(encode.quantize_experts(w, "q2_k").reshape(n_expert, -1, fmt.type_size))
+    def draw(scale: float, shape: tuple[int, ...]) -> jax.Array:
+        return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
+
+    n_blocks = stored["ffn_gate_exps.weight"].shape[1]  # per expert
+    codes = fmt.code_scale_parts() if tune_codes else ()  # q2_k: the 16 sub-block scale and min codes
+    theta = {name: ([draw(0.01, (n_expert, n_blocks, 1)) for _ in fmt.fp16_parts],
+                    [draw(0.3, (n_expert, n_blocks, 16)) for _ in codes]) for name in stored}
+    mixed = jnp.asarray(rng.standard_normal((n, d)).astype(np.float32))  # (N, d)
+    experts = jnp.asarray(np.stack([rng.permutation(n_expert)[:k] for _ in range(n)]).astype(np.int32))  # (N, k)
+    weights = jnp.asarray(rng.random((n, k)).astype(np.float32))  # (N, k)
+    g = jnp.asarray(rng.standard_normal((n, d)).astype(np.float32))  # (N, d)
+
+    def packed(th):
+        return {name: M.PackedExperts(stored[name], tuple(th[name][0]), tuple(th[name][1]), decoder,
+                                      (n_expert, f, d)) for name in stored}
+
+    def decoded(th):
+        return {name: p.decoded() for name, p in packed(th).items()}
+
+    for moe in (M._moe_batched, M._moe_scan):
+        np.testing.assert_array_equal(np.asarray(moe(packed(theta), mixed, experts, weights)),
+                                      np.asarray(moe(decoded(theta), mixed, experts, weights)))
+        grads = [jax.grad(lambda th: jnp.sum(moe(form(th), mixed, experts, weights) * g))(theta)
+                 for form in (packed, decoded)]
+        for got, want in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+            assert np.abs(want).max() > 0
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())

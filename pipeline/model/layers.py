@@ -15,7 +15,9 @@ shared expert) is in its own file under `pipeline.model.arch`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import partial
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -106,9 +108,47 @@ _EXPERT_KEYS = {
     "up": ("ffn_up_exps.weight", "up_exps"),
     "down": ("ffn_down_exps.weight", "down_exps"),
 }
+EXPERT_TENSORS = tuple(names[0] for names in _EXPERT_KEYS.values())  # the stacked experts' short names
 
 
-def _expert_matrix(params: dict, which: str) -> jax.Array:
+@partial(jax.tree_util.register_dataclass, data_fields=["blocks", "scales", "codes"], meta_fields=["decode", "shape"])
+@dataclass(frozen=True)
+class PackedExperts:
+    """A stacked expert tensor (E, rows, cols) as its stored blocks, decoded only where a product needs it.
+
+    e2e's tuner passes its quantized experts so: the batched MoE product (`_moe_batched`) then decodes
+    just the experts its blocks pick, instead of every expert followed by a one-hot product over the
+    decoded matrices (at Qwen3-30B-A3B's width a third of a step's device time). The picked values are
+    those of decoding every expert (the same bytes and scales, the scales picked by an exact one-hot
+    product), so the forward is bit for bit the same; each block's scale gradient is summed to its
+    expert by a one-hot product too (a matmul, not a scatter-add: no atomics, the same bits every run).
+    """
+
+    blocks: jax.Array  # (E, n, type_size) uint8: each expert's stored blocks, in the tensor's order
+    scales: tuple[jax.Array, ...]  # per fp16 part (E, n, 1): what `decode` tunes the stored scales by
+    codes: tuple[jax.Array, ...]  # per tuned code part (E, n, c)
+    decode: Callable[..., jax.Array] = field(metadata={"static": True})  # (blocks (m, ts), scales, codes) -> (m, B)
+    shape: tuple[int, int, int] = field(metadata={"static": True})  # (E, rows, cols)
+
+    @staticmethod
+    def _flat(a: jax.Array) -> jax.Array:
+        return a.reshape(-1, a.shape[-1])  # (E*n, ...) or (nB*n, ...)
+
+    def decoded(self) -> jax.Array:
+        """Every expert's matrix: (E, rows, cols)."""
+        return self.decode(self._flat(self.blocks), [self._flat(u) for u in self.scales],
+                           [self._flat(c) for c in self.codes]).reshape(self.shape)
+
+    def picked(self, index: jax.Array, one_hot: jax.Array) -> jax.Array:
+        """The matrices of experts `index` (nB,), one_hot (nB, E) their rows: (nB, rows, cols)."""
+        blocks = self.blocks[index]  # (nB, n, ts): integers, nothing to differentiate
+        scales = [einsum("be,enc->bnc", one_hot, u) for u in self.scales]  # (nB, n, 1) exact copies
+        codes = [einsum("be,enc->bnc", one_hot, c) for c in self.codes]  # (nB, n, c)
+        values = self.decode(self._flat(blocks), [self._flat(u) for u in scales], [self._flat(c) for c in codes])
+        return values.reshape(index.shape[0], *self.shape[1:])  # (nB, rows, cols)
+
+
+def _expert_matrix(params: dict, which: str) -> jax.Array | PackedExperts:
     """A stacked expert tensor under its GGUF short name or its bare name (gate_exps, ...)."""
     for key in _EXPERT_KEYS[which]:
         if key in params:
@@ -153,6 +193,10 @@ def expert_blocks(experts_flat: jax.Array, n_expert: int, block: int) -> tuple[j
 # 512 tokens, H100: forward + gradient 3.2x faster batched, 0.63x at 4,096 tokens; the CPU is faster
 # with the scan at every load; bench/speed/bench_moe_forward.py).
 BATCHED_MAX_LOAD = 64
+# The same for `PackedExperts`: no one-hot product over every expert's decoded matrices, so the batched form
+# stays ahead of the scan's small programs up to e2e's measurement passes (8 sequences of 512 tokens: a mean
+# load of 256 at Qwen3-30B-A3B's 128 experts and top-8).
+PACKED_MAX_LOAD = 256
 
 
 @jax.jit
@@ -165,14 +209,17 @@ def moe_forward(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weig
     and a scan runs one block (block, d) x (d, f) at a time, indexing that expert's matrices in
     place, so the cost is about N*k/E of a dense pass and no (N, E, ...) tensor is formed.
     On an accelerator, when the experts' mean load is small (`BATCHED_MAX_LOAD`: e2e's steps of one
-    512-token sequence), the blocks run as one batched product instead (`_moe_batched`).
+    512-token sequence; `PACKED_MAX_LOAD` for `PackedExperts`, whose blocks are decoded only where
+    picked: e2e's measurements of several sequences too), the blocks run as one batched product
+    instead (`_moe_batched`).
     With probes on (`expert_weights` holds PEAK_LAYER), gate/up see all of `mixed` (llama.cpp
     converts the whole batch) and down the largest |hidden| over the routed pairs.
     """
     N, k = experts.shape
-    n_expert = _expert_matrix(expert_weights, "gate").shape[0]
-    if (jax.default_backend() != "cpu" and N * k <= BATCHED_MAX_LOAD * n_expert
-            and PEAK_LAYER not in expert_weights):
+    gate = _expert_matrix(expert_weights, "gate")
+    n_expert = gate.shape[0]
+    most = PACKED_MAX_LOAD if isinstance(gate, PackedExperts) else BATCHED_MAX_LOAD
+    if jax.default_backend() != "cpu" and N * k <= most * n_expert and PEAK_LAYER not in expert_weights:
         return _moe_batched(expert_weights, mixed, experts, weights)
     return _moe_scan(expert_weights, mixed, experts, weights)
 
@@ -182,7 +229,8 @@ def _moe_batched(expert_weights: dict, mixed: jax.Array, experts: jax.Array, wei
     """`moe_forward` as three batched products over all expert blocks of `block` rows (None: about twice
     the mean load, 16 to 128): (N, d) -> yr (N, d).
 
-    Each block's expert matrices are picked by a one-hot product, which copies them exactly (1 x w plus
+    Each block's expert matrices are picked by a one-hot product (`PackedExperts`: their blocks decoded,
+    their scales picked so), which copies them exactly (1 x w plus
     0 x the others at full precision) and keeps the backward a matrix product: a gather's backward would
     be a scatter-add over repeated experts, whose order (GPU atomics) changes the bits from run to run.
     Every scatter left in the backward writes distinct rows. A token's k outputs are summed over k.
@@ -197,8 +245,10 @@ def _moe_batched(expert_weights: dict, mixed: jax.Array, experts: jax.Array, wei
     pairs = jnp.broadcast_to(mixed[:, None, :], (N, k, d)).reshape(N * k, d)  # (P, d): each pair's input
     pairs = jnp.concatenate([pairs, jnp.zeros((1, d), mixed.dtype)])  # (P+1, d): row P is the empty slot
     xb = pairs[slot_pair].reshape(n_blocks, block, d)  # (nB, b, d)
-    pick = jax.nn.one_hot(block_expert, n_expert, dtype=w_gate.dtype)  # (nB, E)
-    wg, wu, wd = (einsum("be,e...->b...", pick, w) for w in (w_gate, w_up, w_down))  # (nB, f, d) x2, (nB, d, f)
+    pick = jax.nn.one_hot(block_expert, n_expert, dtype=jnp.float32 if isinstance(w_gate, PackedExperts)
+                          else w_gate.dtype)  # (nB, E)
+    wg, wu, wd = (w.picked(block_expert, pick) if isinstance(w, PackedExperts) else einsum("be,e...->b...", pick, w)
+                  for w in (w_gate, w_up, w_down))  # (nB, f, d) x2, (nB, d, f)
     hidden = jax.nn.silu(einsum("bcd,bfd->bcf", xb, wg)) * einsum("bcd,bfd->bcf", xb, wu)  # (nB, b, f)
     y = einsum("bcf,bdf->bcd", hidden, wd).reshape(n_blocks * block, d)  # (nB*b, d)
     slot = jnp.zeros((N * k + 1,), jnp.int32).at[slot_pair].set(jnp.arange(n_blocks * block, dtype=jnp.int32))
@@ -209,6 +259,7 @@ def _moe_batched(expert_weights: dict, mixed: jax.Array, experts: jax.Array, wei
 def _moe_scan(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
     """`moe_forward` as a scan over the expert blocks, one (block, d) x (d, f) product at a time."""
     w_gate, w_up, w_down = (_expert_matrix(expert_weights, w) for w in ("gate", "up", "down"))
+    w_gate, w_up, w_down = (w.decoded() if isinstance(w, PackedExperts) else w for w in (w_gate, w_up, w_down))
     for which in ("gate", "up"):
         probe(expert_weights, f"ffn_{which}_exps.weight", mixed)
     N, d = mixed.shape

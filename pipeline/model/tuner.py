@@ -76,6 +76,34 @@ GLOBAL_GROUP = -1  # the group of the tensors outside the layers (output_norm)
 THETA_KINDS = ("scales", "floats", "codes")  # theta's groups: fp16 scales, F32 norms and routers, scale codes
 
 
+def tuned_parts(fmt: type, parts: tuple[jax.Array, ...], u: list[jax.Array], codes: list[jax.Array] | None,
+                round_scales: bool = True, dtype: Any = jnp.float32) -> tuple[jax.Array, ...]:
+    """A quantized tensor's parts with its fp16 scales changed by `u` (relative) and, unless
+    `round_scales` is off, rounded to fp16, and with `codes` its sub-block scale codes moved by those
+    offsets and rounded into their range (both straight through); float parts in `dtype`."""
+    parts = [p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p for p in parts]
+    for i, du in zip(fmt.fp16_parts, u):
+        tuned = relative(parts[i], du)  # (n_blocks, 1)
+        parts[i] = fp16_ste(tuned) if round_scales else tuned
+    for (i, lo, hi), dc in zip(fmt.code_scale_parts(), codes or []):
+        parts[i] = code_ste(parts[i] + dc, lo, hi)  # (n_blocks, k)
+    return tuple(parts)
+
+
+@dataclass(frozen=True)
+class BlockDecoder:
+    """Stored blocks (n, type_size) with their tuned scale changes and code offsets -> the values the
+    tuned file decodes them to, (n, block size): a static, hashable function for `M.PackedExperts`."""
+
+    fmt: type
+    round_scales: bool = True
+    dtype: Any = jnp.float32
+
+    def __call__(self, blocks: jax.Array, u: list[jax.Array], codes: list[jax.Array]) -> jax.Array:
+        return self.fmt.dequantize_parts(tuned_parts(self.fmt, self.fmt.unpack(blocks), u, codes, self.round_scales,
+                                                     self.dtype))  # (n, B)
+
+
 def host(x: jax.Array) -> np.ndarray:
     """A device array copied to host memory. Not `np.asarray`: on a CPU backend that is a view which
     keeps the device buffer alive, and what the sweep keeps would then count as device memory."""
@@ -212,24 +240,22 @@ class Tuner:
     # ---- the programs ----------------------------------------------------------------
     def scale_parts(self, fmt: type, parts: tuple[jax.Array, ...], u: list[jax.Array],
                     codes: list[jax.Array] | None = None) -> tuple[jax.Array, ...]:
-        """A quantized tensor's parts with its fp16 scales tuned and rounded to fp16, and with `codes`
-        its sub-block scale codes moved by those offsets and rounded into their range (both straight
-        through)."""
-        parts = [p.astype(self.dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p for p in parts]
-        for i, du in zip(fmt.fp16_parts, u):
-            tuned = relative(parts[i], du)  # (n_blocks, 1)
-            parts[i] = fp16_ste(tuned) if self.round_scales else tuned
-        for (i, lo, hi), dc in zip(fmt.code_scale_parts(), codes or []):
-            parts[i] = code_ste(parts[i] + dc, lo, hi)  # (n_blocks, k)
-        return tuple(parts)
+        """A quantized tensor's parts tuned by `u` (and `codes`): `tuned_parts` with this tuner's rounding and dtype."""
+        return tuned_parts(fmt, parts, u, codes, self.round_scales, self.dtype)
 
     def layer_params(self, spec: LayerSpec, theta_i: dict, tensors: dict) -> dict[str, jax.Array]:
         """Every tensor of one layer as the tuned file decodes it, keyed by short name."""
         params = dict(tensors["frozen"])
         for short, fmt, shape in spec.quantized:
-            parts = self.scale_parts(fmt, fmt.unpack(tensors["blocks"][short]), theta_i["scales"][short],
-                                     theta_i["codes"].get(short))
-            params[short] = fmt.dequantize_parts(parts).reshape(shape)  # (...)
+            blocks, u, codes = tensors["blocks"][short], theta_i["scales"][short], theta_i["codes"].get(short, [])
+            if short in M.EXPERT_TENSORS:  # decoded inside the MoE product, only where picked
+                n_expert = shape[0]
+                per_expert = lambda a: a.reshape(n_expert, -1, a.shape[-1])  # noqa: E731 (E, n, ...)
+                params[short] = M.PackedExperts(per_expert(blocks), tuple(map(per_expert, u)),
+                                                tuple(map(per_expert, codes)),
+                                                BlockDecoder(fmt, self.round_scales, self.dtype), tuple(shape))
+                continue
+            params[short] = BlockDecoder(fmt, self.round_scales, self.dtype)(blocks, u, codes).reshape(shape)  # (...)
         for short, w in tensors["floats"].items():
             params[short] = relative(w, theta_i["floats"][short])  # the tensor's shape
         return params

@@ -62,6 +62,7 @@ layer's memory map, the block bytes and the layer's dumped rows it reads
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -191,9 +192,11 @@ def layer_importance(weights: dict[str, jax.Array], mixed: np.ndarray, experts: 
     """
     gate, up = weights["ffn_gate_exps"], weights["ffn_up_exps"]
     gptq = params.uses_gptq
-    stats = imp.expert_hidden_stats(gate, up, mixed, experts, with_hessians=gptq,
-                                    routing_weights=routing_weights if params.gptq_router_weighted else None)
-    mean_sq_x = np.mean(np.square(mixed, dtype=np.float64), axis=0)  # (d,)
+    with ThreadPoolExecutor(1) as pool:  # the host's float64 pass over the rows runs while the device sums
+        mean_sq = pool.submit(lambda: np.mean(np.square(mixed, dtype=np.float64), axis=0))  # (d,)
+        stats = imp.expert_hidden_stats(gate, up, mixed, experts, with_hessians=gptq,
+                                        routing_weights=routing_weights if params.gptq_router_weighted else None)
+        mean_sq_x = mean_sq.result()  # (d,)
     gate_up = imp.expert_gate_up_importance(stats.sum_x_sq, stats.counts, mean_sq_x, params.down_blend_tokens,
                                             params.beta_gate_up)  # (E, d)
     analytic = imp.analytic_hidden_sq(gate, up, mean_sq_x)  # (E, f)
