@@ -191,7 +191,7 @@ def test_the_streamed_gradient_is_the_whole_models(tuned):
 
         loss, expected = jax.value_and_grad(whole)(jax.tree_util.tree_map(jnp.asarray, theta))
         got_loss, got = tuner.step(theta, (tokens, ids, logp, log_rest, mask))
-    assert got_loss == pytest.approx(float(loss), rel=1e-12)
+    assert float(got_loss) == pytest.approx(float(loss), rel=1e-12)
     flat_got, tree_got = jax.tree_util.tree_flatten(got)
     flat_expected, tree_expected = jax.tree_util.tree_flatten(expected)
     assert tree_got == tree_expected
@@ -234,7 +234,7 @@ def test_a_step_of_several_sequences_is_the_token_weighted_mean_of_one_at_a_time
         singles = [(float(trace.batch(0, rows[i:i + 1])[-1].sum()), *tuner.step(theta, trace.batch(0, rows[i:i + 1])))
                    for i in range(len(rows))]
     tokens = sum(n for n, _, _ in singles)
-    assert loss == pytest.approx(sum(n * l for n, l, _ in singles) / tokens, rel=1e-8)
+    assert float(loss) == pytest.approx(sum(n * float(l) for n, l, _ in singles) / tokens, rel=1e-8)
     for i, leaf in enumerate(jax.tree_util.tree_leaves(grad)):
         expected = sum(n * np.asarray(jax.tree_util.tree_leaves(g)[i]) for n, _, g in singles) / tokens
         np.testing.assert_allclose(np.asarray(leaf), expected, rtol=1e-4, atol=1e-6)

@@ -319,8 +319,9 @@ class Tuner:
         return total / tokens, tokens
 
     def step(self, theta: dict, batch: tuple[np.ndarray, ...], outputs: dict[int, np.ndarray] | None = None
-             ) -> tuple[float, dict]:
-        """(mean KL, its gradient w.r.t. theta as device arrays like theta) on one batch, streamed; with
+             ) -> tuple[jax.Array, dict]:
+        """(mean KL, its gradient w.r.t. theta), both device arrays (the KL a scalar: reading it waits for
+        the step, so a caller that does not need it lets the next step queue behind this one) on one batch, streamed; with
         `outputs`, also the gradient w.r.t. each layer i's output, `outputs[i]` (B, T, d) on the host
         (what the sweep pulls back through the layer anyway: the guidance stage's Fisher estimate)."""
         tokens = batch[0]
@@ -345,7 +346,7 @@ class Tuner:
             grad["scales"] |= {prefix + s: list(gs) for s, gs in g_theta["scales"].items()}
             grad["floats"] |= {prefix + s: g for s, g in g_theta["floats"].items()}
             grad["codes"] |= {prefix + s: list(gs) for s, gs in g_theta["codes"].items()}
-        return float(loss), grad
+        return loss, grad
 
     # ---- the written file ---------------------------------------------------------------
     def tuned_tensor(self, theta: dict, name: str) -> np.ndarray:
