@@ -89,7 +89,7 @@ def bench_model(reference_path: Path, assembled_path: Path, batch: int, seq: int
 
     def step() -> None:
         _, grad = tuner.step(tuner.theta0, data)
-        adam_by_layer(tuner.theta0, grad, {}, lr)  # host arrays back: the step is done
+        jax.block_until_ready(adam_by_layer(tuner.theta0, grad, {}, lr))  # the step is done
 
     def kl() -> None:
         tuner.mean_kl(tuner.theta0, data)
