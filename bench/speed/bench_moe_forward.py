@@ -17,6 +17,14 @@ be a scatter-add over repeated experts (atomics on a GPU: bits that change from 
 Printed per (tokens, implementation): the median time of the forward and of forward + gradient (all
 weights and the input), the ratio to the scan's in the same run, and the largest difference from the
 scan's output relative to its largest value.
+
+    python bench/speed/bench_moe_forward.py --packed q2_k [--experts 128 --d 2048 --f 768 --tokens 512 4096]
+
+With `--packed FORMAT`, what e2e's tuner runs instead: the experts quantized to FORMAT, and the
+gradient taken in the fp16 scales' relative changes (the tuner's theta), not in the weights. Three forms
+in the same run: every expert decoded then the batched product with its one-hot copy of each block's
+matrices (the tuner before `PackedExperts`, the baseline of the ratios), the same decoded experts in the
+scan, and `PackedExperts` (only the picked experts' blocks decoded). Their outputs must agree bit for bit.
 """
 
 from __future__ import annotations
@@ -55,7 +63,10 @@ def main() -> int:
     parser.add_argument("--f", type=int, default=256)
     parser.add_argument("--tokens", type=int, nargs="+", default=[512])
     parser.add_argument("--blocks", type=int, nargs="+", default=[32, 64, 128], help="rows per block, batched form")
+    parser.add_argument("--packed", metavar="FORMAT", help="time the tuner's quantized forms instead (below)")
     args = parser.parse_args()
+    if args.packed:
+        return bench_packed(args)
     rng = np.random.default_rng(0)
     w = {"ffn_gate_exps.weight": rng.standard_normal((args.experts, args.f, args.d), np.float32) * 0.02,
          "ffn_up_exps.weight": rng.standard_normal((args.experts, args.f, args.d), np.float32) * 0.02,
@@ -81,6 +92,54 @@ def main() -> int:
             diff = float(np.max(np.abs(np.asarray(fwd(w, x)) - ref)) / np.max(np.abs(ref)))
             print(f"N={n:6d} {name:14s} forward {1e3 * t_fwd:8.2f} ms ({base[0] / t_fwd:5.2f}x)  "
                   f"forward+grad {1e3 * t_grad:8.2f} ms ({base[1] / t_grad:5.2f}x)  max rel diff {diff:.1e}")
+    return 0
+
+
+def bench_packed(args: argparse.Namespace) -> int:
+    """The tuner's MoE product on FORMAT-quantized experts: decoded whole (one-hot copies; the scan) against
+    `PackedExperts`, forward and the gradient in the scales' relative changes."""
+    from moeheal.kernels import encode
+    from moeheal.kernels.decode import format_of
+    from moeheal.pipeline.model.tuner import BlockDecoder
+
+    rng = np.random.default_rng(0)
+    fmt = format_of(args.packed)
+    shapes = {"ffn_gate_exps.weight": (args.f, args.d), "ffn_up_exps.weight": (args.f, args.d),
+              "ffn_down_exps.weight": (args.d, args.f)}
+    blocks = {name: jnp.asarray(encode.quantize_experts(jnp.asarray(
+        rng.standard_normal((args.experts, *shape), np.float32) * 0.02), args.packed).reshape(args.experts, -1, fmt.type_size))
+        for name, shape in shapes.items()}  # (E, n, type_size) each
+    theta = {name: [jnp.zeros((args.experts, b.shape[1], 1), jnp.float32) for _ in fmt.fp16_parts]
+             for name, b in blocks.items()}
+    decoder = BlockDecoder(fmt)
+
+    def packed(th):
+        return {name: M.PackedExperts(blocks[name], tuple(th[name]), (), decoder, (args.experts, *shapes[name]))
+                for name in blocks}
+
+    def decoded(th):
+        return {name: p.decoded() for name, p in packed(th).items()}
+
+    print(f"device {jax.devices()[0].device_kind}; {args.packed}; E={args.experts} k={args.k} d={args.d} f={args.f}")
+    for n in args.tokens:
+        x = jnp.asarray(rng.standard_normal((n, args.d), np.float32))
+        logits = rng.standard_normal((n, args.experts)) + np.linspace(0, 2, args.experts)  # uneven loads
+        experts = jnp.asarray(np.argsort(-logits, axis=1)[:, :args.k].astype(np.int32))  # (N, k)
+        weights = jnp.asarray(rng.dirichlet(np.ones(args.k), n).astype(np.float32))  # (N, k)
+        g = jnp.asarray(rng.standard_normal((n, args.d), np.float32))
+        forms = {"decoded, batched (before)": lambda th: M._moe_batched(decoded(th), x, experts, weights),
+                 "decoded, scan": lambda th: M._moe_scan(decoded(th), x, experts, weights),
+                 "packed, batched (now)": lambda th: M._moe_batched(packed(th), x, experts, weights)}
+        base, ref = None, None
+        for name, fn in forms.items():
+            fwd = jax.jit(fn)
+            grad = jax.jit(jax.grad(lambda th: jnp.sum(fn(th) * g)))
+            t_fwd, t_grad = timed(fwd, theta), timed(grad, theta)
+            out = np.asarray(fwd(theta))
+            base, ref = base or (t_fwd, t_grad), out if ref is None else ref
+            same = "identical" if np.array_equal(out, ref) else f"max rel diff {np.abs(out - ref).max() / np.abs(ref).max():.1e}"
+            print(f"N={n:6d} {name:26s} forward {1e3 * t_fwd:8.2f} ms ({base[0] / t_fwd:5.2f}x)  "
+                  f"forward+grad {1e3 * t_grad:8.2f} ms ({base[1] / t_grad:5.2f}x)  output {same}", flush=True)
     return 0
 
 
