@@ -115,3 +115,62 @@ def test_moe_forward_on_gpu_batches_small_loads_deterministically():
     first, second = (jax.tree.leaves(grad(w, x)) for _ in range(2))
     for a, b in zip(first, second):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_learned_rounding_writes_the_same_bytes_on_every_gpu_run():
+    """A layer's learned rounding twice on the GPU: the same bytes (a token's pair outputs are gathered and
+    summed in k's order, not scatter-added with atomics) and the same curve."""
+    from moeheal.kernels import learned
+
+    rng = np.random.default_rng(6)
+    n_expert, d, f, k, n = 16, 256, 256, 4, 2048
+    w = {name: (0.05 * rng.standard_t(4, size=shape)).astype(np.float32) for name, shape in
+         (("ffn_gate_exps", (n_expert, f, d)), ("ffn_up_exps", (n_expert, f, d)), ("ffn_down_exps", (n_expert, d, f)))}
+    x = rng.standard_normal((n, d)).astype(np.float32)  # (T, d)
+    experts = np.argsort(-rng.standard_normal((n, n_expert)), axis=1)[:, :k].astype(np.int32)  # (T, k)
+    weights = rng.dirichlet(np.ones(k), n).astype(np.float32)  # (T, k)
+    from moeheal.pipeline.model import layers as M
+
+    yr = np.asarray(M.moe_forward({name + ".weight": v for name, v in w.items()}, x, experts, weights))  # (T, d)
+    data = learned.TokenSet(x, experts, weights, yr, yr)
+    tensors = {name: learned.LearnedTensor("q2_k", v.shape, encode.quantize_experts(v, "q2_k")) for name, v in w.items()}
+    settings = learned.Settings(steps=16, batch_tokens=256, lr=0.05, eval_every=4, sub_lr=0.02, scale_lr=0.002)
+    runs = [learned.learn_layer(tensors, {}, data.take(slice(0, 1792)), data.take(slice(1792, n)), settings)
+            for _ in range(2)]
+    for name in w:
+        np.testing.assert_array_equal(runs[0][0][name], runs[1][0][name])
+    assert [r["loss"] for r in runs[0][1]] == [r["loss"] for r in runs[1][1]]
+
+
+def test_packed_experts_on_gpu_are_the_decoded_experts():
+    """e2e's tuner at its step load on the GPU: `PackedExperts` in the batched product give the bits of
+    every expert decoded first, and the scales' gradient the same bits on every run."""
+    import jax.numpy as jnp
+
+    from moeheal.kernels.decode import format_of
+    from moeheal.pipeline.model import layers as M
+    from moeheal.pipeline.model.tuner import BlockDecoder
+
+    rng = np.random.default_rng(8)
+    n, k, n_expert, d, f = 512, 8, 128, 256, 256
+    fmt = format_of("q2_k")
+    blocks = {name: jnp.asarray(on_cpu(encode.quantize_experts, (0.05 * rng.standard_normal((n_expert, f, d))).astype(
+        np.float32), "q2_k").reshape(n_expert, -1, fmt.type_size)) for name in M.EXPERT_TENSORS}
+    theta = {name: [jnp.asarray(0.01 * rng.standard_normal((n_expert, b.shape[1], 1)), jnp.float32)
+                    for _ in fmt.fp16_parts] for name, b in blocks.items()}
+
+    def packed(th):
+        return {name: M.PackedExperts(blocks[name], tuple(th[name]), (), BlockDecoder(fmt), (n_expert, f, d))
+                for name in blocks}
+
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)  # (N, d)
+    experts = jnp.asarray(np.argsort(-rng.standard_normal((n, n_expert)), axis=1)[:, :k].astype(np.int32))  # (N, k)
+    weights = jnp.asarray(rng.dirichlet(np.ones(k), n).astype(np.float32))  # (N, k)
+    assert n * k <= M.PACKED_MAX_LOAD * n_expert
+    got = np.asarray(M.moe_forward(packed(theta), x, experts, weights))
+    decoded = {name: p.decoded() for name, p in packed(theta).items()}
+    np.testing.assert_array_equal(got, np.asarray(M._moe_batched(decoded, x, experts, weights)))
+    grad = jax.jit(jax.grad(lambda th: jnp.sum(M.moe_forward(packed(th), x, experts, weights) ** 2)))
+    first, second = (jax.tree.leaves(grad(theta)) for _ in range(2))
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
