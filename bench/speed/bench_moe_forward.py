@@ -55,6 +55,16 @@ def timed(fn, *args, repeat: int = 5) -> float:
     return statistics.median(times)
 
 
+def routed_batch(rng: np.random.Generator, n: int, args: argparse.Namespace) -> tuple[jax.Array, ...]:
+    """n tokens' MoE inputs x (N, d), their routing (N, k) x2 over experts of uneven load, and an output
+    cotangent g (N, d) for the gradients."""
+    x = jnp.asarray(rng.standard_normal((n, args.d), np.float32))
+    logits = rng.standard_normal((n, args.experts)) + np.linspace(0, 2, args.experts)  # uneven loads
+    experts = jnp.asarray(np.argsort(-logits, axis=1)[:, :args.k].astype(np.int32))  # (N, k)
+    weights = jnp.asarray(rng.dirichlet(np.ones(args.k), n).astype(np.float32))  # (N, k)
+    return x, experts, weights, jnp.asarray(rng.standard_normal((n, args.d), np.float32))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, default=16)
@@ -74,11 +84,7 @@ def main() -> int:
     w = jax.tree.map(jnp.asarray, w)
     print(f"device {jax.devices()[0].device_kind}; E={args.experts} k={args.k} d={args.d} f={args.f}")
     for n in args.tokens:
-        x = jnp.asarray(rng.standard_normal((n, args.d), np.float32))
-        logits = rng.standard_normal((n, args.experts)) + np.linspace(0, 2, args.experts)  # uneven loads
-        experts = jnp.asarray(np.argsort(-logits, axis=1)[:, :args.k].astype(np.int32))  # (N, k)
-        weights = jnp.asarray(rng.dirichlet(np.ones(args.k), n).astype(np.float32))  # (N, k)
-        g = jnp.asarray(rng.standard_normal((n, args.d), np.float32))
+        x, experts, weights, g = routed_batch(rng, n, args)
         impls = {"scan": lambda w_, x_: M._moe_scan(w_, x_, experts, weights)}
         for b in args.blocks:
             impls[f"batched b={b}"] = (lambda b_: lambda w_, x_: M._moe_batched(w_, x_, experts, weights, b_))(b)
@@ -122,11 +128,7 @@ def bench_packed(args: argparse.Namespace) -> int:
 
     print(f"device {jax.devices()[0].device_kind}; {args.packed}; E={args.experts} k={args.k} d={args.d} f={args.f}")
     for n in args.tokens:
-        x = jnp.asarray(rng.standard_normal((n, args.d), np.float32))
-        logits = rng.standard_normal((n, args.experts)) + np.linspace(0, 2, args.experts)  # uneven loads
-        experts = jnp.asarray(np.argsort(-logits, axis=1)[:, :args.k].astype(np.int32))  # (N, k)
-        weights = jnp.asarray(rng.dirichlet(np.ones(args.k), n).astype(np.float32))  # (N, k)
-        g = jnp.asarray(rng.standard_normal((n, args.d), np.float32))
+        x, experts, weights, g = routed_batch(rng, n, args)
         forms = {"decoded, batched (before)": lambda th: M._moe_batched(decoded(th), x, experts, weights),
                  "decoded, scan": lambda th: M._moe_scan(decoded(th), x, experts, weights),
                  "packed, batched (now)": lambda th: M._moe_batched(packed(th), x, experts, weights)}
