@@ -316,3 +316,29 @@ def test_real_size_bench_sums_each_units_logged_steps_by_variant():
     assert clock.unit_phases() == {"quantize:a": {"read": 2.5, "learned rounding": 2.25, "write": 0.1},
                                    "quantize:b": {"read": 0.5},
                                    "calibrate:a": {"routed output": 1.0, "alpha": 0.25}}
+
+
+def test_device_trace_summary_totals_each_event_and_covers_the_union_of_intervals(tmp_path):
+    """`device_trace.summarise` on a hand-made Chrome trace: per process the events' summed durations and
+    counts, the share of the wall time covered by the union of their (overlapping) intervals, processes
+    ordered by their total, and events past `top` left out."""
+    import gzip
+
+    from bench.tools.device_trace import summarise
+
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 1, "tid": 1, "name": "gemm", "ts": 0, "dur": 300_000},
+              {"ph": "X", "pid": 1, "tid": 2, "name": "gemm", "ts": 200_000, "dur": 300_000},  # overlaps the first
+              {"ph": "X", "pid": 1, "tid": 1, "name": "decode", "ts": 1_000_000, "dur": 100_000},
+              {"ph": "X", "pid": 2, "tid": 1, "name": "dispatch", "ts": 0, "dur": 50_000},
+              {"ph": "i", "pid": 2, "name": "instant", "ts": 5}]  # no duration: not counted
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    text = summarise(path, wall_s=2.0, label="t").text
+    assert "### /device:GPU:0: events cover 0.600 s (30% of wall)" in text  # 0-0.5 s and 1.0-1.1 s
+    assert "| gemm | 0.6000 | 2 | 300.000 |" in text and "| decode | 0.1000 | 1 | 100.000 |" in text
+    assert text.index("/device:GPU:0") < text.index("/host:CPU")
+    assert "### /host:CPU: events cover 0.050 s (2% of wall)" in text and "instant" not in text
+    assert "decode" not in summarise(path, wall_s=2.0, top=1).text

@@ -129,8 +129,10 @@ def main() -> None:
                     learn()
                 traces.append(summary.text)
             runs = 1 + args.repeats + (args.trace is not None)
+            kept = next(r["step"] for r in out["curve"] if r["split"] == "chosen")
             print(f"{fmt}: learned bytes of {runs} runs {'identical' if len(digests) == 1 else 'DIFFER'} "
-                  f"({len(digests)} distinct)", flush=True)
+                  f"({len(digests)} distinct; kept step {kept}"
+                  f"{': the start, so this says nothing of the steps' if kept == 0 else ''})", flush=True)
         for text in traces:
             print("\n" + text, flush=True)
 

@@ -20,7 +20,7 @@ import json
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -33,7 +33,6 @@ class Summary:
 
     label: str
     text: str = ""
-    busy_s: dict[str, float] = field(default_factory=dict)  # per device process: its streams' union busy time
 
 
 def _union_s(intervals: list[tuple[float, float]]) -> float:
@@ -48,7 +47,8 @@ def _union_s(intervals: list[tuple[float, float]]) -> float:
 
 
 def summarise(trace_json: Path, wall_s: float, label: str = "", top: int = TOP) -> Summary:
-    """Per process of the trace: events by total duration, and a device's busy time against ``wall_s``."""
+    """Per process of the trace (a device's streams, the host's threads): its events by total duration, and
+    the time they cover (the union of their intervals) against ``wall_s``."""
     with gzip.open(trace_json, "rt") if trace_json.suffix == ".gz" else open(trace_json) as f:
         events = json.load(f)["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -65,10 +65,7 @@ def summarise(trace_json: Path, wall_s: float, label: str = "", top: int = TOP) 
     lines = [f"## trace: {label} ({wall_s:.3f} s wall)"]
     for pid, by_name in sorted(totals.items(), key=lambda kv: -sum(v[0] for v in kv[1].values())):
         pname = names.get(pid, str(pid))
-        device = "GPU" in pname or "/device:" in pname and "CPU" not in pname
         busy = _union_s(spans[pid])
-        if device:
-            out.busy_s[pname] = busy
         lines.append(f"\n### {pname}: events cover {busy:.3f} s ({100 * busy / max(wall_s, 1e-9):.0f}% of wall)")
         lines.append("| event | total s | count | mean ms |")
         lines.append("|---|---|---|---|")
@@ -97,6 +94,6 @@ def traced(log_dir: Path | None, label: str) -> Iterator[Summary]:
     made = sorted(set(log_dir.rglob("perfetto_trace.json.gz")) - before)
     if made:
         done = summarise(made[-1], wall, label)
-        summary.text, summary.busy_s = done.text, done.busy_s
+        summary.text = done.text
     else:
         summary.text = f"## trace: {label}: the profiler wrote no perfetto trace under {log_dir}"
