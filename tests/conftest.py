@@ -32,6 +32,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # publish); files marked `plots` draw them (`_plots_where_marked`).
 os.environ.setdefault("MOEHEAL_PLOTS", "0")
 
+from moeheal.pipeline.model.compile_cache import library_gemms  # noqa: E402
+
+# The products as every moeheal command runs them (cuBLAS, not autotuned Triton GEMM fusions), before
+# JAX's backend starts: a GPU test checks the programs a heal runs. A CPU ignores the flag.
+library_gemms()
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

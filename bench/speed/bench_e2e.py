@@ -38,7 +38,10 @@ sys.path.append(str(ROOT))
 
 from bench.tools.device_trace import traced  # noqa: E402
 from bench.tools.timing import best_of  # noqa: E402
+from moeheal.pipeline.model.compile_cache import library_gemms  # noqa: E402
 from moeheal.pipeline.config import E2E_TOPK  # noqa: E402
+
+library_gemms()  # the products as every moeheal command runs them: cuBLAS, not autotuned Triton GEMMs
 
 DEMO_GGUF = ROOT / "demo" / "model" / "demo-q8_0.gguf"
 

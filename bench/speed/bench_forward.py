@@ -32,6 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.append(str(ROOT))
 
 from bench.tools.timing import best_of  # noqa: E402
+from moeheal.pipeline.model.compile_cache import library_gemms  # noqa: E402
+
+library_gemms()  # the products as every moeheal command runs them: cuBLAS, not autotuned Triton GEMMs
 
 from moeheal.pipeline.gguf.model import GGUFModel  # noqa: E402
 from moeheal.pipeline.model.runner import Runner  # noqa: E402

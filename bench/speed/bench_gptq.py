@@ -40,6 +40,9 @@ import numpy as np
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 from bench.tools.timing import best_of  # noqa: E402
+from moeheal.pipeline.model.compile_cache import library_gemms  # noqa: E402
+
+library_gemms()  # the products as every moeheal command runs them: cuBLAS, not autotuned Triton GEMMs
 
 FORMATS = ("tq2_0", "q2_k", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs")  # every format GPTQ rounds
 DEFAULT_FORMATS = ("tq2_0", "q2_k", "iq2_xxs")  # the demo's: about a minute on a 2-core CPU

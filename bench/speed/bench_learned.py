@@ -34,6 +34,9 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 from bench.tools.device_trace import traced  # noqa: E402
 from bench.tools.timing import best_of  # noqa: E402
+from moeheal.pipeline.model.compile_cache import library_gemms  # noqa: E402
+
+library_gemms()  # the products as every moeheal command runs them: cuBLAS, not autotuned Triton GEMMs
 
 SHAPES = {"small": (4, 256, 256, 2), "demo": (32, 256, 256, 4), "30b": (128, 2048, 768, 8)}  # experts, d, f, k
 

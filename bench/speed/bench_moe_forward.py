@@ -42,6 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from moeheal.pipeline.model import layers as M
+from moeheal.pipeline.model.compile_cache import library_gemms
+
+library_gemms()  # the products as every moeheal command runs them: cuBLAS, not autotuned Triton GEMMs
 
 
 def timed(fn, *args, repeat: int = 5) -> float:

@@ -43,6 +43,9 @@ import numpy as np
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 from bench.tools.timing import best_of  # noqa: E402
+from moeheal.pipeline.model.compile_cache import library_gemms  # noqa: E402
+
+library_gemms()  # the products as every moeheal command runs them: cuBLAS, not autotuned Triton GEMMs
 
 H200_HBM_GBPS = 4300.0  # H200 HBM3e bandwidth, GB/s
 
