@@ -17,7 +17,8 @@ of ``--repeats``; the printed ratio is learned unit / GPTQ unit. Also printed:
 the held-out relative error of the layer's output at GPTQ's bytes and at the
 learned ones (in-sample selection: the held-out rows pick the step), and whether
 every run of the learned unit wrote the same bytes (a device that sums in no
-fixed order would not).
+fixed order would not). With --heal-path, the learning is also timed as the heal's
+quantize unit calls it (`quantize.learn_layer_rounding`), to tell a cost of that path from the device's.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import argparse
 import hashlib
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -37,6 +40,15 @@ from bench.tools.timing import best_of  # noqa: E402
 from moeheal.pipeline.model.compile_cache import library_gemms  # noqa: E402
 
 library_gemms()  # the products as every moeheal command runs them: cuBLAS, not autotuned Triton GEMMs
+
+UNSEEN_TOKENS = 8192  # init's unseen trace, which the heal's unit measures at its start and chosen step
+# what `quantize.token_set` asks of the source GGUF for a layer without a shared expert: nothing else
+SOURCE_WITHOUT_SHARED_EXPERT = SimpleNamespace(arch=SimpleNamespace(has_shared_expert=False))
+
+
+def print_nothing(_: str) -> None:
+    """The unit's log line, not wanted between the table's rows."""
+
 
 SHAPES = {"small": (4, 256, 256, 2), "demo": (32, 256, 256, 4), "30b": (128, 2048, 768, 8)}  # experts, d, f, k
 
@@ -75,6 +87,10 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, default=None,
                         help="also run each learned unit once under jax.profiler into this folder and print the "
                              "trace's summary (bench/tools/device_trace.py)")
+    parser.add_argument("--heal-path", action="store_true",
+                        help="also time the learning as the heal's quantize unit calls it "
+                             "(`quantize.learn_layer_rounding`: the rows as the dump gives them, init's 8,192-row "
+                             "unseen set read and measured) beside this bench's direct `learn_layer` call")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time CPU seconds of every thread (time.process_time): on a shared machine the wall "
                              "clock counts other people's work too")
@@ -101,6 +117,9 @@ def main() -> None:
         cut = args.tokens - args.tokens // Q.LEARNED_HOLDOUT
         cal = learned.TokenSet(x, experts, weights, yr, yr)
         train, held = cal.take(np.arange(cut)), cal.take(np.arange(cut, args.tokens))
+        rows = {"mixed": x, "experts": experts, "weights": weights, "yr": yr}  # as `quantize.calibration_rows`
+        last = slice(max(0, args.tokens - UNSEEN_TOKENS), None)  # the unseen set: only measured, so any rows do
+        unseen = {"0": {**{key: value[last] for key, value in rows.items()}, "hh": np.zeros((len(x[last]), 1))}}
         for fmt in args.formats:
             params = Q.QuantizeParams(quant=dict.fromkeys(Q.EXPERT_TENSORS, fmt), round="gptq", importance=True,
                                       beta_gate_up=0.5, beta_down=0.5, down_blend_tokens=16.0, cal_tokens=0,
@@ -120,9 +139,20 @@ def main() -> None:
                 out["learned"], out["curve"] = learned.learn_layer(tensors, {}, train, held, settings)
                 digests.add(hashlib.sha256(b"".join(out["learned"][n].tobytes() for n in sorted(w))).hexdigest())
 
+            def heal_path() -> None:
+                arrays = {key: value for name in w for key, value in ((name, out["raw"][name]), (
+                    f"{name}.shape", np.asarray(w[name].shape)), (f"{name}.format", np.asarray(fmt)))}
+                Q.learn_layer_rounding(arrays, SOURCE_WITHOUT_SHARED_EXPERT, rows, unseen,
+                                       replace(params, round=Q.LEARNED, learned_steps=args.steps or 0), 0, print_nothing)
+
             gptq(), learn()  # compile
             clock = time.process_time if args.cpu_time else time.perf_counter
             t_gptq, t_learn = best_of(gptq, args.repeats, clock), best_of(learn, args.repeats, clock)
+            if args.heal_path:
+                heal_path()  # compile the unseen set's measurement
+                t_heal = best_of(heal_path, args.repeats, clock)
+                print(f"{fmt}: learning as the heal calls it {t_heal:.2f} s, as this bench calls it {t_learn:.2f} s "
+                      f"({t_heal / t_learn:.2f}x)", flush=True)
             held_rows = [r["loss"] for r in out["curve"] if r["split"] == "heldout"]
             chosen = next(r["loss"] for r in out["curve"] if r["split"] == "chosen")
             print(f"| {fmt} | {t_gptq:.2f} | {t_gptq + t_learn:.2f} | {(t_gptq + t_learn) / t_gptq:.2f}x "
