@@ -32,12 +32,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.append(str(ROOT))
 
 from bench.tools.timing import best_of  # noqa: E402
+from moeheal.pipeline.gguf.model import GGUFModel  # noqa: E402
 from moeheal.pipeline.model.compile_cache import library_gemms  # noqa: E402
+from moeheal.pipeline.model.runner import Runner  # noqa: E402
 
 library_gemms()  # the products as every moeheal command runs them: cuBLAS, not autotuned Triton GEMMs
-
-from moeheal.pipeline.gguf.model import GGUFModel  # noqa: E402
-from moeheal.pipeline.model.runner import Runner  # noqa: E402
 
 DEFAULT_GGUF = ROOT / "demo" / "model" / "demo-q8_0.gguf"
 TRANSFORMERS = "transformers (torch)"  # the baseline: tokens/s relative to it
