@@ -121,6 +121,7 @@ def test_learned_rounding_writes_the_same_bytes_on_every_gpu_run():
     """A layer's learned rounding twice on the GPU: the same bytes (a token's pair outputs are gathered and
     summed in k's order, not scatter-added with atomics) and the same curve."""
     from moeheal.kernels import learned
+    from moeheal.pipeline.model import layers as M
 
     rng = np.random.default_rng(6)
     n_expert, d, f, k, n = 16, 256, 256, 4, 2048
@@ -129,8 +130,6 @@ def test_learned_rounding_writes_the_same_bytes_on_every_gpu_run():
     x = rng.standard_normal((n, d)).astype(np.float32)  # (T, d)
     experts = np.argsort(-rng.standard_normal((n, n_expert)), axis=1)[:, :k].astype(np.int32)  # (T, k)
     weights = rng.dirichlet(np.ones(k), n).astype(np.float32)  # (T, k)
-    from moeheal.pipeline.model import layers as M
-
     yr = np.asarray(M.moe_forward({name + ".weight": v for name, v in w.items()}, x, experts, weights))  # (T, d)
     data = learned.TokenSet(x, experts, weights, yr, yr)
     tensors = {name: learned.LearnedTensor("q2_k", v.shape, encode.quantize_experts(v, "q2_k")) for name, v in w.items()}

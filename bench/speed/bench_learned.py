@@ -37,11 +37,11 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 from bench.tools.device_trace import traced  # noqa: E402
 from bench.tools.timing import best_of  # noqa: E402
+from moeheal.pipeline.commands.init import UNSEEN_TOKENS  # noqa: E402  (the heal's unit measures it)
 from moeheal.pipeline.model.compile_cache import library_gemms  # noqa: E402
 
 library_gemms()  # the products as every moeheal command runs them: cuBLAS, not autotuned Triton GEMMs
 
-UNSEEN_TOKENS = 8192  # init's unseen trace, which the heal's unit measures at its start and chosen step
 # what `quantize.token_set` asks of the source GGUF for a layer without a shared expert: nothing else
 SOURCE_WITHOUT_SHARED_EXPERT = SimpleNamespace(arch=SimpleNamespace(has_shared_expert=False))
 
