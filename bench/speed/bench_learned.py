@@ -86,7 +86,7 @@ def main() -> None:
                         help="learned_steps (default: the config's, one pass over the training rows)")
     parser.add_argument("--trace", type=Path, default=None,
                         help="also run each learned unit once under jax.profiler into this folder and print the "
-                             "trace's summary (bench/tools/device_trace.py)")
+                             "trace's summary (bench/tools/device_trace.py); with --heal-path, the heal's call too")
     parser.add_argument("--heal-path", action="store_true",
                         help="also time the learning as the heal's quantize unit calls it "
                              "(`quantize.learn_layer_rounding`: the rows as the dump gives them, init's 8,192-row "
@@ -161,6 +161,10 @@ def main() -> None:
                 with traced(args.trace / fmt, f"learned unit, {fmt}, {steps} steps") as summary:
                     learn()
                 traces.append(summary.text)
+                if args.heal_path:
+                    with traced(args.trace / f"{fmt}-heal", f"learning as the heal calls it, {fmt}") as summary:
+                        heal_path()
+                    traces.append(summary.text)
             runs = 1 + args.repeats + (args.trace is not None)
             kept = next(r["step"] for r in out["curve"] if r["split"] == "chosen")
             print(f"{fmt}: learned bytes of {runs} runs {'identical' if len(digests) == 1 else 'DIFFER'} "
