@@ -52,6 +52,7 @@ import zarr
 from numpy.typing import ArrayLike
 from zarr.codecs import Crc32cCodec
 
+from moeheal.pipeline.data import read_ahead
 from moeheal.pipeline.data.chunk_files import read_rows, write_rows
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import HParams
@@ -369,9 +370,16 @@ def finish_dump(root: zarr.Group, seq_starts: list[int]) -> None:
                        "complete": True})
 
 
-def read_layer(group, rows: slice, extra: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
-    """One layer's dumped arrays (the routed block's, and `extra` ones such as attn_in) over `rows`."""
-    return {name: group[name][rows] for name in ARRAYS + extra}
+def read_layer(group: "DumpGroup", rows: slice, extra: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """One layer's dumped arrays (the routed block's, and `extra` ones such as attn_in) over `rows`;
+    within `read_ahead.reading_ahead()` kept, and the dump's next layer read meanwhile."""
+    names = ARRAYS + extra
+    reads = read_ahead.active()
+    if reads is None:
+        return group.read(rows, names)
+    following = group.following()
+    return reads.get(group.key(rows, names), lambda: group.read(rows, names),
+                     None if following is None else (following.key(rows, names), lambda: following.read(rows, names)))
 
 
 def read_routing(dump: Path) -> pa.Table:
@@ -430,8 +438,9 @@ class DumpArray:
 class DumpGroup:
     """One layer of a dump: `group[name]` is a checked `DumpArray`."""
 
-    def __init__(self, group: zarr.Group, where: str, n_expert: int | None):
+    def __init__(self, group: zarr.Group, where: str, n_expert: int | None, dump: "Dump", layer: int):
         self._group, self._where, self._n_expert = group, where, n_expert
+        self.dump, self.layer = dump, layer
 
     @property
     def attrs(self):
@@ -439,6 +448,19 @@ class DumpGroup:
 
     def __getitem__(self, name: str) -> DumpArray:
         return DumpArray(self._group[name], f"{self._where} {name}", self._n_expert)
+
+    def read(self, rows: slice, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """The arrays `names` over `rows`, read now."""
+        return {name: self[name][rows] for name in names}
+
+    def key(self, rows: slice, names: tuple[str, ...]) -> tuple:
+        """What names `read(rows, names)`'s result: the dump's content stamp, the layer, rows and arrays."""
+        return read_ahead.dump_stamp(self.dump.path), self.layer, rows.indices(self.dump.total_rows), names
+
+    def following(self) -> "DumpGroup | None":
+        """The dump's next layer, or None after its last."""
+        later = [i for i in self.dump.layers if i > self.layer]
+        return self.dump[str(later[0])] if later else None
 
 
 class Dump:
@@ -452,6 +474,10 @@ class Dump:
     def attrs(self):
         return self._root.attrs
 
+    @property
+    def total_rows(self) -> int:
+        return int(self.attrs["total_rows"])
+
     def sequences(self, where: str) -> list[tuple[int, int]]:
         """(first row, end row) of every sequence, for what runs a sequence at a time (attention);
         a dump made without attention inputs is an InputError naming `where`, the reader."""
@@ -463,7 +489,7 @@ class Dump:
     def __getitem__(self, layer: str) -> DumpGroup:
         if layer not in {str(i) for i in self.layers}:
             raise KeyError(layer)
-        return DumpGroup(self._root[layer], f"{self.path}: layer {layer}", self._n_expert)
+        return DumpGroup(self._root[layer], f"{self.path}: layer {layer}", self._n_expert, self, int(layer))
 
 
 def open_dump(path: Path, hp: HParams | None = None, layers: tuple[int, ...] | None = None) -> Dump:

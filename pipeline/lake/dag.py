@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union
 
+from moeheal.pipeline.data.read_ahead import reading_ahead
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.lake.fingerprint import content_digest, fingerprint
 from moeheal.pipeline.lake.stage import Stage
@@ -214,9 +215,21 @@ class Executor:
         self.planned: list[PlannedStage] = []
         self.nodes: list[Node] = []
         self._results: dict[str, StageResult | None] = {}
+        self._depth = 0  # nested `result` calls: the outermost one holds the dumps' read-ahead
 
     def result(self, node: Node) -> StageResult | None:
-        """The node's output (None for a skipped node), built unless it is in the lake."""
+        """The node's output (None for a skipped node), built unless it is in the lake; the outermost
+        call reads the dumps' layers ahead (`read_ahead`) while the nodes under it build."""
+        if self._depth or self.planning:
+            return self._result(node)
+        self._depth += 1
+        try:
+            with reading_ahead():
+                return self._result(node)
+        finally:
+            self._depth -= 1
+
+    def _result(self, node: Node) -> StageResult | None:
         if node.label in self._results:
             return self._results[node.label]
         for first in node.after:
