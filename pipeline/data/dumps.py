@@ -43,7 +43,7 @@ import warnings
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -370,13 +370,13 @@ def finish_dump(root: zarr.Group, seq_starts: list[int]) -> None:
                        "complete": True})
 
 
-def read_layer(group: "DumpGroup", rows: slice, extra: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+def read_layer(group: "DumpGroup | Mapping[str, Any]", rows: slice, extra: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """One layer's dumped arrays (the routed block's, and `extra` ones such as attn_in) over `rows`;
     within `read_ahead.reading_ahead()` kept, and the dump's next layer read meanwhile."""
     names = ARRAYS + extra
     reads = read_ahead.active()
-    if reads is None:
-        return group.read(rows, names)
+    if reads is None or not isinstance(group, DumpGroup):  # a mapping of arrays (a bench's layer) is read as it is
+        return {name: group[name][rows] for name in names}
     following = group.following()
     return reads.get(group.key(rows, names), lambda: group.read(rows, names),
                      None if following is None else (following.key(rows, names), lambda: following.read(rows, names)))
