@@ -37,9 +37,9 @@ def test_a_held_out_record_is_predicted_within_30_percent(records, device, recor
 
 
 def test_the_30b_shapes_deepest_h100_record_is_predicted_within_30_percent_by_the_other_two(records):
-    """The H100's records are one code's three depths of the 30B shape (real-size/runs/rs9_*)."""
-    measured, predicted, unknown = fit.holdout(records["h100"], "bench/results/real-size/runs/rs9_l4.json")
-    assert measured > 150 and not unknown
+    """The H100's records are one code's three depths of the 30B shape (real-size/runs/rs10_*)."""
+    measured, predicted, unknown = fit.holdout(records["h100"], "bench/results/real-size/runs/rs10_l4.json")
+    assert measured > 120 and not unknown  # most of the 4-layer heal is priced
     assert abs(predicted / measured - 1) < 0.30, (measured, predicted, unknown)
 
 

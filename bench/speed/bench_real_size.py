@@ -74,6 +74,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))
 from moeheal.pipeline.data.documents import read_documents, read_split  # noqa: E402
 from moeheal.pipeline.llamacpp import document_kld, run_perplexity  # noqa: E402
 from moeheal.pipeline.llamacpp import perplexity_binary  # noqa: E402
+from bench.tools.device_trace import summarise  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[2] / "demo"
 STAGE_LINE = re.compile(r"^\[(?P<label>[^\]]+)\] (?P<what>computing|cache hit) ")
@@ -184,16 +185,36 @@ def run_shards(config: Path, shards: int) -> dict[str, object]:
 
 class StageClock:
     """A log that stamps every line (wall and process CPU time); a stage's time runs from its `computing`
-    line to the next stage's line."""
+    line to the next stage's line. With `trace` (a stage's label and a folder), that one stage runs under
+    `jax.profiler`, from its `computing` line to the next stage's line, and its summary
+    (`bench/tools/device_trace.py`) is written to `<folder>/summary.txt`."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace: tuple[str, Path] | None = None) -> None:
         self.lines: list[tuple[float, float, str]] = []
         self.start = time.perf_counter()
+        self.trace, self._traced_since = trace, None
 
     def __call__(self, message: str) -> None:
         now = time.perf_counter()
+        stage = STAGE_LINE.match(message)
+        if stage and self._traced_since is not None:
+            self._stop_trace(now)
         self.lines.append((now, time.process_time(), message))
         print(f"{now - self.start:9.1f} s  {message}", flush=True)  # stamped: a run stopped early still has its times
+        if stage and self.trace and stage.group("label") == self.trace[0] and stage.group("what") == "computing":
+            self.trace[1].mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.trace[1]), create_perfetto_trace=True)
+            self._traced_since = time.perf_counter()
+
+    def _stop_trace(self, now: float) -> None:
+        jax.effects_barrier()
+        jax.profiler.stop_trace()
+        label, folder = self.trace
+        made = sorted(folder.rglob("perfetto_trace.json.gz"))
+        text = summarise(made[-1], now - self._traced_since, label).text if made else f"{label}: no trace written"
+        (folder / "summary.txt").write_text(text + "\n", encoding="utf-8")
+        print(text, flush=True)
+        self._traced_since = None
 
     def intervals(self, end: float) -> list[tuple[str, float, float, float]]:
         """(label, start, end, CPU seconds) of every stage computed: to the next stage's line, past its own
@@ -392,6 +413,10 @@ def main() -> int:
                         help="run the heal under cProfile and write its busiest functions here (by own time and "
                              "by cumulative time): where the host's time goes; the profiler slows Python, so a "
                              "profiled run's timings are not figures")
+    parser.add_argument("--trace", nargs=2, metavar=("STAGE", "DIR"),
+                        help="run the stage labelled STAGE (as the log names it, e.g. quantize:learned_e2e_q2_k:2) "
+                             "under jax.profiler into DIR and print the trace's summary (DIR/summary.txt): where "
+                             "its device and host time go; the profiler slows the stage, so its timings are not figures")
     parser.add_argument("--shards", type=int, default=0, metavar="N",
                         help="first build the per-layer units with N `heal --shard` workers at once (one per GPU "
                              "where there are GPUs); the timed heal then finds them cached")
@@ -408,7 +433,7 @@ def main() -> int:
     synth = write_synth(model, args.like, n_layer=args.layers, n_expert=args.experts, vocab_size=args.vocab,
                         jobs=args.jobs) if not model.exists() else None
     synth_s = time.perf_counter() - start
-    clock, compiles = StageClock(), CompileClock()
+    clock, compiles = StageClock((args.trace[0], Path(args.trace[1])) if args.trace else None), CompileClock()
     start = time.perf_counter()
     config = write_config(args.work, model, args.tokens, write_windows(args.work, args.windows), args.variants,
                           args.unseen_tokens, args.e2e_batch_seqs)
