@@ -19,6 +19,10 @@ learned ones (in-sample selection: the held-out rows pick the step), and whether
 every run of the learned unit wrote the same bytes (a device that sums in no
 fixed order would not). With --heal-path, the learning is also timed as the heal's
 quantize unit calls it (`quantize.learn_layer_rounding`), to tell a cost of that path from the device's.
+The rows reach the unit as host copies in ordinary memory, as a dump's read hands them to the heal;
+`--device-backed-rows` hands it the arrays `np.asarray` makes of the device's instead (what this bench
+did before: on a GPU the runtime may back them with pinned memory, whose transfers are faster), so one
+pair of runs says what the rows' memory costs the unit.
 """
 
 from __future__ import annotations
@@ -53,9 +57,12 @@ def print_nothing(_: str) -> None:
 SHAPES = {"small": (4, 256, 256, 2), "demo": (32, 256, 256, 4), "30b": (128, 2048, 768, 8)}  # experts, d, f, k
 
 
-def synthetic_layer(n_expert: int, d: int, f: int, k: int, tokens: int, seed: int = 0):
+def synthetic_layer(n_expert: int, d: int, f: int, k: int, tokens: int, seed: int = 0, copied: bool = True):
     """Float experts gate/up (E, f, d), down (E, d, f) on the device; inputs (T, d), routing (T, k) x2 and
-    the reference routed output yr (T, d) on the host. Drawn on the device (a 30B layer is 604M weights)."""
+    the reference routed output yr (T, d) on the host. Drawn on the device (a 30B layer is 604M weights).
+    `copied`: the host rows are copies in ordinary memory, as a dump's read gives them; else the arrays
+    `np.asarray` makes of the device's, whose memory the runtime owns (on a GPU perhaps pinned, which
+    makes a transfer back to the device faster than a heal's ever is)."""
     import jax
     import jax.numpy as jnp
 
@@ -72,7 +79,8 @@ def synthetic_layer(n_expert: int, d: int, f: int, k: int, tokens: int, seed: in
     weights = jax.nn.softmax(top, axis=-1)  # (T, k)
     w = {"ffn_gate_exps": gate, "ffn_up_exps": up, "ffn_down_exps": down}
     yr = jax.jit(moe_forward)({"gate_exps": gate, "up_exps": up, "down_exps": down}, x, experts, weights)
-    return w, np.asarray(x), np.asarray(experts, np.int32), np.asarray(weights), np.asarray(yr)
+    host = (np.asarray(x), np.asarray(experts, np.int32), np.asarray(weights), np.asarray(yr))
+    return w, *(np.array(a, copy=True) if copied else a for a in host)
 
 
 def main() -> None:
@@ -87,6 +95,9 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, default=None,
                         help="also run each learned unit once under jax.profiler into this folder and print the "
                              "trace's summary (bench/tools/device_trace.py); with --heal-path, the heal's call too")
+    parser.add_argument("--device-backed-rows", action="store_true",
+                        help="hand the unit the host arrays np.asarray makes of the device's rows (as this bench did "
+                             "until the rows were copied: on a GPU their memory may be the runtime's pinned buffers)")
     parser.add_argument("--heal-path", action="store_true",
                         help="also time the learning as the heal's quantize unit calls it "
                              "(`quantize.learn_layer_rounding`: the rows as the dump gives them, init's 8,192-row "
@@ -113,7 +124,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     traces: list[str] = []
     with jax.default_device(device):
-        w, x, experts, weights, yr = synthetic_layer(n_expert, d, f, k, args.tokens)
+        w, x, experts, weights, yr = synthetic_layer(n_expert, d, f, k, args.tokens, copied=not args.device_backed_rows)
         cut = args.tokens - args.tokens // Q.LEARNED_HOLDOUT
         cal = learned.TokenSet(x, experts, weights, yr, yr)
         train, held = cal.take(np.arange(cut)), cal.take(np.arange(cut, args.tokens))
