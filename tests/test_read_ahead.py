@@ -34,24 +34,37 @@ def raw_dump(folder: Path, out: Path, seed: int) -> dict[int, dict[str, np.ndarr
     return layers
 
 
-def test_reads_are_a_plain_reads_values_kept_and_the_next_layer_read_ahead(tmp_path):
+def test_reads_are_a_plain_reads_values_kept_and_read_ahead_once_they_go_layer_after_layer(tmp_path):
     stored = raw_dump(tmp_path / "raw", tmp_path / "d.zarr", seed=0)
     dump, rows = open_dump(tmp_path / "d.zarr"), slice(0, None)
     with read_ahead.reading_ahead() as reads:
         first = read_layer(dump["0"], rows)
-        assert (reads.hits, reads.misses) == (0, 1)
         again = read_layer(dump["0"], slice(None))  # the same rows, written another way: kept
-        following = read_layer(dump["1"], rows)  # read ahead while layer 0's units ran
-        assert (reads.hits, reads.misses) == (2, 1)
-        prefix = read_layer(dump["2"], slice(0, 10))  # other rows: another key
-        assert reads.misses == 2
+        assert (reads.hits, reads.misses, reads.read_ahead) == (1, 1, 0)  # one layer: no pattern yet
+        second = read_layer(dump["1"], rows)  # layer after layer: layer 2 is read meanwhile
+        assert (reads.hits, reads.misses, reads.read_ahead) == (1, 2, 1)
+        third = read_layer(dump["2"], rows)
+        assert (reads.hits, reads.misses) == (2, 2)
+        prefix = read_layer(dump["2"], slice(0, 10))  # other rows: another stream
+        assert reads.misses == 3
     assert read_ahead.active() is None
-    for layer, got in ((0, first), (0, again), (1, following)):
+    for layer, got in ((0, first), (0, again), (1, second), (2, third)):
         for name in ARRAYS:
             np.testing.assert_array_equal(got[name], stored[layer][name])
     np.testing.assert_array_equal(prefix["yr"], stored[2]["yr"][:10])
     with pytest.raises(ValueError, match="read-only"):
         first["mixed"][0, 0] = 1.0  # a reader that wrote into what the next reader is handed
+
+
+def test_one_layers_reads_read_nothing_ahead(tmp_path):
+    """A shard worker's or a Ray task's call builds one layer's units: the layer after it is not read."""
+    raw_dump(tmp_path / "raw", tmp_path / "d.zarr", seed=0)
+    dump = open_dump(tmp_path / "d.zarr")
+    for layer in ("0", "2"):
+        with read_ahead.reading_ahead() as reads:
+            read_layer(dump[layer], slice(None))
+            read_layer(dump[layer], slice(None))
+        assert (reads.hits, reads.misses, reads.read_ahead) == (1, 1, 0)
 
 
 def test_a_dump_written_again_at_the_same_place_is_read_again(tmp_path):
@@ -67,13 +80,15 @@ def test_a_dump_written_again_at_the_same_place_is_read_again(tmp_path):
 
 def test_a_damaged_layer_read_ahead_fails_in_its_reader(tmp_path):
     raw_dump(tmp_path / "raw", tmp_path / "d.zarr", seed=0)
-    chunk = next(p for p in sorted((tmp_path / "d.zarr" / "1" / "yr").rglob("*")) if p.is_file() and p.name != "zarr.json")
+    chunk = next(p for p in sorted((tmp_path / "d.zarr" / "2" / "yr").rglob("*")) if p.is_file() and p.name != "zarr.json")
     chunk.write_bytes(chunk.read_bytes()[:-3])  # cut short: its checksum or size fails
     dump = open_dump(tmp_path / "d.zarr")
-    with read_ahead.reading_ahead():
-        read_layer(dump["0"], slice(None))  # starts layer 1's read on the thread, which fails there
-        with pytest.raises(InputError, match=r"d\.zarr: layer 1 yr: cannot decode"):
-            read_layer(dump["1"], slice(None))
+    with read_ahead.reading_ahead() as reads:
+        read_layer(dump["0"], slice(None))
+        read_layer(dump["1"], slice(None))  # starts layer 2's read on the thread, which fails there
+        assert reads.read_ahead == 1
+        with pytest.raises(InputError, match=r"d\.zarr: layer 2 yr: cannot decode"):
+            read_layer(dump["2"], slice(None))
 
 
 def test_the_oldest_layers_go_past_the_kept_bytes(tmp_path):
@@ -82,6 +97,6 @@ def test_the_oldest_layers_go_past_the_kept_bytes(tmp_path):
     one_layer = sum(np.dtype(np.float32).itemsize * T * w for w in (D, D, F, K, K))
     with read_ahead.reading_ahead(kept_bytes=one_layer) as reads:
         read_layer(dump["0"], slice(None))
-        read_layer(dump["1"], slice(None))  # read ahead, kept; layer 0 goes
+        read_layer(dump["1"], slice(None))  # kept; layer 0 goes
         read_layer(dump["0"], slice(None))
-        assert reads.misses == 2
+        assert reads.misses == 3

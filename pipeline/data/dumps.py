@@ -372,7 +372,8 @@ def finish_dump(root: zarr.Group, seq_starts: list[int]) -> None:
 
 def read_layer(group: "DumpGroup | Mapping[str, Any]", rows: slice, extra: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """One layer's dumped arrays (the routed block's, and `extra` ones such as attn_in) over `rows`;
-    within `read_ahead.reading_ahead()` kept, and the dump's next layer read meanwhile."""
+    within `read_ahead.reading_ahead()` kept, and, once the reads go layer after layer, the dump's
+    next layer read meanwhile."""
     names = ARRAYS + extra
     reads = read_ahead.active()
     if reads is None or not isinstance(group, DumpGroup):  # a mapping of arrays (a bench's layer) is read as it is
@@ -453,9 +454,9 @@ class DumpGroup:
         """The arrays `names` over `rows`, read now."""
         return {name: self[name][rows] for name in names}
 
-    def key(self, rows: slice, names: tuple[str, ...]) -> tuple:
-        """What names `read(rows, names)`'s result: the dump's content stamp, the layer, rows and arrays."""
-        return read_ahead.dump_stamp(self.dump.path), self.layer, rows.indices(self.dump.total_rows), names
+    def key(self, rows: slice, names: tuple[str, ...]) -> tuple[tuple, int]:
+        """What names `read(rows, names)`'s result: (the dump's content stamp, the rows, the arrays), the layer."""
+        return (read_ahead.dump_stamp(self.dump.path), rows.indices(self.dump.total_rows), names), self.layer
 
     def following(self) -> "DumpGroup | None":
         """The dump's next layer, or None after its last."""

@@ -5,8 +5,10 @@ unit read the same rows of the calibration and unseen dumps. At the Qwen3-30B-A3
 65,536 calibration rows are about 1 GB, and each read took about half a second of the host while the
 device waited (bench/RESULTS.md, "The best ladder at the 30B shape"): a second of every layer's 15.
 Within `reading_ahead()`, `dumps.read_layer` keeps each layer it read (so calibrate finds what
-quantize read) and starts reading the dump's next layer, the same rows and arrays, on one thread
-while the units of this layer run.
+quantize read) and, once the reads of a dump go layer after layer, starts reading the dump's next
+layer, the same rows and arrays, on one thread while the units of this layer run. Only then: a shard
+worker or a Ray task builds one layer's units per call, and a layer read ahead there would be read for
+nothing (as an operating system's readahead, the pattern first, then the reads ahead).
 
 What it keeps is what the dump holds: the key is the dump's folder, its root `zarr.json`'s size and
 modification time (a dump written again at the same place is another key), the layer, the rows and
@@ -27,7 +29,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 KEPT_BYTES = 6 << 30  # past this the oldest layers go: a 30B layer's calibration and unseen rows, twice
-Key = tuple
+Stream = tuple  # a dump's content stamp, the rows and the arrays: one stream of reads, layer after layer
+Key = tuple[Stream, int]  # (stream, layer)
 
 _active: "LayerReads | None" = None
 
@@ -39,14 +42,18 @@ class LayerReads:
         self.kept_bytes = kept_bytes
         self._kept: OrderedDict[Key, dict[str, np.ndarray]] = OrderedDict()
         self._pending: dict[Key, Future] = {}
+        self._next_layer: dict[Stream, int] = {}  # per stream, the layer after the one read last
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dump-read-ahead")
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.read_ahead = 0
 
     def get(self, key: Key, read: Callable[[], dict[str, np.ndarray]],
             next_read: tuple[Key, Callable[[], dict[str, np.ndarray]]] | None) -> dict[str, np.ndarray]:
-        """The arrays under `key` (kept, being read ahead, or read now by `read`); then `next_read`, the
-        next layer's key and read, starts on the thread unless it is kept or under way."""
+        """The arrays under `key` (kept, being read ahead, or read now by `read`); then, when this layer
+        is the one after the stream's last read, `next_read` (the next layer's key and read) starts on
+        the thread unless it is kept or under way."""
+        stream, layer = key
+        in_order = self._next_layer.get(stream) == layer
         with self._lock:
             found = self._kept.get(key)
             pending = self._pending.get(key)
@@ -61,9 +68,11 @@ class LayerReads:
             self.hits += 1
         if next_read is not None:
             ahead, reader = next_read
+            self._next_layer[stream] = ahead[1]
             with self._lock:
-                if ahead not in self._kept and ahead not in self._pending:
+                if in_order and ahead not in self._kept and ahead not in self._pending:
                     self._pending[ahead] = self._pool.submit(reader)
+                    self.read_ahead += 1
         return found
 
     def _keep(self, key: Key, arrays: dict[str, np.ndarray]) -> None:
