@@ -1,7 +1,8 @@
 """The scripts that turn runs into RESULTS figures: bench/tools/compare_runs.py,
 bench/tools/stage_times.py, bench/tools/real_size_record.py, the rotation of
 bench/experiments/hadamard_rotation.py, the error
-of bench/experiments/format_floor.py and the best recipe of bench/experiments/budget_floor.py.
+of bench/experiments/format_floor.py, the best recipe of bench/experiments/budget_floor.py and the padding
+of bench/experiments/learned_capacity.py.
 
 What is checked is what the scripts compute: every figure they print parses and equals a
 recomputation from the committed snapshots' CSVs, the per-stage table in bench/RESULTS.md is
@@ -23,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from bench.experiments import budget_floor, format_floor, hadamard_rotation
+from bench.experiments import budget_floor, format_floor, hadamard_rotation, learned_capacity
 from bench.tools import compare_runs, llama_kld, stage_times
 from moeheal.pipeline import llamacpp
 from tests.reference_quants import routed_output
@@ -342,3 +343,12 @@ def test_device_trace_summary_totals_each_event_and_covers_the_union_of_interval
     assert text.index("/device:GPU:0") < text.index("/host:CPU")
     assert "### /host:CPU: events cover 0.050 s (2% of wall)" in text and "instant" not in text
     assert "decode" not in summarise(path, wall_s=2.0, top=1).text
+
+
+def test_learned_capacity_counts_the_padding_of_a_routing_that_always_picks_the_same_experts():
+    """Every token on experts 0 and 1 of 8: each of those gets a whole batch's pairs, so the capacity is the
+    batch and the products run 8 x batch rows for 2 x batch pairs."""
+    experts = np.tile(np.array([[0, 1]], np.int32), (4096, 1))  # (T, k)
+    got = learned_capacity.padding(experts, n_expert=8)
+    assert (got["batch"], got["most"], got["capacity"]) == (256, 256, 256)
+    assert got["mean"] == 64.0 and got["padding"] == 4.0
