@@ -2,7 +2,7 @@
 bench/tools/stage_times.py, bench/tools/real_size_record.py, the rotation of
 bench/experiments/hadamard_rotation.py, the error
 of bench/experiments/format_floor.py, the best recipe of bench/experiments/budget_floor.py and the padding
-of bench/experiments/learned_capacity.py.
+of bench/experiments/learned_capacity.py, and bench/tools/unit_phases.py.
 
 What is checked is what the scripts compute: every figure they print parses and equals a
 recomputation from the committed snapshots' CSVs, the per-stage table in bench/RESULTS.md is
@@ -25,7 +25,7 @@ import pyarrow as pa
 import pytest
 
 from bench.experiments import budget_floor, format_floor, hadamard_rotation, learned_capacity
-from bench.tools import compare_runs, llama_kld, stage_times
+from bench.tools import compare_runs, llama_kld, stage_times, unit_phases
 from moeheal.pipeline import llamacpp
 from tests.reference_quants import routed_output
 
@@ -352,3 +352,14 @@ def test_learned_capacity_counts_the_padding_of_a_routing_that_always_picks_the_
     got = learned_capacity.padding(experts, n_expert=8)
     assert (got["batch"], got["most"], got["capacity"]) == (256, 256, 256)
     assert got["mean"] == 64.0 and got["padding"] == 4.0
+
+
+def test_unit_phases_sums_each_kinds_phases_over_the_unit_lines():
+    lines = ["[quantize:v:0] computing 1234",
+             "quantize layer 0: weights 0.01 s, read 0.05 s, rounding 20.18 s, learned rounding 7.45 s (total 27.69 s)",
+             "quantize layer 1: weights 0.02 s, read 0.00 s, rounding 1.50 s (total 1.52 s)",
+             "calibrate layer 0: load 0.10 s, routed output 0.70 s (total 0.80 s)",
+             "quantize layer 2: learned rounding: 32 steps of 256 tokens, held-out relative error 0.1 -> 0.1 (step 0)"]
+    sums = unit_phases.phase_sums(lines)
+    assert sums["quantize"]["rounding"] == pytest.approx((21.68, 2)) and sums["quantize"]["learned rounding"] == (7.45, 1)
+    assert sums["calibrate"] == {"load": (0.10, 1), "routed output": (0.70, 1)}

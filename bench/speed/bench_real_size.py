@@ -75,11 +75,10 @@ from moeheal.pipeline.data.documents import read_documents, read_split  # noqa: 
 from moeheal.pipeline.llamacpp import document_kld, run_perplexity  # noqa: E402
 from moeheal.pipeline.llamacpp import perplexity_binary  # noqa: E402
 from bench.tools.device_trace import summarise  # noqa: E402
+from bench.tools.unit_phases import PHASE_ITEM, PHASE_LINE  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[2] / "demo"
 STAGE_LINE = re.compile(r"^\[(?P<label>[^\]]+)\] (?P<what>computing|cache hit) ")
-PHASE_LINE = re.compile(r"^(?:quantize|calibrate) layer \d+: (?P<phases>.*) \(total [0-9.]+ s\)$")
-PHASE_ITEM = re.compile(r"([a-z][a-z ]*?) ([0-9.]+) s(?:, |$)")
 
 
 def write_windows(work: Path, per_stratum: int) -> Path:
