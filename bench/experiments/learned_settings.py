@@ -4,8 +4,9 @@
         '{"steps": 32, "batch_tokens": 256, "lr": 0.01, "sub_lr": 0.01, "scale_lr": 0.001, "optimizer": "adam"}' ...
 
 Builds (or finds in the config's lake) the calibration and unseen dumps, rounds
-the layer's routed experts with GPTQ and the config's first variant's knobs
-(its `quant` replaced by --format), then runs `kernels.learned.learn_layer`
+the layer's routed experts with GPTQ (`--start ls`: the importance-weighted
+least-squares search GPTQ refines, about a quarter of its cost) and the config's
+first variant's knobs (its `quant` replaced by --format), then runs `kernels.learned.learn_layer`
 once per JSON setting (`learned.Settings` fields but `eval_every`, which is
 steps / 8) on the first 7/8 of the calibration rows, the last 1/8 held out as
 the pipeline holds them out, and measures the unseen dump at every held-out
@@ -35,6 +36,8 @@ def main() -> None:
     parser.add_argument("-c", "--config", required=True)
     parser.add_argument("--layer", type=int, default=1)
     parser.add_argument("--format", default="q2_k")
+    parser.add_argument("--start", choices=("gptq", "ls"), default="gptq",
+                        help="the rounding learned rounding starts from (the pipeline's: gptq)")
     parser.add_argument("settings", nargs="+", help="JSON objects of learned.Settings fields")
     args = parser.parse_args()
 
@@ -54,7 +57,8 @@ def main() -> None:
     params = Q.QuantizeParams.of(variant)
     weights = Q.expert_weights(model, args.layer)
     plan = Q.importance_plan(weights, cal, args.layer, params)
-    raw = {name: encode.quantize_experts(w, args.format, *plan[name]) for name, w in weights.items()}
+    raw = {name: encode.quantize_experts(w, args.format, plan[name][0], plan[name][1] if args.start == "gptq" else None)
+           for name, w in weights.items()}
     tensors = {name: learned.LearnedTensor(args.format, tuple(w.shape), raw[name]) for name, w in weights.items()}
     rows = read_layer(cal[str(args.layer)], slice(None))
     cut = len(rows["mixed"]) - len(rows["mixed"]) // Q.LEARNED_HOLDOUT
@@ -71,7 +75,7 @@ def main() -> None:
         held = [round(r["loss"], 5) for r in curve if r["split"] == "heldout"]
         unseen_loss = [round(r["loss"], 5) for r in curve if r["split"] == "unseen"]
         train = [r["loss"] for r in curve if r["split"] == "train"]
-        print(f"{args.format} layer {args.layer} {knobs}: {seconds:.0f} s (compilation included); held-out "
+        print(f"{args.format} layer {args.layer}, {args.start} start, {knobs}: {seconds:.0f} s (compilation included); held-out "
               f"{held}; unseen {unseen_loss}; train batches {np.mean(train[:5]):.4f} -> {np.mean(train[-5:]):.4f}",
               flush=True)
 
