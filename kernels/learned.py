@@ -496,6 +496,17 @@ def relative_error(weights: dict[str, np.ndarray], data: TokenSet, batch_tokens:
     return float(total) / max(data.energy(), 1e-30)
 
 
+def batch_order(n_rows: int, steps: int, batch: int, seed: int) -> list[np.ndarray]:
+    """The training rows of each of `steps` steps: epochs of the `n_rows` rows shuffled (by `seed`) and cut
+    into full batches of `batch` (all the rows as one batch when fewer than `batch`)."""
+    rng = np.random.default_rng(seed)
+    order: list[np.ndarray] = []
+    while len(order) < steps:
+        perm = rng.permutation(n_rows)
+        order += [perm[s:s + batch] for s in range(0, len(perm) - batch + 1, batch)] or [perm]
+    return order[:steps]
+
+
 @cache
 def _programs(layout: tuple[tuple[str, str, tuple[int, ...]], ...], optimizer: str) -> tuple[Callable, Callable]:
     """The jitted step and held-out error for a layer whose learned tensors are ``layout`` (name,
@@ -557,16 +568,11 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
     fixed_dev = {k: jnp.asarray(v, jnp.float32) for k, v in fixed.items()}
     n_expert = tensors["ffn_gate_exps"].shape[0]
     batch = settings.batch_tokens
-    rng = np.random.default_rng(settings.seed)
 
     def chunks(n: int) -> list[np.ndarray]:
         return [np.arange(s, min(n, s + batch)) for s in range(0, n, batch)]
 
-    order: list[np.ndarray] = []
-    while len(order) < settings.steps:  # epochs of shuffled full batches
-        perm = rng.permutation(len(train))
-        order += [perm[s:s + batch] for s in range(0, len(perm) - batch + 1, batch)] or [perm]
-    order = order[:settings.steps]
+    order = batch_order(len(train), settings.steps, batch, settings.seed)
     sets = {"heldout": heldout, **(extra or {})}
     eval_rows = {name: chunks(len(s)) for name, s in sets.items()}
     capacity = max([_capacity(s.experts, n_expert, eval_rows[name]) for name, s in sets.items()]

@@ -32,12 +32,7 @@ def padding(experts: np.ndarray, n_expert: int, seed: int = 0) -> dict[str, floa
     n = len(experts)
     cut = n - max(1, n // Q.LEARNED_HOLDOUT)
     steps, batch = Q.learned_schedule(cut, 0)
-    rng = np.random.default_rng(seed)  # as `learn_layer`: epochs of shuffled full batches
-    order: list[np.ndarray] = []
-    while len(order) < steps:
-        perm = rng.permutation(cut)
-        order += [perm[s:s + batch] for s in range(0, len(perm) - batch + 1, batch)] or [perm]
-    order = order[:steps]
+    order = learned.batch_order(cut, steps, batch, seed)  # as `learn_layer` batches its training rows
     capacity = learned._capacity(experts[:cut], n_expert, order)
     most = max(int(np.bincount(experts[b].reshape(-1), minlength=n_expert).max()) for b in order)
     pairs = batch * experts.shape[1]
