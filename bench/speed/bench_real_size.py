@@ -52,7 +52,6 @@ import pstats
 import re
 import resource
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -74,6 +73,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))
 from moeheal.pipeline.data.documents import read_documents, read_split  # noqa: E402
 from moeheal.pipeline.llamacpp import document_kld, run_perplexity  # noqa: E402
 from moeheal.pipeline.llamacpp import perplexity_binary  # noqa: E402
+from bench.tools.device_sampler import DeviceSampler  # noqa: E402
 from bench.tools.device_trace import summarise  # noqa: E402
 from bench.tools.unit_phases import PHASE_ITEM, PHASE_LINE  # noqa: E402
 
@@ -259,45 +259,6 @@ class CompileClock:
 
     def within(self, start: float, end: float) -> float:
         return sum(d for t, d in self.events if start < t <= end)
-
-
-class DeviceSampler:
-    """nvidia-smi's utilisation and memory of GPU 0, one sample a second, in a thread (nothing where there
-    is no nvidia-smi): utilisation is the share of the second a kernel ran, so summed over a stage's samples
-    it is the stage's device-busy seconds."""
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, float, float]] = []  # (time, utilisation %, memory used MiB)
-        self._proc: subprocess.Popen | None = None
-        self._thread = threading.Thread(target=self._read, daemon=True)
-
-    def _read(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        for line in self._proc.stdout:
-            fields = [f.strip() for f in line.split(",")]
-            if len(fields) == 2 and all(f.replace(".", "").isdigit() for f in fields):
-                self.samples.append((time.perf_counter(), float(fields[0]), float(fields[1])))
-
-    def __enter__(self) -> "DeviceSampler":
-        try:
-            self._proc = subprocess.Popen(["nvidia-smi", "-i", "0", "--query-gpu=utilization.gpu,memory.used",
-                                           "--format=csv,noheader,nounits", "-lms", "1000"],
-                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            self._thread.start()
-        except OSError:  # no NVIDIA GPU here
-            self._proc = None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._proc is not None:
-            self._proc.terminate()
-            self._thread.join(timeout=5)
-
-    def within(self, start: float, end: float) -> list[tuple[float, float, float]]:
-        return [s for s in self.samples if start < s[0] <= end]
-
-    def busy_seconds(self, start: float, end: float) -> float:
-        return sum(util / 100 for _, util, _ in self.within(start, end))
 
 
 def stage_split(label: str, start: float, end: float, cpu: float, compiles: CompileClock,
