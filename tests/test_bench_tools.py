@@ -290,6 +290,30 @@ def test_real_size_record_extrapolates_each_stage_linearly_in_depth():
     assert real_size_record.join_runs(runs, committed["extrapolated_to"]) == committed
 
 
+def test_real_size_record_extrapolates_the_busy_samples_as_the_wall():
+    """With each stage's GPU sample counts, the record's busy fraction at the real depth is the fitted busy
+    samples over the fitted samples of the first variant's heal (shared stages and its own, not the
+    baseline's); without counts in every run it has none."""
+    from bench.tools import real_size_record
+
+    def run(layers: int) -> dict:
+        # e2e:v: 4 samples a layer, all busy; dump: 10 + 2 a layer, 1 busy a layer; the baseline's: idle
+        split = {"e2e:v": {"busy_samples": 4 * layers, "samples": 4 * layers},
+                 "dump": {"busy_samples": layers, "samples": 10 + 2 * layers},
+                 "calibrate:unhealed": {"busy_samples": 0, "samples": 3 * layers}}
+        return {"like": "qwen3-30b-a3b", "layers": layers, "calibration_tokens": 65536, "variants": ["v"],
+                "device": "gpu", "per_stage_s": {k: float(v["samples"]) for k, v in split.items()},
+                "per_stage_split": split, "heal_s": 1.0, "json": f"l{layers}.json", "gpu_busy_fraction": 0.5}
+
+    record = real_size_record.join_runs([run(n) for n in (2, 3, 4)], 48)
+    assert record["stages"]["dump"]["samples"] == pytest.approx(10 + 2 * 48)
+    assert record["gpu_busy_fraction_extrapolated"] == pytest.approx((4 * 48 + 48) / (4 * 48 + 10 + 2 * 48))
+    assert record["gpu_busy_fraction"] == 0.5  # the deepest run's own, beside it
+    bare = run(2)
+    del bare["per_stage_split"]["dump"]
+    assert "gpu_busy_fraction_extrapolated" not in real_size_record.join_runs([bare, run(3)], 48)
+
+
 def test_real_size_bench_sums_each_units_logged_steps_by_variant():
     """bench_real_size's `unit_phases` reads the line `progress.Phases` makes each unit log, and puts it
     to the variant of the unit computing then (the line names the layer only)."""

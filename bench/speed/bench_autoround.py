@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "demo" / "peers" / "autoround")]
 
-from bench.tools.device_sampler import DeviceSampler  # noqa: E402
+from bench.tools.device_sampler import BUSY_UTIL, DeviceSampler  # noqa: E402
 from make_autoround_peer import IGNORE, TUNED_LINE, calibration_chunks  # noqa: E402
 
 DEMO = ROOT / "demo"
@@ -142,14 +142,14 @@ def main() -> int:
         "gpu_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
         "nvidia_smi_peak_gb": max((m for _, _, m in samples), default=0) * 2**20 / 1e9 or None,
         "gpu_util_mean": sum(u for _, u, _ in samples) / len(samples) if samples else None,
-        "gpu_busy_fraction": sum(u > 50 for _, u, _ in samples) / len(samples) if samples else None,
+        "gpu_busy_fraction": sum(u > BUSY_UTIL for _, u, _ in samples) / len(samples) if samples else None,
         "command": " ".join(sys.argv),
     }
     print(f"AutoRound {figures['versions']['auto-round']} on {figures['device']}: quantize {end - start:.1f} s "
           f"for {args.layers} layers; blocks {', '.join(f'{b:.1f}' for b in blocks)} s; "
           f"per layer {per_layer:.1f} s; {figures['label']}: {figures['extrapolated_s'] / 60:.1f} min")
     if samples:
-        print(f"GPU: utilisation mean {figures['gpu_util_mean']:.0f}%, busy (>50%) in "
+        print(f"GPU: utilisation mean {figures['gpu_util_mean']:.0f}%, busy (>{BUSY_UTIL}%) in "
               f"{figures['gpu_busy_fraction']:.0%} of {len(samples)} samples; torch peak "
               f"{figures['gpu_peak_gb']:.1f} GB, nvidia-smi {figures['nvidia_smi_peak_gb']:.1f} GB")
     if json_out:

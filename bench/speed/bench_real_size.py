@@ -73,7 +73,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))
 from moeheal.pipeline.data.documents import read_documents, read_split  # noqa: E402
 from moeheal.pipeline.llamacpp import document_kld, run_perplexity  # noqa: E402
 from moeheal.pipeline.llamacpp import perplexity_binary  # noqa: E402
-from bench.tools.device_sampler import DeviceSampler  # noqa: E402
+from bench.tools.device_sampler import BUSY_UTIL, DeviceSampler  # noqa: E402
 from bench.tools.device_trace import summarise  # noqa: E402
 from bench.tools.unit_phases import PHASE_ITEM, PHASE_LINE  # noqa: E402
 
@@ -267,11 +267,15 @@ def stage_split(label: str, start: float, end: float, cpu: float, compiles: Comp
     utilisation, where sampled); host CPU seconds of the process's threads less compilation (Python, NumPy,
     Zarr decoding, dispatch; several threads can make it exceed the wall time); and the wall time that is
     neither device-busy nor compiling, an upper bound on the time the device waited for the host
-    (transfers, reads, Python between programs)."""
+    (transfers, reads, Python between programs). With samples, also their counts (`busy_samples` above
+    `BUSY_UTIL`%, `samples`), which the real-size record extrapolates to the real depth."""
     wall, compile_s = end - start, compiles.within(start, end)
-    busy = device.busy_seconds(start, end) if device.samples else None
-    return {"wall_s": wall, "compile_s": compile_s, "host_cpu_s": max(0.0, cpu - compile_s),
-            **({"device_busy_s": busy, "device_idle_s": max(0.0, wall - busy - compile_s)} if busy is not None else {})}
+    if not device.samples:
+        return {"wall_s": wall, "compile_s": compile_s, "host_cpu_s": max(0.0, cpu - compile_s)}
+    busy = device.busy_seconds(start, end)
+    busy_samples, samples = device.busy_samples(start, end)
+    return {"wall_s": wall, "compile_s": compile_s, "host_cpu_s": max(0.0, cpu - compile_s), "device_busy_s": busy,
+            "device_idle_s": max(0.0, wall - busy - compile_s), "busy_samples": busy_samples, "samples": samples}
 
 
 class HostMemory:
@@ -461,7 +465,7 @@ def main() -> int:
         # the mean utilisation and the share of 1-second samples above 50%
         **({"nvidia_smi_peak_mib": max(m for _, _, m in heal_samples),
             "gpu_util_mean": sum(u for _, u, _ in heal_samples) / len(heal_samples),
-            "gpu_busy_fraction": sum(u > 50 for _, u, _ in heal_samples) / len(heal_samples)}
+            "gpu_busy_fraction": sum(u > BUSY_UTIL for _, u, _ in heal_samples) / len(heal_samples)}
            if heal_samples else {}),
         **sharded,
     }

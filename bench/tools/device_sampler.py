@@ -8,6 +8,8 @@ import subprocess
 import threading
 import time
 
+BUSY_UTIL = 50  # a sample counts as busy above this utilisation (%)
+
 
 class DeviceSampler:
     """nvidia-smi's utilisation and memory of GPU 0, one sample a second, in a thread (nothing where there
@@ -46,3 +48,9 @@ class DeviceSampler:
 
     def busy_seconds(self, start: float, end: float) -> float:
         return sum(util / 100 for _, util, _ in self.within(start, end))
+
+    def busy_samples(self, start: float, end: float) -> tuple[int, int]:
+        """(samples above `BUSY_UTIL`%, samples) between start and end: the counts whose ratio over a heal
+        is its `gpu_busy_fraction`, kept per stage so that a record can extrapolate them in depth."""
+        samples = self.within(start, end)
+        return sum(util > BUSY_UTIL for _, util, _ in samples), len(samples)
