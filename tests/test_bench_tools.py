@@ -121,6 +121,21 @@ def test_the_h200_demo_against_the_cpu_demo_is_recomputed_from_the_snapshots(mon
     assert all(row[0] == "canary" for row, ok in zip(rows, same) if not ok)  # every eval-set conclusion holds
 
 
+def test_stage_times_alone_is_the_time_one_unit_ran_with_nothing_beside_it(tmp_path, monkeypatch, capsys) -> None:
+    """--alone: pieces of the span where exactly one unit ran go to its stage, pieces with none to idle."""
+    runs = [("quantize", 0.0, 10.0), ("e2e", 5.0, 15.0), ("quantize", 6.0, 8.0), ("evaluate", 20.0, 25.0)]
+    alone, idle, span = stage_times.running_alone(runs)
+    assert alone == {"quantize": 5.0, "e2e": 5.0, "evaluate": 5.0}  # 0-5, 10-15, 20-25; 5-10 had two or three
+    assert (idle, span) == (5.0, 25.0)  # 15-20
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    for i, (stage, a, b) in enumerate(runs):
+        (folder / f"{i}.json").write_text(json.dumps({"stage": stage, "started": a, "finished": b}))
+    assert run(stage_times, [str(tmp_path), "--alone"], monkeypatch) == 0
+    rows = table_rows(capsys.readouterr().out, "stage")
+    assert rows[-1] == ["(no unit running)", "5.0", "20.0%"] and len(rows) == 4
+
+
 def test_verdict_reads_the_interval() -> None:
     assert compare_runs.verdict(-3.0, -0.1) == "better"
     assert compare_runs.verdict(0.1, 3.0) == "worse"

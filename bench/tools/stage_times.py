@@ -3,6 +3,7 @@
     python bench/tools/stage_times.py lake/runs                                           # this machine's lake
     python bench/tools/stage_times.py lake/runs bench/results/demo-h200/stage_times.csv   # beside another run's
     python bench/tools/stage_times.py lake/runs --csv stage_times.csv                     # keep a run's figures
+    python bench/tools/stage_times.py lake/runs --alone                                   # what ran with nothing beside it
 
 Every stage writes ``runs/<fingerprint>.json`` with its start and finish
 times (``Lake`` provenance); summing them per stage kind (quantize, calibrate,
@@ -12,6 +13,12 @@ Columns: units built, total seconds, and for the second source its ratio to
 the first. A run killed and resumed counts only the units that finished. A
 ``runs/`` folder holds every record the lake keeps, earlier runs' too: time one
 run on an empty lake (``make clean``) for its figures alone.
+
+``--alone`` (a lake's records only) says where a heal with several processes (``--workers``) left
+cores idle: the run's span from its first start to its last finish cut where any unit starts or
+ends, each piece given to the units running then; printed per stage kind, the seconds it ran with no
+other unit beside it, then the seconds in which no unit ran at all (the orchestrator between stages,
+start-up). On a machine with as many cores as workers, that is the time to win by running more at once.
 """
 
 from __future__ import annotations
@@ -43,13 +50,49 @@ def stage_seconds(source: Path) -> dict[str, tuple[int, float]]:
     return {stage: (int(n), s) for stage, (n, s) in totals.items()}
 
 
+def records(source: Path) -> list[tuple[str, float, float]]:
+    """(stage kind, started, finished) of every provenance record in a lake's ``runs/`` folder."""
+    folder = source / "runs" if (source / "runs").is_dir() else source
+    out = []
+    for path in folder.glob("*.json"):
+        run = json.loads(path.read_text(encoding="utf-8"))
+        out.append((run["stage"], float(run["started"]), float(run["finished"])))
+    if not out:
+        raise SystemExit(f"{source}: no provenance records (runs/<fingerprint>.json)")
+    return out
+
+
+def running_alone(runs: list[tuple[str, float, float]]) -> tuple[dict[str, float], float, float]:
+    """({stage kind: seconds it ran with no other unit running}, seconds no unit ran, span seconds)."""
+    edges = sorted({t for _, a, b in runs for t in (a, b)})
+    alone: dict[str, float] = defaultdict(float)
+    idle = 0.0
+    for lo, hi in zip(edges, edges[1:]):
+        active = [stage for stage, a, b in runs if a <= lo and b >= hi]
+        if not active:
+            idle += hi - lo
+        elif len(active) == 1:
+            alone[active[0]] += hi - lo
+    return dict(alone), idle, edges[-1] - edges[0]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sources", type=Path, nargs="+", help="a lake (or its runs/ folder) or a CSV, one or two")
     parser.add_argument("--csv", type=Path, help="write the first source's figures here")
+    parser.add_argument("--alone", action="store_true",
+                        help="per stage kind, the seconds it ran with no other unit beside it (a lake only)")
     args = parser.parse_args()
     if len(args.sources) > 2:
         parser.error("one or two sources")
+    if args.alone:
+        alone, idle, span = running_alone(records(args.sources[0]))
+        print(f"span {span:.1f} s from the first unit's start to the last one's finish\n")
+        print("| stage | seconds running alone | share of the span |\n|---|---:|---:|")
+        for stage, seconds in sorted(alone.items(), key=lambda kv: -kv[1]):
+            print(f"| {stage} | {seconds:.1f} | {seconds / span:.1%} |")
+        print(f"| (no unit running) | {idle:.1f} | {idle / span:.1%} |")
+        return 0
     tables = [stage_seconds(s) for s in args.sources]
     if args.csv:
         with args.csv.open("w", newline="", encoding="utf-8") as f:
