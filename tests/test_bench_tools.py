@@ -313,9 +313,9 @@ def test_real_size_record_extrapolates_the_busy_samples_as_the_wall():
 
     def run(layers: int) -> dict:
         # e2e:v: 4 samples a layer, all busy; dump: 10 + 2 a layer, 1 busy a layer; the baseline's: idle
-        split = {"e2e:v": {"busy_samples": 4 * layers, "samples": 4 * layers},
-                 "dump": {"busy_samples": layers, "samples": 10 + 2 * layers},
-                 "calibrate:unhealed": {"busy_samples": 0, "samples": 3 * layers}}
+        split = {"e2e:v": {"busy_samples": 4 * layers, "samples": 4 * layers, "device_busy_s": 3.0 * layers},
+                 "dump": {"busy_samples": layers, "samples": 10 + 2 * layers, "device_busy_s": 1.0 * layers},
+                 "calibrate:unhealed": {"busy_samples": 0, "samples": 3 * layers, "device_busy_s": 0.0}}
         return {"like": "qwen3-30b-a3b", "layers": layers, "calibration_tokens": 65536, "variants": ["v"],
                 "device": "gpu", "per_stage_s": {k: float(v["samples"]) for k, v in split.items()},
                 "per_stage_split": split, "heal_s": 1.0, "json": f"l{layers}.json", "gpu_busy_fraction": 0.5}
@@ -323,6 +323,7 @@ def test_real_size_record_extrapolates_the_busy_samples_as_the_wall():
     record = real_size_record.join_runs([run(n) for n in (2, 3, 4)], 48)
     assert record["stages"]["dump"]["samples"] == pytest.approx(10 + 2 * 48)
     assert record["gpu_busy_fraction_extrapolated"] == pytest.approx((4 * 48 + 48) / (4 * 48 + 10 + 2 * 48))
+    assert record["gpu_util_mean_extrapolated"] == pytest.approx(100 * (3 * 48 + 48) / (4 * 48 + 10 + 2 * 48))
     assert record["gpu_busy_fraction"] == 0.5  # the deepest run's own, beside it
     bare = run(2)
     del bare["per_stage_split"]["dump"]

@@ -24,7 +24,9 @@ the deepest run of the first variant, over its heal phase). Beside them, where t
 count of GPU samples and of busy ones (`busy_samples`, `samples`), `gpu_busy_fraction_extrapolated`: those
 counts fitted in depth per stage kind as the wall times are and summed over the first variant's heal at the
 real depth (a deep heal compiles once and spends its time in the per-layer stages, so its share of busy
-samples differs from a shallow run's); labelled extrapolated, the measured fraction beside it.
+samples differs from a shallow run's); likewise `gpu_util_mean_extrapolated` from each stage's device-busy
+seconds (its samples' utilisation summed) over its wall time. Labelled extrapolated, the measured figures
+beside them.
 """
 
 from __future__ import annotations
@@ -84,11 +86,12 @@ def join_runs(runs: list[dict], depth: int) -> dict:
                    else fit_depth(walls))
             entry = {"variant": who, "measured_s": {str(n): s for n, s in sorted(walls.items())}, **fit,
                      "wall_s": fit["fixed_s"] + fit["per_layer_s"] * depth}
-            counts = {run["layers"]: run.get("per_stage_split", {}).get(kind, {}) for run in members
+            splits = {run["layers"]: run.get("per_stage_split", {}).get(kind, {}) for run in members
                       if kind in run["per_stage_s"]}
-            if all("samples" in c for c in counts.values()):  # the GPU's 1-second samples, fitted as the wall is
-                for key in ("busy_samples", "samples"):
-                    points = {n: c[key] for n, c in counts.items()}
+            # the GPU's figures, fitted as the wall is: its busy seconds, and its 1-second samples' counts
+            for key in ("device_busy_s", "busy_samples", "samples"):
+                if all(key in split for split in splits.values()):
+                    points = {n: split[key] for n, split in splits.items()}
                     line = ({"fixed_s": float(np.mean(list(points.values()))), "per_layer_s": 0.0}
                             if kind in DEPTH_FREE else fit_depth(points))
                     entry[key] = max(0.0, line["fixed_s"] + line["per_layer_s"] * depth)
@@ -101,12 +104,12 @@ def join_runs(runs: list[dict], depth: int) -> dict:
     def total(names: list[str], key: str = "wall_s") -> float:
         return sum(e[key] for e in stages.values() if e["variant"] is None or e["variant"] in names)
 
-    def busy_fraction(names: list[str]) -> float | None:
-        """The share of busy samples over the stages of `names`' heal at `depth`, where every one has counts."""
+    def share(names: list[str], part: str, whole: str) -> float | None:
+        """total `part` over total `whole` of the stages of `names`' heal at `depth`, where every one has both."""
         mine = [e for e in stages.values() if e["variant"] is None or e["variant"] in names]
-        if not mine or not all("samples" in e for e in mine):
+        if not mine or not all(part in e and whole in e for e in mine):
             return None
-        return total(names, "busy_samples") / max(total(names, "samples"), 1.0)
+        return total(names, part) / max(total(names, whole), 1e-9)
 
     first = [r for r in runs if order[0] in r["variants"]]
     deepest_first = max(first, key=lambda run: run["layers"])
@@ -126,7 +129,10 @@ def join_runs(runs: list[dict], depth: int) -> dict:
         "host_rss_gb": max((r.get("heal_peak_anon_bytes") or 0) for r in runs) / GB or None,
         "gpu_util_mean": deepest_first.get("gpu_util_mean"),
         "gpu_busy_fraction": deepest_first.get("gpu_busy_fraction"),
-        **({"gpu_busy_fraction_extrapolated": busy} if (busy := busy_fraction(order[:1])) is not None else {}),
+        **({"gpu_util_mean_extrapolated": 100 * util}
+           if (util := share(order[:1], "device_busy_s", "wall_s")) is not None else {}),
+        **({"gpu_busy_fraction_extrapolated": busy}
+           if (busy := share(order[:1], "busy_samples", "samples")) is not None else {}),
         "runs": [{"layers": r["layers"], "variants": r["variants"], "command": r.get("command"),
                   "json": r["json"], "log": r["json"].replace(".json", ".log"), "heal_s": r["heal_s"],
                   "stopped": r.get("stopped", False)} for r in runs],
@@ -150,6 +156,9 @@ def main() -> int:
     for key in ("total_s", "recipe_total_s", "ladder_total_s"):
         if key in record:
             print(f"{key}: {record[key] / 60:.1f} min")
+    if "gpu_util_mean_extrapolated" in record:
+        print(f"GPU utilisation {record['gpu_util_mean']:.1f}% on average over the deepest run; extrapolated to "
+              f"{record['extrapolated_to']} layers: {record['gpu_util_mean_extrapolated']:.1f}%")
     if "gpu_busy_fraction_extrapolated" in record:
         print(f"GPU busy in {record['gpu_busy_fraction']:.1%} of the deepest run's samples; extrapolated to "
               f"{record['extrapolated_to']} layers: {record['gpu_busy_fraction_extrapolated']:.1%}")
