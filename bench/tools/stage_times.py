@@ -31,35 +31,30 @@ from collections import defaultdict
 from pathlib import Path
 
 
+def records(source: Path) -> list[tuple[str, float, float]]:
+    """(stage kind, started, finished) of every provenance record in a lake's ``runs/`` folder (or its root)."""
+    folder = source / "runs" if (source / "runs").is_dir() else source
+    out = []
+    for path in folder.glob("*.json"):
+        run = json.loads(path.read_text(encoding="utf-8"))
+        if not {"stage", "started", "finished"} <= run.keys():
+            raise SystemExit(f"{path}: not a stage's provenance record (no stage, started and finished)")
+        out.append((run["stage"], float(run["started"]), float(run["finished"])))
+    if not out:
+        raise SystemExit(f"{folder}: no provenance records (runs/<fingerprint>.json)")
+    return out
+
+
 def stage_seconds(source: Path) -> dict[str, tuple[int, float]]:
     """stage kind -> (units, seconds) from a lake's ``runs/`` folder or a CSV written by ``--csv``."""
     if source.suffix == ".csv":
         with source.open(newline="", encoding="utf-8") as f:
             return {r["stage"]: (int(r["units"]), float(r["seconds"])) for r in csv.DictReader(f)}
-    if (source / "runs").is_dir():  # a lake's root: its records are in runs/
-        source = source / "runs"
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for path in source.glob("*.json"):
-        run = json.loads(path.read_text(encoding="utf-8"))
-        if not {"stage", "started", "finished"} <= run.keys():
-            raise SystemExit(f"{path}: not a stage's provenance record (no stage, started and finished)")
-        totals[run["stage"]][0] += 1
-        totals[run["stage"]][1] += run["finished"] - run["started"]
-    if not totals:
-        raise SystemExit(f"{source}: no provenance records (runs/<fingerprint>.json)")
+    for stage, started, finished in records(source):
+        totals[stage][0] += 1
+        totals[stage][1] += finished - started
     return {stage: (int(n), s) for stage, (n, s) in totals.items()}
-
-
-def records(source: Path) -> list[tuple[str, float, float]]:
-    """(stage kind, started, finished) of every provenance record in a lake's ``runs/`` folder."""
-    folder = source / "runs" if (source / "runs").is_dir() else source
-    out = []
-    for path in folder.glob("*.json"):
-        run = json.loads(path.read_text(encoding="utf-8"))
-        out.append((run["stage"], float(run["started"]), float(run["finished"])))
-    if not out:
-        raise SystemExit(f"{source}: no provenance records (runs/<fingerprint>.json)")
-    return out
 
 
 def running_alone(runs: list[tuple[str, float, float]]) -> tuple[dict[str, float], float, float]:
