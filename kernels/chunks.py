@@ -7,7 +7,7 @@ shape) compiles exactly once, and memory stays bounded however large the tensor.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +16,10 @@ import numpy as np
 # Weights per compiled call. The scale search keeps a handful of arrays the
 # size of the chunk alive, so this bounds peak memory to a few hundred MB.
 CHUNK_WEIGHTS = 1 << 22
+# Share of a device's memory one chunk's program may take (`fit_chunk`): what the caller keeps resident
+# beside the call (a 30B layer's weights and Hessians, 3 GB) and the allocator's fragmentation take the rest.
+CHUNK_MEMORY_SHARE = 0.5
+
 # Weights per compiled call on an accelerator: GPTQ's column loop is sequential, so a batch of 2
 # experts (CHUNK_WEIGHTS at the Qwen3-30B-A3B shape) leaves a GPU idle. 1 << 28 holds all 128 experts
 # of that shape (every column step then serves the whole layer; 42 per batch took 8% longer on an
@@ -69,3 +73,45 @@ def platform(devices: Sequence[jax.Device] | None = None) -> str:
 def on_accelerator(devices: Sequence[jax.Device] | None = None) -> bool:
     """Whether work goes to an accelerator (see ``platform``)."""
     return platform(devices) != "cpu"
+
+
+def device_memory_bytes(devices: Sequence[jax.Device] | None = None) -> int | None:
+    """The least memory any of ``devices`` (default: this host's devices of the default backend) lets this
+    process take, or None on a CPU backend or where a device reports no memory figures. A limit, not
+    what is free now: a chunk sized by it depends on the device alone, never on what else is resident."""
+    devices = jax.local_devices() if devices is None else list(devices)
+    limits = [device.memory_stats() if device.platform != "cpu" else None for device in devices]
+    if not all(stats and "bytes_limit" in stats for stats in limits):
+        return None
+    return min(stats["bytes_limit"] for stats in limits)
+
+
+Program = TypeVar("Program")
+
+
+def program_bytes(compiled: jax.stages.Compiled) -> int:
+    """Device memory a compiled program takes while it runs: its arguments, outputs and scratch
+    (per device, for a program over a mesh), as XLA's memory analysis reports them."""
+    stats = compiled.memory_analysis()
+    return (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+            - stats.alias_size_in_bytes)
+
+
+def fit_chunk(n: int, chunk: int, memory: int, compile_at: Callable[[int], Program],
+              bytes_of: Callable[[Program], int] = program_bytes) -> tuple[int, Program]:
+    """The largest chunk of at most ``chunk`` items (of ``n``) whose program fits a device of ``memory``
+    bytes (``device_memory_bytes``), and that program.
+
+    A program's memory is about linear in its chunk (a vmapped batch), so a chunk that does not fit in
+    ``CHUNK_MEMORY_SHARE`` of ``memory`` is scaled down by the ratio and compiled again (``compile_at(chunk)``),
+    until one fits or the chunk is one item. A smaller chunk is balanced, ``ceil(n / ceil(n / fitted))``:
+    the last one, zero-padded by ``map_chunks``, then computes as little padding as the fit allows.
+    """
+    chunk = max(1, min(chunk, n))
+    while True:
+        program = compile_at(chunk)
+        need = bytes_of(program)
+        if chunk == 1 or need <= CHUNK_MEMORY_SHARE * memory:
+            return chunk, program
+        fitted = max(1, min(chunk - 1, int(chunk * CHUNK_MEMORY_SHARE * memory / need)))
+        chunk = -(-n // -(-n // fitted))  # as many chunks as `fitted` needs, evened out

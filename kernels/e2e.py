@@ -13,11 +13,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moeheal.kernels.formats import fp16_round
 
 
 def fp16_ste(x: jax.Array) -> jax.Array:
     """x rounded to the nearest fp16 (as float32) in the forward pass; identity in the backward pass."""
-    return x + jax.lax.stop_gradient(x.astype(jnp.float16).astype(jnp.float32) - x)  # x's shape
+    return x + jax.lax.stop_gradient(fp16_round(x) - x)  # x's shape
 
 
 def code_ste(x: jax.Array, lo: float, hi: float) -> jax.Array:

@@ -22,7 +22,7 @@ the tensors) and writes its own bytes; there is no cross-host traffic to wait fo
 from __future__ import annotations
 
 from functools import partial
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moeheal.kernels.chunks import ACCELERATOR_CHUNK_WEIGHTS, CHUNK_WEIGHTS, map_chunks, on_accelerator, platform
+from moeheal.kernels.chunks import (ACCELERATOR_CHUNK_WEIGHTS, CHUNK_WEIGHTS, device_memory_bytes, fit_chunk, map_chunks,
+                                    on_accelerator, platform)
 from moeheal.kernels.decode import format_of
 from moeheal.kernels.formats_encode import Encoder, IQ4_NLEncoder, Q8_0Encoder, TQ2_0Encoder
 from moeheal.kernels.gptq import CPU_SCHEDULE, GptqSchedule, factor_is_finite, gptq_factor, gptq_round
@@ -135,6 +136,34 @@ def experts_batch_jit(fmt: str, schedule: GptqSchedule, mesh: Mesh, w: jax.Array
     return per_device(w, importance, hessians)
 
 
+# Each (format, schedule, mesh, batch asked, argument shapes)'s fitted batch and its compiled program.
+_FITTED_BATCHES: dict[tuple, tuple[int, jax.stages.Compiled]] = {}
+
+
+def _fitted_batch(fmt: str, schedule: GptqSchedule, mesh: Mesh, sharding: NamedSharding, per_device: int,
+                  memory: int, w: jax.Array | np.ndarray, importance: jax.Array | np.ndarray | None,
+                  hessians: jax.Array | np.ndarray | None) -> tuple[int, jax.stages.Compiled]:
+    """The largest per-device batch of at most ``per_device`` experts whose ``experts_batch_jit`` program
+    fits devices of ``memory`` bytes (``chunks.fit_chunk``), and that program, compiled once per process.
+
+    The batch asked for holds every expert of a Qwen3-30B-A3B tensor; an i-quant's codebook search keeps
+    a few hundred bytes per weight live, 50 GB for such a batch, so its batch is cut to what the memory
+    holds instead. The program is the one the jit would run, compiled ahead so its memory is known first.
+    Sized by the devices' memory, not what is free now: a batch's shape can move a k-quant's near-ties,
+    so the bytes depend on the format, the shapes and the device, never on what else is resident.
+    """
+    arrays = (w, importance, hessians)
+    key = (fmt, schedule, mesh, per_device, tuple(None if a is None else (a.shape, str(a.dtype)) for a in arrays))
+    if key not in _FITTED_BATCHES:
+        def compile_at(batch: int) -> jax.stages.Compiled:
+            specs = [None if a is None else jax.ShapeDtypeStruct((batch * mesh.size, *a.shape[1:]), a.dtype,
+                                                                  sharding=sharding) for a in arrays]
+            return experts_batch_jit.lower(fmt, schedule, mesh, *specs).compile()
+
+        _FITTED_BATCHES[key] = fit_chunk(w.shape[0], per_device, memory, compile_at)  # as many experts as one device
+    return _FITTED_BATCHES[key]
+
+
 def expert_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     """1-D mesh named ``expert`` over ``devices`` (default: this host's devices of the default backend)."""
     return Mesh(np.array(jax.local_devices() if devices is None else list(devices)), (EXPERT_AXIS,))
@@ -232,9 +261,9 @@ def quantize_experts(
     hessians [E, cols, cols] (damped) select GPTQ rounding, with the
     importance (if given) weighting the scale searches. Experts are vmapped
     in batches of about ``batch_weights`` weights (default: ``CHUNK_WEIGHTS`` on the
-    CPU, ``ACCELERATOR_CHUNK_WEIGHTS`` on an accelerator), each
-    batch the same compiled program; with several ``devices`` (default: this
-    host's devices of the default backend) each takes one batch per step.
+    CPU, ``ACCELERATOR_CHUNK_WEIGHTS`` on an accelerator, cut where that batch's program would not
+    fit the accelerator's memory), each batch the same compiled program; with several
+    ``devices`` (default: this host's devices of the default backend) each takes one batch per step.
     ValueError if a Hessian's factorisation (float32, or float64 where
     ``gptq_schedule`` says) fails on the device. The host's BLAS runs on one
     thread meanwhile, as in ``quantize``: the bytes do not depend on the thread count.
@@ -260,9 +289,14 @@ def quantize_experts(
         batch_weights = ACCELERATOR_CHUNK_WEIGHTS if on_accelerator(mesh.devices.flat) else CHUNK_WEIGHTS
     per_device = max(1, min(batch_weights // (rows * cols), n_expert))
     sharding = NamedSharding(mesh, PartitionSpec(EXPERT_AXIS))
+    schedule = gptq_schedule(mesh.devices.flat)
+    program: Callable = partial(experts_batch_jit, fmt, schedule, mesh)
+    memory = device_memory_bytes(mesh.devices.flat)
+    if memory is not None:  # an accelerator: a batch whose program fits its memory (a codebook search may not)
+        per_device, program = _fitted_batch(fmt, schedule, mesh, sharding, per_device, memory, w, importance,
+                                            hessians)
     with one_blas_thread():  # GPTQ's factor and solves on the CPU are the host's LAPACK: bytes whatever its threads
-        raw, factored = map_chunks(partial(experts_batch_jit, fmt, gptq_schedule(mesh.devices.flat), mesh),
-                                   per_device * mesh.size, w, importance, hessians,
+        raw, factored = map_chunks(program, per_device * mesh.size, w, importance, hessians,
                                    sharding=sharding)  # (E, rows, bytes), (E,), read back before the limit ends
     _check_factored(factored)
     return raw

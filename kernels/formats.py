@@ -32,9 +32,31 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 # ---------------------------------------------------------------------------
 
 
+FP16_MAX = 65504.0
+FP16_MANTISSA_BITS = 10
+FP16_SMALLEST_EXPONENT = -24  # of fp16's smallest subnormal, 2**-24: the step below 2**-14
+
+
+def _power_of_two(k: jax.Array) -> jax.Array:
+    """2.0**k as float32 for integer k in [-126, 127], built from its bits: exact on every backend."""
+    return jax.lax.bitcast_convert_type(((k + 127) << 23).astype(jnp.int32), jnp.float32)  # k's shape
+
+
 def fp16_round(d: jax.Array) -> jax.Array:
-    """Round float32 scales to the nearest fp16 value, returned as float32."""
-    return d.astype(jnp.float16).astype(jnp.float32)
+    """float32 values rounded to the nearest fp16 value (ties to even, subnormals and overflow to inf
+    as a cast does), returned as float32.
+
+    Arithmetic, not a cast to float16 and back: XLA may drop such a round trip inside a fused GPU
+    program (excess precision is allowed by default), and then a tuned scale's forward would use a
+    value the written file cannot hold. A multiply by a power of two, a round to integer and a
+    multiply back are exact, and no compiler may drop them.
+    """
+    d = jnp.asarray(d, jnp.float32)
+    biased = (jax.lax.bitcast_convert_type(d, jnp.int32) >> 23) & 0xFF  # float32's biased exponent
+    exponent = biased - 126  # d in [2**(exponent-1), 2**exponent) for normal d
+    step = jnp.maximum(exponent - 1 - FP16_MANTISSA_BITS, FP16_SMALLEST_EXPONENT)  # log2 of fp16's step there
+    rounded = jnp.round(d * _power_of_two(-step)) * _power_of_two(step)  # d's shape
+    return jnp.where(jnp.abs(rounded) > FP16_MAX, jnp.copysign(jnp.float32(jnp.inf), d), rounded)
 
 
 def fp16_to_bytes(d: jax.Array) -> jax.Array:

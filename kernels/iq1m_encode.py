@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moeheal.kernels.formats import fp16_round
 from moeheal.kernels.formats_encode import uniform_importance
 from moeheal.kernels.iquants import IQ1_M, IQ1M_DELTA, IQ1M_GRID_POINTS, gguf_grid
 from moeheal.kernels.iquants_encode import IQuantEncoder, first_argmin
@@ -254,7 +255,7 @@ def super_block(x: jax.Array, w: jax.Array, scale: jax.Array, k: jax.Array, poin
     wq = rounded(w * q)
     sumqx, sumq2 = ordered_sum(list(product(wq, x).T)), ordered_sum(list(product(wq, q).T))  # (n,) x2
     d = jnp.where(sumq2 > 0, sumqx / jnp.where(sumq2 > 0, sumq2, 1.0), d0)
-    d = jnp.where(live, (d * jnp.float32(D_FUDGE)).astype(jnp.float16).astype(jnp.float32), 0.0)  # (n,)
+    d = jnp.where(live, fp16_round(d * jnp.float32(D_FUDGE)), 0.0)  # (n,)
     idx = point.reshape(n, 32) + IQ1M_GRID_POINTS * negative.reshape(n, 32)  # (n, 32)
     return d, l, idx, jnp.where(live, inv, 0.0)
 

@@ -15,6 +15,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import gguf
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -307,3 +308,23 @@ def test_bad_input_is_refused() -> None:
         quantize(np.zeros((2, 256), np.float32), "tq2_0", np.ones(128, np.float32))
     with pytest.raises(ValueError, match="bytes"):
         dequantize(np.zeros(65, np.uint8), "tq2_0", (1, 256))
+
+
+def test_fp16_round_is_a_cast_to_fp16_bit_for_bit() -> None:
+    """`fp16_round` (arithmetic, so that no compiler drops it: a cast's round trip can be) against NumPy's
+    cast on every finite fp16 value, the midpoints between neighbours (ties to even) and their float32
+    neighbours, the overflow edge and a million random float32 bit patterns, subnormals included."""
+    from moeheal.kernels.formats import fp16_round
+
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)  # (65536,)
+    every = np.unique(every[np.isfinite(every)].astype(np.float32))  # sorted
+    mid = ((every[1:].astype(np.float64) + every[:-1]) / 2).astype(np.float32)  # exact: 11 bits + 1
+    bits = np.random.default_rng(0).integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    x = np.concatenate([every, mid, np.nextafter(mid, np.inf), np.nextafter(mid, -np.inf), bits.view(np.float32),
+                        np.float32([65504, 65519.996, 65520, 1e30, -1e30, np.inf, -np.inf, 0.0, -0.0, 2.0**-25])])
+    x = x[~np.isnan(x)]
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).astype(np.float32)
+    got = np.asarray(jax.jit(fp16_round)(jnp.asarray(x)))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), x[got.view(np.uint32) != want.view(np.uint32)][:5]
+    assert np.isnan(np.asarray(fp16_round(jnp.float32(np.nan))))

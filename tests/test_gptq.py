@@ -10,6 +10,7 @@ which weights, and how the errors travel.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -232,3 +233,59 @@ def test_device_arrays_in_give_the_bytes_of_host_arrays() -> None:
     assert np.array_equal(host, device)
     kept = dequantize(host, "q2_k", w.shape, keep_on_device=True)
     assert isinstance(kept, jax.Array) and np.array_equal(np.asarray(kept), dequantize(host, "q2_k", w.shape))
+
+
+def test_fit_chunk_takes_the_largest_balanced_chunk_that_fits() -> None:
+    """A program of `fixed + per_item * chunk` bytes: the chunk is cut by the ratio, balanced over the items,
+    and compiled again until it fits; one item is taken whatever it needs."""
+    from moeheal.kernels.chunks import CHUNK_MEMORY_SHARE, fit_chunk
+
+    compiled: list[int] = []
+
+    def compile_at(chunk: int) -> int:
+        compiled.append(chunk)
+        return 1_000 + 100 * chunk  # the program is its byte count here
+
+    assert fit_chunk(128, 128, 10**9, compile_at, bytes_of=int) == (128, 1_000 + 100 * 128) and compiled == [128]
+    compiled.clear()
+    memory = 5_000  # half of it holds 15 items: 9 chunks, of 15 (the last of 8) balanced to 15
+    chunk, program = fit_chunk(128, 128, memory, compile_at, bytes_of=int)
+    assert program <= CHUNK_MEMORY_SHARE * memory and chunk == -(-128 // -(-128 // 15)) == 15 and compiled[0] == 128
+    assert all(later < earlier for earlier, later in zip(compiled, compiled[1:]))
+    compiled.clear()
+    chunk, program = fit_chunk(100, 64, 8_000, compile_at, bytes_of=int)  # fits 30: 4 chunks of 25, not 30+30+30+10
+    assert (chunk, compiled[0]) == (25, 64) and program <= CHUNK_MEMORY_SHARE * 8_000
+    assert fit_chunk(8, 8, 10, compile_at, bytes_of=int)[0] == 1  # nothing fits: one item at a time
+
+
+def test_quantize_experts_cuts_its_batch_to_the_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An accelerator with less memory than the batch's program takes (what an i-quant's codebook search
+    over 128 experts of Qwen3-30B-A3B did on an H200): the batch is cut to fit and balanced, and the bytes
+    are those of the whole batch, GPTQ and plain rounding alike (formats whose bytes on the CPU do not
+    follow the batch's shape: a k-quant's near-ties may)."""
+    from moeheal.kernels import chunks, encode
+
+    rng = np.random.default_rng(9)
+    n_expert, rows, cols = 6, 16, 256
+    hessians = np.stack([damp_hessian(correlated_hessian(rng, cols, 1.0), 0.05) for _ in range(n_expert)])
+    w = (0.02 * rng.standard_t(4, (n_expert, rows, cols))).astype(np.float32)
+    for fmt, h in (("iq2_xxs", hessians.astype(np.float32)), ("tq2_0", None)):
+        whole = quantize_experts(w, fmt, None, h)  # (E, rows, bytes): all six experts in one batch on the CPU
+        monkeypatch.setattr(encode, "_FITTED_BATCHES", {})
+        need: dict[int, int] = {}  # batch -> its program's bytes
+
+        def measured(program: jax.stages.Compiled) -> int:
+            need[jax.tree.leaves(program.args_info)[0].shape[0]] = got = chunks.program_bytes(program)
+            return got
+
+        monkeypatch.setattr(encode, "fit_chunk", partial(chunks.fit_chunk, bytes_of=measured))
+        monkeypatch.setattr(encode, "device_memory_bytes", lambda devices: 0)  # nothing fits: one expert per batch
+        assert np.array_equal(quantize_experts(w, fmt, None, h), whole)
+        ((batch, _),) = encode._FITTED_BATCHES.values()
+        assert batch == 1
+        monkeypatch.setattr(encode, "_FITTED_BATCHES", {})
+        memory = int(need[n_expert] * 0.6 / chunks.CHUNK_MEMORY_SHARE)  # room for about half the batch
+        monkeypatch.setattr(encode, "device_memory_bytes", lambda devices: memory)
+        assert np.array_equal(quantize_experts(w, fmt, None, h), whole)
+        ((batch, _),) = encode._FITTED_BATCHES.values()
+        assert 1 < batch < n_expert and n_expert % batch == 0, batch
