@@ -391,7 +391,7 @@ def _batch_layout(experts: np.ndarray, weights: np.ndarray, n_expert: int, rows:
     return tok, wt, slot
 
 
-def _capacity(experts: np.ndarray, n_expert: int, batches: list[np.ndarray]) -> int:
+def expert_capacity(experts: np.ndarray, n_expert: int, batches: list[np.ndarray]) -> int:
     """Largest count of one expert's pairs in any batch, rounded up to the next 2^k or 1.5 x 2^k (at
     least 8): one compiled shape per layer, and the same one for most layers of a model, so the
     programs one layer compiled serve the next (at most a third more padded rows)."""
@@ -488,7 +488,7 @@ def relative_error(weights: dict[str, np.ndarray], data: TokenSet, batch_tokens:
     rows it did not)."""
     n_expert = weights["ffn_gate_exps"].shape[0]
     rows = [np.arange(s, min(len(data), s + batch_tokens)) for s in range(0, len(data), batch_tokens)]
-    capacity = _capacity(data.experts, n_expert, rows)
+    capacity = expert_capacity(data.experts, n_expert, rows)
     layouts = _layouts(data, rows, n_expert, capacity, batch_tokens)
     w = {name: jnp.asarray(v, jnp.float32) for name, v in weights.items()}
     total = jax.jit(lambda w, r, s: jax.lax.map(lambda lay: layer_error(w, _gather(r, lay)), s).sum())(
@@ -575,8 +575,8 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
     order = batch_order(len(train), settings.steps, batch, settings.seed)
     sets = {"heldout": heldout, **(extra or {})}
     eval_rows = {name: chunks(len(s)) for name, s in sets.items()}
-    capacity = max([_capacity(s.experts, n_expert, eval_rows[name]) for name, s in sets.items()]
-                   + ([_capacity(train.experts, n_expert, order)] if order else []))
+    capacity = max([expert_capacity(s.experts, n_expert, eval_rows[name]) for name, s in sets.items()]
+                   + ([expert_capacity(train.experts, n_expert, order)] if order else []))
     eval_layouts = {name: _layouts(s, eval_rows[name], n_expert, capacity, batch) for name, s in sets.items()}
     eval_sets = {name: _device_rows(s) for name, s in sets.items()}
     train_rows = _device_rows(train)

@@ -173,7 +173,7 @@ def test_the_loss_is_the_layers_output_error_with_the_shared_expert():
     target = data.yr + (hh @ shared["ffn_down_shexp"].T) * gate[:, None]  # (T, d)
     full = L.TokenSet(data.x, data.experts, data.weights, target, data.yr, gate)
     rows = [np.arange(0, 256), np.arange(256, 300)]
-    cap = L._capacity(full.experts, 4, rows)
+    cap = L.expert_capacity(full.experts, 4, rows)
     layouts, device_rows = L._layouts(full, rows, 4, cap, 256), L._device_rows(full)
     batches = [L._gather(device_rows, {k: v[i] for k, v in layouts.items()}) for i in range(2)]
     weights = {k: jnp.asarray(v) for k, v in {**w, **shared}.items()}
@@ -221,7 +221,7 @@ def test_each_pair_slot_holds_that_pair_and_the_loss_adds_no_repeated_rows():
     n_expert, k, rows = 6, 3, 40
     experts = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(33)]).astype(np.int32)  # (33, k)
     weights = rng.random((33, k)).astype(np.float32)
-    cap = L._capacity(experts, n_expert, [np.arange(33)])
+    cap = L.expert_capacity(experts, n_expert, [np.arange(33)])
     tok, wt, slot = L._batch_layout(experts, weights, n_expert, rows, cap)
     e, c = np.divmod(slot[:33], cap)  # (33, k) x2
     np.testing.assert_array_equal(e, experts)
@@ -230,7 +230,7 @@ def test_each_pair_slot_holds_that_pair_and_the_loss_adds_no_repeated_rows():
     assert (slot[33:] == n_expert * cap).all()
     assert len(np.unique(slot[:33])) == 33 * k
     w, data = _small_layer(tokens=256)
-    cap = L._capacity(data.experts, 4, [np.arange(256)])
+    cap = L.expert_capacity(data.experts, 4, [np.arange(256)])
     layouts, device_rows = L._layouts(data, [np.arange(256)], 4, cap, 256), L._device_rows(data)
     batch = L._gather(device_rows, {name: v[0] for name, v in layouts.items()})
     program = str(jax.make_jaxpr(L.layer_error)({n: jnp.asarray(v) for n, v in w.items()}, batch))

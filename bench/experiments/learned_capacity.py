@@ -4,7 +4,7 @@
     python bench/experiments/learned_capacity.py --random 128 8 --tokens 65536  # random top-k, the 30B shape
 
 A learned-rounding step (`kernels.learned.layer_error`) runs every expert on `capacity` rows: the largest
-count of one expert's pairs in any batch of the unit, rounded up (`learned._capacity`), so the programs
+count of one expert's pairs in any batch of the unit, rounded up (`learned.expert_capacity`), so the programs
 compile once. Its products are E x capacity rows where the batch has batch x k pairs. Printed per layer:
 the batches (the pipeline's schedule, `quantize.learned_schedule`, on the calibration rows less the
 held-out eighth, shuffled as `learn_layer` shuffles them), the pairs per expert on average, the largest
@@ -33,7 +33,7 @@ def padding(experts: np.ndarray, n_expert: int, seed: int = 0) -> dict[str, floa
     cut = n - max(1, n // Q.LEARNED_HOLDOUT)
     steps, batch = Q.learned_schedule(cut, 0)
     order = learned.batch_order(cut, steps, batch, seed)  # as `learn_layer` batches its training rows
-    capacity = learned._capacity(experts[:cut], n_expert, order)
+    capacity = learned.expert_capacity(experts[:cut], n_expert, order)
     most = max(int(np.bincount(experts[b].reshape(-1), minlength=n_expert).max()) for b in order)
     pairs = batch * experts.shape[1]
     return {"steps": steps, "batch": batch, "mean": pairs / n_expert, "most": most, "capacity": capacity,

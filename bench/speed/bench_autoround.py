@@ -23,9 +23,9 @@ and transformers with auto-round beside them), never moeheal's. Steps:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
-import os
 import sys
 import tempfile
 import time
@@ -109,8 +109,8 @@ def main() -> int:
     shape = SMALL if args.small else SHAPE
     tap = TimedTap()
     logging.getLogger("autoround").addHandler(tap)
-    with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)  # AutoRound keeps its offload folder (ar_work_space) under the working directory
+    with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):  # AutoRound keeps its offload
+        # folder (ar_work_space) under the working directory; the caller's comes back before tmp goes
         begin = time.perf_counter()
         ckpt = write_checkpoint(Path(tmp) / "model", args.layers, shape)
         write_s = time.perf_counter() - begin

@@ -53,22 +53,21 @@ class LayerReads:
         is the one after the stream's last read, `next_read` (the next layer's key and read) starts on
         the thread unless it is kept or under way."""
         stream, layer = key
-        in_order = self._next_layer.get(stream) == layer
-        with self._lock:
+        with self._lock:  # every counter and table under the lock: units on several threads share one
+            in_order = self._next_layer.get(stream) == layer
+            if next_read is not None:
+                self._next_layer[stream] = next_read[0][1]
             found = self._kept.get(key)
             pending = self._pending.get(key)
+            self.hits += found is not None or pending is not None
+            self.misses += found is None and pending is None
         if found is None:
-            self.hits += pending is not None
-            self.misses += pending is None
             found = _frozen(pending.result() if pending is not None else read())
             with self._lock:
                 self._pending.pop(key, None)
                 self._keep(key, found)
-        else:
-            self.hits += 1
         if next_read is not None:
             ahead, reader = next_read
-            self._next_layer[stream] = ahead[1]
             with self._lock:
                 if in_order and ahead not in self._kept and ahead not in self._pending:
                     self._pending[ahead] = self._pool.submit(reader)
@@ -84,8 +83,9 @@ class LayerReads:
     def close(self) -> None:
         """Stop: reads under way finish (their results and errors dropped), nothing is kept."""
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._kept.clear()
-        self._pending.clear()
+        with self._lock:
+            self._kept.clear()
+            self._pending.clear()
 
 
 def _nbytes(arrays: dict[str, np.ndarray]) -> int:

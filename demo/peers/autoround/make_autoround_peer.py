@@ -47,6 +47,7 @@ checkout's `conversion/`, and this script puts the checkout's `gguf-py` first on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import logging
@@ -229,8 +230,8 @@ def main() -> None:
 
     tap = LogTap()
     logging.getLogger("autoround").addHandler(tap)
-    with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)  # AutoRound keeps its offload folder (ar_work_space) under the working directory
+    with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):  # AutoRound keeps its offload
+        # folder (ar_work_space) under the working directory; the caller's comes back before tmp goes
         ckpt, n_layers, n_experts = build_checkpoint(args.reference, Path(tmp))
         if args.trace is not None:
             dataset = trace_sequences(args.trace)
