@@ -30,6 +30,21 @@ def test_dequantize_is_bit_identical_on_gpu(fmt):
     np.testing.assert_array_equal(gpu.view(np.uint32), cpu.view(np.uint32))
 
 
+def test_fp16_round_survives_fusion_on_gpu():
+    """A tuned scale's rounding to fp16 inside a fused GPU program, as e2e's forward runs it: a cast to
+    float16 and back may be dropped there (XLA's excess precision), `fp16_round` may not."""
+    import jax.numpy as jnp
+
+    from moeheal.kernels.e2e import fp16_ste
+    from moeheal.kernels.formats import fp16_round
+
+    x = np.float32(1) + np.float32(2.0**-13) * np.arange(4096, dtype=np.float32)  # (n,) between fp16 values
+    want = x.astype(np.float16).astype(np.float32) * np.float32(3)  # (n,)
+    for rounding in (fp16_round, fp16_ste):
+        got = np.asarray(jax.jit(lambda v, f=rounding: f(v) * 3)(jnp.asarray(x)))  # (n,)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("fmt", ["tq2_0", "iq4_nl"])
 def test_quantize_on_gpu_matches_cpu_error(fmt):
     """Scale search may break float ties differently; the error it reaches may not differ."""
