@@ -97,6 +97,11 @@ def program_bytes(compiled: jax.stages.Compiled) -> int:
             - stats.alias_size_in_bytes)
 
 
+class ProgramTooLarge(Exception):
+    """A program's compilation ran out of device memory (a GPU compiler autotunes a fusion on buffers of
+    its real size): its chunk does not fit, whatever the memory analysis would have said."""
+
+
 def fit_chunk(n: int, chunk: int, memory: int, compile_at: Callable[[int], Program],
               bytes_of: Callable[[Program], int] = program_bytes) -> tuple[int, Program]:
     """The largest chunk of at most ``chunk`` items (of ``n``) whose program fits a device of ``memory``
@@ -104,14 +109,22 @@ def fit_chunk(n: int, chunk: int, memory: int, compile_at: Callable[[int], Progr
 
     A program's memory is about linear in its chunk (a vmapped batch), so a chunk that does not fit in
     ``CHUNK_MEMORY_SHARE`` of ``memory`` is scaled down by the ratio and compiled again (``compile_at(chunk)``),
-    until one fits or the chunk is one item. A smaller chunk is balanced, ``ceil(n / ceil(n / fitted))``:
-    the last one, zero-padded by ``map_chunks``, then computes as little padding as the fit allows.
+    until one fits or the chunk is one item. Where the compilation itself runs out of memory
+    (``compile_at`` raises ``ProgramTooLarge``), a one-item program's bytes times the chunk stand for the
+    chunk's (an upper bound: its fixed part counted per item). A smaller chunk is balanced,
+    ``ceil(n / ceil(n / fitted))``: the last one, zero-padded by ``map_chunks``, then computes as little
+    padding as the fit allows.
     """
     chunk = max(1, min(chunk, n))
     while True:
-        program = compile_at(chunk)
-        need = bytes_of(program)
-        if chunk == 1 or need <= CHUNK_MEMORY_SHARE * memory:
+        try:
+            program: Program | None = compile_at(chunk)
+            need = bytes_of(program)
+        except ProgramTooLarge:
+            if chunk == 1:
+                raise
+            program, need = None, bytes_of(compile_at(1)) * chunk
+        if program is not None and (chunk == 1 or need <= CHUNK_MEMORY_SHARE * memory):
             return chunk, program
         fitted = max(1, min(chunk - 1, int(chunk * CHUNK_MEMORY_SHARE * memory / need)))
         chunk = -(-n // -(-n // fitted))  # as many chunks as `fitted` needs, evened out

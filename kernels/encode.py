@@ -30,8 +30,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moeheal.kernels.chunks import (ACCELERATOR_CHUNK_WEIGHTS, CHUNK_WEIGHTS, device_memory_bytes, fit_chunk, map_chunks,
-                                    on_accelerator, platform)
+from moeheal.kernels.chunks import (ACCELERATOR_CHUNK_WEIGHTS, CHUNK_WEIGHTS, ProgramTooLarge, device_memory_bytes,
+                                    fit_chunk, map_chunks, on_accelerator, platform)
 from moeheal.kernels.decode import format_of
 from moeheal.kernels.formats_encode import Encoder, IQ4_NLEncoder, Q8_0Encoder, TQ2_0Encoder
 from moeheal.kernels.gptq import CPU_SCHEDULE, GptqSchedule, factor_is_finite, gptq_factor, gptq_round
@@ -158,7 +158,12 @@ def _fitted_batch(fmt: str, schedule: GptqSchedule, mesh: Mesh, sharding: NamedS
         def compile_at(batch: int) -> jax.stages.Compiled:
             specs = [None if a is None else jax.ShapeDtypeStruct((batch * mesh.size, *a.shape[1:]), a.dtype,
                                                                   sharding=sharding) for a in arrays]
-            return experts_batch_jit.lower(fmt, schedule, mesh, *specs).compile()
+            try:
+                return experts_batch_jit.lower(fmt, schedule, mesh, *specs).compile()
+            except jax.errors.JaxRuntimeError as err:  # an H100 autotuning the 128-expert search: 16 GiB buffers
+                if "RESOURCE_EXHAUSTED" in str(err):
+                    raise ProgramTooLarge(str(err)) from err
+                raise
 
         _FITTED_BATCHES[key] = fit_chunk(w.shape[0], per_device, memory, compile_at)  # as many experts as one device
     return _FITTED_BATCHES[key]

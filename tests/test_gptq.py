@@ -238,7 +238,7 @@ def test_device_arrays_in_give_the_bytes_of_host_arrays() -> None:
 def test_fit_chunk_takes_the_largest_balanced_chunk_that_fits() -> None:
     """A program of `fixed + per_item * chunk` bytes: the chunk is cut by the ratio, balanced over the items,
     and compiled again until it fits; one item is taken whatever it needs."""
-    from moeheal.kernels.chunks import CHUNK_MEMORY_SHARE, fit_chunk
+    from moeheal.kernels.chunks import CHUNK_MEMORY_SHARE, ProgramTooLarge, fit_chunk
 
     compiled: list[int] = []
 
@@ -256,6 +256,17 @@ def test_fit_chunk_takes_the_largest_balanced_chunk_that_fits() -> None:
     chunk, program = fit_chunk(100, 64, 8_000, compile_at, bytes_of=int)  # fits 30: 4 chunks of 25, not 30+30+30+10
     assert (chunk, compiled[0]) == (25, 64) and program <= CHUNK_MEMORY_SHARE * 8_000
     assert fit_chunk(8, 8, 10, compile_at, bytes_of=int)[0] == 1  # nothing fits: one item at a time
+
+    def compiler_runs_out(chunk: int) -> int:  # what a GPU's autotuner did with 128 experts of an i-quant
+        if chunk > 40:
+            raise ProgramTooLarge(f"{chunk} items")
+        return compile_at(chunk)
+
+    compiled.clear()
+    chunk, program = fit_chunk(128, 128, 20_000, compiler_runs_out, bytes_of=int)  # one item: 1,100 bytes
+    assert compiled[0] == 1 and (chunk, program) == (9, 1_900)  # 10,000 / 1,100 per item: 9 (15 chunks)
+    with pytest.raises(ProgramTooLarge):
+        fit_chunk(128, 128, 20_000, lambda chunk: compiler_runs_out(chunk + 40), bytes_of=int)
 
 
 def test_quantize_experts_cuts_its_batch_to_the_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
