@@ -300,8 +300,16 @@ def test_real_size_record_extrapolates_each_stage_linearly_in_depth():
     assert record["stages"][real_size_record.SHARD_PHASE]["per_layer_s"] == pytest.approx(9.0)
     assert record["total_s"] == pytest.approx(30 + 9 * 48 + 10 + 5 * 48)
 
+    # a ladder run at one depth beside them: its recipe is proportional, v's stages and dump keep the 3-depth lines
+    ladder = run(2, {"dump": 99.0, "e2e:v": 99.0, "e2e:r": 30.0})
+    record = real_size_record.join_runs([*runs, {**ladder, "variants": ["v", "r"]}], 48)
+    assert record["stages"]["e2e:v"]["per_layer_s"] == pytest.approx(5.0)
+    assert record["stages"]["dump"]["per_layer_s"] == pytest.approx(1.0)
+    assert record["stages"]["e2e:r"]["wall_s"] == pytest.approx(30.0 / 2 * 48)
+    assert record["recipe_total_s"] == pytest.approx(30.0 / 2 * 48 + 20 + 48 + np.mean([2.0, 2.1, 2.0]))
+
     committed = json.loads((REPO / "bench/results/real-size/qwen3-30b-a3b.json").read_text())
-    runs = [{**json.loads((REPO / r["json"]).read_text()), "json": r["json"]} for r in committed["runs"]]
+    runs = [real_size_record.load_run(Path(r["json"]), REPO) for r in committed["runs"]]
     assert real_size_record.join_runs(runs, committed["extrapolated_to"]) == committed
 
 

@@ -75,6 +75,7 @@ from moeheal.pipeline.llamacpp import document_kld, run_perplexity  # noqa: E402
 from moeheal.pipeline.llamacpp import perplexity_binary  # noqa: E402
 from bench.tools.device_sampler import BUSY_UTIL, DeviceSampler  # noqa: E402
 from bench.tools.device_trace import summarise  # noqa: E402
+from bench.tools.real_size_record import stage_kind  # noqa: E402
 from bench.tools.unit_phases import PHASE_ITEM, PHASE_LINE  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[2] / "demo"
@@ -180,6 +181,18 @@ def run_shards(config: Path, shards: int) -> dict[str, object]:
             "shard_worker_s": [run.seconds for run in runs],
             "shard_stages_built": [sum(" computing " in line for line in run.lines if STAGE_LINE.match(line))
                                    for run in runs]}
+
+
+def needed_kinds(run: HealRun, variant, names: list[str]) -> list[str]:
+    """The stage kinds a variant's GGUF is built from: its final stage and everything upstream of it in the
+    heal's DAG (a recipe's guidance and sensitivity; every variant's dumps), so a record sums its heal alone."""
+    seen, todo = set(), [run.model_use(variant).node]
+    while todo:
+        node = todo.pop()
+        if node.label not in seen:
+            seen.add(node.label)
+            todo.extend(node.upstream_nodes())
+    return sorted({stage_kind(label, names) for label in seen})
 
 
 class StageClock:
@@ -426,6 +439,7 @@ def main() -> int:
         write_profile(profiler, args.profile)
     heal_s = end - start
 
+    names = [variant.name for variant in run.all_quantized_variants()]  # the baseline's too
     per_kind: dict[str, float] = defaultdict(float)
     per_layer: dict[str, list[float]] = defaultdict(list)
     split: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -433,7 +447,7 @@ def main() -> int:
         seconds = ended - began
         parts = label.split(":")
         layered = len(parts) > 2 and parts[-1].isdigit()  # quantize:<variant>:<layer>, not reference-topk:k:unseen
-        kind = ":".join(parts[:-1]) if layered else parts[0]  # quantize:<variant> over its layers
+        kind = stage_kind(label, names)  # quantize:<variant> over its layers, e2e:<variant>, dump
         per_kind[kind] += seconds
         for key, value in stage_split(label, began, ended, cpu, compiles, device).items():
             split[kind][key] += value
@@ -449,6 +463,7 @@ def main() -> int:
         "synth_s": synth_s if synth is not None else None, "heal_s": heal_s,
         "per_stage_s": dict(per_kind),
         "per_stage_split": {k: dict(v) for k, v in split.items()},
+        "needs": {variant.name: needed_kinds(run, variant, names) for variant in run.all_quantized_variants()},
         "compile_s": compiles.within(start, end),
         # JAX's compile event spans a cache hit's load too: programs compiled are the events less the hits
         "programs_compiled": sum(start < t <= end for t, _ in compiles.events) - compiles.cache_hits,

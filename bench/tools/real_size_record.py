@@ -9,7 +9,8 @@ per layer, a forward pass such as a dump or the reference's top-k crosses every 
 them twice), so per stage kind the runs that share a variant set give `wall = fixed + per_layer x layers`
 by least squares over their depths (the stages that never read a layer, `DEPTH_FREE`, their mean; with one depth, the proportional `wall / layers x layers`, which
 charges compilation to every layer and so overstates), evaluated at the real depth and labelled as
-extrapolated. A stage kind belongs to the variant its label names (`quantize:<variant>:<layer>`,
+extrapolated. A stage kind that runs of several variant sets measured (the shared ones, or one variant's
+in a one-variant run and in a ladder run) takes the fit over the most depths. A stage kind belongs to the variant its label names (`quantize:<variant>:<layer>`,
 `e2e:<variant>`); the unhealed baseline's stages, which every run builds, belong to no total; the rest
 (corpus, traces, dumps, the reference's top-k, audit) are shared. `total_s` is the first variant's whole
 heal from the source GGUF to its evaluated file (its stages and the shared ones), `recipe_total_s` the
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -44,6 +46,52 @@ GB = 1e9
 # does not follow the depth, so their mean over runs is kept, not a line whose slope is noise.
 DEPTH_FREE = ("corpus", "traces", "windows", "audit")
 SHARD_PHASE = "shard workers"  # a run's `shard_phase_s` as a stage kind
+# A stage's line in the bench's log: its stamp (seconds since the heal began), label and what it did.
+LOG_STAGE = re.compile(r"^\s*(?P<t>[0-9.]+) s  \[(?P<label>[^\]]+)\] (?P<what>computing|cache hit) ")
+
+
+def stage_kind(label: str, variants: list[str]) -> str:
+    """A stage label's kind: its stage, with the variant it names (`quantize:<variant>:<layer>` ->
+    `quantize:<variant>`, `e2e:<variant>`); a stage of no variant by its stage alone (`reference-topk:1024:unseen`
+    -> `reference-topk`, `dump:calibration` -> `dump`). `variants` holds the baseline too."""
+    stage, *rest = label.split(":")
+    named = [part for part in rest if part in variants]
+    return f"{stage}:{named[0]}" if named else stage
+
+
+def _legacy_kind(label: str) -> str:
+    """The kind runs made before `stage_kind`: the layer dropped, else the stage alone (so `e2e:<variant>`
+    of several variants fell into one `e2e`)."""
+    parts = label.split(":")
+    return ":".join(parts[:-1]) if len(parts) > 2 and parts[-1].isdigit() else parts[0]
+
+
+def relabelled(run: dict, log: str) -> dict:
+    """A run written before its stage kinds kept their variant, with `per_stage_s` rebuilt from its log's
+    stage lines by `stage_kind` (each stage from its `computing` line to the next stage line, as the bench
+    timed it) and checked against the run's own sums; each kind's GPU figures carried over where its old
+    kind held it alone (besides the baseline's)."""
+    names = [*run["variants"], BASELINE]
+    stamps = [(float(m["t"]), m["label"], m["what"]) for line in log.splitlines() if (m := LOG_STAGE.match(line))]
+    walls: dict[str, float] = defaultdict(float)
+    legacy: dict[str, float] = defaultdict(float)
+    became: dict[str, set[str]] = defaultdict(set)
+    for i, (t, label, what) in enumerate(stamps):
+        if what != "computing":
+            continue
+        seconds = (stamps[i + 1][0] if i + 1 < len(stamps) else run["heal_s"]) - t
+        kind, old = stage_kind(label, names), _legacy_kind(label)
+        walls[kind] += seconds
+        legacy[old] += seconds
+        if owner(kind, run["variants"]) != BASELINE:
+            became[old].add(kind)
+    for old, seconds in run["per_stage_s"].items():  # the log's stamps are rounded to 0.1 s
+        if abs(legacy.get(old, 0.0) - seconds) > 0.1 * len(stamps):
+            raise ValueError(f"{run['json']}: {old} sums to {legacy.get(old, 0.0):.1f} s in the log, "
+                             f"{seconds:.1f} s in the run")
+    split = {kind: run["per_stage_split"][old] for old, kinds in became.items() if len(kinds) == 1
+             for kind in kinds if old in run.get("per_stage_split", {})}
+    return {**run, "per_stage_s": dict(walls), "per_stage_split": split}
 
 
 def owner(kind: str, variants: list[str]) -> str | None:
@@ -68,10 +116,10 @@ def fit_depth(walls: dict[int, float]) -> dict[str, float]:
 
 def join_runs(runs: list[dict], depth: int) -> dict:
     """The record of `runs` (bench_real_size figures, each with its `json` path) extrapolated to `depth`."""
+    runs = [{**run, "per_stage_s": {**run["per_stage_s"], SHARD_PHASE: run["shard_phase_s"]}}
+            if "shard_phase_s" in run else run for run in runs]
     groups: dict[tuple[str, ...], list[dict]] = defaultdict(list)
     for run in runs:
-        if "shard_phase_s" in run:
-            run = {**run, "per_stage_s": {**run["per_stage_s"], SHARD_PHASE: run["shard_phase_s"]}}
         groups[tuple(run["variants"])].append(run)
     order = list(dict.fromkeys(v for run in runs for v in run["variants"]))
     stages: dict[str, dict] = {}
@@ -98,16 +146,30 @@ def join_runs(runs: list[dict], depth: int) -> dict:
             deepest = max(members, key=lambda run: run["layers"])
             if kind in deepest.get("per_stage_split", {}):
                 entry["split_at_deepest"] = deepest["per_stage_split"][kind]
-            if kind not in stages or who is not None:  # a shared stage measured by several groups: the first
+            # a stage measured by several groups (a shared one, or a variant's in runs of several variant
+            # sets): the fit over the most depths, the first group's where they tie
+            if kind not in stages or len(walls) > len(stages[kind]["measured_s"]):
                 stages[kind] = entry
 
+    def shared_by(name: str) -> set[str]:
+        """The shared stage kinds `name`'s heal runs: those its runs' `needs` name, else those its runs of
+        itself alone measured, else every shared kind (a ladder's guidance belongs to its recipe alone)."""
+        needs = [set(r["needs"][name]) for r in runs if name in r.get("needs", {})]
+        alone = [set(r["per_stage_s"]) for r in runs if r["variants"] == [name]]
+        every = {kind for kind, e in stages.items() if e["variant"] is None}
+        return every & set.union(*(needs or alone)) if needs or alone else every
+
+    def mine(names: list[str]) -> list[dict]:
+        shared = set().union(*(shared_by(name) for name in names))
+        return [e for kind, e in stages.items() if e["variant"] in names or (e["variant"] is None and kind in shared)]
+
     def total(names: list[str], key: str = "wall_s") -> float:
-        return sum(e[key] for e in stages.values() if e["variant"] is None or e["variant"] in names)
+        return sum(e[key] for e in mine(names))
 
     def share(names: list[str], part: str, whole: str) -> float | None:
         """total `part` over total `whole` of the stages of `names`' heal at `depth`, where every one has both."""
-        mine = [e for e in stages.values() if e["variant"] is None or e["variant"] in names]
-        if not mine or not all(part in e and whole in e for e in mine):
+        mine_ = mine(names)
+        if not mine_ or not all(part in e and whole in e for e in mine_):
             return None
         return total(names, part) / max(total(names, whole), 1e-9)
 
@@ -140,13 +202,20 @@ def join_runs(runs: list[dict], depth: int) -> dict:
     return record
 
 
+def load_run(path: Path | str, root: Path = Path(".")) -> dict:
+    """A bench_real_size JSON (`json`: its path as given), relabelled from its log beside it when it was
+    written before the bench kept each stage's variant and each variant's `needs`."""
+    run = {**json.loads((root / path).read_text()), "json": str(path)}
+    return run if "needs" in run else relabelled(run, (root / path).with_suffix(".log").read_text())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="bench_real_size.py --json files")
     parser.add_argument("--depth", type=int, help="the depth to extrapolate to (default: the runs' real_layers)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    runs = [{**json.loads(p.read_text()), "json": str(p)} for p in args.runs]
+    runs = [load_run(p) for p in args.runs]
     record = join_runs(runs, args.depth or runs[0]["real_layers"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
