@@ -169,6 +169,13 @@ def _fitted_batch(fmt: str, schedule: GptqSchedule, mesh: Mesh, sharding: NamedS
     return _FITTED_BATCHES[key]
 
 
+def fitted_batches() -> dict[tuple[str, tuple[int, ...], bool], int]:
+    """The per-device batch each (format, experts' shape, GPTQ or not) was cut to on an accelerator in
+    this process (``_fitted_batch``): what a bench reports beside its times."""
+    return {(fmt, shapes[0][0], shapes[2] is not None): batch
+            for (fmt, _, _, _, shapes), (batch, _) in _FITTED_BATCHES.items()}
+
+
 def expert_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     """1-D mesh named ``expert`` over ``devices`` (default: this host's devices of the default backend)."""
     return Mesh(np.array(jax.local_devices() if devices is None else list(devices)), (EXPERT_AXIS,))

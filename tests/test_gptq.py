@@ -300,3 +300,4 @@ def test_quantize_experts_cuts_its_batch_to_the_device_memory(monkeypatch: pytes
         assert np.array_equal(quantize_experts(w, fmt, None, h), whole)
         ((batch, _),) = encode._FITTED_BATCHES.values()
         assert 1 < batch < n_expert and n_expert % batch == 0, batch
+        assert encode.fitted_batches() == {(fmt, w.shape, h is not None): batch}

@@ -6,6 +6,9 @@
     python bench/speed/bench_gptq.py --gpu --shape 30b        # CUDA JAX: Qwen3-30B-A3B expert tensors,
                                                               # 128 x 768 x 2048 (gate, up) and 128 x 2048 x 768 (down)
 
+On an accelerator each row also says how many experts one GPTQ call took: the batch cut to the device's
+memory (`encode.fitted_batches`), all of them where the program fits.
+
 GPTQ quantizes column groups in order and pushes each group's error onto the
 remaining columns through the Cholesky factor of H^-1; for the codebook
 i-quants a group is 8 columns searched against the whole grid, so the search
@@ -50,6 +53,7 @@ SHAPES = {
     "small": [(4, 64, 256)],
     "demo": [(32, 256, 256)],
     "30b": [(128, 768, 2048), (128, 2048, 768)],  # Qwen3-30B-A3B: ffn_gate_exps / ffn_up_exps, ffn_down_exps
+    "30b-down": [(128, 2048, 768)],  # its ffn_down_exps alone: the tensor whose i-quant batch ran out of memory
     "next": [(512, 512, 2048), (512, 2048, 512)],  # Qwen3-Next-80B-A3B: ffn_gate_exps / ffn_up_exps, ffn_down_exps
 }
 H200_FP32_TFLOPS = 67.0
@@ -104,8 +108,9 @@ def main() -> None:
     print(f"device: {device.device_kind}; best of {args.repeats} after a compiling call; roofs: H200 SXM FP32 "
           f"{H200_FP32_TFLOPS:g} TFLOPS, TF32 tensor {H200_TF32_DENSE_TFLOPS:g} TFLOPS dense\n")
     print("| format | experts x rows x cols | least squares s | least squares GB/s | % of HBM roof | GPTQ s "
-          "| GPTQ / least squares | GPTQ M weights/s | GPTQ GFLOP/s | % of FP32 roof | % of TF32 roof |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| GPTQ / least squares | GPTQ M weights/s | GPTQ GFLOP/s | % of FP32 roof | % of TF32 roof "
+          "| GPTQ experts per call |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     with jax.default_device(device):
         for shape in SHAPES[args.shape]:
             w, importance, h = (jax.device_put(a, device) for a in problem(shape))
@@ -123,7 +128,8 @@ def main() -> None:
                 print(f"| {fmt} | {'x'.join(map(str, shape))} | {t_ls:.3f} | {ls_gb:.3g} "
                       f"| {100 * ls_gb / 1e3 / H200_HBM_TB_PER_S:.3g} | {t_gptq:.3f} | {t_gptq / t_ls:.1f}x "
                       f"| {w.size / t_gptq / 1e6:.2f} | {gflops:.3g} | {100 * gflops / 1e3 / H200_FP32_TFLOPS:.3g} "
-                      f"| {100 * gflops / 1e3 / H200_TF32_DENSE_TFLOPS:.3g} |", flush=True)
+                      f"| {100 * gflops / 1e3 / H200_TF32_DENSE_TFLOPS:.3g} "
+                      f"| {encode.fitted_batches().get((fmt, shape, True), 'CPU: by weights')} |", flush=True)
 
 
 if __name__ == "__main__":
