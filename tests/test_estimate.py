@@ -101,3 +101,17 @@ def test_heal_prints_the_estimate_only_past_ten_minutes(monkeypatch):
     assert "calibrate" in estimate.long_heal_note(None)
     monkeypatch.setattr(estimate, "plan_invocations", lambda run: [Invocation("calibrate", 0.0, work / 2)])
     assert estimate.long_heal_note(None) == ""
+
+
+def test_a_bench_record_whose_kinds_name_their_variant_counts_one_assembly_and_one_e2e_each():
+    """bench_real_size's kinds keep their variant (`assemble:<variant>`, `e2e:<variant>`): each is one
+    invocation, where a kind alone (older records) stands for every variant the run built."""
+    stages = {"quantize:learned_e2e_q2_k": 10.0, "quantize:unhealed": 2.0, "assemble:unhealed": 1.0,
+              "assemble:learned_e2e_q2_k": 1.5, "e2e:learned_e2e_q2_k": 5.0, "dump": 3.0}
+    record = {"like": "qwen3-30b-a3b", "layers": 2, "calibration_tokens": 65536, "per_stage_s": stages}
+    observed = {o.stage: o for o in fit.record_observations(record, "new", {})}
+    assert observed["assemble"].seconds == 2.5 and len(observed["assemble"].invocations) == 2
+    assert len(observed["e2e"].invocations) == 1
+    old = {"assemble": 2.5, "e2e": 5.0, **{k: v for k, v in stages.items() if k.startswith("quantize")}}
+    observed = {o.stage: o for o in fit.record_observations({**record, "per_stage_s": old}, "old", {})}
+    assert len(observed["assemble"].invocations) == 2 and len(observed["e2e"].invocations) == 1

@@ -176,8 +176,8 @@ def record_observations(record: dict, name: str, logged: dict[str, float]) -> li
             per_layer[label] = [(f"{label}:{layer}", invocation(key, shapes, tokens)) for layer in range(layers)]
         elif stage == "dump":
             grouped[stage].append((secs, [invocation(stage, shapes, tokens), invocation(stage, shapes, unseen)]))
-        elif stage == "assemble":
-            grouped[stage].append((secs, [invocation(stage, shapes)] * len(used)))
+        elif stage == "assemble":  # `assemble:<variant>`, or the kind alone over every variant the run built
+            grouped[stage].append((secs, [invocation(stage, shapes)] * (1 if variant is not None else len(used))))
         elif stage == "reference-topk":
             grouped[stage].append((secs, [invocation(stage, shapes, unseen if rest.endswith("unseen") else tokens + unseen)]))
         elif stage == "guidance":
