@@ -313,6 +313,33 @@ def test_real_size_record_extrapolates_each_stage_linearly_in_depth():
     assert real_size_record.join_runs(runs, committed["extrapolated_to"]) == committed
 
 
+def test_real_size_record_relabels_an_old_run_from_its_log_and_sums_what_each_variant_needs():
+    """A run from before the kinds kept their variant: its two e2e stages, one `e2e` in its sums, come
+    apart again from its log's stamps, checked against those sums; a run's `needs` keep a shared stage
+    (a recipe's guidance) out of the variant that does not build on it."""
+    from bench.tools import real_size_record
+
+    log = "\n".join(f"{t:9.1f} s  [{label}] computing abc" for t, label in (
+        (0.0, "dump:calibration"), (4.0, "e2e:v"), (10.0, "guidance:unseen"), (12.0, "e2e:r"),
+        (20.0, "assemble:unhealed"), (21.0, "assemble:v")))
+    run = {"like": "qwen3-30b-a3b", "layers": 2, "calibration_tokens": 65536, "variants": ["v", "r"],
+           "device": "gpu", "heal_s": 23.0, "json": "old.json",
+           "per_stage_s": {"dump": 4.0, "e2e": 14.0, "guidance": 2.0, "assemble": 3.0},
+           "per_stage_split": {"e2e": {"samples": 14}, "assemble": {"samples": 3}}}
+    got = real_size_record.relabelled(run, log)
+    assert got["per_stage_s"] == {"dump": 4.0, "e2e:v": 6.0, "e2e:r": 8.0, "guidance": 2.0,
+                                  "assemble:unhealed": 1.0, "assemble:v": 2.0}
+    assert got["per_stage_split"] == {"assemble:v": {"samples": 3}}  # e2e's samples belong to two kinds now
+    with pytest.raises(ValueError, match="e2e sums to 14.0 s in the log, 15.0 s"):
+        real_size_record.relabelled({**run, "per_stage_s": {**run["per_stage_s"], "e2e": 15.0}}, log)
+
+    needs = {"v": ["dump", "e2e:v"], "r": ["dump", "e2e:r", "guidance"]}
+    record = real_size_record.join_runs([{**got, "needs": needs}], 48)
+    assert record["total_s"] == pytest.approx((4.0 + 6.0 + 2.0) / 2 * 48)  # v: dump, e2e, assembly; no guidance
+    assert record["recipe_total_s"] == pytest.approx((4.0 + 8.0 + 2.0) / 2 * 48)
+    assert record["ladder_total_s"] == pytest.approx((4.0 + 6.0 + 8.0 + 2.0 + 2.0) / 2 * 48)
+
+
 def test_real_size_record_extrapolates_the_busy_samples_as_the_wall():
     """With each stage's GPU sample counts, the record's busy fraction at the real depth is the fitted busy
     samples over the fitted samples of the first variant's heal (shared stages and its own, not the
