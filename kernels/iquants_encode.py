@@ -42,7 +42,7 @@ of H^-1 (for iq3_xxs, its two grid points one after the other, as GPTQ over
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, Callable, ClassVar, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +53,7 @@ from moeheal.kernels.iquants import IQ2_S, IQ2_XS, IQ2_XXS, IQ3_XXS, IQuant, ggu
 from moeheal.kernels.kquants import QK_K
 from moeheal.kernels.kquants_encode import ggml_weights, safe_div
 
+T = TypeVar("T")
 HIGHEST = jax.lax.Precision.HIGHEST  # GPUs would otherwise multiply in TF32
 SCALE_LEVELS = tuple(0.5 + l for l in range(16))  # d * (0.5 + l): the 4-bit sub-block scale codes
 # Candidate max|x| / (s * max grid value) ratios of stage 1; above 1 the largest weight is clipped.
@@ -66,6 +67,10 @@ SUPER_DIVISORS = tuple(float(v) for v in 15.5 * np.geomspace(0.75, 1.1, 16))
 # Blocks searched per step (per expert under quantize_experts): the (groups, grid points) arrays
 # then stay in cache; 8 measured fastest on CPU, 64 took 1.5-2x as long.
 SEARCH_BLOCKS = 8
+# Rows whose GPTQ plans (stages 1-3) are searched per step: a plan's B and C hold every grid point
+# of every group, (rows, 32, K) floats per block (34 GB for 128 experts' 2048 rows at iq2_s's
+# K = 1,024), so the rows go in chunks of this many (per expert under quantize_experts).
+PLAN_ROWS = 64
 
 
 def first_argmin(e: jax.Array) -> jax.Array:
@@ -73,6 +78,14 @@ def first_argmin(e: jax.Array) -> jax.Array:
     reduction) is tens of times slower than a min over the same 256-1024 grid points."""
     k = jnp.arange(e.shape[-1], dtype=jnp.int32)  # (K,)
     return jnp.min(jnp.where(e == jnp.min(e, axis=-1, keepdims=True), k, e.shape[-1]), axis=-1)  # (...,)
+
+
+def by_rows(fn: Callable[..., T], *args: Any, rows: int) -> T:
+    """``fn`` over the leading (row) axis of ``args`` (pytrees of (n, ...) arrays), ``rows`` rows per
+    step: the same result as ``fn(*args)`` for a row-wise fn, its temporaries ``rows / n`` the size."""
+    def one(row: tuple) -> T:
+        return jax.tree.map(lambda v: v[0], fn(*jax.tree.map(lambda v: v[None], row)))  # a row's (1, ...)
+    return jax.lax.map(one, args, batch_size=rows)
 
 
 class IQuantEncoder(Encoder, IQuant):
@@ -230,7 +243,13 @@ class IQuantEncoder(Encoder, IQuant):
 
     @classmethod
     def gptq_block_plan(cls, x: jax.Array, importance: jax.Array) -> dict[str, jax.Array]:
-        """d (n,) by stages 1-2 on the block as it stands, and its sigma2 (n, 1) for the sub-blocks' weights."""
+        """d (n,) by stages 1-2 on the block as it stands, and its sigma2 (n, 1) for the sub-blocks' weights,
+        ``PLAN_ROWS`` rows at a time."""
+        return by_rows(cls._block_plan, x, importance, rows=PLAN_ROWS)
+
+    @classmethod
+    def _block_plan(cls, x: jax.Array, importance: jax.Array) -> dict[str, jax.Array]:
+        """``gptq_block_plan`` of some rows x, importance (n, 256)."""
         sigma2 = cls.sigma_factor * jnp.sum(x * x, axis=-1, keepdims=True) / QK_K  # (n, 1)
         a = jnp.abs(x)  # (n, 256)
         terms = cls._terms(a, importance * jnp.sqrt(sigma2 + x * x), cls._odd(x < 0))
@@ -238,7 +257,13 @@ class IQuantEncoder(Encoder, IQuant):
 
     @classmethod
     def gptq_sub_plan(cls, plan: dict[str, jax.Array], x: jax.Array, importance: jax.Array) -> dict[str, jax.Array]:
-        """Scale code l and scale s (n,) of one sub-block x (n, S) as it stands (stages 1 and 3)."""
+        """Scale code l and scale s (n,) of one sub-block x (n, S) as it stands (stages 1 and 3),
+        ``PLAN_ROWS`` rows at a time."""
+        return by_rows(cls._sub_plan, plan, x, importance, rows=PLAN_ROWS)
+
+    @classmethod
+    def _sub_plan(cls, plan: dict[str, jax.Array], x: jax.Array, importance: jax.Array) -> dict[str, jax.Array]:
+        """``gptq_sub_plan`` of some rows."""
         a = jnp.abs(x)  # (n, S)
         terms = cls._terms(a, importance * jnp.sqrt(plan["sigma2"] + x * x), cls._odd(x < 0))  # J = 1
         s, _ = cls._subblock_scales(a, terms)  # (n, 1)

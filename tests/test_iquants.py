@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moeheal.kernels import iq1m_encode
+from moeheal.kernels import iq1m_encode, iquants_encode
+from moeheal.kernels.chunks import program_bytes
 from moeheal.kernels.decode import dequantize
 from moeheal.kernels.encode import ENCODERS, quantize, quantize_experts
-from moeheal.kernels.gptq import damp_hessian
+from moeheal.kernels.gptq import damp_hessian, gptq_round
 from moeheal.kernels.iquants import IQ1_M, IQuant, gguf_grid
 from moeheal.kernels.kquants_encode import ggml_weights
 from tests import reference_quants as ref
@@ -128,6 +129,32 @@ def test_gptq_equals_float64_reference(fmt: str) -> None:
     assert abs(err_ours / err_ref - 1) < 2e-2
     if jax.default_backend() == "cpu":  # a GPU's float32 Cholesky flips more near-ties
         assert same_rows >= 0.5
+
+
+def test_gptq_plans_search_in_row_chunks() -> None:
+    """A plan's B and C hold every grid point of every group: chunked by rows, the plans are the
+    whole search's bit for bit, and a program's memory no longer grows with the rows (it did,
+    14x from 64 to 1,024 rows at iq2_s, which ran a 30B's down experts out of GPU memory)."""
+    cls = ENCODERS["iq2_s"]
+    rng = np.random.default_rng(3)
+    rows = iquants_encode.PLAN_ROWS + 37  # a remainder chunk too
+    x = jnp.asarray(0.02 * rng.standard_t(4, (rows, 256)), jnp.float32)  # (rows, 256)
+    imp = jnp.asarray(rng.gamma(1.0, 1.0, (rows, 256)), jnp.float32)  # (rows, 256)
+    plan, whole = cls.gptq_block_plan(x, imp), cls._block_plan(x, imp)
+    for key in whole:
+        np.testing.assert_array_equal(np.asarray(plan[key]), np.asarray(whole[key]))
+    sub = cls.gptq_sub_plan(plan, x[:, :32], imp[:, :32])
+    whole_sub = cls._sub_plan(plan, x[:, :32], imp[:, :32])
+    for key in whole_sub:
+        np.testing.assert_array_equal(np.asarray(sub[key]), np.asarray(whole_sub[key]))
+
+    def program_mb(n: int) -> float:
+        specs = (jax.ShapeDtypeStruct((n, 256), jnp.float32), jax.ShapeDtypeStruct((256, 256), jnp.float32),
+                 jax.ShapeDtypeStruct((256,), jnp.float32))
+        return program_bytes(jax.jit(functools.partial(gptq_round, cls)).lower(*specs).compile()) / 1e6
+
+    small, large = program_mb(64), program_mb(1024)  # a 1,024-row plan alone would be 134 MB a buffer
+    assert large < 1.5 * small, (small, large)
 
 
 # --------------------------------------------------------------------------- llama.cpp
