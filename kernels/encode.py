@@ -169,6 +169,12 @@ def _fitted_batch(fmt: str, schedule: GptqSchedule, mesh: Mesh, sharding: NamedS
     return _FITTED_BATCHES[key]
 
 
+def clear_fitted_batches() -> None:
+    """Forget the batches and programs ``_fitted_batch`` compiled, as ``jax.clear_caches`` forgets the jit's:
+    for a bench that changes a setting the programs read when traced."""
+    _FITTED_BATCHES.clear()
+
+
 def fitted_batches() -> dict[tuple[str, tuple[int, ...], bool], int]:
     """The per-device batch each (format, experts' shape, GPTQ or not) was cut to on an accelerator in
     this process (``_fitted_batch``): what a bench reports beside its times."""

@@ -65,8 +65,17 @@ CODE_MOVES = (0, -1, 1, -2, 2)
 # d = max(s / unit) / divisor: 15.5 gives the largest sub-block scale code 15 (ggml's choice).
 SUPER_DIVISORS = tuple(float(v) for v in 15.5 * np.geomspace(0.75, 1.1, 16))
 # Blocks searched per step (per expert under quantize_experts): the (groups, grid points) arrays
-# then stay in cache; 8 measured fastest on CPU, 64 took 1.5-2x as long.
+# then stay in cache; 8 measured fastest on CPU, 64 took 1.5-2x as long. On an accelerator a step
+# is a few dozen kernels whatever its size, so few large steps: a 30B's expert tensor is 6,144
+# blocks, 768 steps of 8 (bench/speed/bench_search_blocks.py measures the choice).
 SEARCH_BLOCKS = 8
+ACCELERATOR_SEARCH_BLOCKS = 64
+
+
+def search_blocks() -> int:
+    """Blocks per step of the least-squares search on the backend a program is traced for. A block's
+    bytes do not depend on it: every block is searched on its own."""
+    return SEARCH_BLOCKS if jax.default_backend() == "cpu" else ACCELERATOR_SEARCH_BLOCKS
 # Rows whose GPTQ plans (stages 1-3) are searched per step: a plan's B and C hold every grid point
 # of every group, (rows, 32, K) floats per block (34 GB for 128 experts' 2048 rows at iq2_s's
 # K = 1,024), so the rows go in chunks of this many (per expert under quantize_experts).
@@ -236,7 +245,7 @@ class IQuantEncoder(Encoder, IQuant):
         x = jnp.asarray(x, jnp.float32)  # (n, 256)
         qw = uniform_importance(x, importance)  # (n, 256)
         return jax.lax.map(lambda xq: cls._quantize_some(*xq), (x[:, None], qw[:, None]),
-                           batch_size=SEARCH_BLOCKS)[:, 0]  # (n, type_size)
+                           batch_size=search_blocks())[:, 0]  # (n, type_size)
 
 
     # ------------------------------------------------------------------ GPTQ

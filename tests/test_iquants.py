@@ -131,6 +131,18 @@ def test_gptq_equals_float64_reference(fmt: str) -> None:
         assert same_rows >= 0.5
 
 
+def test_search_bytes_do_not_depend_on_blocks_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An accelerator searches more blocks per step than the CPU (``search_blocks``): each block is
+    searched on its own, so the bytes must be the same at any count, a remainder step included."""
+    cls = ENCODERS["iq2_xs"]
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(0.02 * rng.standard_t(4, (75, 256)), jnp.float32)  # (n, 256)
+    qw = jnp.asarray(rng.gamma(1.0, 1.0, (75, 256)), jnp.float32)  # (n, 256)
+    first = np.asarray(cls.quantize_blocks(x, qw))
+    monkeypatch.setattr(iquants_encode, "SEARCH_BLOCKS", 32)
+    np.testing.assert_array_equal(np.asarray(cls.quantize_blocks(x, qw)), first)
+
+
 def test_gptq_plans_search_in_row_chunks() -> None:
     """A plan's B and C hold every grid point of every group: chunked by rows, the plans are the
     whole search's bit for bit, and a program's memory no longer grows with the rows (it did,
