@@ -70,16 +70,27 @@ SUPER_DIVISORS = tuple(float(v) for v in 15.5 * np.geomspace(0.75, 1.1, 16))
 # blocks, 768 steps of 8 (bench/speed/bench_search_blocks.py measures the choice).
 SEARCH_BLOCKS = 8
 ACCELERATOR_SEARCH_BLOCKS = 64
+# Rows whose GPTQ plans (stages 1-3) are searched per step (per expert under quantize_experts): a
+# plan's B and C hold every grid point of every group, (rows, 32, K) floats per block, 34 GB for
+# 128 experts' 2,048 rows at iq2_s's K = 1,024 in one step. On a CPU 64 rows took 15-30% less time
+# than whole 256-row matrices with the same bytes; 16 and 8 were faster still but moved near-tie
+# codes (XLA compiles a small row count's products differently), and the CPU's bytes are the
+# published ones. An accelerator takes larger steps for the same reason as above.
+PLAN_ROWS = 64
+ACCELERATOR_PLAN_ROWS = 128
 
 
 def search_blocks() -> int:
-    """Blocks per step of the least-squares search on the backend a program is traced for. A block's
-    bytes do not depend on it: every block is searched on its own."""
+    """Blocks per step of the least-squares search on the backend a program is traced for. Every block
+    is searched on its own: the CPU's bytes are the same at 8 and 32 (tests/test_iquants.py), and
+    bench/speed/bench_iquant_steps.py reports the share that moves on an accelerator."""
     return SEARCH_BLOCKS if jax.default_backend() == "cpu" else ACCELERATOR_SEARCH_BLOCKS
-# Rows whose GPTQ plans (stages 1-3) are searched per step: a plan's B and C hold every grid point
-# of every group, (rows, 32, K) floats per block (34 GB for 128 experts' 2048 rows at iq2_s's
-# K = 1,024), so the rows go in chunks of this many (per expert under quantize_experts).
-PLAN_ROWS = 64
+
+
+def plan_rows() -> int:
+    """Rows per step of GPTQ's plans on the backend a program is traced for. Each row is planned on its
+    own, so in exact arithmetic the bytes do not depend on it; in float32 they can (see ``PLAN_ROWS``)."""
+    return PLAN_ROWS if jax.default_backend() == "cpu" else ACCELERATOR_PLAN_ROWS
 
 
 def first_argmin(e: jax.Array) -> jax.Array:
@@ -253,8 +264,8 @@ class IQuantEncoder(Encoder, IQuant):
     @classmethod
     def gptq_block_plan(cls, x: jax.Array, importance: jax.Array) -> dict[str, jax.Array]:
         """d (n,) by stages 1-2 on the block as it stands, and its sigma2 (n, 1) for the sub-blocks' weights,
-        ``PLAN_ROWS`` rows at a time."""
-        return by_rows(cls._block_plan, x, importance, rows=PLAN_ROWS)
+        ``plan_rows()`` rows at a time."""
+        return by_rows(cls._block_plan, x, importance, rows=plan_rows())
 
     @classmethod
     def _block_plan(cls, x: jax.Array, importance: jax.Array) -> dict[str, jax.Array]:
@@ -267,8 +278,8 @@ class IQuantEncoder(Encoder, IQuant):
     @classmethod
     def gptq_sub_plan(cls, plan: dict[str, jax.Array], x: jax.Array, importance: jax.Array) -> dict[str, jax.Array]:
         """Scale code l and scale s (n,) of one sub-block x (n, S) as it stands (stages 1 and 3),
-        ``PLAN_ROWS`` rows at a time."""
-        return by_rows(cls._sub_plan, plan, x, importance, rows=PLAN_ROWS)
+        ``plan_rows()`` rows at a time."""
+        return by_rows(cls._sub_plan, plan, x, importance, rows=plan_rows())
 
     @classmethod
     def _sub_plan(cls, plan: dict[str, jax.Array], x: jax.Array, importance: jax.Array) -> dict[str, jax.Array]:

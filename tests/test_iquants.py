@@ -149,7 +149,7 @@ def test_gptq_plans_search_in_row_chunks() -> None:
     14x from 64 to 1,024 rows at iq2_s, which ran a 30B's down experts out of GPU memory)."""
     cls = ENCODERS["iq2_s"]
     rng = np.random.default_rng(3)
-    rows = iquants_encode.PLAN_ROWS + 37  # a remainder chunk too
+    rows = iquants_encode.plan_rows() + 37  # a remainder chunk too
     x = jnp.asarray(0.02 * rng.standard_t(4, (rows, 256)), jnp.float32)  # (rows, 256)
     imp = jnp.asarray(rng.gamma(1.0, 1.0, (rows, 256)), jnp.float32)  # (rows, 256)
     plan, whole = cls.gptq_block_plan(x, imp), cls._block_plan(x, imp)
