@@ -263,17 +263,22 @@ class IQuantEncoder(Encoder, IQuant):
 
     @classmethod
     def gptq_block_plan(cls, x: jax.Array, importance: jax.Array) -> dict[str, jax.Array]:
-        """d (n,) by stages 1-2 on the block as it stands, and its sigma2 (n, 1) for the sub-blocks' weights,
-        ``plan_rows()`` rows at a time."""
-        return by_rows(cls._block_plan, x, importance, rows=plan_rows())
+        """d (n,) by stages 1-2 on the block as it stands, and its sigma2 (n, 1) for the sub-blocks' weights.
+
+        Stage 1, which holds every grid point of every group, runs ``plan_rows()`` rows at a time;
+        stage 2 on all rows at once: inside a chunked loop XLA orders its 16-term sums differently,
+        and that last bit moved d across fp16 ties on the demo's recipes."""
+        sigma2 = cls.sigma_factor * jnp.sum(x * x, axis=-1, keepdims=True) / QK_K  # (n, 1)
+        s, c = by_rows(cls.block_subscales, x, importance, sigma2, rows=plan_rows())  # (n, J) x2
+        return {"d": cls._super_scale(s, c), "sigma2": sigma2}
 
     @classmethod
-    def _block_plan(cls, x: jax.Array, importance: jax.Array) -> dict[str, jax.Array]:
-        """``gptq_block_plan`` of some rows x, importance (n, 256)."""
-        sigma2 = cls.sigma_factor * jnp.sum(x * x, axis=-1, keepdims=True) / QK_K  # (n, 1)
+    def block_subscales(cls, x: jax.Array, importance: jax.Array, sigma2: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Stage 1 of ``gptq_block_plan`` for some rows x, importance (n, 256), sigma2 (n, 1): the sub-block
+        scales s and their curvatures c (n, J)."""
         a = jnp.abs(x)  # (n, 256)
         terms = cls._terms(a, importance * jnp.sqrt(sigma2 + x * x), cls._odd(x < 0))
-        return {"d": cls._super_scale(*cls._subblock_scales(a, terms)), "sigma2": sigma2}
+        return cls._subblock_scales(a, terms)
 
     @classmethod
     def gptq_sub_plan(cls, plan: dict[str, jax.Array], x: jax.Array, importance: jax.Array) -> dict[str, jax.Array]:
