@@ -67,7 +67,7 @@ SUPER_DIVISORS = tuple(float(v) for v in 15.5 * np.geomspace(0.75, 1.1, 16))
 # Blocks searched per step (per expert under quantize_experts): the (groups, grid points) arrays
 # then stay in cache; 8 measured fastest on CPU, 64 took 1.5-2x as long. On an accelerator a step
 # is a few dozen kernels whatever its size, so few large steps: a 30B's expert tensor is 6,144
-# blocks, 768 steps of 8 (bench/speed/bench_search_blocks.py measures the choice).
+# blocks, 768 steps of 8 (bench/speed/bench_iquant_steps.py measures the choice).
 SEARCH_BLOCKS = 8
 ACCELERATOR_SEARCH_BLOCKS = 64
 # Rows whose GPTQ plans (stages 1-3) are searched per step (per expert under quantize_experts): a
