@@ -65,7 +65,9 @@ CODE_MOVES = (0, -1, 1, -2, 2)
 # d = max(s / unit) / divisor: 15.5 gives the largest sub-block scale code 15 (ggml's choice).
 SUPER_DIVISORS = tuple(float(v) for v in 15.5 * np.geomspace(0.75, 1.1, 16))
 # Blocks searched per step (per expert under quantize_experts): the (groups, grid points) arrays
-# then stay in cache; 8 measured fastest on CPU, 64 took 1.5-2x as long. On an accelerator a step
+# then stay in cache; 64 took 1.5-2x as long as 8 on CPU. 4 and 2 take 0.6-0.9x of 8's time, but on
+# trained weights they move a few near-tie bytes (bench_iquant_steps.py --weights demo), and the
+# CPU's bytes are the published ones, so it keeps 8. On an accelerator a step
 # is a few dozen kernels whatever its size, so few large steps: a 30B's expert tensor is 6,144
 # blocks, 768 steps of 8 (bench/speed/bench_iquant_steps.py measures the choice).
 SEARCH_BLOCKS = 8
@@ -82,8 +84,9 @@ ACCELERATOR_PLAN_ROWS = 128
 
 def search_blocks() -> int:
     """Blocks per step of the least-squares search on the backend a program is traced for. Every block
-    is searched on its own: the CPU's bytes are the same at 8 and 32 (tests/test_iquants.py), and
-    bench/speed/bench_iquant_steps.py reports the share that moves on an accelerator."""
+    is searched on its own, so only float32's order of sums depends on it: random weights keep their
+    bytes at 8 and 32 (tests/test_iquants.py), trained ones lose a few near-ties at other counts
+    (bench/speed/bench_iquant_steps.py --weights demo reports the share that moves)."""
     return SEARCH_BLOCKS if jax.default_backend() == "cpu" else ACCELERATOR_SEARCH_BLOCKS
 
 
