@@ -65,11 +65,11 @@ CODE_MOVES = (0, -1, 1, -2, 2)
 # d = max(s / unit) / divisor: 15.5 gives the largest sub-block scale code 15 (ggml's choice).
 SUPER_DIVISORS = tuple(float(v) for v in 15.5 * np.geomspace(0.75, 1.1, 16))
 # Blocks searched per step (per expert under quantize_experts): the (groups, grid points) arrays
-# then stay in cache; 64 took 1.5-2x as long as 8 on CPU. 4 and 2 take 0.6-0.9x of 8's time, but on
+# then stay in cache; 64 took 1.5-2x as long as 8 on CPU. 4 and 2 take 0.6-1.0x of 8's time, but on
 # trained weights they move a few near-tie bytes (bench_iquant_steps.py --weights demo), and the
-# CPU's bytes are the published ones, so it keeps 8. On an accelerator a step
-# is a few dozen kernels whatever its size, so few large steps: a 30B's expert tensor is 6,144
-# blocks, 768 steps of 8 (bench/speed/bench_iquant_steps.py measures the choice).
+# CPU's bytes are the published ones, so it keeps 8. On an H100, a 30B's expert tensor (6,144
+# blocks) at 64 a step took 0.70x (IQ2_XXS) and 0.86x (IQ2_S) of 8's time and 256 only 2-4% less
+# than 64: the search is bound by its arithmetic, not by its launches (bench_iquant_steps.py --gpu).
 SEARCH_BLOCKS = 8
 ACCELERATOR_SEARCH_BLOCKS = 64
 # Rows whose GPTQ plans (stages 1-3) are searched per step (per expert under quantize_experts): a

@@ -131,9 +131,11 @@ def test_gptq_equals_float64_reference(fmt: str) -> None:
         assert same_rows >= 0.5
 
 
-def test_search_bytes_do_not_depend_on_blocks_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_search_blocks_per_step_keep_random_weights_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """An accelerator searches more blocks per step than the CPU (``search_blocks``): each block is
-    searched on its own, so the bytes must be the same at any count, a remainder step included."""
+    searched on its own, a remainder step included, so on random weights (no near-ties) the bytes are
+    the same at 8 and 32. Trained weights can move a few near-tie bytes between counts, as float32
+    sums are ordered differently (bench/speed/bench_iquant_steps.py --weights demo counts them)."""
     cls = ENCODERS["iq2_xs"]
     rng = np.random.default_rng(5)
     x = jnp.asarray(0.02 * rng.standard_t(4, (75, 256)), jnp.float32)  # (n, 256)

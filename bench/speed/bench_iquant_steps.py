@@ -11,7 +11,8 @@ least-squares search, rows per step of GPTQ's plans.
 plans GPTQ's block and sub-block scales in steps of `plan_rows()` rows (per expert:
 `quantize_experts` vmaps the experts). On a CPU a small step keeps its (groups, grid points)
 arrays in cache; on a GPU each step is a few dozen kernels whatever its size, so a 30B's
-expert tensor (6,144 blocks) in steps of 8 is 768 sequential rounds of launches. This times
+expert tensor (6,144 blocks) in steps of 8 is 768 sequential rounds of launches (on an H100 that
+cost less than supposed: 64 a step was 1.2-1.4x as fast as 8, bench/RESULTS.md). This times
 `quantize_experts` (`--what search`: without Hessians, the sensitivity stage's and every
 least-squares variant's search; `--what plan`: GPTQ, with Hessians) at each count, the first
 count the baseline, in the same run on the same inputs, and prints the ratio, the share of
