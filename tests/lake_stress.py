@@ -344,8 +344,10 @@ class Driver:
                     token, *stamped = seen["stamp"][0]
                     if token in self.content and self.content[token] != tuple(stamped):
                         self.violate(f"notebook read stamp {token} as {stamped}, published as {self.content[token]}")
-                    for read in [token] + [seen[v][0] for v in VARIANTS]:  # each query follows `current`
-                        self.pending.append((f"notebook ({log.name})", read))
+                    if tuple(seen[v][0] for v in VARIANTS) != tuple(stamped):  # the views read the set opened
+                        self.violate(f"notebook read tables {[seen[v][0] for v in VARIANTS]} of two sets: "
+                                     f"its stamp names {stamped}")
+                    self.pending.append((f"notebook ({log.name})", token))
                     self.summary.notebook_reads += 1
                     self.summary.notebook_writes_refused += record["wrote"] is not True
                 elif record["event"] == "staging":

@@ -157,6 +157,60 @@ def test_a_reader_keeps_its_set_until_it_closes(tmp_path):
     assert not list((lake.root / "tmp").glob("pruned-*"))
 
 
+def test_a_notebook_reads_the_set_it_opened_by_no_path_through_a_link(tmp_path, monkeypatch):
+    """`lake.duckdb`'s views name their own set's files, not `tables/...` through `current`: DuckDB opens a
+    file by its path once for the footer, when a query binds, and again for the data, so a publication in
+    between read one set's footer against another set's bytes (a notebook's `TProtocolException: Invalid
+    data` in the stress test below). A session keeps reading the set it opened, whatever is published."""
+    lake = Lake(tmp_path / "lake")
+    opened = publish(lake, "p1")
+    monkeypatch.chdir(lake.root)  # where a notebook opens it from: the views' paths are relative to the lake
+    notebook = duckdb.connect("current/lake.duckdb", read_only=True)
+    try:
+        (view, sql), = notebook.execute("SELECT view_name, sql FROM duckdb_views() WHERE NOT internal").fetchall()
+        path = lake.root / sql.split("read_parquet('")[1].split("'")[0]
+        assert view == "t" and path == opened / "tables" / "t.parquet"
+        assert os.path.realpath(path) == str(path)  # no link on the way, `current` least of all
+        publish(lake, "p2")
+        assert notebook.sql("SELECT token FROM t").fetchall() == [("p1",)]
+    finally:
+        notebook.close()
+
+
+NOTEBOOK_SCRIPT = """import sys, duckdb
+con = duckdb.connect("current/lake.duckdb")  # read-write, from the lake's root, as a notebook opens it
+print(con.execute("SELECT token FROM t").fetchall()[0][0], flush=True)
+sys.stdin.readline()
+con.execute("CREATE TABLE scratch AS SELECT 1 AS x")
+print(con.execute("SELECT token FROM t").fetchall()[0][0], flush=True)
+con.close()
+"""
+
+
+def test_a_set_open_in_a_notebook_stays_until_it_closes(tmp_path):
+    """A DuckDB session that opened a set's `lake.duckdb` (another process: a notebook) reads that set's
+    files, so pruning leaves the set while DuckDB holds its lock on that file, and the first publication
+    after the session closes removes it; the session's reads and writes all succeed meanwhile."""
+    lake = Lake(tmp_path / "lake")
+    opened = publish(lake, "open")
+    notebook = subprocess.Popen([sys.executable, "-P", "-c", NOTEBOOK_SCRIPT], cwd=lake.root, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert notebook.stdout.readline().strip() == "open"
+        for n in range(3):
+            publish(lake, f"later{n}")
+        assert opened.is_dir()
+        out, err = notebook.communicate("\n", timeout=120)
+    finally:
+        notebook.kill()
+    assert notebook.returncode == 0, err[-2000:]
+    assert out.strip() == "open"
+    publish(lake, "after")
+    assert not opened.exists()
+    assert len(published_names(lake.root)) == KEEP_GENERATIONS
+    assert current_token(lake.root) == "after"
+
+
 KILL_SCRIPT = """import sys, pyarrow as pa
 from moeheal.pipeline.lake.store import Lake
 lake, table = Lake(sys.argv[1]), pa.table({"token": [sys.argv[3]]})

@@ -17,7 +17,9 @@ fixed links into `current`, so the three always come from one successful run,
 and a run that fails (a rejected config, a crash) leaves them untouched. All
 links and the views inside `lake.duckdb` are relative, so a lake can be moved:
 open it from inside (`cd lake && duckdb lake.duckdb`; `moeheal sql` does that
-for you).
+for you). A set's views read its own files (`published/<id>/tables/...`), never
+a path through `current`, and a set stays while a DuckDB session has its
+`lake.duckdb` open (`_open_in_duckdb`).
 
 Every set carries `generation.json`: its sequence number, given under the
 publish lock, the set it replaced, and its files with their sizes. Sets are
@@ -35,6 +37,8 @@ import json
 import os
 import shutil
 import signal
+import struct
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -381,12 +385,13 @@ class Lake(TableSet):
     def publish(self, publication: Publication) -> Path:
         """Make `publication` the lake's current set in one atomic step; return its folder.
 
-        Writes `lake.duckdb` (views with paths relative to the lake) into the
-        staged folder, then, under the publish lock, gives it the next sequence
-        number (`generation.json`), moves it to `published/<id>`, renames a
-        fresh `current` link over the old one and prunes: a set goes once
-        KEEP_GENERATIONS newer sets have been published after it. Killed at any
-        step, the lake shows the old set or the new one (tests/test_publish.py).
+        Writes `lake.duckdb` (views over the set's own files, by paths relative
+        to the lake) into the staged folder, then, under the publish lock, gives
+        it the next sequence number (`generation.json`), moves it to
+        `published/<id>`, renames a fresh `current` link over the old one and
+        prunes: a set goes once KEEP_GENERATIONS newer sets have been published
+        after it. Killed at any step, the lake shows the old set or the new one
+        (tests/test_publish.py).
         """
         _stage_views(publication)
         with self.lock("publish"):
@@ -438,13 +443,16 @@ class Lake(TableSet):
                 self._remove_set(old.folder)
 
     def _remove_set(self, folder: Path) -> bool:
-        """Remove a published set unless a reader has it pinned (then a later publication does)."""
+        """Remove a published set unless a reader has it pinned or a DuckDB session has its `lake.duckdb`
+        open, a notebook whose views read this set's files (then a later publication removes it)."""
         pins = self.root / "tmp" / PINS
         pins.mkdir(exist_ok=True)
         with open(pins / f"{folder.name}.lock", "a+") as pin:
             try:
                 fcntl.flock(pin, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                return False
+            if _open_in_duckdb(folder / "lake.duckdb"):
                 return False
             trash = self.root / "tmp" / f"pruned-{folder.name}"
             _remove(trash)
@@ -708,8 +716,21 @@ def _staged_time(folder: Path) -> float:
 
 
 def _stage_views(publication: Publication) -> None:
-    write_views(publication.folder / "lake.duckdb",
-                {name: f"tables/{name}.parquet" for name in publication.table_names()})
+    """The staged set's `lake.duckdb`: a view per table over `published/<id>/tables/<name>.parquet`, relative
+    to the lake root, the file this set will hold once published and that never changes. Not `tables/...`:
+    that goes through `current`, and DuckDB opens a file by its path once for the footer, when a query binds,
+    and again for the data, so a publication in between gave one set's footer and another set's bytes
+    (`TProtocolException: Invalid data`). The views bind as they are made, so they are made against a link
+    `published/<id>` to the staged folder, removed after."""
+    final = Path("published") / publication.id
+    bind_root = publication.folder / ".views"
+    (bind_root / final).parent.mkdir(parents=True)
+    (bind_root / final).symlink_to(Path("..") / "..")  # .views/published/<id> -> the staged folder
+    try:
+        write_views(publication.folder / "lake.duckdb", bind_root,
+                    {name: str(final / "tables" / f"{name}.parquet") for name in publication.table_names()})
+    finally:
+        shutil.rmtree(bind_root)
     publication.report_dir.mkdir(exist_ok=True)
 
 
@@ -727,16 +748,36 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def write_views(path: Path, relative_tables: dict[str, str]) -> None:
-    """A DuckDB file holding one view per table over a path relative to the file's folder."""
+def write_views(path: Path, bind_root: Path, relative_tables: dict[str, str]) -> None:
+    """A DuckDB file holding one view per table over a relative path, found under `bind_root` while the
+    views are made (they bind then); a reader resolves it from its own working folder."""
     path.unlink(missing_ok=True)
     con = duckdb.connect(str(path))
     try:
-        con.execute("SET file_search_path = $folder", {"folder": str(path.parent)})  # views bind when created
+        con.execute("SET file_search_path = $folder", {"folder": str(bind_root)})
         for name, rel in relative_tables.items():
             _create_view(con, name, Path(rel))
     finally:
         con.close()
+
+
+def _open_in_duckdb(database: Path) -> bool:
+    """Whether another process has `database` open in DuckDB, which locks the whole file for as long as it
+    has it open (shared read-only, exclusive read-write). Asked with F_GETLK, which takes no lock: one
+    taken here would make a DuckDB opening the file meanwhile fail. This process's own locks are not seen."""
+    try:
+        fd = os.open(database, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    if sys.platform == "darwin":  # struct flock: l_start, l_len, l_pid, l_type, l_whence
+        layout, ask, kind = "qqihh", (0, 0, 0, fcntl.F_WRLCK, os.SEEK_SET), 3
+    else:  # Linux: l_type, l_whence, l_start, l_len, l_pid, padding
+        layout, ask, kind = "hhqqi4x", (fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0), 0
+    try:  # a write lock on the whole file (length 0): any lock another process holds on it conflicts
+        held = struct.unpack(layout, fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack(layout, *ask)))
+        return held[kind] != fcntl.F_UNLCK
+    finally:
+        os.close(fd)
 
 
 def _create_view(con: duckdb.DuckDBPyConnection, name: str, parquet: Path) -> None:
