@@ -227,6 +227,12 @@ def format_neighbours(cls: type[IQuant]) -> np.ndarray:
     return grid_neighbours(grid, min(NEIGHBOURS, grid.shape[0]))
 
 
+@cache
+def format_neighbour_values(cls: type[IQuant]) -> np.ndarray:
+    """(K, N, g): the grid values of each grid point's ``format_neighbours``."""
+    return cls.grid_values()[format_neighbours(cls)]
+
+
 def grid_step(grid: np.ndarray) -> float:
     """The grid's typical step between neighbouring magnitudes (the unit of a magnitude offset)."""
     return float(np.median(np.diff(np.unique(grid))))
@@ -239,8 +245,7 @@ class CodebookRelaxation(Relaxation):
 
     def const(self, blocks):
         d, l, idx, neg = self.cls.unpack(blocks)
-        nbrs = jnp.asarray(format_neighbours(self.cls))[idx]  # (n, G, N)
-        return {"d": d, "l": l, "idx": idx, "neg": neg, "nbrs": nbrs}
+        return {"d": d, "l": l, "idx": idx, "neg": neg}
 
     def init(self, const):
         return {"d": jnp.zeros_like(const["d"]), "l": jnp.zeros_like(const["l"]),
@@ -259,10 +264,14 @@ class CodebookRelaxation(Relaxation):
         grid = cls.grid()  # (K, g)
         step = grid_step(gguf_grid(cls.quant))  # the lattice's step (iq1_m: 1, not its delta's 1/4)
         target = grid[const["idx"]] + step * theta["mag"].reshape(n, -1, cls.group)  # (n, G, g)
-        cand = grid[const["nbrs"]]  # (n, G, N, g)
+        # Each stored point's neighbours and their values are small per-format tables, read by the stored
+        # point: a (n, G, N) array of neighbour indices per group would be read from memory every step
+        # (iq3_xxs: 8 bytes a weight, the step's largest read) and held for the whole unit.
+        nbrs = jnp.asarray(format_neighbours(cls))  # (K, N)
+        cand = jnp.asarray(format_neighbour_values(cls))[const["idx"]]  # (n, G, N, g): grid[nbrs[idx]]
         dist = jnp.sum((cand - target[:, :, None, :]) ** 2, axis=-1)  # (n, G, N)
         pick = jnp.argmin(dist, axis=-1)  # (n, G); the stored point first: ties keep it
-        idx = jnp.take_along_axis(const["nbrs"], pick[..., None], axis=-1)[..., 0]  # (n, G)
+        idx = nbrs[const["idx"], pick]  # (n, G)
         l_c = const["l"] + theta["l"]  # (n, J)
         return ste(l_c, round_code(l_c, 0, cls.scale_levels - 1)), idx, target
 

@@ -18,6 +18,7 @@ from moeheal.kernels import decode, encode
 from moeheal.kernels import learned as L
 from moeheal.kernels.decode import FORMATS
 from moeheal.kernels.gptq import damp_hessian
+from moeheal.kernels.iquants import gguf_grid
 from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.stages.quantize import QuantizeParams
@@ -61,6 +62,31 @@ def test_learned_bytes_decode_to_the_values_the_loss_saw(fmt):
     grad = jax.grad(lambda t: jnp.sum(relax.values(t, const) * jnp.asarray(x.reshape(-1, cls.block_size))))(theta)
     for name, g in grad.items():
         assert np.any(np.asarray(g) != 0), name
+
+
+@pytest.mark.parametrize("fmt", ["iq2_xxs", "iq2_s", "iq3_xxs", "iq1_m"])
+def test_each_codebook_group_takes_the_nearest_of_its_stored_points_neighbours(fmt):
+    """The relaxation's choice, read through the per-format neighbour tables, is the float64 NumPy choice:
+    among the ``NEIGHBOURS`` grid points nearest to the stored one (by the grid alone), the one nearest to
+    the group's target, the stored value plus its learned offsets."""
+    rng = np.random.default_rng(4)
+    cls = decode.format_of(fmt)
+    relax = L.relaxation(fmt)
+    blocks = np.asarray(encode.quantize((0.02 * rng.standard_t(4, (8, 512))).astype(np.float32), fmt))
+    const = relax.const(jnp.asarray(blocks.reshape(-1, cls.type_size)))
+    theta = _random_theta(relax, relax.init(const), rng)
+    _, idx, _ = relax._choice(theta, const)  # (n, G)
+    grid = np.asarray(cls.grid_values(), np.float64)  # (K, g)
+    stored = np.asarray(const["idx"])  # (n, G)
+    sq = np.sum(grid * grid, axis=1)
+    nearest = np.argsort(sq[:, None] + sq[None, :] - 2 * grid @ grid.T, axis=1, kind="stable")[:, :L.NEIGHBOURS]
+    step = L.grid_step(gguf_grid(cls.quant))  # the lattice's step (iq1_m: 1, not its delta's)
+    target = grid[stored] + step * np.asarray(theta["mag"], np.float64).reshape(*stored.shape, -1)
+    cand = nearest[stored]  # (n, G, N)
+    dist = np.sum((grid[cand] - target[:, :, None, :]) ** 2, axis=-1)  # (n, G, N)
+    expected = np.take_along_axis(cand, np.argmin(dist, axis=-1)[..., None], axis=-1)[..., 0]
+    assert np.any(expected != stored)  # the offsets moved points
+    np.testing.assert_array_equal(np.asarray(idx), expected)
 
 
 # --------------------------------------------------------------------------- config
