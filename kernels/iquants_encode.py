@@ -90,12 +90,6 @@ def search_blocks() -> int:
     return SEARCH_BLOCKS if jax.default_backend() == "cpu" else ACCELERATOR_SEARCH_BLOCKS
 
 
-def one_pass_scales() -> bool:
-    """Whether a program traced for this backend scores all of a stage's candidate scales in one pass
-    over the search's terms (accelerators) or one candidate at a time (the CPU): ``_first_best``."""
-    return jax.default_backend() != "cpu"
-
-
 def plan_rows() -> int:
     """Rows per step of GPTQ's plans on the backend a program is traced for. Each row is planned on its
     own, so in exact arithmetic the bytes do not depend on it; in float32 they can (see ``PLAN_ROWS``)."""
@@ -180,41 +174,6 @@ class IQuantEncoder(Encoder, IQuant):
         return jnp.sum(jnp.min(cls._scores(terms, s), axis=-1), axis=(2, 3))
 
     @classmethod
-    def _first_best(cls, terms: dict[str, jax.Array], scale_of: Callable[[jax.Array], jax.Array],
-                    candidates: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The least error (n, J) over R candidates (R,), each a scale (n, J, 1) by ``scale_of`` of the
-        candidate (1,), its scale (n, J) and its index (n, J): a later candidate wins only by a strictly
-        smaller error, as a loop over them in order chooses.
-
-        B and C hold K floats per group, so on a GPU a pass over them is bound by memory: there one pass
-        scores every candidate (``scale_of`` of all R, (n, J, R); the (..., R, K) scores live only inside
-        the fused min), a pass for R candidates in place of R. The CPU keeps them in cache whatever the
-        count and scores one candidate a step, the scale computed in the step: computed for all R at
-        once, XLA rounds the division differently, which moved near-tie bytes of the demo's trained
-        experts (iq2_xxs, iq3_xxs), and the CPU's bytes are the published ones."""
-        if one_pass_scales():
-            scales = scale_of(candidates)  # (n, J, R)
-            ss = scales[:, :, None, None, :, None]  # (n, J, 1, 1, R, 1)
-            scores = ss * (ss * terms["C"][..., None, :] - 2 * terms["B"][..., None, :])  # (n, J, P, h, R, K)
-            err = jnp.sum(jnp.min(scores, axis=-1), axis=(2, 3))  # (n, J, R)
-            err_b, at = err[..., 0], jnp.zeros(err.shape[:-1], jnp.int32)  # (n, J) x2
-            for r in range(1, err.shape[-1]):
-                better = err[..., r] < err_b
-                err_b, at = jnp.where(better, err[..., r], err_b), jnp.where(better, r, at)
-            return err_b, jnp.take_along_axis(scales, at[..., None], axis=-1)[..., 0], at
-
-        def step(best, r):
-            err_b, s_b, at = best
-            s = scale_of(candidates[r][None])[..., 0]  # (n, J)
-            err = cls._errors(terms, s)
-            better = err < err_b
-            return (jnp.where(better, err, err_b), jnp.where(better, s, s_b), jnp.where(better, r, at)), None
-
-        s0 = scale_of(candidates[:1])[..., 0]  # (n, J)
-        init = (jnp.full(s0.shape, jnp.inf, jnp.float32), s0, jnp.zeros(s0.shape, jnp.int32))
-        return jax.lax.scan(step, init, jnp.arange(candidates.shape[0]))[0]
-
-    @classmethod
     def _points(cls, terms: dict[str, jax.Array], s: jax.Array) -> jax.Array:
         """The points of ``_errors``: grid indices (n, J, P, h)."""
         return first_argmin(cls._scores(terms, s))
@@ -231,8 +190,15 @@ class IQuantEncoder(Encoder, IQuant):
         amax = jnp.max(a.reshape(n, m // cls.sub_block, cls.sub_block), axis=-1)  # (n, J)
         s0 = amax / float(np.max(gguf_grid(cls.quant)))  # (n, J)
 
-        err, s, _ = cls._first_best(terms, lambda ratio: s0[..., None] / ratio,
-                                    jnp.asarray(STAGE1_RATIOS, jnp.float32))  # (n, J) x2
+        def step(best, ratio):
+            err_b, s_b = best
+            s = s0 / ratio
+            err = cls._errors(terms, s)  # (n, J)
+            better = err < err_b
+            return (jnp.where(better, err, err_b), jnp.where(better, s, s_b)), None
+
+        init = (jnp.full(s0.shape, jnp.inf, jnp.float32), s0)
+        (err, s), _ = jax.lax.scan(step, init, jnp.asarray(STAGE1_RATIOS, jnp.float32))
         idx = cls._points(terms, s)[..., None]  # (n, J, P, h, 1)
         b = jnp.sum(jnp.take_along_axis(terms["B"], idx, axis=-1), axis=(2, 3, 4))  # (n, J)
         c = jnp.sum(jnp.take_along_axis(terms["C"], idx, axis=-1), axis=(2, 3, 4))  # (n, J)
@@ -255,12 +221,17 @@ class IQuantEncoder(Encoder, IQuant):
         l0 = jnp.clip(jnp.round(safe_div(s / cls.unit, d[:, None]) - 0.5), 0, 15)  # (n, J)
 
         def scale(l: jax.Array) -> jax.Array:
-            dd = d.reshape(-1, *(1,) * (l.ndim - 1))  # (n, 1[, 1])
-            return dd * (0.5 + l) * jnp.float32(cls.unit)  # l's shape, gguf-py's products
+            return d[:, None] * (0.5 + l) * jnp.float32(cls.unit)  # (n, J), gguf-py's products
 
-        moves = jnp.asarray(CODE_MOVES, jnp.float32)  # (M,)
-        _, _, at = cls._first_best(terms, lambda move: scale(jnp.clip(l0[..., None] + move, 0, 15)), moves)
-        l = jnp.clip(l0 + moves[at], 0, 15)  # (n, J)
+        def step(best, move):
+            err_b, l_b = best
+            l = jnp.clip(l0 + move, 0, 15)  # (n, J)
+            err = cls._errors(terms, scale(l))
+            better = err < err_b
+            return (jnp.where(better, err, err_b), jnp.where(better, l, l_b)), None
+
+        init = (jnp.full(l0.shape, jnp.inf, jnp.float32), l0)
+        (_, l), _ = jax.lax.scan(step, init, jnp.asarray(CODE_MOVES, jnp.float32))
         return l, scale(l)
 
     @classmethod

@@ -6,7 +6,6 @@ least-squares search, rows per step of GPTQ's plans.
     python bench/speed/bench_iquant_steps.py --gpu --what plan            # GPTQ's plans instead
     python bench/speed/bench_iquant_steps.py --shape 8x256x512 --what plan --counts 64 16 8   # CPU
     python bench/speed/bench_iquant_steps.py --weights demo --counts 8 4 2 --formats iq2_xs iq2_s   # CPU
-    python bench/speed/bench_iquant_steps.py --gpu --counts 64 --scales loop one-pass   # the scales' passes
 
 `kernels.iquants_encode` searches a tensor's blocks in steps of `search_blocks()` blocks and
 plans GPTQ's block and sub-block scales in steps of `plan_rows()` rows (per expert:
@@ -20,8 +19,6 @@ count the baseline, in the same run on the same inputs, and prints the ratio, th
 bytes equal to the baseline's and the count of those that are not (each block and each row is
 searched on its own, so in exact arithmetic none moves; in float32 a count can change how XLA
 orders a sum, and a near-tie code moves).
-`--scales loop one-pass` also times each count with a stage's candidate scales scored one at a time
-(the CPU's way) and all in one pass over the search's terms (an accelerator's: `one_pass_scales()`).
 `--weights demo` takes the demo model's trained experts (every routed tensor of its GGUF, stacked:
 288 x 256 x 256) instead of random ones, with the same synthetic importance: random weights have
 almost no near-ties, trained ones a few. Times exclude compilation (the first call, its
@@ -73,9 +70,6 @@ def main() -> None:
     parser.add_argument("--formats", nargs="*", choices=FORMATS, default=["iq2_xxs", "iq2_s"])
     parser.add_argument("--counts", nargs="*", type=int, default=[8, 64, 256],
                         help="blocks (search) or rows (plan) per step; the first is the baseline")
-    parser.add_argument("--scales", nargs="*", choices=("backend", "loop", "one-pass"), default=["backend"],
-                        help="candidate scales scored one at a time or in one pass (backend: the device's "
-                             "own choice); each count runs with each, the first pair the baseline")
     args = parser.parse_args()
 
     import jax
@@ -96,17 +90,14 @@ def main() -> None:
     method = "GPTQ" if hessians is not None else "least squares"
     print(f"device: {device.device_kind}; {args.weights} {args.shape}; {method}; "
           f"best of {args.repeats} after a compiling call; `iquants_encode.{setting}` set per row\n")
-    print(f"| format | {setting} | scales | compiling call s | s | vs first | bytes equal to first "
-          "| bytes unlike first | experts per call |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    backend_choice = iquants_encode.one_pass_scales
+    print(f"| format | {setting} | compiling call s | s | vs first | bytes equal to first | bytes unlike first "
+          "| experts per call |")
+    print("|---|---|---|---|---|---|---|---|")
     with jax.default_device(device):
         for fmt in args.formats:
             first_s, first_bytes = None, None
-            for count, scales in [(c, m) for c in args.counts for m in args.scales]:
+            for count in args.counts:
                 setattr(iquants_encode, setting, count)
-                iquants_encode.one_pass_scales = {"backend": backend_choice, "loop": lambda: False,
-                                                  "one-pass": lambda: True}[scales]
                 jax.clear_caches()  # the programs read the count when traced
                 encode.clear_fitted_batches()
 
@@ -120,7 +111,7 @@ def main() -> None:
                 first_s = seconds if first_s is None else first_s
                 first_bytes = raw if first_bytes is None else first_bytes
                 batch = encode.fitted_batches().get((fmt, shape, hessians is not None), "CPU: by weights")
-                print(f"| {fmt} | {count} | {scales} | {compiling_s:.1f} | {seconds:.3f} | {first_s / seconds:.2f}x "
+                print(f"| {fmt} | {count} | {compiling_s:.1f} | {seconds:.3f} | {first_s / seconds:.2f}x "
                       f"| {np.mean(raw == first_bytes):.4f} | {int(np.sum(raw != first_bytes))} | {batch} |",
                       flush=True)
 
