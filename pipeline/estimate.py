@@ -4,7 +4,8 @@ A per-unit cost model. Every stage invocation a heal would compute (the plan's
 `compute` entries, one per fingerprint: two variants with the same knobs share
 their units) is one `Invocation`: its cost-model key (the stage's name;
 quantize with its rounding, `quantize:gptq`, whose cost differs by an order of
-magnitude between roundings), the weights it reads or writes (`size`) and the
+magnitude between roundings; a tuned unit or e2e step over codebook i-quants with
+`:codebook`, each 3x its k-quant's at the 30B shape), the weights it reads or writes (`size`) and the
 weights times tokens it computes over (`work`), from the model's shapes (the
 GGUF header) and the tokens the stage's knobs name. A stage kind costs
 
@@ -23,13 +24,16 @@ import csv
 import json
 from dataclasses import dataclass
 from importlib.resources import files
-from typing import Any
+from typing import Any, Iterable
 
+from moeheal.kernels.decode import format_of
+from moeheal.kernels.iquants import IQuant
 from moeheal.pipeline.errors import InputError
 
 DEVICES = ("h200", "h100", "cpu")
 SIZE_UNIT, WORK_UNIT = 1e9, 1e12  # the constants' scale: seconds per 1e9 weights, per 1e12 weight-tokens
 COST_MODEL = "cost_model.json"
+CODEBOOK = "codebook"  # the keys' suffix of units and steps over codebook i-quants
 LONG_HEAL_S = 600.0  # `moeheal heal` prints its estimate first beyond this
 
 # Stages that run once per MoE layer (quantize, calibrate and healed-dump units), those that run the whole
@@ -80,9 +84,23 @@ class Invocation:
     work: float  # weights x tokens computed over
 
 
-def rounding_key(round_: str, importance: bool) -> str:
-    """Quantize's cost-model key: its rounding; `rtn` for the baseline (no statistics, no dump read)."""
-    return f"quantize:{round_ if importance or round_ != 'ls' else 'rtn'}"
+def codebook(formats: Iterable[str]) -> bool:
+    """Whether any of these formats is a codebook i-quant: at the 30B shape their GPTQ and learned units
+    cost about 2.8x a k-quant's and their e2e steps 3.3x (bench/RESULTS.md, "The recipe at 2 and 3
+    layers"), so their units are priced apart. A budget variant counts its candidates."""
+    return any(issubclass(format_of(f), IQuant) for f in formats)
+
+
+def rounding_key(round_: str, importance: bool, over_codebook: bool = False) -> str:
+    """Quantize's cost-model key: its rounding; `rtn` for the baseline (no statistics, no dump read);
+    GPTQ and learned rounding over codebook formats apart (`codebook`)."""
+    key = f"quantize:{round_ if importance or round_ != 'ls' else 'rtn'}"
+    return f"{key}:{CODEBOOK}" if over_codebook and round_ in ("gptq", "learned") else key
+
+
+def e2e_key(over_codebook: bool) -> str:
+    """e2e's cost-model key: a step over codebook formats apart (`codebook`)."""
+    return f"e2e:{CODEBOOK}" if over_codebook else "e2e"
 
 
 def invocation(key: str, shapes: Shapes, tokens: int = 0, formats: int = 1) -> Invocation:
@@ -102,13 +120,20 @@ def invocation(key: str, shapes: Shapes, tokens: int = 0, formats: int = 1) -> I
     return Invocation(key, 0.0, 0.0)
 
 
+def base_key(key: str) -> str:
+    """A codebook key's k-quant key (`quantize:learned:codebook` -> `quantize:learned`); any other key itself."""
+    return key.removesuffix(f":{CODEBOOK}")
+
+
 def seconds(invocations: list[Invocation], constants: dict[str, list[float]]) -> dict[str, float | None]:
     """Predicted seconds per key: `once` plus the rates times the summed size and work; None for a key
-    the constants have no record of."""
+    the constants have no record of. A codebook key without constants of its own (its class's records
+    could not tell it from its base key) is priced, and named, as its base key."""
     totals: dict[str, tuple[float, float]] = {}
     for inv in invocations:
-        size, work = totals.get(inv.key, (0.0, 0.0))
-        totals[inv.key] = (size + inv.size, work + inv.work)
+        key = inv.key if inv.key in constants else base_key(inv.key)
+        size, work = totals.get(key, (0.0, 0.0))
+        totals[key] = (size + inv.size, work + inv.work)
     return {key: None if key not in constants else
             constants[key][0] + constants[key][1] * size / SIZE_UNIT + constants[key][2] * work / WORK_UNIT
             for key, (size, work) in totals.items()}
@@ -154,12 +179,15 @@ def eval_tokens(cfg: Any) -> int:
     return (gen.eval_per_stratum + gen.canary_per_stratum) * len(cfg.mix) * (gen.ctx_tokens + gen.scored_tokens)
 
 
-def node_invocation(name: str, params: Any, cfg: Any, shapes: Shapes) -> Invocation:
-    """The invocation of one planned node of stage `name` with its parameters object."""
+def node_invocation(name: str, params: Any, cfg: Any, shapes: Shapes, variant: Any = None) -> Invocation:
+    """The invocation of one planned node of stage `name` with its parameters object (and the variant its
+    label names, where it names one: a budget unit's or an e2e step's formats are its candidates)."""
     trace_tokens = {"calibration": cfg.cal_tokens, "unseen": cfg.unseen_tokens}
     rows = getattr(params, "cal_tokens", None) or cfg.cal_tokens  # a unit's rows: 0 or None is the whole dump
+    formats = variant.candidate_formats() if variant is not None else ()
     if name == "quantize":
-        return invocation(rounding_key(params.round, params.importance), shapes, rows)
+        over_codebook = codebook(params.quant.values() if params.quant else formats)
+        return invocation(rounding_key(params.round, params.importance, over_codebook), shapes, rows)
     if name in ("calibrate", "healed-dump"):
         return invocation(name, shapes, rows)
     if name == "dump":
@@ -171,7 +199,7 @@ def node_invocation(name: str, params: Any, cfg: Any, shapes: Shapes) -> Invocat
     if name == "guidance":
         return invocation(name, shapes, trace_tokens[params.trace])
     if name == "e2e":
-        return invocation(name, shapes, params.steps * params.seq_tokens * (params.batch_seqs or 1))
+        return invocation(e2e_key(codebook(formats)), shapes, params.steps * params.seq_tokens * (params.batch_seqs or 1))
     if name == "reference-logits":
         return invocation(name, shapes, eval_tokens(cfg))
     if name == "evaluate":
@@ -186,11 +214,13 @@ def plan_invocations(run: Any) -> list[Invocation]:
     planned = run.plan()
     nodes = {node.label: node for node in run.executor.nodes}  # every node the plan reached, by label
     shapes, seen, out = shapes_of(run.source), set(), []
+    variants = {v.name: v for v in run.cfg.variants}  # a node's label names its variant second: quantize:<v>:<layer>
     for p in planned:
         if p.status != "compute" or p.fingerprint in seen:
             continue
         seen.add(p.fingerprint)
-        out.append(node_invocation(p.name, nodes[p.stage].params, run.cfg, shapes))
+        named = p.stage.split(":")[1] if ":" in p.stage else ""
+        out.append(node_invocation(p.name, nodes[p.stage].params, run.cfg, shapes, variants.get(named)))
     return out
 
 

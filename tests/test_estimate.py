@@ -43,6 +43,31 @@ def test_the_30b_shapes_deepest_h100_record_is_predicted_within_30_percent_by_th
     assert abs(predicted / measured - 1) < 0.30, (measured, predicted, unknown)
 
 
+def test_the_recipes_h100_record_is_predicted_within_30_percent_with_its_codebook_units_priced_apart(records):
+    """The budget recipe's units (GPTQ + learned rounding over IQ2_S and kin) and e2e steps cost about 3x
+    `q2_k`'s at the 30B shape; priced apart (`:codebook`), its 3-layer record is predicted by the others."""
+    measured, predicted, unknown = fit.holdout(records["h100"], "bench/results/real-size/runs/rc_l3.json")
+    assert measured > 200 and not unknown
+    assert abs(predicted / measured - 1) < 0.30, (measured, predicted)
+    h100 = estimate.load_cost_model()["devices"]["h100"]["constants"]
+    runs = Path(fit.REPO) / "bench/results/real-size/runs"
+    recipe, q2_k = (fit.predict_at(runs / name, 48, h100) for name in ("rc_l3.json", "rs10_l4.json"))  # 65,536 tokens
+    assert recipe["quantize:learned:codebook"] > 2 * q2_k["quantize:learned"]
+    assert recipe["e2e:codebook"] > 2 * q2_k["e2e"]
+
+
+def test_codebook_keys_and_their_fallback_to_the_k_quant_key():
+    assert estimate.codebook(["q2_k", "iq2_s"]) and not estimate.codebook(["q2_k", "q3_k", "tq2_0"])
+    assert estimate.rounding_key("learned", True, True) == "quantize:learned:codebook"
+    assert estimate.rounding_key("gptq", True, False) == "quantize:gptq"
+    assert estimate.rounding_key("ls", True, True) == "quantize:ls"  # only GPTQ and learned rounding split
+    assert estimate.rounding_key("ls", False, True) == "quantize:rtn"
+    assert estimate.e2e_key(True) == "e2e:codebook" and estimate.e2e_key(False) == "e2e"
+    constants = {"e2e": [1.0, 0.0, 2.0]}  # a class whose records could not tell codebook steps apart
+    predicted = estimate.seconds([Invocation("e2e:codebook", 0.0, 1e12), Invocation("e2e", 0.0, 1e12)], constants)
+    assert predicted == {"e2e": pytest.approx(1.0 + 2.0 * 2)}
+
+
 def test_the_shipped_constants_are_the_fit_of_the_committed_records(records):
     """moeheal/data/cost_model.json is what the script writes from the default records: rerun it after
     adding a record (bench/RESULTS.md, "Predicting a heal's wall time")."""

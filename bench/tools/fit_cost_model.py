@@ -35,7 +35,7 @@ import re
 import sys
 import tomllib
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +43,7 @@ from scipy.optimize import nnls
 
 from moeheal.pipeline import estimate
 from moeheal.pipeline.config import UNHEALED, Variant, _variant, e2e_schedule
-from moeheal.pipeline.estimate import Invocation, Shapes, invocation, rounding_key
+from moeheal.pipeline.estimate import Invocation, Shapes, codebook, e2e_key, invocation, rounding_key
 from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.sources.synth import LIKE
 
@@ -174,7 +174,8 @@ def record_observations(record: dict, name: str, logged: dict[str, float]) -> li
         stage, _, rest = label.partition(":")
         variant = known.get(rest)
         if stage in estimate.PER_LAYER:
-            key = rounding_key(variant.round, variant.importance) if stage == "quantize" else stage
+            key = (rounding_key(variant.round, variant.importance, codebook(variant.candidate_formats()))
+                   if stage == "quantize" else stage)
             per_layer[label] = [(f"{label}:{layer}", invocation(key, shapes, tokens)) for layer in range(layers)]
         elif stage == "dump":
             grouped[stage].append((secs, [invocation(stage, shapes, tokens), invocation(stage, shapes, unseen)]))
@@ -188,7 +189,8 @@ def record_observations(record: dict, name: str, logged: dict[str, float]) -> li
             grouped[stage].append((secs, [invocation(stage, shapes, unseen, formats=len(v.candidates)) for v in budget]))
         elif stage == "e2e":  # `e2e:<variant>`, or the kind alone over every e2e variant the run healed
             tuned = [variant] if variant is not None else [v for v in used if v.e2e]
-            grouped[stage].append((secs, [invocation(stage, shapes, e2e_steps(v, tokens) * SEQ_TOKENS * v.e2e_batch_seqs)
+            grouped[stage].append((secs, [invocation(e2e_key(codebook(v.candidate_formats())), shapes,
+                                                     e2e_steps(v, tokens) * SEQ_TOKENS * v.e2e_batch_seqs)
                                           for v in tuned]))
         else:
             grouped[stage].append((secs, [invocation(stage, shapes)]))
@@ -207,10 +209,11 @@ def demo_observations(path: Path, name: str) -> list[Observation]:
     distinct = {json.dumps(v.knobs(), sort_keys=True): v for v in healed}  # a unit serves every variant with its knobs
     per_round: dict[str, int] = defaultdict(int)
     for v in [UNHEALED, *distinct.values()]:
-        per_round[rounding_key(v.round, v.importance)] += shapes.n_moe
+        per_round[rounding_key(v.round, v.importance, codebook(v.candidate_formats()))] += shapes.n_moe
     evaluated = sum(int(r["ctx_tokens"]) + int(r["scored_tokens"])
                     for r in csv.DictReader(open(DEMO / "windows.csv", newline="", encoding="utf-8")))
-    e2e = [e2e_steps(v, tokens) for v in healed if v.e2e] or [0]
+    tuned = [invocation(e2e_key(codebook(v.candidate_formats())), shapes, e2e_steps(v, tokens) * SEQ_TOKENS)
+             for v in distinct.values() if v.e2e]  # an e2e stage per distinct tuned variant
     formats = [len(v.candidates) for v in healed if v.budgeted] or [0]
     out = []
     with open(path, newline="", encoding="utf-8") as f:
@@ -227,7 +230,7 @@ def demo_observations(path: Path, name: str) -> list[Observation]:
             elif stage == "sensitivity":
                 invs = [invocation(stage, shapes, unseen, formats=formats[0])] * units
             elif stage == "e2e":
-                invs = [invocation(stage, shapes, e2e[0] * SEQ_TOKENS)] * units
+                invs = tuned if len(tuned) == units else tuned[:1] * units
             elif stage in ("evaluate", "reference-logits"):
                 reps = moce.get("reps", 2) * max(1, len(moce.get("bonus", [0.0]))) if stage == "evaluate" else 1
                 invs = [invocation(stage, shapes, evaluated * reps)] * units
@@ -273,7 +276,18 @@ def fit(observations: list[Observation]) -> dict[str, list[float]]:
     (relative to the kind's median observation) gives the rates the time, so more units cost more.
     Where a kind that computes over tokens was timed at one token count only, its size and work
     rates do: SIZE_PENALTY gives the work rate the time, so more tokens cost more (a unit reads every
-    calibration row)."""
+    calibration row).
+
+    A codebook key is fitted apart only where some observation holds it without its base key (a
+    bench_real_size record's per-variant stage); where it only ever shares an observation with its base
+    key (a demo's stage totals), the split between them is arbitrary, so it is folded into the base key
+    and priced as it (`estimate.seconds`)."""
+    separable = {inv.key for obs in observations for inv in obs.invocations
+                 if inv.key != estimate.base_key(inv.key)
+                 and not any(other.key == estimate.base_key(inv.key) for other in obs.invocations)}
+    observations = [replace(obs, invocations=tuple(inv if inv.key in separable or inv.key == estimate.base_key(inv.key)
+                                                   else replace(inv, key=estimate.base_key(inv.key))
+                                                   for inv in obs.invocations)) for obs in observations]
     keys = sorted({inv.key for obs in observations for inv in obs.invocations})
     a = np.array([design_row(obs, keys) for obs in observations])
     y = np.array([obs.seconds for obs in observations])
@@ -304,7 +318,8 @@ def holdout(observations: list[Observation], record: str) -> tuple[float, float,
     over the stage kinds they have a record of, and the stage kinds they have none of (left out of both)."""
     constants = fit([obs for obs in observations if obs.record != record])
     kept = [obs for obs in observations if obs.record == record]
-    unknown = sorted({obs.stage for obs in kept if any(inv.key not in constants for inv in obs.invocations)})
+    unknown = sorted({obs.stage for obs in kept
+                      if any(estimate.base_key(inv.key) not in constants for inv in obs.invocations)})
     return (*record_total([obs for obs in kept if obs.stage not in unknown], constants), unknown)
 
 
