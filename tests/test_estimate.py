@@ -18,6 +18,8 @@ from bench.inputs.healworld import write_world
 from bench.tools import fit_cost_model as fit
 from moeheal.pipeline import estimate
 from moeheal.pipeline.commands.cli import main
+from moeheal.pipeline.config import load_config
+from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.estimate import Invocation, Shapes, invocation
 
 QWEN3_30B = Shapes(n_moe=48, n_expert=128, n_expert_used=8, d_model=2048, d_expert=768, vocab=151936)
@@ -108,6 +110,17 @@ def test_plan_estimate_prices_every_stage_kind_the_plan_computes(tmp_path, capsy
     assert {key.split(":")[0] for key in out["seconds"]} == computed
     assert {"quantize:rtn", "quantize:ls"} <= set(out["seconds"])  # the baseline apart from the world's ls variant
     assert out["device"] == "cpu" and out["total_s"] == pytest.approx(sum(s for s in out["seconds"].values() if s))
+
+
+def test_the_plan_prices_codebook_units_and_steps_apart_by_the_variant_its_label_names(tmp_path):
+    """A budget variant's units have no `quant` (the allocation chooses): their formats, and an e2e step's,
+    are the variant's candidates, read through the variant the node's label names."""
+    variants = ('[[variant]]\nname = "recipe"\nbudget_bpw = 2.6\nformats = ["iq2_xxs", "q2_k"]\n'
+                'sensitivity_round = "ls"\nround = "learned"\ne2e = true\n'
+                '[[variant]]\nname = "uniform"\nquant = "q2_k"\nround = "learned"\ne2e = true\n')
+    config = write_world(tmp_path / "world", variants=variants)
+    keys = {inv.key for inv in estimate.plan_invocations(HealRun(load_config(config), plan=True))}
+    assert {"quantize:learned:codebook", "quantize:learned", "e2e:codebook", "e2e", "quantize:rtn"} <= keys
 
 
 def test_a_bad_device_is_one_line_and_exit_2(tmp_path, capsys):
