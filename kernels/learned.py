@@ -116,7 +116,15 @@ class Relaxation:
     def parts(self, theta: Params, const: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
         raise NotImplementedError
 
-    def values(self, theta: Params, const: dict[str, jax.Array]) -> jax.Array:
+    def choice(self, theta: Params, const: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """What the decoded values pick without a gradient through the pick (an i-quant group's grid
+        point); empty where the rounding is elementwise. Made once per step by the decoding program and
+        handed to the update's ``values``, so the update does not search again."""
+        return {}
+
+    def values(self, theta: Params, const: dict[str, jax.Array], chosen: dict[str, jax.Array] | None = None
+               ) -> jax.Array:
+        """The decoded weights (n, B) of the rounded parts; ``chosen``: ``choice``'s (made here if None)."""
         raise NotImplementedError
 
     def bounds(self) -> dict[str, float]:
@@ -171,7 +179,7 @@ class AffineRelaxation(Relaxation):
     def parts(self, theta, const):
         return self._relaxed(theta, const, hard=True)
 
-    def values(self, theta, const):
+    def values(self, theta, const, chosen=None):
         return self.cls.dequantize_parts(self._relaxed(theta, const, hard=False))  # (n, B)
 
 
@@ -205,7 +213,7 @@ class GridRelaxation(Relaxation):
         _, idx = self._index(theta, const)
         return jax.lax.stop_gradient(fp16_scale(const["p0"], theta["d"])), idx
 
-    def values(self, theta, const):
+    def values(self, theta, const, chosen=None):
         position, idx = self._index(theta, const)
         levels = self.cls.level_grid()  # (K,)
         level = ste(_interp_levels(levels, position), levels[idx])  # (n, B)
@@ -257,13 +265,16 @@ class CodebookRelaxation(Relaxation):
     def groups(self):
         return {"d": "fp16", "l": "sub", "mag": "weight"}
 
-    def _choice(self, theta, const) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Scale codes (n, J) (continuous, rounded), grid points (n, G) and magnitude targets (n, G, g)."""
+    def _target(self, theta, const) -> jax.Array:
+        """Each group's magnitude targets (n, G, g): its stored point's values plus V grid steps."""
         cls = self.cls
-        n = const["idx"].shape[0]
-        grid = cls.grid()  # (K, g)
         step = grid_step(gguf_grid(cls.quant))  # the lattice's step (iq1_m: 1, not its delta's 1/4)
-        target = grid[const["idx"]] + step * theta["mag"].reshape(n, -1, cls.group)  # (n, G, g)
+        return cls.grid()[const["idx"]] + step * theta["mag"].reshape(const["idx"].shape[0], -1, cls.group)
+
+    def choice(self, theta, const):
+        """Each group's grid point (n, G): the nearest to its target among its stored point's neighbours."""
+        cls = self.cls
+        target = self._target(theta, const)  # (n, G, g)
         # Each stored point's neighbours and their values are small per-format tables, read by the stored
         # point: a (n, G, N) array of neighbour indices per group would be read from memory every step
         # (iq3_xxs: 8 bytes a weight, the step's largest read) and held for the whole unit.
@@ -271,20 +282,23 @@ class CodebookRelaxation(Relaxation):
         cand = jnp.asarray(format_neighbour_values(cls))[const["idx"]]  # (n, G, N, g): grid[nbrs[idx]]
         dist = jnp.sum((cand - target[:, :, None, :]) ** 2, axis=-1)  # (n, G, N)
         pick = jnp.argmin(dist, axis=-1)  # (n, G); the stored point first: ties keep it
-        idx = nbrs[const["idx"], pick]  # (n, G)
+        return {"idx": nbrs[const["idx"], pick]}  # (n, G)
+
+    def _scale_codes(self, theta, const) -> jax.Array:
+        """The sub-block scale codes (n, J): continuous, rounded in the forward pass."""
         l_c = const["l"] + theta["l"]  # (n, J)
-        return ste(l_c, round_code(l_c, 0, cls.scale_levels - 1)), idx, target
+        return ste(l_c, round_code(l_c, 0, self.cls.scale_levels - 1))
 
     def parts(self, theta, const):
-        l, idx, _ = self._choice(theta, const)
-        return (jax.lax.stop_gradient(fp16_scale(const["d"], theta["d"])), jax.lax.stop_gradient(l), idx,
-                const["neg"])
+        return (jax.lax.stop_gradient(fp16_scale(const["d"], theta["d"])),
+                jax.lax.stop_gradient(self._scale_codes(theta, const)), self.choice(theta, const)["idx"], const["neg"])
 
-    def values(self, theta, const):
+    def values(self, theta, const, chosen=None):
         cls = self.cls
-        l, idx, target = self._choice(theta, const)
+        idx = (self.choice(theta, const) if chosen is None else chosen)["idx"]  # (n, G)
+        target = self._target(theta, const)  # (n, G, g)
         n = idx.shape[0]
-        db = fp16_scale(const["d"], theta["d"]) * (0.5 + l) * jnp.float32(cls.unit)  # (n, J), gguf-py's order
+        db = fp16_scale(const["d"], theta["d"]) * (0.5 + self._scale_codes(theta, const)) * jnp.float32(cls.unit)  # (n, J), gguf-py's order
         per_weight = jnp.repeat(db, cls.sub_block, axis=1)  # (n, 256)
         mag = ste(target, cls.grid()[idx]).reshape(n, QK_K)  # (n, 256)
         values = per_weight * mag  # (n, 256)
@@ -481,15 +495,6 @@ def layer_error(w: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Arr
     return jnp.sum(batch["weight"] * r * r)
 
 
-def _weights(theta: dict[str, Params], consts: dict[str, Any], shapes: dict[str, tuple[int, ...]],
-             relax: dict[str, Relaxation], fixed: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Every matrix of the loss: the learned ones decoded from their parameters, the others as given."""
-    out = dict(fixed)
-    for name, r in relax.items():
-        out[name] = r.values(theta[name], consts[name]).reshape(shapes[name])  # (..., rows, cols)
-    return out
-
-
 def relative_error(weights: dict[str, np.ndarray], data: TokenSet, batch_tokens: int = 256) -> float:
     """sum_t ||out_t - target_t||^2 / sum_t ||yr_t||^2 of the layer whose matrices are ``weights``
     (float, the ``layer_error`` names) over the rows ``data``: the error learned rounding minimises,
@@ -500,8 +505,7 @@ def relative_error(weights: dict[str, np.ndarray], data: TokenSet, batch_tokens:
     capacity = expert_capacity(data.experts, n_expert, rows)
     layouts = _layouts(data, rows, n_expert, capacity, batch_tokens)
     w = {name: jnp.asarray(v, jnp.float32) for name, v in weights.items()}
-    total = jax.jit(lambda w, r, s: jax.lax.map(lambda lay: layer_error(w, _gather(r, lay)), s).sum())(
-        w, _device_rows(data), layouts)
+    total = _set_error(w, _device_rows(data), layouts)
     return float(total) / max(data.energy(), 1e-30)
 
 
@@ -517,25 +521,37 @@ def batch_order(n_rows: int, steps: int, batch: int, seed: int) -> list[np.ndarr
 
 
 @cache
-def _programs(layout: tuple[tuple[str, str, tuple[int, ...]], ...], optimizer: str) -> tuple[Callable, Callable]:
-    """The jitted step and held-out error for a layer whose learned tensors are ``layout`` (name,
-    format, shape): built once per layout, so every layer of a model (alike in shapes) runs the
-    programs the first one compiled, instead of tracing and compiling its own (seconds per layer on a
-    GPU, more than the steps at a real shape). The stored parts, the bounds and the steps travel as
-    arguments: closed over, XLA would fold them into the program as constants."""
-    relax = {name: relaxation(fmt) for name, fmt, _ in layout}
-    shapes = {name: shape for name, _, shape in layout}
+def _decoder(fmt: str, shape: tuple[int, ...]) -> Callable:
+    """The jitted decoding of one learned tensor: (theta, const) -> (its weights ``shape``, the choice).
 
-    def weights(theta, consts, fixed):
-        return _weights(theta, consts, shapes, relax, fixed)
+    A layer's step is three kinds of program rather than one: each tensor's decoding and each one's
+    update are compiled per (format, shape), the layer's loss and its gradient in the weights once
+    per shape. A recipe gives layers different mixes of formats; one program over a layer's mix
+    compiled again for each new mix (seconds on a GPU, a new mix in most layers of a 30B recipe),
+    while a model has at most a handful of (format, shape) pairs."""
+    relax = relaxation(fmt)
 
     @jax.jit
-    def step(theta, moments, consts, fixed, rows, layouts, i, decays, bounds, rates):
-        """Step i (a device scalar, returned as i + 1: no host value crosses per step) at the rate
-        decays[i]."""
-        b = _gather(rows, jax.tree.map(lambda v: v[i], layouts))  # step i's batch
+    def decode(theta, const):
+        chosen = relax.choice(theta, const)
+        return relax.values(theta, const, chosen).reshape(shape), chosen  # (..., rows, cols), {...}
+
+    return decode
+
+
+@cache
+def _updater(fmt: str, shape: tuple[int, ...], optimizer: str) -> Callable:
+    """The jitted update of one learned tensor at step i, from the loss's gradient in its weights
+    ``grad_w`` (``shape``): the gradient in its parameters through the decoding (the step's choice
+    ``chosen`` held, as the straight-through pass has it), then Adam's (or the sign's) step at the rate
+    decays[i] times its group's, clipped to its bounds. No host value crosses per step."""
+    relax = relaxation(fmt)
+
+    @jax.jit
+    def update(theta, moments, const, chosen, grad_w, i, decays, bounds, rates):
+        _, pullback = jax.vjp(lambda th: relax.values(th, const, chosen).reshape(shape), theta)
+        (grad,) = pullback(grad_w)
         lr, t = decays[i], (i + 1).astype(jnp.float32)
-        loss, grad = jax.value_and_grad(lambda th: layer_error(weights(th, consts, fixed), b))(theta)
         if optimizer == "adam":
             direction, m, v = adam_direction(moments[0], moments[1], grad, t, ADAM_B1, ADAM_B2, ADAM_EPS)
             moments = (m, v)
@@ -543,14 +559,25 @@ def _programs(layout: tuple[tuple[str, str, tuple[int, ...]], ...], optimizer: s
             direction = jax.tree.map(jnp.sign, grad)
         theta = jax.tree.map(lambda p, g, lim, rate: jnp.clip(p - rate * lr * g, -lim, lim),
                              theta, direction, bounds, rates)
-        return theta, moments, loss, i + 1
+        return theta, moments
 
-    @jax.jit
-    def set_error(theta, consts, fixed, rows, layouts):
-        w = weights(theta, consts, fixed)
-        return jax.lax.map(lambda lay: layer_error(w, _gather(rows, lay)), layouts).sum()
+    return update
 
-    return step, set_error
+
+@jax.jit
+def _loss_and_grad(learned: dict[str, jax.Array], fixed: dict[str, jax.Array], rows: dict[str, jax.Array],
+                   layouts: dict[str, jax.Array], i: jax.Array) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
+    """Step i's batch loss and its gradient in the ``learned`` weights, and i + 1 (a device scalar: the
+    step's index never crosses to the host). One program for every mix of formats of a shape."""
+    batch = _gather(rows, jax.tree.map(lambda v: v[i], layouts))  # step i's batch
+    loss, grad = jax.value_and_grad(lambda w: layer_error({**fixed, **w}, batch))(learned)
+    return loss, grad, i + 1
+
+
+@jax.jit
+def _set_error(weights: dict[str, jax.Array], rows: dict[str, jax.Array], layouts: dict[str, jax.Array]) -> jax.Array:
+    """The summed error of a set of batches (``layouts``, stacked) for the layer ``weights``: ()."""
+    return jax.lax.map(lambda lay: layer_error(weights, _gather(rows, lay)), layouts).sum()
 
 
 def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray], train: TokenSet,
@@ -593,26 +620,36 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
     norm = {name: max(s.energy(), 1e-30) for name, s in sets.items()}
     train_norm = max(train.energy() / len(train) * batch, 1e-30)  # a batch's expected energy
 
-    step, set_error = _programs(tuple((name, t.fmt, tuple(t.shape)) for name, t in tensors.items()),
-                                settings.optimizer)
+    decoders = {name: _decoder(t.fmt, tuple(t.shape)) for name, t in tensors.items()}
+    updaters = {name: _updater(t.fmt, tuple(t.shape), settings.optimizer) for name, t in tensors.items()}
+
+    def decoded(theta) -> tuple[dict[str, jax.Array], dict[str, dict[str, jax.Array]]]:
+        out = {name: decoders[name](theta[name], consts[name]) for name in tensors}
+        return {name: w for name, (w, _) in out.items()}, {name: c for name, (_, c) in out.items()}
+
     def measure(theta, names) -> dict[str, float]:
-        return {name: float(set_error(theta, consts, fixed_dev, eval_sets[name], eval_layouts[name])) / norm[name]
-                for name in names}
+        weights = {**fixed_dev, **decoded(theta)[0]}
+        return {name: float(_set_error(weights, eval_sets[name], eval_layouts[name])) / norm[name] for name in names}
 
     rows: list[dict[str, Any]] = []
     first = measure(theta0, sets)
     rows += [{"step": 0, "split": name, "loss": v} for name, v in first.items()]
     best, best_loss, best_step, theta = theta0, first["heldout"], 0, theta0
     zeros = jax.tree.map(jnp.zeros_like, theta0)
-    moments = (zeros, zeros) if settings.optimizer == "adam" else ()
+    moments = {name: (zeros[name], zeros[name]) if settings.optimizer == "adam" else () for name in tensors}
     train_losses: list[tuple[dict[str, Any], jax.Array]] = []  # read once the steps are queued: no wait per step
     # every per-step value on the device before the first step: the rate decays linearly to 0
     decays = jnp.asarray(np.array([1.0 - i / settings.steps for i in range(settings.steps)], np.float32))  # (S,)
     bounds, rates = jax.tree.map(jnp.float32, (bounds, rates))
     index = jnp.int32(0)
     for i in range(settings.steps):
-        theta, moments, loss, index = step(theta, moments, consts, fixed_dev, train_rows, train_layouts, index, decays,
-                                           bounds, rates)
+        weights, chosen = decoded(theta)
+        loss, grad_w, following = _loss_and_grad(weights, fixed_dev, train_rows, train_layouts, index)
+        updated = {name: updaters[name](theta[name], moments[name], consts[name], chosen[name], grad_w[name], index,
+                                        decays, bounds[name], rates[name]) for name in tensors}
+        theta = {name: th for name, (th, _) in updated.items()}
+        moments = {name: m for name, (_, m) in updated.items()}
+        index = following
         rows.append({"step": i + 1, "split": "train"})
         train_losses.append((rows[-1], loss))
         if (i + 1) % settings.eval_every == 0 or i + 1 == settings.steps:

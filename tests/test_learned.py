@@ -75,7 +75,7 @@ def test_each_codebook_group_takes_the_nearest_of_its_stored_points_neighbours(f
     blocks = np.asarray(encode.quantize((0.02 * rng.standard_t(4, (8, 512))).astype(np.float32), fmt))
     const = relax.const(jnp.asarray(blocks.reshape(-1, cls.type_size)))
     theta = _random_theta(relax, relax.init(const), rng)
-    _, idx, _ = relax._choice(theta, const)  # (n, G)
+    idx = relax.choice(theta, const)["idx"]  # (n, G)
     grid = np.asarray(cls.grid_values(), np.float64)  # (K, g)
     stored = np.asarray(const["idx"])  # (n, G)
     sq = np.sum(grid * grid, axis=1)
