@@ -2,7 +2,7 @@
 bench/tools/stage_times.py, bench/tools/real_size_record.py, the rotation of
 bench/experiments/hadamard_rotation.py, the error
 of bench/experiments/format_floor.py, the best recipe of bench/experiments/budget_floor.py and the padding
-of bench/experiments/learned_capacity.py, and bench/tools/unit_phases.py.
+of bench/experiments/learned_capacity.py, bench/tools/unit_phases.py and bench/tools/compile_log.py.
 
 What is checked is what the scripts compute: every figure they print parses and equals a
 recomputation from the committed snapshots' CSVs, the per-stage table in bench/RESULTS.md is
@@ -438,3 +438,32 @@ def test_unit_phases_sums_each_kinds_phases_over_the_unit_lines():
     sums = unit_phases.phase_sums(lines)
     assert sums["quantize"]["rounding"] == pytest.approx((21.68, 2)) and sums["quantize"]["learned rounding"] == (7.45, 1)
     assert sums["calibrate"] == {"load": (0.10, 1), "routed output": (0.70, 1)}
+
+
+def test_compile_log_charges_each_compilation_to_the_stage_computing_when_it_finished():
+    """bench/tools/compile_log.py: a program compiled before any stage line is the bench's own; after a
+    stage's `computing` line it is that stage kind's (the layer dropped from `quantize:<variant>:<layer>`);
+    a `cache hit` line charges nothing and moves nothing."""
+    from bench.tools import compile_log
+
+    lines = ["Finished XLA compilation of jit(setup) in 0.5 sec",
+             "      1.0 s  [quantize:recipe:0] computing 0123456789ab",
+             "Finished XLA compilation of jit(experts_batch_jit) in 2.0 sec",
+             "Finished tracing experts_batch_jit for jit in 0.1 sec",
+             "      5.0 s  [quantize:recipe:1] computing 0123456789ac",
+             "Finished XLA compilation of jit(experts_batch_jit) in 3.0 sec",
+             "Finished XLA compilation of jit(update) in 1e-1 sec",
+             "      9.0 s  [dump:calibration] cache hit 0123456789ad",
+             "Finished XLA compilation of jit(update) in 0.25 sec",
+             "     10.0 s  [e2e:recipe] computing 0123456789ae",
+             "Finished XLA compilation of jit(layer_forward) in 4.0 sec"]
+    assert compile_log.variant_names(lines) == ["recipe", "unhealed"]
+    stages = compile_log.attribute(lines, compile_log.variant_names(lines))
+    assert set(stages) == {compile_log.BEFORE_STAGES, "quantize:recipe", "e2e:recipe"}
+    quantize = stages["quantize:recipe"]
+    assert quantize.count == {"experts_batch_jit": 2, "update": 2}
+    assert quantize.seconds["experts_batch_jit"] == pytest.approx(5.0)
+    assert quantize.total_s == pytest.approx(5.35)
+    table = compile_log.report(stages, top=1)
+    assert "| quantize:recipe | 4 | 5.3 | `experts_batch_jit` x2: 5.0 |" in table  # 5.35 printed to one decimal
+    assert table.splitlines()[-1].startswith("| all | 6 | 9.8 |")
