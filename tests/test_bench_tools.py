@@ -364,6 +364,22 @@ def test_real_size_record_extrapolates_the_busy_samples_as_the_wall():
     del bare["per_stage_split"]["dump"]
     assert "gpu_busy_fraction_extrapolated" not in real_size_record.join_runs([bare, run(3)], 48)
 
+    # a second variant healed alone in runs of its own: its figures from those runs only, its shared dump
+    # as they measured it (3 busy samples a layer of 5), though the record's dump line is the first group's
+    def other(layers: int) -> dict:
+        split = {"quantize:w:0": {"busy_samples": 8 * layers, "samples": 8 * layers, "device_busy_s": 8.0 * layers},
+                 "dump": {"busy_samples": 3 * layers, "samples": 5 * layers, "device_busy_s": 2.0 * layers}}
+        return {**run(layers), "variants": ["w"], "per_stage_split": split, "json": f"w{layers}.json",
+                "per_stage_s": {k: float(v["samples"]) for k, v in split.items()}, "gpu_busy_fraction": 0.25}
+
+    both = real_size_record.join_runs([run(n) for n in (2, 3, 4)] + [other(n) for n in (2, 3)], 48)
+    assert both["stages"]["dump"]["samples"] == pytest.approx(10 + 2 * 48)  # the first group's, more depths
+    alone = both["gpu_by_variant"]["w"]
+    assert alone["gpu_busy_fraction"] == 0.25 and alone["layers"] == 3
+    assert alone["gpu_busy_fraction_extrapolated"] == pytest.approx((8 + 3) / (8 + 5))
+    assert alone["gpu_util_mean_extrapolated"] == pytest.approx(100 * (8 + 2) / (8 + 5))
+    assert both["gpu_busy_fraction_extrapolated"] == record["gpu_busy_fraction_extrapolated"]  # v's, unchanged
+
 
 def test_real_size_bench_sums_each_units_logged_steps_by_variant():
     """bench_real_size's `unit_phases` reads the line `progress.Phases` makes each unit log, and puts it

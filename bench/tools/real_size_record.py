@@ -27,7 +27,8 @@ counts fitted in depth per stage kind as the wall times are and summed over the 
 real depth (a deep heal compiles once and spends its time in the per-layer stages, so its share of busy
 samples differs from a shallow run's); likewise `gpu_util_mean_extrapolated` from each stage's device-busy
 seconds (its samples' utilisation summed) over its wall time. Labelled extrapolated, the measured figures
-beside them.
+beside them. `gpu_by_variant` holds the same figures per variant healed alone in some runs, from those runs
+only (its shared stages as they measured them): the recipe's runs keep the counts where `q2_k`'s do not.
 """
 
 from __future__ import annotations
@@ -116,6 +117,47 @@ def fit_depth(walls: dict[int, float]) -> dict[str, float]:
     return {"fixed_s": float(fixed), "per_layer_s": float(per_layer)}
 
 
+def fit_stages(members: list[dict], variants: list[str], depth: int) -> dict[str, dict]:
+    """Each stage kind of one variant set's runs (`members`, at several depths), the baseline's left out:
+    its measured walls, the line through them, the wall at `depth`, and the GPU's figures fitted as the
+    wall is (device-busy seconds and the 1-second samples' counts, where every run kept them)."""
+    stages: dict[str, dict] = {}
+    for kind in sorted({k for run in members for k in run["per_stage_s"]}):
+        who = owner(kind, variants)
+        if who == BASELINE:
+            continue
+        walls = {run["layers"]: run["per_stage_s"][kind] for run in members if kind in run["per_stage_s"]}
+        fit = ({"fixed_s": float(np.mean(list(walls.values()))), "per_layer_s": 0.0} if kind in DEPTH_FREE
+               else fit_depth(walls))
+        entry = {"variant": who, "measured_s": {str(n): s for n, s in sorted(walls.items())}, **fit,
+                 "wall_s": fit["fixed_s"] + fit["per_layer_s"] * depth}
+        splits = {run["layers"]: run.get("per_stage_split", {}).get(kind, {}) for run in members
+                  if kind in run["per_stage_s"]}
+        for key in ("device_busy_s", "busy_samples", "samples"):
+            if all(key in split for split in splits.values()):
+                points = {n: split[key] for n, split in splits.items()}
+                line = ({"fixed_s": float(np.mean(list(points.values()))), "per_layer_s": 0.0}
+                        if kind in DEPTH_FREE else fit_depth(points))
+                entry[key] = max(0.0, line["fixed_s"] + line["per_layer_s"] * depth)
+        deepest = max(members, key=lambda run: run["layers"])
+        if kind in deepest.get("per_stage_split", {}):
+            entry["split_at_deepest"] = deepest["per_stage_split"][kind]
+        stages[kind] = entry
+    return stages
+
+
+def gpu_shares(stages: list[dict]) -> dict[str, float]:
+    """`gpu_util_mean_extrapolated` (%) and `gpu_busy_fraction_extrapolated` of a heal's fitted stages: the
+    summed device-busy seconds over the summed wall, the summed busy samples over the summed samples;
+    each only where every stage has both of its figures."""
+    out = {}
+    for name, part, whole, scale in (("gpu_util_mean_extrapolated", "device_busy_s", "wall_s", 100.0),
+                                     ("gpu_busy_fraction_extrapolated", "busy_samples", "samples", 1.0)):
+        if stages and all(part in e and whole in e for e in stages):
+            out[name] = scale * sum(e[part] for e in stages) / max(sum(e[whole] for e in stages), 1e-9)
+    return out
+
+
 def join_runs(runs: list[dict], depth: int) -> dict:
     """The record of `runs` (bench_real_size figures, each with its `json` path) extrapolated to `depth`."""
     runs = [{**run, "per_stage_s": {**run["per_stage_s"], SHARD_PHASE: run["shard_phase_s"]}}
@@ -126,31 +168,10 @@ def join_runs(runs: list[dict], depth: int) -> dict:
     order = list(dict.fromkeys(v for run in runs for v in run["variants"]))
     stages: dict[str, dict] = {}
     for variants, members in groups.items():
-        kinds = sorted({k for run in members for k in run["per_stage_s"]})
-        for kind in kinds:
-            who = owner(kind, list(variants))
-            if who == BASELINE:
-                continue
-            walls = {run["layers"]: run["per_stage_s"][kind] for run in members if kind in run["per_stage_s"]}
-            fit = ({"fixed_s": float(np.mean(list(walls.values()))), "per_layer_s": 0.0} if kind in DEPTH_FREE
-                   else fit_depth(walls))
-            entry = {"variant": who, "measured_s": {str(n): s for n, s in sorted(walls.items())}, **fit,
-                     "wall_s": fit["fixed_s"] + fit["per_layer_s"] * depth}
-            splits = {run["layers"]: run.get("per_stage_split", {}).get(kind, {}) for run in members
-                      if kind in run["per_stage_s"]}
-            # the GPU's figures, fitted as the wall is: its busy seconds, and its 1-second samples' counts
-            for key in ("device_busy_s", "busy_samples", "samples"):
-                if all(key in split for split in splits.values()):
-                    points = {n: split[key] for n, split in splits.items()}
-                    line = ({"fixed_s": float(np.mean(list(points.values()))), "per_layer_s": 0.0}
-                            if kind in DEPTH_FREE else fit_depth(points))
-                    entry[key] = max(0.0, line["fixed_s"] + line["per_layer_s"] * depth)
-            deepest = max(members, key=lambda run: run["layers"])
-            if kind in deepest.get("per_stage_split", {}):
-                entry["split_at_deepest"] = deepest["per_stage_split"][kind]
+        for kind, entry in fit_stages(members, list(variants), depth).items():
             # a stage measured by several groups (a shared one, or a variant's in runs of several variant
             # sets): the fit over the most depths, the first group's where they tie
-            if kind not in stages or len(walls) > len(stages[kind]["measured_s"]):
+            if kind not in stages or len(entry["measured_s"]) > len(stages[kind]["measured_s"]):
                 stages[kind] = entry
 
     def shared_by(name: str) -> set[str]:
@@ -168,12 +189,16 @@ def join_runs(runs: list[dict], depth: int) -> dict:
     def total(names: list[str], key: str = "wall_s") -> float:
         return sum(e[key] for e in mine(names))
 
-    def share(names: list[str], part: str, whole: str) -> float | None:
-        """total `part` over total `whole` of the stages of `names`' heal at `depth`, where every one has both."""
-        mine_ = mine(names)
-        if not mine_ or not all(part in e and whole in e for e in mine_):
-            return None
-        return total(names, part) / max(total(names, whole), 1e-9)
+    # each variant healed alone (runs of it and no other): its heal's GPU figures from those runs only, the
+    # shared stages as they measured them (the record's stages may take a shared kind from another group)
+    alone_gpu = {}
+    for name in order:
+        alone = groups.get((name,), [])
+        if alone:
+            deepest = max(alone, key=lambda run: run["layers"])
+            alone_gpu[name] = {"gpu_busy_fraction": deepest.get("gpu_busy_fraction"),
+                               "gpu_util_mean": deepest.get("gpu_util_mean"), "layers": deepest["layers"],
+                               **gpu_shares(list(fit_stages(alone, [name], depth).values()))}
 
     first = [r for r in runs if order[0] in r["variants"]]
     deepest_first = max(first, key=lambda run: run["layers"])
@@ -193,10 +218,8 @@ def join_runs(runs: list[dict], depth: int) -> dict:
         "host_rss_gb": max((r.get("heal_peak_anon_bytes") or 0) for r in runs) / GB or None,
         "gpu_util_mean": deepest_first.get("gpu_util_mean"),
         "gpu_busy_fraction": deepest_first.get("gpu_busy_fraction"),
-        **({"gpu_util_mean_extrapolated": 100 * util}
-           if (util := share(order[:1], "device_busy_s", "wall_s")) is not None else {}),
-        **({"gpu_busy_fraction_extrapolated": busy}
-           if (busy := share(order[:1], "busy_samples", "samples")) is not None else {}),
+        **gpu_shares(mine(order[:1])),
+        "gpu_by_variant": alone_gpu,
         "runs": [{"layers": r["layers"], "variants": r["variants"], "command": r.get("command"),
                   "json": r["json"], "log": r["json"].replace(".json", ".log"), "heal_s": r["heal_s"],
                   "stopped": r.get("stopped", False)} for r in runs],
@@ -233,6 +256,12 @@ def main() -> int:
     if "gpu_busy_fraction_extrapolated" in record:
         print(f"GPU busy in {record['gpu_busy_fraction']:.1%} of the deepest run's samples; extrapolated to "
               f"{record['extrapolated_to']} layers: {record['gpu_busy_fraction_extrapolated']:.1%}")
+    for name, gpu in record["gpu_by_variant"].items():
+        if "gpu_busy_fraction_extrapolated" in gpu:
+            print(f"{name} alone: GPU busy in {gpu['gpu_busy_fraction']:.1%} of its {gpu['layers']}-layer run's "
+                  f"samples; extrapolated to {record['extrapolated_to']} layers from its own runs: "
+                  f"{gpu['gpu_busy_fraction_extrapolated']:.1%} (mean utilisation "
+                  f"{gpu['gpu_util_mean_extrapolated']:.1f}%)")
     return 0
 
 
