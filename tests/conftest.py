@@ -115,9 +115,8 @@ def _plots_where_marked(request):
 # first: `--dist loadfile --no-loadscope-reorder` (the Makefile) hands files out in collection order, so a
 # long file handed out last would leave the other worker idle while it runs; handed out first, the short
 # files fill in around them.
-RUN_FIRST = ("test_init_heal.py", "test_families_init_heal.py", "test_scaleout.py", "test_budget.py",
-             "test_trust.py", "test_wheel_init.py", "test_thread_determinism.py", "test_arch_deepseek2.py",
-             "test_guidance.py", "test_e2e.py")
+RUN_FIRST = ("test_init_heal.py", "test_scaleout.py", "test_wheel_init.py", "test_budget.py", "test_trust.py",
+             "test_thread_determinism.py", "test_arch_deepseek2.py", "test_guidance.py", "test_e2e.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -1,6 +1,7 @@
 """Fisher-weighted learned rounding (`learned_loss = "fisher"`): the guidance stage's estimate is the
 squared gradient the whole model gives, its draws follow the reference's distribution, the weighted
-loss is the float64 one, and a variant that asks for it heals through the DAG on it."""
+loss is the float64 one, and a variant that asks for it heals through the DAG on it. The plain learned
+variant beside it is learned rounding's own heal end to end."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from moeheal.pipeline.config import E2E_TOPK, load_config
 from moeheal.pipeline.data.documents import trace_tokens
 from moeheal.pipeline.data.dumps import open_dump
 from moeheal.pipeline.data.fisher import read_fisher, read_fisher_values
+from moeheal.pipeline.data.units import load_quantized
 from moeheal.pipeline.errors import InputError
-from moeheal.pipeline.gguf.model import GGUFModel
+from moeheal.pipeline.gguf.model import GGUFModel, open_model
 from moeheal.pipeline.heal import HealRun
 from moeheal.pipeline.model.tuner import Trace, Tuner
 from moeheal.pipeline.stages import guidance
@@ -182,6 +184,29 @@ def test_a_fisher_variant_learns_on_the_guidance_and_only_it_reads_it(healed):
         heldout = [r["loss"] for r in curve if r["split"] == "heldout"]
         chosen = [r["loss"] for r in curve if r["split"] == "chosen"]
         assert chosen[0] <= heldout[0]
+
+
+def test_a_learned_variant_heals_end_to_end(healed):
+    """The plain learned variant of this file's world, healed end to end with round = "learned": every
+    layer's quantize unit learns, the curve is published, and the written GGUF holds the learned bytes
+    (decoded as the unit's loss saw). It had a file of its own that healed this tiny world again for
+    one such variant; the world here heals one already, so its lake is read instead."""
+    run = healed
+    variant = next(v for v in run.cfg.variants if v.name == "plain")
+    curve = run.lake.read_table("learned_curve").to_pylist()
+    layers = run.source.moe_layers
+    assert {r["variant"] for r in curve} == {"plain", "fisher", "channels"}
+    for layer in layers:
+        rows = [r for r in curve if r["variant"] == "plain" and r["layer"] == layer]
+        assert [r["step"] for r in rows if r["split"] == "train"] == list(range(1, variant.learned_steps + 1))
+        start = next(r["loss"] for r in rows if r["split"] == "heldout" and r["step"] == 0)
+        chosen = next(r for r in rows if r["split"] == "chosen")
+        assert chosen["loss"] <= start and {0, chosen["step"]} <= {r["step"] for r in rows if r["split"] == "unseen"}
+    healed_model = open_model(run.result(run.assemble(variant)).path)
+    for layer in layers:  # the GGUF's gate projection is the learned unit's bytes
+        unit = load_quantized(run.result(run.quantize(variant, layer)).path, layer)
+        stored = np.asarray(healed_model.raw(f"blk.{layer}.ffn_gate_exps.weight").data)
+        assert np.array_equal(stored.reshape(-1), unit["ffn_gate_exps"].reshape(-1))
 
 
 def test_the_unseen_traces_store_is_that_traces_estimate(healed):

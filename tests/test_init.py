@@ -11,6 +11,7 @@ import csv
 import json
 import random
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from moeheal.pipeline.commands.cli import main
-from moeheal.pipeline.commands.init import LADDER_FORMATS
+from moeheal.pipeline.commands.init import LADDER_FORMATS, add_peer
 from moeheal.pipeline.config import CAL_TOKENS, load_config
 from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.sources.package_data import DATA
@@ -359,8 +360,13 @@ def test_peers_script_only_when_llama_quantize_is_found(qwen2moe, texts, tmp_pat
         assert recipe in script and f"--out peers/{peer}.gguf" in script, peer
 
     adders = [line.strip() for line in script.splitlines() if "add_peer" in line]
-    for _ in range(2):  # a second run of the script adds nothing twice
-        subprocess.run(["/bin/bash", "-euc", "\n".join(adders)], cwd=folder, check=True)
+    subprocess.run(["/bin/bash", "-euc", "\n".join(adders)], cwd=folder, check=True)
+    # A second run of the script adds nothing twice: the same calls again, in this process (a Python
+    # started per line, importing the package each time, was most of this test's time).
+    monkeypatch.chdir(folder)
+    for line in adders:
+        argv = shlex.split(line)
+        add_peer(*argv[3:6], argv[6:])  # python -c CODE config name gguf ours...
     cfg = load_config(folder / "heal.toml", peers_may_be_missing=True)
     assert [v.name for v in cfg.variants] == ["q2_k_healed", "budget_2p4", *made]
     assert all(v.kind == "external" and v.gguf == folder / "peers" / f"{v.name}.gguf" for v in cfg.variants[2:])

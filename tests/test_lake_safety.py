@@ -103,9 +103,12 @@ def test_processes_opening_one_new_lake_at_once_all_succeed(tmp_path):
     published-set links only where another has not, so none fails on a link that appeared under it."""
     roots = [tmp_path / f"lake{i}" for i in range(40)]
     start = time.time() + 4.0  # every child has imported moeheal by then
+    # Asleep until just before the instant, then spinning to it: six children spinning the whole wait
+    # took both cores of a CI machine for seconds, from the other test worker too.
     script = ("import sys, time; from moeheal.pipeline.lake.store import Lake\n"
-              "roots = sys.argv[2:]\n"
-              "while time.time() < float(sys.argv[1]): pass\n"
+              "roots, start = sys.argv[2:], float(sys.argv[1])\n"
+              "time.sleep(max(0.0, start - 0.05 - time.time()))\n"
+              "while time.time() < start: pass\n"
               "for root in roots: Lake(root)")
     children = [subprocess.Popen([sys.executable, "-P", "-c", script, str(start), *map(str, roots)], cwd=REPO,
                                  stderr=subprocess.PIPE, text=True) for _ in range(6)]

@@ -435,6 +435,7 @@ def with_hitrate_header(text: str, old: str, new: str) -> str:
 
 
 def test_a_column_the_query_does_not_return_is_refused(lake, tmp_path, monkeypatch):
+    monkeypatch.setenv(report_module.PLOTS_ENV, "0")  # refused in the text: PNGs drawn first would go unused
     hitrate = (Path(report_module.SQL_DIR) / "report_hitrate.sql").read_text(encoding="utf-8")
     typo = with_hitrate_header(hitrate, "{hit_rate_lru:.2%}", "{hit_rate_lr:.2%}")
     monkeypatch.setitem(report_module.SECTIONS, "report_hitrate", parse_declaration("report_hitrate", typo))

@@ -2,6 +2,12 @@
 runs `init` on a model and text of their own, then `heal`, `report` and `export`; `synth` needs no
 checkout either.
 
+The user's model is a converter file of qwen3moe, the family the 30B is, and the heal is the ladder's
+smallest recipe (allocation, learned rounding, e2e: every lever init sets). This heal is also the one
+of tests/test_families_init_heal.py that `make test` runs (its six families are `make test-slow`'s),
+with that file's checks on the published tables: one heal serves both, where each was the whole
+pipeline compiled for the family's shapes, a minute of a CI worker.
+
 The environment borrows the test environment's dependencies (a plain `.pth` path entry to its
 site-packages, whose own `.pth` files, the editable install of this checkout, are not run) so the test
 needs no network; the wheel itself is installed with `--no-deps`.
@@ -16,8 +22,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from bench.inputs.ggufs import make_tiny_gguf
-from tests.test_init import shrink, write_text_folder
+from tests.test_init import family_gguf, shrink, write_text_folder
 from tests.wheels import build_wheel, run
 
 
@@ -33,25 +38,34 @@ def test_the_installed_wheel_inits_heals_reports_and_exports_a_users_model(tmp_p
     run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], cwd=tmp_path)
 
     work = tmp_path / "work"  # the user's folder: no checkout anywhere near it
-    model = make_tiny_gguf(work / "my-moe.gguf", arch="qwen2moe", seed=3, n_layer=2, d_model=256, n_expert=8,
-                           k=2, matrix_type="q8_0", d_expert=256, d_shexp=256)
-    texts = write_text_folder(work / "texts", {"prose": 6, "notes": 6}, lines=30)
+    work.mkdir()
+    model = family_gguf("qwen3moe", work / "my-moe.gguf")
+    texts = write_text_folder(work / "texts", {"prose": 7, "notes": 6})
     where = run([str(python), "-c", "import moeheal; print(moeheal.__file__)"], cwd=work).stdout
     assert where.startswith(str(site))
 
     init = run([moeheal, "init", "mine", "--model", str(model), "--text", str(texts)], cwd=work).stdout
     assert "moeheal heal -c" in init
     config = work / "mine" / "heal.toml"
-    shrink(config, keep=("q2_k_healed",))  # the ladder's first variant, test-sized, so one heal fits a CI budget
+    # The ladder's smallest recipe, test-sized and choosing from two formats, so one heal fits a CI budget.
+    shrink(config, keep=("budget_2p3",), formats=("iq2_xxs", "q2_k"))
     healed = run([moeheal, "heal", "-c", str(config)], cwd=work).stdout
-    assert "q2_k_healed" in healed
+    assert "budget_2p3" in healed
     run([moeheal, "report", "-c", str(config)], cwd=work)
     run([moeheal, "export", "-c", str(config), "--out", str(work / "bundle")], cwd=work)
     variants = pq.read_table(next((work / "bundle").rglob("variants.parquet"))).to_pylist()
     assert {v["variant"]: v["kind"] for v in variants} == {"reference": "reference", "unhealed": "unhealed",
-                                                             "q2_k_healed": "healed"}
+                                                             "budget_2p3": "healed"}
     kld = pq.read_table(next((work / "bundle").rglob("window_kld.parquet"))).to_pylist()
-    assert {r["variant"] for r in kld} >= {"unhealed", "q2_k_healed"} and all(r["kld_mean"] >= 0 for r in kld)
+    assert {r["variant"] for r in kld} >= {"unhealed", "budget_2p3"} and all(r["kld_mean"] >= 0 for r in kld)
+
+    # tests/test_families_init_heal.py's checks, on the lake this heal published.
+    lake = work / "mine" / "lake" / "tables"
+    rows = {r["variant"]: r for r in pq.read_table(lake / "frontier.parquet").to_pylist()}
+    assert set(rows) == {"unhealed", "budget_2p3"} and rows["budget_2p3"]["routed_bpw"] <= 2.3
+    assert rows["budget_2p3"]["eval_kld"] > 0
+    assert {r["variant"] for r in pq.read_table(lake / "e2e_curve.parquet").to_pylist()} == {"budget_2p3"}
+    assert {r["variant"] for r in pq.read_table(lake / "learned_curve.parquet").to_pylist()} == {"budget_2p3"}
 
     # The bundled corpus and synth's vocabulary are package data: no checkout, no demo model needed.
     run([moeheal, "init", "bundled", "--model", str(model)], cwd=work)
