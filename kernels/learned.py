@@ -298,7 +298,8 @@ class CodebookRelaxation(Relaxation):
         idx = (self.choice(theta, const) if chosen is None else chosen)["idx"]  # (n, G)
         target = self._target(theta, const)  # (n, G, g)
         n = idx.shape[0]
-        db = fp16_scale(const["d"], theta["d"]) * (0.5 + self._scale_codes(theta, const)) * jnp.float32(cls.unit)  # (n, J), gguf-py's order
+        l = self._scale_codes(theta, const)  # (n, J)
+        db = fp16_scale(const["d"], theta["d"]) * (0.5 + l) * jnp.float32(cls.unit)  # (n, J), gguf-py's order
         per_weight = jnp.repeat(db, cls.sub_block, axis=1)  # (n, 256)
         mag = ste(target, cls.grid()[idx]).reshape(n, QK_K)  # (n, 256)
         values = per_weight * mag  # (n, 256)
