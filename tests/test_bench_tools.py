@@ -404,10 +404,14 @@ def test_real_size_bench_sums_each_units_logged_steps_by_variant():
         "[quantize:a:1] computing 0123456789ae",
         line("quantize layer 1", {"read": 1.0}),
         "[quantize:a:2] cache hit 0123456789af",
+        "[sensitivity:a] computing 0123456789b0",  # one stage for every layer: its label names no layer
+        line("sensitivity layer 0", {"rounding": 3.0, "outputs": 1.0}),
+        line("sensitivity layer 1", {"rounding": 2.0, "outputs": 0.5}),
     )]
     assert clock.unit_phases() == {"quantize:a": {"read": 2.5, "learned rounding": 2.25, "write": 0.1},
                                    "quantize:b": {"read": 0.5},
-                                   "calibrate:a": {"routed output": 1.0, "alpha": 0.25}}
+                                   "calibrate:a": {"routed output": 1.0, "alpha": 0.25},
+                                   "sensitivity:a": {"rounding": 5.0, "outputs": 1.5}}
 
 
 def test_device_trace_summary_totals_each_event_and_covers_the_union_of_intervals(tmp_path):
@@ -450,10 +454,12 @@ def test_unit_phases_sums_each_kinds_phases_over_the_unit_lines():
              "quantize layer 0: weights 0.01 s, read 0.05 s, rounding 20.18 s, learned rounding 7.45 s (total 27.69 s)",
              "quantize layer 1: weights 0.02 s, read 0.00 s, rounding 1.50 s (total 1.52 s)",
              "calibrate layer 0: load 0.10 s, routed output 0.70 s (total 0.80 s)",
+             "sensitivity layer 0: read 0.20 s, rounding 3.00 s, outputs 1.25 s (total 4.45 s)",
              "quantize layer 2: learned rounding: 32 steps of 256 tokens, held-out relative error 0.1 -> 0.1 (step 0)"]
     sums = unit_phases.phase_sums(lines)
     assert sums["quantize"]["rounding"] == pytest.approx((21.68, 2)) and sums["quantize"]["learned rounding"] == (7.45, 1)
     assert sums["calibrate"] == {"load": (0.10, 1), "routed output": (0.70, 1)}
+    assert sums["sensitivity"] == {"read": (0.20, 1), "rounding": (3.00, 1), "outputs": (1.25, 1)}
 
 
 def test_compile_log_charges_each_compilation_to_the_stage_computing_when_it_finished():

@@ -293,6 +293,22 @@ def test_batched_moe_forward_and_its_gradient_match_the_scan(tiny_qwen2moe, n_to
         np.testing.assert_allclose(batched, scanned, rtol=0, atol=1e-5 * np.abs(scanned).max())
 
 
+@pytest.mark.parametrize("n_tokens, skew, group", [(1, False, 1), (37, False, 3), (64, True, 3), (64, True, 64)])
+def test_grouped_moe_forward_matches_numpy(tiny_qwen2moe, n_tokens, skew, group):
+    """The accelerator's forward-only groups of expert blocks (`_moe_grouped`, run here on the CPU) against
+    float64 NumPy: groups that leave empty blocks at the end, an expert spanning several blocks of a group,
+    one group for every block; and `moe_output`, what calibrate and the sensitivity measure call, is the
+    scan's output on the CPU."""
+    params = GGUFModel(tiny_qwen2moe).layer(0)
+    w = {name: jnp.asarray(params[name]) for name in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")}
+    mixed, experts, weights = routed_rows(np.random.default_rng(n_tokens + 200), n_tokens, skew)
+    got = np.asarray(M._moe_grouped(w, mixed, experts, weights, group))
+    ref = numpy_moe(params, mixed, experts, weights)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    np.testing.assert_array_equal(np.asarray(M.moe_output(w, mixed, experts, weights)),
+                                  np.asarray(M.moe_forward(w, mixed, experts, weights)))
+
+
 def test_tied_embeddings_without_output_tensor(tiny_qwen3moe, tmp_path):
     src = GGUFModel(tiny_qwen3moe)
     path = tmp_path / "tied.gguf"

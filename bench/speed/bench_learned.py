@@ -83,6 +83,64 @@ def synthetic_layer(n_expert: int, d: int, f: int, k: int, tokens: int, seed: in
     return w, *(np.array(a, copy=True) if copied else a for a in host)
 
 
+def step_programs(fmt: str, w: dict, raw: dict, train, batch: int, hlo: Path) -> None:
+    """One learned step's programs at this layer, each timed alone (median of 10 calls after a compiling
+    one, the device's work waited for): per tensor its decoding and its update, and the layer's loss and
+    gradient; each program's optimised HLO written to `hlo` (its fusions name the trace's kernels)."""
+    import statistics
+
+    import jax
+    import jax.numpy as jnp
+
+    from moeheal.kernels import learned as L
+    from moeheal.kernels.decode import format_of
+
+    hlo.mkdir(parents=True, exist_ok=True)
+
+    def median_ms(fn, *a) -> float:
+        jax.block_until_ready(fn(*a))
+        times = []
+        for _ in range(10):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*a))
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    def dump(name: str, fn, *a) -> None:
+        (hlo / f"{name}.txt").write_text(fn.lower(*a).compile().as_text())
+
+    relax = L.relaxation(fmt)
+    n_expert = w["ffn_gate_exps"].shape[0]
+    order = L.batch_order(len(train), 1, batch, 0)
+    capacity = L.expert_capacity(train.experts, n_expert, order)
+    rows = L._device_rows(train)
+    layouts = jax.tree.map(jnp.asarray, L._layouts(train, order, n_expert, capacity, batch))
+    weights, chosen, parts = {}, {}, []
+    for name in w:
+        shape = tuple(w[name].shape)
+        const = relax.const(jnp.asarray(raw[name]).reshape(-1, format_of(fmt).type_size))
+        theta = relax.init(const)
+        decode = L._decoder(fmt, shape)
+        weights[name], chosen[name] = decode(theta, const)
+        parts.append((name, shape, const, theta))
+        parts[-1] += (median_ms(decode, theta, const),)
+        dump(f"decode_{name}", decode, theta, const)
+    index = jnp.int32(0)
+    t_loss = median_ms(L._loss_and_grad, weights, {}, rows, layouts, index)
+    dump("loss_and_grad", L._loss_and_grad, weights, {}, rows, layouts, index)
+    _, grad_w, _ = L._loss_and_grad(weights, {}, rows, layouts, index)
+    decays = jnp.ones((1,), jnp.float32)
+    line = [f"loss and gradient {t_loss:.2f} ms"]
+    for name, shape, const, theta, t_decode in parts:
+        update = L._updater(fmt, shape, "adam")
+        moments = (jax.tree.map(jnp.zeros_like, theta),) * 2
+        bounds, rates = jax.tree.map(jnp.float32, (relax.bounds(), dict.fromkeys(relax.groups(), 1e-3)))
+        call = (theta, moments, const, chosen[name], grad_w[name], index, decays, bounds, rates)
+        line.append(f"{name}: decode {t_decode:.2f} ms, update {median_ms(update, *call):.2f} ms")
+        dump(f"update_{name}", update, *call)
+    print(f"{fmt}: one step's programs alone: " + "; ".join(line), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpu", action="store_true", help="time on a CUDA JAX device")
@@ -102,6 +160,9 @@ def main() -> None:
                         help="also time the learning as the heal's quantize unit calls it "
                              "(`quantize.learn_layer_rounding`: the rows as the dump gives them, init's 8,192-row "
                              "unseen set read and measured) beside this bench's direct `learn_layer` call")
+    parser.add_argument("--programs", type=Path, default=None,
+                        help="also time one step's programs alone (each tensor's decoding and update, the layer's "
+                             "loss and gradient; median of 10 calls) and write each one's optimised HLO to this folder")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time CPU seconds of every thread (time.process_time): on a shared machine the wall "
                              "clock counts other people's work too")
@@ -176,6 +237,8 @@ def main() -> None:
                     with traced(args.trace / f"{fmt}-heal", f"learning as the heal calls it, {fmt}") as summary:
                         heal_path()
                     traces.append(summary.text)
+            if args.programs is not None:
+                step_programs(fmt, w, out["raw"], train, batch, args.programs / fmt)
             runs = 1 + args.repeats + (args.trace is not None)
             kept = next(r["step"] for r in out["curve"] if r["split"] == "chosen")
             print(f"{fmt}: learned bytes of {runs} runs {'identical' if len(digests) == 1 else 'DIFFER'} "

@@ -76,6 +76,9 @@ def main() -> int:
     parser.add_argument("--f", type=int, default=256)
     parser.add_argument("--tokens", type=int, nargs="+", default=[512])
     parser.add_argument("--blocks", type=int, nargs="+", default=[32, 64, 128], help="rows per block, batched form")
+    parser.add_argument("--groups", type=int, nargs="*", default=[],
+                        help="expert blocks per product, grouped form (forward-only passes: no gradient timed)")
+    parser.add_argument("--no-batched", action="store_true", help="leave the batched form out (large loads)")
     parser.add_argument("--packed", metavar="FORMAT", help="time the tuner's quantized forms instead (below)")
     args = parser.parse_args()
     if args.packed:
@@ -89,18 +92,25 @@ def main() -> int:
     for n in args.tokens:
         x, experts, weights, g = routed_batch(rng, n, args)
         impls = {"scan": lambda w_, x_: M._moe_scan(w_, x_, experts, weights)}
-        for b in args.blocks:
+        for b in [] if args.no_batched else args.blocks:
             impls[f"batched b={b}"] = (lambda b_: lambda w_, x_: M._moe_batched(w_, x_, experts, weights, b_))(b)
+        for g_ in args.groups:
+            impls[f"grouped G={g_}"] = (lambda g2: lambda w_, x_: M._moe_grouped(w_, x_, experts, weights, g2))(g_)
         ref = np.asarray(impls["scan"](w, x))
         base = None
         for name, fn in impls.items():
             fwd = jax.jit(fn)
-            grad = jax.jit(jax.grad(lambda w_, x_: jnp.sum(fn(w_, x_) * g), argnums=(0, 1)))
-            t_fwd, t_grad = timed(fwd, w, x), timed(grad, w, x)
+            t_fwd = timed(fwd, w, x)
+            t_grad = None
+            if not name.startswith("grouped"):
+                grad = jax.jit(jax.grad(lambda w_, x_: jnp.sum(fn(w_, x_) * g), argnums=(0, 1)))
+                t_grad = timed(grad, w, x)
             base = base or (t_fwd, t_grad)
             diff = float(np.max(np.abs(np.asarray(fwd(w, x)) - ref)) / np.max(np.abs(ref)))
+            backward = (f"forward+grad {1e3 * t_grad:8.2f} ms ({base[1] / t_grad:5.2f}x)" if t_grad
+                        else "forward+grad      -- (forward only)")
             print(f"N={n:6d} {name:14s} forward {1e3 * t_fwd:8.2f} ms ({base[0] / t_fwd:5.2f}x)  "
-                  f"forward+grad {1e3 * t_grad:8.2f} ms ({base[1] / t_grad:5.2f}x)  max rel diff {diff:.1e}")
+                  f"{backward}  max rel diff {diff:.1e}", flush=True)
     return 0
 
 

@@ -239,13 +239,15 @@ class StageClock:
 
     def unit_phases(self) -> dict[str, dict[str, float]]:
         """Seconds per step of the layer units, summed over layers, by the unit's stage kind
-        (`quantize:<variant>`): the one line each quantize and calibrate unit logs (`progress.Phases`),
-        which names its layer but not its variant, so it goes to the unit computing when it was logged."""
+        (`quantize:<variant>`): the one line each quantize and calibrate unit, and each layer of a
+        sensitivity stage, logs (`progress.Phases`), which names its layer but not its variant, so it goes
+        to the stage computing when it was logged."""
         phases: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         kind = None
         for _, _, message in self.lines:
             if (stage := STAGE_LINE.match(message)) and stage.group("what") == "computing":
-                kind = stage.group("label").rsplit(":", 1)[0]
+                label = stage.group("label")  # a per-layer unit's ends in its layer: quantize:<variant>:3
+                kind = label.rsplit(":", 1)[0] if label.rsplit(":", 1)[-1].isdigit() else label
             elif (unit := PHASE_LINE.match(message)) and kind is not None:
                 for name, seconds in PHASE_ITEM.findall(unit.group("phases")):
                     phases[kind][name] += float(seconds)

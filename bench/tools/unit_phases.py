@@ -2,9 +2,9 @@
 
     python bench/tools/unit_phases.py HEAL.log [HEAL.log ...]
 
-Every quantize and calibrate unit logs one line of its phases (`progress.Phases`: `quantize layer 1:
+Every quantize and calibrate unit, and the sensitivity stage for each layer, logs one line of its phases (`progress.Phases`: `quantize layer 1:
 weights 0.01 s, read 0.05 s, ..., learned rounding 7.45 s, write 0.00 s (total 28.27 s)`). Printed per
-unit kind (quantize, calibrate) and phase: the seconds summed over every unit line of the logs, the
+unit kind (quantize, calibrate, sensitivity) and phase: the seconds summed over every unit line of the logs, the
 count of lines that have the phase, and its share of the kind's total. The lines name a layer but not a
 variant (the stage's label is on another line, and shard processes interleave theirs), so the sums are
 over every variant's units; a phase's count says which units have it (the baseline's quantize units
@@ -18,7 +18,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-PHASE_LINE = re.compile(r"^(?P<kind>quantize|calibrate) layer \d+: (?P<phases>.*) \(total [0-9.]+ s\)$")
+PHASE_LINE = re.compile(r"^(?P<kind>quantize|calibrate|sensitivity) layer \d+: (?P<phases>.*) \(total [0-9.]+ s\)$")
 PHASE_ITEM = re.compile(r"([a-z][a-z ]*?) ([0-9.]+) s(?:, |$)")
 
 

@@ -197,6 +197,8 @@ BATCHED_MAX_LOAD = 64
 # stays ahead of the scan's small programs up to e2e's measurement passes (8 sequences of 512 tokens: a mean
 # load of 256 at Qwen3-30B-A3B's 128 experts and top-8).
 PACKED_MAX_LOAD = 256
+# Expert blocks per product in `_moe_grouped` (an accelerator's forward-only passes over many rows).
+GROUPED_BLOCKS = 16
 
 
 @jax.jit
@@ -222,6 +224,19 @@ def moe_forward(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weig
     if jax.default_backend() != "cpu" and N * k <= most * n_expert and PEAK_LAYER not in expert_weights:
         return _moe_batched(expert_weights, mixed, experts, weights)
     return _moe_scan(expert_weights, mixed, experts, weights)
+
+
+@jax.jit
+def moe_output(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+    """`moe_forward` for passes that are never differentiated (calibrate's and the sensitivity measure's
+    routed outputs over a layer's dump rows): on an accelerator, above the loads the batched form takes,
+    groups of expert blocks as batched products (`_moe_grouped`); elsewhere `moe_forward`, whose scan
+    the CPU runs at every load. (N, d) -> yr (N, d)."""
+    N, k = experts.shape
+    n_expert = _expert_matrix(expert_weights, "gate").shape[0]
+    if jax.default_backend() != "cpu" and N * k > BATCHED_MAX_LOAD * n_expert:
+        return _moe_grouped(expert_weights, mixed, experts, weights)
+    return moe_forward(expert_weights, mixed, experts, weights)
 
 
 def _moe_batched(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weights: jax.Array,
@@ -252,6 +267,42 @@ def _moe_batched(expert_weights: dict, mixed: jax.Array, experts: jax.Array, wei
     hidden = jax.nn.silu(einsum("bcd,bfd->bcf", xb, wg)) * einsum("bcd,bfd->bcf", xb, wu)  # (nB, b, f)
     y = einsum("bcf,bdf->bcd", hidden, wd).reshape(n_blocks * block, d)  # (nB*b, d)
     slot = jnp.zeros((N * k + 1,), jnp.int32).at[slot_pair].set(jnp.arange(n_blocks * block, dtype=jnp.int32))
+    y_pairs = y[slot[:N * k]].reshape(N, k, d)  # (N, k, d): each pair's output, in the token's order
+    return jnp.sum(y_pairs * weights[..., None].astype(jnp.float32), axis=1)  # (N, d)
+
+
+def _moe_grouped(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weights: jax.Array,
+                 group: int = GROUPED_BLOCKS) -> jax.Array:
+    """`moe_forward` as a scan over groups of `group` expert blocks, each group three batched products
+    (its blocks' expert matrices gathered): (N, d) -> yr (N, d). At a real layer's 65,536 rows the
+    scan's thousands of one-block programs leave the device waiting between them; a group's products
+    are large enough to keep it busy. Each slot's output is kept in the blocks' order and a token's k
+    outputs are gathered back and summed in k's order, as `_moe_batched` does: no scatter-add onto the
+    tokens (atomics in no fixed order on a GPU). Forward only (`moe_output`): the gather's gradient in
+    the weights would add repeated experts' rows with atomics."""
+    w_gate, w_up, w_down = (_expert_matrix(expert_weights, w) for w in ("gate", "up", "down"))
+    N, d = mixed.shape
+    k, n_expert = experts.shape[1], w_gate.shape[0]
+    block = block_size_for(N * k, n_expert)
+    block_expert, slot_pair = expert_blocks(experts.reshape(-1).astype(jnp.int32), n_expert, block)  # (nB,), (nB*b,)
+    steps = -(-block_expert.shape[0] // group)
+    pad = steps * group - block_expert.shape[0]  # empty blocks of expert 0 complete the last group
+    block_expert = jnp.concatenate([block_expert, jnp.zeros((pad,), jnp.int32)])  # (S*G,)
+    slot_pair = jnp.concatenate([slot_pair, jnp.full((pad * block,), N * k, jnp.int32)])  # (S*G*b,)
+    pair_token = jnp.append(jnp.arange(N * k, dtype=jnp.int32) // k, N)[slot_pair]  # (S*G*b,) N = empty
+    x_pad = jnp.concatenate([mixed, jnp.zeros((1, d), mixed.dtype)])  # (N+1, d): row N is the empty slot
+
+    def one_group(_: None, blk: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+        e, tok = blk  # (G,), (G, b)
+        xb = x_pad[tok]  # (G, b, d)
+        hidden = jax.nn.silu(einsum("gbd,gfd->gbf", xb, w_gate[e])) * einsum("gbd,gfd->gbf", xb, w_up[e])  # (G, b, f)
+        return None, einsum("gbf,gdf->gbd", hidden, w_down[e])  # (G, b, d)
+
+    _, y = jax.lax.scan(one_group, None, (block_expert.reshape(steps, group),
+                                          pair_token.reshape(steps, group, block)))  # (S, G, b, d)
+    y = jnp.concatenate([y.reshape(-1, d), jnp.zeros((1, d), y.dtype)])  # (S*G*b+1, d): the last row is no pair
+    slot = jnp.full((N * k + 1,), steps * group * block, jnp.int32).at[slot_pair].set(
+        jnp.arange(steps * group * block, dtype=jnp.int32))  # (P+1,) each pair's slot
     y_pairs = y[slot[:N * k]].reshape(N, k, d)  # (N, k, d): each pair's output, in the token's order
     return jnp.sum(y_pairs * weights[..., None].astype(jnp.float32), axis=1)  # (N, d)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 from numpy.typing import ArrayLike
 
-from moeheal.pipeline.model.layers import moe_forward
+from moeheal.pipeline.model.layers import moe_output
 
 
 ROUTED_INPUTS = ("mixed", "experts", "weights", "yr")  # a dump's rows the routed output and its error read
@@ -25,8 +25,9 @@ def routed_inputs_on_device(rows: dict[str, ArrayLike]) -> dict[str, jax.Array]:
 def routed_output(experts_f32: dict[str, jax.Array], data: dict[str, ArrayLike]) -> jax.Array:
     """The routed experts' output (T, d) for a group's rows, with the dump's routing: what alpha and
     the sensitivity measure compare against the reference's. It stays on the device, where the
-    comparison's sums run (`kernels.alpha.output_gram`); a real layer's is 0.5 GB."""
-    return moe_forward(
+    comparison's sums run (`kernels.alpha.output_gram`); a real layer's is 0.5 GB. Never differentiated:
+    an accelerator runs it in groups of expert blocks (`layers.moe_output`)."""
+    return moe_output(
         {"gate_exps": experts_f32["ffn_gate_exps"], "up_exps": experts_f32["ffn_up_exps"],
          "down_exps": experts_f32["ffn_down_exps"]},
         data["mixed"], data["experts"], data["weights"])  # (T, d)

@@ -64,7 +64,7 @@ from moeheal.pipeline.lake.files import write_parquet
 from moeheal.pipeline.lake.stage import Log, Stage
 from moeheal.pipeline.model import roles
 from moeheal.pipeline.model.routed import routed_inputs_on_device, routed_output
-from moeheal.pipeline.progress import progress
+from moeheal.pipeline.progress import Phases, progress
 from moeheal.pipeline.stages.quantize import (
     QuantizeParams,
     expert_weights,
@@ -109,21 +109,24 @@ def _row(layer: int, role: str, fmt: str, n_weights: int, n_bytes: int, errors: 
 
 
 def _routed_rows(layer: int, role: str, weights: dict[str, jax.Array], plan, data: dict[str, dict[str, jax.Array]],
-                 fisher: np.ndarray, params: "SensitivityParams") -> list[dict[str, Any]]:
+                 fisher: np.ndarray, params: "SensitivityParams", phases: Phases) -> list[dict[str, Any]]:
     """One routed role of one layer in every candidate format: the routed output error after alpha;
-    `data` each split's routed inputs on the device (`routed_inputs_on_device`)."""
+    `data` each split's routed inputs on the device (`routed_inputs_on_device`); the seconds of the
+    rounding and of the routed outputs and their errors added to `phases`."""
     w = weights[role]  # (E, rows, cols)
     importance, hessians = plan[role]
     rows = []
     for fmt in params.formats:
         raw = encode.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
         assert raw.nbytes == tensor_bytes(fmt, w.size), (fmt, raw.shape)
+        phases.done("rounding", raw)
         w_q = decode.dequantize(raw, fmt, w.shape, keep_on_device=True)  # (E, rows, cols)
         y = {s: routed_output({**weights, role: w_q}, d) for s, d in data.items()}  # (T, d) each
         alpha = fit_alpha(data["in_sample"]["yr"], y["in_sample"]) if params.alpha else 1.0
         errors = {s: relative_residual(d["yr"], y[s], alpha) for s, d in data.items()}
         delta = np.asarray(alpha * y["unseen"] - data["unseen"]["yr"])  # (T, d)
         rows.append(_row(layer, role, fmt, int(w.size), raw.nbytes, errors, kl_estimate(fisher, delta), float(alpha)))
+        phases.done("outputs")
     return rows
 
 
@@ -152,10 +155,12 @@ def _matrix_rows(source: GGUFModel, layer: int, role: str, matrices: dict[str, n
     return rows
 
 
-def measure_sensitivity(source: GGUFModel, cal, unseen, guidance: Path, params: SensitivityParams) -> pa.Table:
+def measure_sensitivity(source: GGUFModel, cal, unseen, guidance: Path, params: SensitivityParams,
+                        log: Log = print) -> pa.Table:
     """One row per (layer, role, format): bytes, the relative output error (unseen and in-sample) with
     only that tensor quantized (after the variant's alpha, for a routed role), and its estimated cost
-    in KL by the unseen trace's Fisher (`guidance`, the guidance stage's store of that trace)."""
+    in KL by the unseen trace's Fisher (`guidance`, the guidance stage's store of that trace). Each
+    layer logs where its time went (`sensitivity layer 3: read ..., rounding ..., outputs ...`)."""
     qp = params.quantize
     extra = roles.dump_arrays(params.roles)
     in_rows = slice(0, qp.cal_tokens or None)
@@ -163,21 +168,27 @@ def measure_sensitivity(source: GGUFModel, cal, unseen, guidance: Path, params: 
             "unseen": unseen.sequences("sensitivity")} if extra else {"in_sample": [], "unseen": []}
     rows = []
     for layer in progress(source.moe_layers, desc="sensitivity", unit="layer"):
+        phases = Phases()
         weights = expert_weights(source, layer)
         data = {"in_sample": read_layer(cal[str(layer)], in_rows, extra),
                 "unseen": read_layer(unseen[str(layer)], slice(None), extra)}
+        phases.done("read", weights)
         plan = importance_plan(weights, cal if qp.importance else None, layer, qp, data["in_sample"])
+        phases.done("statistics", plan)
         fisher = read_fisher_values(guidance, layer)  # (T, d): the unseen dump's rows are the trace's tokens
         if len(fisher) != len(data["unseen"]["yr"]):
             raise InputError(f"{guidance}: layer {layer}: {len(fisher)} rows of guidance for an unseen dump of "
                              f"{len(data['unseen']['yr'])}")
         matrices = layer_matrices(source, layer) if set(params.roles) - set(EXPERT_TENSORS) else {}
         routed = {s: routed_inputs_on_device(d) for s, d in data.items()}
+        phases.done("read", routed)
         for role in params.roles:
             if role in EXPERT_TENSORS:
-                rows += _routed_rows(layer, role, weights, plan, routed, fisher, params)
+                rows += _routed_rows(layer, role, weights, plan, routed, fisher, params, phases)
             else:
                 rows += _matrix_rows(source, layer, role, matrices, data, seqs, fisher, params)
+                phases.done("other roles")
+        log(f"sensitivity layer {layer}: {phases}")
     return pa.Table.from_pylist(rows, schema=SENSITIVITY_SCHEMA)
 
 
@@ -189,7 +200,7 @@ def build_sensitivity(out: Path, params: SensitivityParams, *, source: Path, dum
     model = open_model(source)
     with one_blas_thread():
         table = measure_sensitivity(model, open_dump(dump, model.hp, model.moe_layers),
-                                    open_dump(unseen, model.hp, model.moe_layers), guidance, params)
+                                    open_dump(unseen, model.hp, model.moe_layers), guidance, params, log)
     write_parquet(out / "sensitivity.parquet", table)
 
 
