@@ -272,17 +272,30 @@ class CodebookRelaxation(Relaxation):
         return cls.grid()[const["idx"]] + step * theta["mag"].reshape(const["idx"].shape[0], -1, cls.group)
 
     def choice(self, theta, const):
-        """Each group's grid point (n, G): the nearest to its target among its stored point's neighbours."""
+        """Each group's grid point (n, G): the nearest to its target among its stored point's neighbours.
+
+        Each stored point's neighbours and their values are small per-format tables, read by the stored
+        point: a (n, G, N) array of neighbour indices per group would be read from memory every step
+        (iq3_xxs: 8 bytes a weight, the step's largest read) and held for the whole unit. The distances
+        and the running minimum are written out per neighbour and per weight of the group, elementwise
+        over (n, G): on a GPU a reduction over the group's 4 or 8 weights and then over the N neighbours
+        made two reduction kernels over minor axes that short, each slower than all of the arithmetic."""
         cls = self.cls
         target = self._target(theta, const)  # (n, G, g)
-        # Each stored point's neighbours and their values are small per-format tables, read by the stored
-        # point: a (n, G, N) array of neighbour indices per group would be read from memory every step
-        # (iq3_xxs: 8 bytes a weight, the step's largest read) and held for the whole unit.
-        nbrs = jnp.asarray(format_neighbours(cls))  # (K, N)
-        cand = jnp.asarray(format_neighbour_values(cls))[const["idx"]]  # (n, G, N, g): grid[nbrs[idx]]
-        dist = jnp.sum((cand - target[:, :, None, :]) ** 2, axis=-1)  # (n, G, N)
-        pick = jnp.argmin(dist, axis=-1)  # (n, G); the stored point first: ties keep it
-        return {"idx": nbrs[const["idx"], pick]}  # (n, G)
+        idx = const["idx"]  # (n, G)
+        values = jnp.asarray(format_neighbour_values(cls))  # (K, N, g)
+        best = pick = None
+        for j in range(values.shape[1]):  # the stored point first: a tie keeps the earlier neighbour
+            diff = values[:, j][idx] - target  # (n, G, g): neighbour j's values less the target
+            dist = diff[..., 0] * diff[..., 0]  # (n, G)
+            for i in range(1, cls.group):
+                dist = dist + diff[..., i] * diff[..., i]  # (n, G), summed in the weights' order
+            if best is None:
+                best, pick = dist, jnp.zeros(idx.shape, jnp.int32)
+            else:
+                better = dist < best  # (n, G)
+                best, pick = jnp.where(better, dist, best), jnp.where(better, jnp.int32(j), pick)
+        return {"idx": jnp.asarray(format_neighbours(cls))[idx, pick]}  # (n, G)
 
     def _scale_codes(self, theta, const) -> jax.Array:
         """The sub-block scale codes (n, J): continuous, rounded in the forward pass."""
