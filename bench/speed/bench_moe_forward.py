@@ -91,22 +91,24 @@ def main() -> int:
     print(f"device {jax.devices()[0].device_kind}; E={args.experts} k={args.k} d={args.d} f={args.f}")
     for n in args.tokens:
         x, experts, weights, g = routed_batch(rng, n, args)
-        impls = {"scan": lambda w_, x_: M._moe_scan(w_, x_, experts, weights)}
+        # the routing is an argument of every program, not a constant of it: XLA would fold the sort of a
+        # real layer's 524,288 (token, expert) pairs into the program, for minutes
+        impls = {"scan": lambda w_, x_, e_, r_: M._moe_scan(w_, x_, e_, r_)}
         for b in [] if args.no_batched else args.blocks:
-            impls[f"batched b={b}"] = (lambda b_: lambda w_, x_: M._moe_batched(w_, x_, experts, weights, b_))(b)
+            impls[f"batched b={b}"] = (lambda b_: lambda w_, x_, e_, r_: M._moe_batched(w_, x_, e_, r_, b_))(b)
         for g_ in args.groups:
-            impls[f"grouped G={g_}"] = (lambda g2: lambda w_, x_: M._moe_grouped(w_, x_, experts, weights, g2))(g_)
-        ref = np.asarray(impls["scan"](w, x))
+            impls[f"grouped G={g_}"] = (lambda g2: lambda w_, x_, e_, r_: M._moe_grouped(w_, x_, e_, r_, g2))(g_)
+        ref = np.asarray(jax.jit(impls["scan"])(w, x, experts, weights))
         base = None
         for name, fn in impls.items():
             fwd = jax.jit(fn)
-            t_fwd = timed(fwd, w, x)
+            t_fwd = timed(fwd, w, x, experts, weights)
             t_grad = None
             if not name.startswith("grouped"):
-                grad = jax.jit(jax.grad(lambda w_, x_: jnp.sum(fn(w_, x_) * g), argnums=(0, 1)))
-                t_grad = timed(grad, w, x)
+                grad = jax.jit(jax.grad(lambda w_, x_, e_, r_: jnp.sum(fn(w_, x_, e_, r_) * g), argnums=(0, 1)))
+                t_grad = timed(grad, w, x, experts, weights)
             base = base or (t_fwd, t_grad)
-            diff = float(np.max(np.abs(np.asarray(fwd(w, x)) - ref)) / np.max(np.abs(ref)))
+            diff = float(np.max(np.abs(np.asarray(fwd(w, x, experts, weights)) - ref)) / np.max(np.abs(ref)))
             backward = (f"forward+grad {1e3 * t_grad:8.2f} ms ({base[1] / t_grad:5.2f}x)" if t_grad
                         else "forward+grad      -- (forward only)")
             print(f"N={n:6d} {name:14s} forward {1e3 * t_fwd:8.2f} ms ({base[0] / t_fwd:5.2f}x)  "
