@@ -90,17 +90,6 @@ def search_blocks() -> int:
     return SEARCH_BLOCKS if jax.default_backend() == "cpu" else ACCELERATOR_SEARCH_BLOCKS
 
 
-def fused_terms() -> bool:
-    """Whether the search computes each grid point's terms B and C where it scores them (an
-    accelerator) rather than holding them as (groups, K) arrays (the CPU). Written per grid point,
-    B_k and C_k are elementwise in the group's weights, so XLA fuses them into each candidate scale's
-    minimum over the grid: a GPU then reads a group's 8 weights once per candidate instead of its K
-    terms twice (iq2_s: 1,024 floats each), at the price of recomputing them, which its arithmetic
-    affords and a CPU's does not. The sums run in the weights' order, not a matrix product's, so
-    near-ties may round to other points than the CPU's."""
-    return jax.default_backend() != "cpu"
-
-
 def plan_rows() -> int:
     """Rows per step of GPTQ's plans on the backend a program is traced for. Each row is planned on its
     own, so in exact arithmetic the bytes do not depend on it; in float32 they can (see ``PLAN_ROWS``)."""
@@ -159,63 +148,25 @@ class IQuantEncoder(Encoder, IQuant):
         grid = cls.grid()  # (K, g)
         a5, w5 = cls._layout(a), cls._layout(w)  # (n, J, P, h, g) x2
         wa = w5 * a5
-        flip = jnp.zeros(wa.shape[:-1], bool)  # (n, J, P, h)
-        if fused_terms():  # B and C computed where they are scored (``_bc``)
-            factors = {"wa": wa, "w": w5}
-            b, c = cls._bc({**factors, "flip": flip})  # (n, J, P, h, K) x2, unflipped
-            bf = cls._bc({**factors, "flip": ~flip})[0] if cls.parity else b  # (n, J, P, h, K)
-        else:
-            b = jnp.einsum("njphi,ki->njphk", wa, grid, precision=HIGHEST)  # (n, J, P, h, K)
-            c = jnp.einsum("njphi,ki->njphk", w5, grid * grid, precision=HIGHEST)  # (n, J, P, h, K)
-            bf = b - 2 * jnp.min(wa[..., None, :] * grid, axis=-1) if cls.parity else b  # (n, J, P, h, K)
-        if cls.parity:
-            flip = jnp.broadcast_to(odd[..., None], flip.shape)
-        if cls.parity and cls.group < 8:
+        b = jnp.einsum("njphi,ki->njphk", wa, grid, precision=HIGHEST)  # (n, J, P, h, K)
+        c = jnp.einsum("njphi,ki->njphk", w5, grid * grid, precision=HIGHEST)  # (n, J, P, h, K)
+        flip = jnp.zeros(b.shape[:-1], bool)  # (n, J, P, h)
+        if not cls.parity:
+            return {"B": b, "C": c, "flip": flip}
+        bf = b - 2 * jnp.min(wa[..., None, :] * grid, axis=-1)  # (n, J, P, h, K)
+        flip = jnp.broadcast_to(odd[..., None], flip.shape)
+        if cls.group < 8:
             s = jnp.max(a5, axis=(2, 3, 4)) / float(np.max(gguf_grid(cls.quant)))  # (n, J)
             ss = s[:, :, None, None, None]
             gain = jnp.min(ss * (ss * c - 2 * bf), axis=-1) - jnp.min(ss * (ss * c - 2 * b), axis=-1)  # (n, J, P, h)
             flip = flip & (jnp.arange(gain.shape[-1]) == jnp.argmin(gain, axis=-1)[..., None])
-        if fused_terms():
-            return {"wa": wa, "w": w5, "flip": flip}
         return {"B": jnp.where(flip[..., None], bf, b), "C": c, "flip": flip}
-
-    @classmethod
-    def _bc(cls, terms: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        """B (flipped groups' with their best flip) and C (n, J, P, h, K) of ``_terms``: as held, or
-        (``fused_terms``) written per grid point from the group's weighted magnitudes wa and weights w,
-        elementwise, so that they fuse into the reduction that scores them."""
-        if "B" in terms:
-            return terms["B"], terms["C"]
-        grid = cls.grid()  # (K, g)
-        wa, w = terms["wa"], terms["w"]  # (n, J, P, h, g) x2
-        b = wa[..., 0, None] * grid[:, 0]  # (n, J, P, h, K)
-        c = w[..., 0, None] * (grid[:, 0] * grid[:, 0])  # (n, J, P, h, K)
-        least = b  # (n, J, P, h, K): min_i wa_i g_ki, the cheapest weight to flip
-        for i in range(1, cls.group):
-            term = wa[..., i, None] * grid[:, i]  # (n, J, P, h, K)
-            b, c, least = b + term, c + w[..., i, None] * (grid[:, i] * grid[:, i]), jnp.minimum(least, term)
-        if not cls.parity:
-            return b, c
-        return jnp.where(terms["flip"][..., None], b - 2 * least, b), c
-
-    @classmethod
-    def _at(cls, terms: dict[str, jax.Array], idx: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """B and C of each group's point idx (n, J, P, h): (n, J, P, h) x2."""
-        if "B" in terms:
-            return tuple(jnp.take_along_axis(terms[k], idx[..., None], axis=-1)[..., 0] for k in ("B", "C"))
-        g = cls.grid()[idx]  # (n, J, P, h, g): each group's point's values
-        term = terms["wa"] * g  # (n, J, P, h, g)
-        b, c, least = term[..., 0], terms["w"][..., 0] * g[..., 0] * g[..., 0], term[..., 0]
-        for i in range(1, cls.group):
-            b, c, least = b + term[..., i], c + terms["w"][..., i] * (g[..., i] * g[..., i]), jnp.minimum(least, term[..., i])
-        return (jnp.where(terms["flip"], b - 2 * least, b) if cls.parity else b), c
 
     @classmethod
     def _scores(cls, terms: dict[str, jax.Array], s: jax.Array) -> jax.Array:
         """Errors less their constant part for sub-block scales s (n, J): (n, J, P, h, K)."""
         ss = s[:, :, None, None, None]  # (n, J, 1, 1, 1)
-        b, c = cls._bc(terms)  # (n, J, P, h, K) x2
-        return ss * (ss * c - 2 * b)
+        return ss * (ss * terms["C"] - 2 * terms["B"])
 
     @classmethod
     def _errors(cls, terms: dict[str, jax.Array], s: jax.Array) -> jax.Array:
@@ -248,7 +199,9 @@ class IQuantEncoder(Encoder, IQuant):
 
         init = (jnp.full(s0.shape, jnp.inf, jnp.float32), s0)
         (err, s), _ = jax.lax.scan(step, init, jnp.asarray(STAGE1_RATIOS, jnp.float32))
-        b, c = (jnp.sum(v, axis=(2, 3)) for v in cls._at(terms, cls._points(terms, s)))  # (n, J) x2
+        idx = cls._points(terms, s)[..., None]  # (n, J, P, h, 1)
+        b = jnp.sum(jnp.take_along_axis(terms["B"], idx, axis=-1), axis=(2, 3, 4))  # (n, J)
+        c = jnp.sum(jnp.take_along_axis(terms["C"], idx, axis=-1), axis=(2, 3, 4))  # (n, J)
         s_fit = jnp.where(c > 0, safe_div(b, c), s)  # (n, J)
         return jnp.where(cls._errors(terms, s_fit) < err, s_fit, s), c
 

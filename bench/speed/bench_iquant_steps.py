@@ -19,9 +19,6 @@ count the baseline, in the same run on the same inputs, and prints the ratio, th
 bytes equal to the baseline's and the count of those that are not (each block and each row is
 searched on its own, so in exact arithmetic none moves; in float32 a count can change how XLA
 orders a sum, and a near-tie code moves).
-`--terms table fused` also times the grid's terms B and C held as (groups, grid points) arrays (the
-CPU's way) against computed where each candidate scores them (`iquants_encode.fused_terms`, an
-accelerator's), the first the baseline; near-ties may round to other points.
 `--weights demo` takes the demo model's trained experts (every routed tensor of its GGUF, stacked:
 288 x 256 x 256) instead of random ones, with the same synthetic importance: random weights have
 almost no near-ties, trained ones a few. Times exclude compilation (the first call, its
@@ -73,9 +70,6 @@ def main() -> None:
     parser.add_argument("--formats", nargs="*", choices=FORMATS, default=["iq2_xxs", "iq2_s"])
     parser.add_argument("--counts", nargs="*", type=int, default=[8, 64, 256],
                         help="blocks (search) or rows (plan) per step; the first is the baseline")
-    parser.add_argument("--terms", nargs="*", choices=("table", "fused"), default=["default"],
-                        help="the grid terms B and C held as (groups, K) arrays or computed where scored "
-                             "(`iquants_encode.fused_terms`); default: the backend's own choice")
     args = parser.parse_args()
 
     import jax
@@ -96,15 +90,13 @@ def main() -> None:
     method = "GPTQ" if hessians is not None else "least squares"
     print(f"device: {device.device_kind}; {args.weights} {args.shape}; {method}; "
           f"best of {args.repeats} after a compiling call; `iquants_encode.{setting}` set per row\n")
-    print(f"| format | terms | {setting} | compiling call s | s | vs first | bytes equal to first | bytes unlike first "
+    print(f"| format | {setting} | compiling call s | s | vs first | bytes equal to first | bytes unlike first "
           "| experts per call |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    backend_terms = iquants_encode.fused_terms
+    print("|---|---|---|---|---|---|---|---|")
     with jax.default_device(device):
         for fmt in args.formats:
             first_s, first_bytes = None, None
-            for terms, count in [(t, c) for t in args.terms for c in args.counts]:
-                iquants_encode.fused_terms = backend_terms if terms == "default" else (lambda f: lambda: f)(terms == "fused")
+            for count in args.counts:
                 setattr(iquants_encode, setting, count)
                 jax.clear_caches()  # the programs read the count when traced
                 encode.clear_fitted_batches()
@@ -119,7 +111,7 @@ def main() -> None:
                 first_s = seconds if first_s is None else first_s
                 first_bytes = raw if first_bytes is None else first_bytes
                 batch = encode.fitted_batches().get((fmt, shape, hessians is not None), "CPU: by weights")
-                print(f"| {fmt} | {terms} | {count} | {compiling_s:.1f} | {seconds:.3f} | {first_s / seconds:.2f}x "
+                print(f"| {fmt} | {count} | {compiling_s:.1f} | {seconds:.3f} | {first_s / seconds:.2f}x "
                       f"| {np.mean(raw == first_bytes):.4f} | {int(np.sum(raw != first_bytes))} | {batch} |",
                       flush=True)
 
