@@ -132,6 +132,30 @@ def test_moe_forward_on_gpu_batches_small_loads_deterministically():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_routed_output_on_gpu_groups_large_loads_deterministically():
+    """Above the batched form's loads, calibrate's and the sensitivity measure's routed outputs
+    (`moe_output`) run the grouped expert blocks on a GPU: the CPU scan's output to float32 rounding, and
+    the same bits on every run (no scatter-add onto the tokens)."""
+    import jax.numpy as jnp
+
+    from moeheal.pipeline.model import layers as M
+
+    rng = np.random.default_rng(6)
+    n, k, n_expert, d, f = 4096, 8, 32, 256, 128
+    assert n * k > M.BATCHED_MAX_LOAD * n_expert
+    w = {"ffn_gate_exps.weight": 0.05 * rng.standard_normal((n_expert, f, d)),
+         "ffn_up_exps.weight": 0.05 * rng.standard_normal((n_expert, f, d)),
+         "ffn_down_exps.weight": 0.05 * rng.standard_normal((n_expert, d, f))}
+    w = {name: jnp.asarray(v, jnp.float32) for name, v in w.items()}
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)  # (N, d)
+    experts = jnp.asarray(np.argsort(-rng.standard_normal((n, n_expert)), axis=1)[:, :k].astype(np.int32))  # (N, k)
+    weights = jnp.asarray(rng.dirichlet(np.ones(k), n).astype(np.float32))  # (N, k)
+    first, second = (np.asarray(M.moe_output(w, x, experts, weights)) for _ in range(2))
+    ref = on_cpu(lambda *a: np.asarray(M.moe_forward(*a)), w, x, experts, weights)
+    np.testing.assert_allclose(first, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    np.testing.assert_array_equal(first, second)
+
+
 def test_learned_rounding_writes_the_same_bytes_on_every_gpu_run():
     """A layer's learned rounding twice on the GPU: the same bytes (a token's pair outputs are gathered and
     summed in k's order, not scatter-added with atomics) and the same curve."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 import sys
 import time
 from dataclasses import replace
@@ -197,6 +197,9 @@ def main() -> None:
     parser.add_argument("--programs", type=Path, default=None,
                         help="also time one step's programs alone (each tensor's decoding and update, the layer's "
                              "loss and gradient; median of 10 calls) and write each one's optimised HLO to this folder")
+    parser.add_argument("--reduced-choice", action="store_true",
+                        help="run the codebook formats' choice as it was (`reduced_choice`): the baseline of the "
+                             "choice written out elementwise, run beside it as a second command")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time CPU seconds of every thread (time.process_time): on a shared machine the wall "
                              "clock counts other people's work too")
@@ -218,7 +221,7 @@ def main() -> None:
           "| held-out rel. error GPTQ | held-out rel. error learned |")
     print("|---|---|---|---|---|---|---|---|")
     traces: list[str] = []
-    with jax.default_device(device):
+    with jax.default_device(device), reduced_choice(learned.CodebookRelaxation) if args.reduced_choice else nullcontext():
         w, x, experts, weights, yr = synthetic_layer(n_expert, d, f, k, args.tokens, copied=not args.device_backed_rows)
         cut = args.tokens - args.tokens // Q.LEARNED_HOLDOUT
         cal = learned.TokenSet(x, experts, weights, yr, yr)

@@ -79,6 +79,8 @@ def main() -> int:
     parser.add_argument("--groups", type=int, nargs="*", default=[],
                         help="expert blocks per product, grouped form (forward-only passes: no gradient timed)")
     parser.add_argument("--no-batched", action="store_true", help="leave the batched form out (large loads)")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="time no gradient (the scan's at 65,536 rows needs 53 GB on the device)")
     parser.add_argument("--packed", metavar="FORMAT", help="time the tuner's quantized forms instead (below)")
     args = parser.parse_args()
     if args.packed:
@@ -104,7 +106,7 @@ def main() -> int:
             fwd = jax.jit(fn)
             t_fwd = timed(fwd, w, x, experts, weights)
             t_grad = None
-            if not name.startswith("grouped"):
+            if not (name.startswith("grouped") or args.forward_only):
                 grad = jax.jit(jax.grad(lambda w_, x_, e_, r_: jnp.sum(fn(w_, x_, e_, r_) * g), argnums=(0, 1)))
                 t_grad = timed(grad, w, x, experts, weights)
             base = base or (t_fwd, t_grad)
