@@ -381,6 +381,23 @@ def test_real_size_record_extrapolates_the_busy_samples_as_the_wall():
     assert both["gpu_busy_fraction_extrapolated"] == record["gpu_busy_fraction_extrapolated"]  # v's, unchanged
 
 
+def test_real_size_record_fits_the_whole_heals_share_where_runs_kept_no_stage_counts():
+    """Runs with only their whole heal's busy share: the busy samples (share x heal seconds) and the heal's
+    seconds each fitted in depth, their ratio at the real depth; one depth gives no figure."""
+    from bench.tools import real_size_record
+
+    def run(layers: int) -> dict:
+        heal = 100.0 + 20.0 * layers  # 10 busy seconds fixed, 15 a layer
+        return {"like": "qwen3-30b-a3b", "layers": layers, "calibration_tokens": 65536, "variants": ["v"],
+                "device": "gpu", "per_stage_s": {"e2e:v": heal}, "heal_s": heal, "json": f"l{layers}.json",
+                "gpu_busy_fraction": (10.0 + 15.0 * layers) / heal}
+
+    gpu = real_size_record.join_runs([run(n) for n in (2, 3, 4)], 48)["gpu_by_variant"]["v"]
+    assert gpu["gpu_busy_fraction_whole_runs"] == pytest.approx((10 + 15 * 48) / (100 + 20 * 48))
+    assert "gpu_busy_fraction_extrapolated" not in gpu  # no stage counts
+    assert "gpu_busy_fraction_whole_runs" not in real_size_record.join_runs([run(2)], 48)["gpu_by_variant"]["v"]
+
+
 def test_real_size_bench_sums_each_units_logged_steps_by_variant():
     """bench_real_size's `unit_phases` reads the line `progress.Phases` makes each unit log, and puts it
     to the variant of the unit computing then (the line names the layer only)."""

@@ -28,7 +28,8 @@ real depth (a deep heal compiles once and spends its time in the per-layer stage
 samples differs from a shallow run's); likewise `gpu_util_mean_extrapolated` from each stage's device-busy
 seconds (its samples' utilisation summed) over its wall time. Labelled extrapolated, the measured figures
 beside them. `gpu_by_variant` holds the same figures per variant healed alone in some runs, from those runs
-only (its shared stages as they measured them): the recipe's runs keep the counts where `q2_k`'s do not.
+only (its shared stages as they measured them): the recipe's runs keep the counts where `q2_k`'s do not,
+so beside them `gpu_busy_fraction_whole_runs` fits each run's whole-heal share instead (`whole_run_share`).
 """
 
 from __future__ import annotations
@@ -158,6 +159,20 @@ def gpu_shares(stages: list[dict]) -> dict[str, float]:
     return out
 
 
+def whole_run_share(members: list[dict], depth: int) -> dict[str, float]:
+    """`gpu_busy_fraction_whole_runs`: the share of busy 1-second samples at `depth` from runs that kept
+    only their whole heal's share (`gpu_busy_fraction`), not each stage's counts: the busy samples
+    (share x heal seconds, the sampler taking one a second) and the heal's seconds, each fitted in depth
+    and evaluated there. Coarser than the per-stage fit: the baseline's units are in both."""
+    points = [run for run in members if run.get("gpu_busy_fraction") is not None]
+    if len({run["layers"] for run in points}) < 2:
+        return {}
+    busy = fit_depth({run["layers"]: run["gpu_busy_fraction"] * run["heal_s"] for run in points})
+    heal = fit_depth({run["layers"]: run["heal_s"] for run in points})
+    return {"gpu_busy_fraction_whole_runs": (busy["fixed_s"] + busy["per_layer_s"] * depth)
+            / (heal["fixed_s"] + heal["per_layer_s"] * depth)}
+
+
 def join_runs(runs: list[dict], depth: int) -> dict:
     """The record of `runs` (bench_real_size figures, each with its `json` path) extrapolated to `depth`."""
     runs = [{**run, "per_stage_s": {**run["per_stage_s"], SHARD_PHASE: run["shard_phase_s"]}}
@@ -198,7 +213,8 @@ def join_runs(runs: list[dict], depth: int) -> dict:
             deepest = max(alone, key=lambda run: run["layers"])
             alone_gpu[name] = {"gpu_busy_fraction": deepest.get("gpu_busy_fraction"),
                                "gpu_util_mean": deepest.get("gpu_util_mean"), "layers": deepest["layers"],
-                               **gpu_shares(list(fit_stages(alone, [name], depth).values()))}
+                               **gpu_shares(list(fit_stages(alone, [name], depth).values())),
+                               **whole_run_share(alone, depth)}
 
     first = [r for r in runs if order[0] in r["variants"]]
     deepest_first = max(first, key=lambda run: run["layers"])
@@ -257,6 +273,9 @@ def main() -> int:
         print(f"GPU busy in {record['gpu_busy_fraction']:.1%} of the deepest run's samples; extrapolated to "
               f"{record['extrapolated_to']} layers: {record['gpu_busy_fraction_extrapolated']:.1%}")
     for name, gpu in record["gpu_by_variant"].items():
+        if "gpu_busy_fraction_whole_runs" in gpu:
+            print(f"{name} alone: GPU busy in {gpu['gpu_busy_fraction_whole_runs']:.1%} of the samples at "
+                  f"{record['extrapolated_to']} layers, extrapolated from its runs' whole-heal shares")
         if "gpu_busy_fraction_extrapolated" in gpu:
             print(f"{name} alone: GPU busy in {gpu['gpu_busy_fraction']:.1%} of its {gpu['layers']}-layer run's "
                   f"samples; extrapolated to {record['extrapolated_to']} layers from its own runs: "
