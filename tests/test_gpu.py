@@ -20,6 +20,21 @@ def on_cpu(fn, *args):
         return fn(*args)
 
 
+def random_routed_layer(rng: np.random.Generator, n: int, k: int, n_expert: int, d: int = 256, f: int = 128):
+    """Random float32 experts gate/up (E, f, d), down (E, d, f) on the default device, n inputs (N, d) and a
+    random top-k routing: experts (N, k) int32, weights (N, k)."""
+    import jax.numpy as jnp
+
+    w = {"ffn_gate_exps.weight": 0.05 * rng.standard_normal((n_expert, f, d)),
+         "ffn_up_exps.weight": 0.05 * rng.standard_normal((n_expert, f, d)),
+         "ffn_down_exps.weight": 0.05 * rng.standard_normal((n_expert, d, f))}
+    w = {name: jnp.asarray(v, jnp.float32) for name, v in w.items()}
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)  # (N, d)
+    experts = jnp.asarray(np.argsort(-rng.standard_normal((n, n_expert)), axis=1)[:, :k].astype(np.int32))  # (N, k)
+    weights = jnp.asarray(rng.dirichlet(np.ones(k), n).astype(np.float32))  # (N, k)
+    return w, x, experts, weights
+
+
 @pytest.mark.parametrize("fmt", ["tq2_0", "iq4_nl", "q8_0"])
 def test_dequantize_is_bit_identical_on_gpu(fmt):
     rng = np.random.default_rng(0)
@@ -113,16 +128,9 @@ def test_moe_forward_on_gpu_batches_small_loads_deterministically():
 
     from moeheal.pipeline.model import layers as M
 
-    rng = np.random.default_rng(5)
-    n, k, n_expert, d, f = 512, 8, 128, 256, 128
+    n, k, n_expert = 512, 8, 128
     assert n * k <= M.BATCHED_MAX_LOAD * n_expert
-    w = {"ffn_gate_exps.weight": 0.05 * rng.standard_normal((n_expert, f, d)),
-         "ffn_up_exps.weight": 0.05 * rng.standard_normal((n_expert, f, d)),
-         "ffn_down_exps.weight": 0.05 * rng.standard_normal((n_expert, d, f))}
-    w = {name: jnp.asarray(v, jnp.float32) for name, v in w.items()}
-    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)  # (N, d)
-    experts = jnp.asarray(np.argsort(-rng.standard_normal((n, n_expert)), axis=1)[:, :k].astype(np.int32))  # (N, k)
-    weights = jnp.asarray(rng.dirichlet(np.ones(k), n).astype(np.float32))  # (N, k)
+    w, x, experts, weights = random_routed_layer(np.random.default_rng(5), n, k, n_expert)
     got = np.asarray(M.moe_forward(w, x, experts, weights))
     ref = on_cpu(lambda *a: np.asarray(M.moe_forward(*a)), w, x, experts, weights)
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
@@ -136,20 +144,11 @@ def test_routed_output_on_gpu_groups_large_loads_deterministically():
     """Above the batched form's loads, calibrate's and the sensitivity measure's routed outputs
     (`moe_output`) run the grouped expert blocks on a GPU: the CPU scan's output to float32 rounding, and
     the same bits on every run (no scatter-add onto the tokens)."""
-    import jax.numpy as jnp
-
     from moeheal.pipeline.model import layers as M
 
-    rng = np.random.default_rng(6)
-    n, k, n_expert, d, f = 4096, 8, 32, 256, 128
+    n, k, n_expert = 4096, 8, 32
     assert n * k > M.BATCHED_MAX_LOAD * n_expert
-    w = {"ffn_gate_exps.weight": 0.05 * rng.standard_normal((n_expert, f, d)),
-         "ffn_up_exps.weight": 0.05 * rng.standard_normal((n_expert, f, d)),
-         "ffn_down_exps.weight": 0.05 * rng.standard_normal((n_expert, d, f))}
-    w = {name: jnp.asarray(v, jnp.float32) for name, v in w.items()}
-    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)  # (N, d)
-    experts = jnp.asarray(np.argsort(-rng.standard_normal((n, n_expert)), axis=1)[:, :k].astype(np.int32))  # (N, k)
-    weights = jnp.asarray(rng.dirichlet(np.ones(k), n).astype(np.float32))  # (N, k)
+    w, x, experts, weights = random_routed_layer(np.random.default_rng(6), n, k, n_expert)
     first, second = (np.asarray(M.moe_output(w, x, experts, weights)) for _ in range(2))
     ref = on_cpu(lambda *a: np.asarray(M.moe_forward(*a)), w, x, experts, weights)
     np.testing.assert_allclose(first, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
