@@ -309,6 +309,23 @@ def test_grouped_moe_forward_matches_numpy(tiny_qwen2moe, n_tokens, skew, group)
                                   np.asarray(M.moe_forward(w, mixed, experts, weights)))
 
 
+def test_grouped_moe_forward_sizes_its_groups_by_the_experts_bytes(tiny_qwen2moe, monkeypatch):
+    """With no group given, a group holds as many blocks as GROUPED_BYTES has room for of the experts' three
+    matrices (here 3 blocks: several groups and an incomplete last one), and the output is still NumPy's."""
+    params = GGUFModel(tiny_qwen2moe).layer(0)
+    w = {name: jnp.asarray(params[name]) for name in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")}
+    one = sum(np.prod(v.shape[1:]) * v.dtype.itemsize for v in w.values())  # an expert's matrices, bytes
+    monkeypatch.setattr(M, "GROUPED_BYTES", 3.5 * one)
+    mixed, experts, weights = routed_rows(np.random.default_rng(300), 64, True)
+    got = np.asarray(M._moe_grouped(w, mixed, experts, weights))
+    ref = numpy_moe(params, mixed, experts, weights)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    n_pairs, n_expert = experts.size, w["ffn_gate_exps.weight"].shape[0]
+    n_blocks = -(-n_pairs // M.block_size_for(n_pairs, n_expert)) + n_expert  # expert_blocks' count
+    scans = [e for e in jax.make_jaxpr(M._moe_grouped)(w, mixed, experts, weights).eqns if e.primitive.name == "scan"]
+    assert [e.params["length"] for e in scans] == [-(-n_blocks // 3)]  # groups of 3 blocks
+
+
 def test_tied_embeddings_without_output_tensor(tiny_qwen3moe, tmp_path):
     src = GGUFModel(tiny_qwen3moe)
     path = tmp_path / "tied.gguf"

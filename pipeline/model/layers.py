@@ -15,6 +15,7 @@ shared expert) is in its own file under `pipeline.model.arch`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -199,8 +200,10 @@ BATCHED_MAX_LOAD = 64
 PACKED_MAX_LOAD = 256
 # Expert blocks per product in `_moe_grouped` (an accelerator's forward-only passes over many rows): on an
 # H100 at a 30B layer's shape, 64 took the forward 1.58x (65,536 rows) and 1.52x (8,192) as fast as the
-# scan, 16 1.34x and 1.31x (bench/results/moe-forward/h100_grouped.txt); a group's matrices are 1.2 GB.
+# scan, 16 1.34x and 1.31x (bench/results/moe-forward/h100_grouped.txt); a group's matrices are 1.2 GB
+# there. Fewer where an expert's three matrices are larger, so that a group's stay within GROUPED_BYTES.
 GROUPED_BLOCKS = 64
+GROUPED_BYTES = 1.5e9
 
 
 @jax.jit
@@ -274,17 +277,21 @@ def _moe_batched(expert_weights: dict, mixed: jax.Array, experts: jax.Array, wei
 
 
 def _moe_grouped(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weights: jax.Array,
-                 group: int = GROUPED_BLOCKS) -> jax.Array:
+                 group: int | None = None) -> jax.Array:
     """`moe_forward` as a scan over groups of `group` expert blocks, each group three batched products
     (its blocks' expert matrices gathered): (N, d) -> yr (N, d). At a real layer's 65,536 rows the
     scan's thousands of one-block programs leave the device waiting between them; a group's products
     are large enough to keep it busy. Each slot's output is kept in the blocks' order and a token's k
     outputs are gathered back and summed in k's order, as `_moe_batched` does: no scatter-add onto the
     tokens (atomics in no fixed order on a GPU). Forward only (`moe_output`): the gather's gradient in
-    the weights would add repeated experts' rows with atomics."""
+    the weights would add repeated experts' rows with atomics. `group` None: GROUPED_BLOCKS, fewer where
+    a group's gathered matrices would pass GROUPED_BYTES."""
     w_gate, w_up, w_down = (_expert_matrix(expert_weights, w) for w in ("gate", "up", "down"))
     N, d = mixed.shape
     k, n_expert = experts.shape[1], w_gate.shape[0]
+    if group is None:
+        one = sum(math.prod(w.shape[1:]) * w.dtype.itemsize for w in (w_gate, w_up, w_down))  # an expert's, bytes
+        group = max(1, min(GROUPED_BLOCKS, int(GROUPED_BYTES // one)))
     block = block_size_for(N * k, n_expert)
     block_expert, slot_pair = expert_blocks(experts.reshape(-1).astype(jnp.int32), n_expert, block)  # (nB,), (nB*b,)
     steps = -(-block_expert.shape[0] // group)
