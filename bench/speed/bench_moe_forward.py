@@ -14,6 +14,13 @@ below E x block rows); the one-hot product copies each block's expert matrices e
 the others, float32 at full precision) and keeps the backward a matmul, where a gather's backward would
 be a scatter-add over repeated experts (atomics on a GPU: bits that change from run to run).
 
+`--groups G [G ...]` adds the forward-only grouped form (`_moe_grouped`: G expert blocks per batched
+product, what an accelerator runs for calibrate's and the sensitivity measure's outputs), `--no-batched`
+leaves the batched form out and `--forward-only` every gradient (at a real layer's 65,536 rows the
+scan's needs 53 GB):
+
+    python bench/speed/bench_moe_forward.py --experts 128 --d 2048 --f 768 --tokens 65536 8192 --groups 16 64 --no-batched --forward-only
+
 Printed per (tokens, implementation): the median time of the forward and of forward + gradient (all
 weights and the input), the ratio to the scan's in the same run, and the largest difference from the
 scan's output relative to its largest value.
