@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-from contextlib import contextmanager, nullcontext
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace

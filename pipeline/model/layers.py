@@ -271,8 +271,17 @@ def _moe_batched(expert_weights: dict, mixed: jax.Array, experts: jax.Array, wei
                   for w in (w_gate, w_up, w_down))  # (nB, f, d) x2, (nB, d, f)
     hidden = jax.nn.silu(einsum("bcd,bfd->bcf", xb, wg)) * einsum("bcd,bfd->bcf", xb, wu)  # (nB, b, f)
     y = einsum("bcf,bdf->bcd", hidden, wd).reshape(n_blocks * block, d)  # (nB*b, d)
-    slot = jnp.zeros((N * k + 1,), jnp.int32).at[slot_pair].set(jnp.arange(n_blocks * block, dtype=jnp.int32))
-    y_pairs = y[slot[:N * k]].reshape(N, k, d)  # (N, k, d): each pair's output, in the token's order
+    return _tokens_from_slots(y, slot_pair, weights)  # (N, d)
+
+
+def _tokens_from_slots(y: jax.Array, slot_pair: jax.Array, weights: jax.Array) -> jax.Array:
+    """Each token's k pair outputs gathered back from the blocks' slots and summed in k's order, each times
+    its routing weight: y (slots, d), slot_pair (slots,) each slot's pair (N * k: empty), weights (N, k) ->
+    (N, d). A gather, not a scatter-add onto the tokens: a GPU adds repeated rows with atomics in no fixed
+    order. Every pair has a slot; the empty slots all write the one index past the pairs."""
+    N, k = weights.shape
+    slot = jnp.zeros((N * k + 1,), jnp.int32).at[slot_pair].set(jnp.arange(slot_pair.shape[0], dtype=jnp.int32))
+    y_pairs = y[slot[:N * k]].reshape(N, k, y.shape[-1])  # (N, k, d): each pair's output, in the token's order
     return jnp.sum(y_pairs * weights[..., None].astype(jnp.float32), axis=1)  # (N, d)
 
 
@@ -282,8 +291,7 @@ def _moe_grouped(expert_weights: dict, mixed: jax.Array, experts: jax.Array, wei
     (its blocks' expert matrices gathered): (N, d) -> yr (N, d). At a real layer's 65,536 rows the
     scan's thousands of one-block programs leave the device waiting between them; a group's products
     are large enough to keep it busy. Each slot's output is kept in the blocks' order and a token's k
-    outputs are gathered back and summed in k's order, as `_moe_batched` does: no scatter-add onto the
-    tokens (atomics in no fixed order on a GPU). Forward only (`moe_output`): the gather's gradient in
+    outputs are gathered back (`_tokens_from_slots`, as `_moe_batched` does). Forward only (`moe_output`): the gather's gradient in
     the weights would add repeated experts' rows with atomics. `group` None: GROUPED_BLOCKS, fewer where
     a group's gathered matrices would pass GROUPED_BYTES."""
     w_gate, w_up, w_down = (_expert_matrix(expert_weights, w) for w in ("gate", "up", "down"))
@@ -309,11 +317,7 @@ def _moe_grouped(expert_weights: dict, mixed: jax.Array, experts: jax.Array, wei
 
     _, y = jax.lax.scan(one_group, None, (block_expert.reshape(steps, group),
                                           pair_token.reshape(steps, group, block)))  # (S, G, b, d)
-    y = jnp.concatenate([y.reshape(-1, d), jnp.zeros((1, d), y.dtype)])  # (S*G*b+1, d): the last row is no pair
-    slot = jnp.full((N * k + 1,), steps * group * block, jnp.int32).at[slot_pair].set(
-        jnp.arange(steps * group * block, dtype=jnp.int32))  # (P+1,) each pair's slot
-    y_pairs = y[slot[:N * k]].reshape(N, k, d)  # (N, k, d): each pair's output, in the token's order
-    return jnp.sum(y_pairs * weights[..., None].astype(jnp.float32), axis=1)  # (N, d)
+    return _tokens_from_slots(y.reshape(-1, d), slot_pair, weights)  # (N, d)
 
 
 def _moe_scan(expert_weights: dict, mixed: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
