@@ -21,8 +21,11 @@ the tensors) and writes its own bytes; there is no cross-host traffic to wait fo
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -140,6 +143,11 @@ def experts_batch_jit(fmt: str, schedule: GptqSchedule, mesh: Mesh, w: jax.Array
 _FITTED_BATCHES: dict[tuple, tuple[int, jax.stages.Compiled]] = {}
 
 
+def _fitted_key(fmt: str, schedule: GptqSchedule, mesh: Mesh, per_device: int, arrays: tuple) -> tuple:
+    """``_FITTED_BATCHES``' key: what a program depends on, the arrays by shape and dtype."""
+    return fmt, schedule, mesh, per_device, tuple(None if a is None else (a.shape, str(a.dtype)) for a in arrays)
+
+
 def _fitted_batch(fmt: str, schedule: GptqSchedule, mesh: Mesh, sharding: NamedSharding, per_device: int,
                   memory: int, w: jax.Array | np.ndarray, importance: jax.Array | np.ndarray | None,
                   hessians: jax.Array | np.ndarray | None) -> tuple[int, jax.stages.Compiled]:
@@ -153,7 +161,7 @@ def _fitted_batch(fmt: str, schedule: GptqSchedule, mesh: Mesh, sharding: NamedS
     so the bytes depend on the format, the shapes and the device, never on what else is resident.
     """
     arrays = (w, importance, hessians)
-    key = (fmt, schedule, mesh, per_device, tuple(None if a is None else (a.shape, str(a.dtype)) for a in arrays))
+    key = _fitted_key(fmt, schedule, mesh, per_device, arrays)
     if key not in _FITTED_BATCHES:
         def compile_at(batch: int) -> jax.stages.Compiled:
             specs = [None if a is None else jax.ShapeDtypeStruct((batch * mesh.size, *a.shape[1:]), a.dtype,
@@ -167,6 +175,61 @@ def _fitted_batch(fmt: str, schedule: GptqSchedule, mesh: Mesh, sharding: NamedS
 
         _FITTED_BATCHES[key] = fit_chunk(w.shape[0], per_device, memory, compile_at)  # as many experts as one device
     return _FITTED_BATCHES[key]
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where ``quantize_experts`` runs a stack of experts: the mesh, its sharding of the expert axis,
+    GPTQ's schedule there, the experts per device and step asked for, and the devices' memory (None on
+    the CPU, where no batch is cut to fit)."""
+
+    mesh: Mesh
+    sharding: NamedSharding
+    schedule: GptqSchedule
+    per_device: int
+    memory: int | None
+
+    @classmethod
+    def of(cls, shape: tuple[int, ...], batch_weights: int | None, devices: Sequence[jax.Device] | None
+           ) -> "_Placement":
+        """The placement of experts of ``shape`` (E, rows, cols). The per-device batch does not depend on
+        the device count: device d of step s runs the batch a single device runs at step s * devices + d,
+        same experts, same shape, same program, so the bytes cannot depend on the device count (a batch's
+        shape can move near-ties on some backends)."""
+        n_expert, rows, cols = shape
+        mesh = expert_mesh(devices)
+        if batch_weights is None:
+            batch_weights = ACCELERATOR_CHUNK_WEIGHTS if on_accelerator(mesh.devices.flat) else CHUNK_WEIGHTS
+        return cls(mesh, NamedSharding(mesh, PartitionSpec(EXPERT_AXIS)), gptq_schedule(mesh.devices.flat),
+                   max(1, min(batch_weights // (rows * cols), n_expert)), device_memory_bytes(mesh.devices.flat))
+
+
+def prepare_experts(jobs: Iterable[tuple[str, tuple[int, int, int], bool, bool]],
+                    devices: Sequence[jax.Device] | None = None) -> None:
+    """Compile ahead, in parallel threads, the programs ``quantize_experts`` will run for ``jobs``:
+    (format, experts' shape (E, rows, cols), with an importance, with Hessians), each at its default
+    batch. On an accelerator each new program is compiled once per process (``_fitted_batch``: a
+    codebook format's twice, its batch cut to fit), seconds each, and a layer's several formats would
+    otherwise compile one after the other on one host core; the host has more. Nothing on the CPU,
+    whose programs the jit compiles as they run. The programs are those ``quantize_experts`` runs, so
+    the bytes are the same with or without this."""
+    pending: dict[tuple, Callable[[], object]] = {}
+    for fmt, shape, with_importance, with_hessians in jobs:
+        placement = _Placement.of(tuple(shape), None, devices)
+        if placement.memory is None:
+            return
+        n_expert, rows, cols = shape
+        specs = (jax.ShapeDtypeStruct(shape, jnp.float32),
+                 jax.ShapeDtypeStruct((n_expert, cols), jnp.float32) if with_importance else None,
+                 jax.ShapeDtypeStruct((n_expert, cols, cols), jnp.float32) if with_hessians else None)
+        key = _fitted_key(fmt, placement.schedule, placement.mesh, placement.per_device, specs)
+        if key not in _FITTED_BATCHES:
+            pending[key] = partial(_fitted_batch, fmt, placement.schedule, placement.mesh, placement.sharding,
+                                   placement.per_device, placement.memory, *specs)
+    if len(pending) > 1:
+        with ThreadPoolExecutor(min(len(pending), os.cpu_count() or 1)) as pool:
+            for future in [pool.submit(compile_one) for compile_one in pending.values()]:
+                future.result()
 
 
 def clear_fitted_batches() -> None:
@@ -299,20 +362,12 @@ def quantize_experts(
     if hessians is not None:
         hessians = _float32(hessians)
     _check_hessian(cls, hessians, cols, (n_expert,))
-    mesh = expert_mesh(devices)
-    # The per-device batch does not depend on the device count: device d of step s runs the batch a
-    # single device runs at step s * devices + d, same experts, same shape, same program, so the bytes
-    # cannot depend on the device count (a batch's shape can move near-ties on some backends).
-    if batch_weights is None:
-        batch_weights = ACCELERATOR_CHUNK_WEIGHTS if on_accelerator(mesh.devices.flat) else CHUNK_WEIGHTS
-    per_device = max(1, min(batch_weights // (rows * cols), n_expert))
-    sharding = NamedSharding(mesh, PartitionSpec(EXPERT_AXIS))
-    schedule = gptq_schedule(mesh.devices.flat)
-    program: Callable = partial(experts_batch_jit, fmt, schedule, mesh)
-    memory = device_memory_bytes(mesh.devices.flat)
-    if memory is not None:  # an accelerator: a batch whose program fits its memory (a codebook search may not)
-        per_device, program = _fitted_batch(fmt, schedule, mesh, sharding, per_device, memory, w, importance,
-                                            hessians)
+    placement = _Placement.of(w.shape, batch_weights, devices)
+    mesh, sharding, per_device = placement.mesh, placement.sharding, placement.per_device
+    program: Callable = partial(experts_batch_jit, fmt, placement.schedule, mesh)
+    if placement.memory is not None:  # an accelerator: a batch whose program fits its memory (a codebook may not)
+        per_device, program = _fitted_batch(fmt, placement.schedule, mesh, sharding, per_device, placement.memory,
+                                            w, importance, hessians)
     with one_blas_thread():  # GPTQ's factor and solves on the CPU are the host's LAPACK: bytes whatever its threads
         raw, factored = map_chunks(program, per_device * mesh.size, w, importance, hessians,
                                    sharding=sharding)  # (E, rows, bytes), (E,), read back before the limit ends

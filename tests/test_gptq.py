@@ -301,3 +301,31 @@ def test_quantize_experts_cuts_its_batch_to_the_device_memory(monkeypatch: pytes
         ((batch, _),) = encode._FITTED_BATCHES.values()
         assert 1 < batch < n_expert and n_expert % batch == 0, batch
         assert encode.fitted_batches() == {(fmt, w.shape, h is not None): batch}
+
+
+def test_prepare_experts_compiles_what_quantize_experts_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The programs compiled ahead in threads (`encode.prepare_experts`, a device with memory to fit: an
+    accelerator) are the ones `quantize_experts` then runs: it compiles nothing more, and its bytes are
+    those of a run without them, for a codebook format with GPTQ, one without, and plain rounding."""
+    from moeheal.kernels import encode
+
+    rng = np.random.default_rng(11)
+    n_expert, rows, cols = 4, 16, 256
+    hessians = np.stack([damp_hessian(correlated_hessian(rng, cols, 1.0), 0.05)
+                         for _ in range(n_expert)]).astype(np.float32)
+    importance = rng.uniform(0.5, 2.0, (n_expert, cols)).astype(np.float32)
+    w = (0.02 * rng.standard_t(4, (n_expert, rows, cols))).astype(np.float32)
+    jobs = (("iq2_xxs", importance, hessians), ("q2_k", importance, hessians), ("iq2_s", importance, None))
+    before = {fmt: quantize_experts(w, fmt, imp, h) for fmt, imp, h in jobs}  # the CPU's jit
+    monkeypatch.setattr(encode, "_FITTED_BATCHES", {})
+    monkeypatch.setattr(encode, "device_memory_bytes", lambda devices: 1 << 40)
+    compiled = []
+    monkeypatch.setattr(encode, "fit_chunk", lambda n, chunk, memory, compile_at: compiled.append(chunk) or (
+        chunk, compile_at(chunk)))
+    encode.prepare_experts((fmt, w.shape, imp is not None, h is not None) for fmt, imp, h in jobs)
+    assert len(compiled) == len(jobs) and len(encode._FITTED_BATCHES) == len(jobs)
+    for fmt, imp, h in jobs:
+        assert np.array_equal(quantize_experts(w, fmt, imp, h), before[fmt]), fmt
+    assert len(compiled) == len(jobs), "quantize_experts compiled a program of its own"
+    encode.prepare_experts((fmt, w.shape, imp is not None, h is not None) for fmt, imp, h in jobs)
+    assert len(compiled) == len(jobs), "a program compiled again"

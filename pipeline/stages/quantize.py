@@ -318,10 +318,15 @@ def quantize_layer(out: Path, source: GGUFModel, dump_root, params: QuantizePara
     plan = importance_plan(weights, dump_root, layer, params, data)
     phases.done("statistics", plan)
     arrays: dict[str, np.ndarray] = {}
+    # learned rounding of a format without GPTQ: least squares starts it
+    gptq = {name: plan[name][1] is not None and encode.encoder_of(formats[name]).supports_gptq for name in weights}
+    encode.prepare_experts((formats[name], w.shape, plan[name][0] is not None, gptq[name])
+                           for name, w in weights.items())
+    phases.done("compiling ahead")
     for name, w in weights.items():
         importance, hessians = plan[name]
         fmt = formats[name]
-        hessians = hessians if encode.encoder_of(fmt).supports_gptq else None  # learned: least squares starts it
+        hessians = hessians if gptq[name] else None
         arrays[name] = encode.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
         arrays[f"{name}.shape"] = np.asarray(w.shape)
         arrays[f"{name}.format"] = np.asarray(fmt)

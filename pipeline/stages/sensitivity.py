@@ -182,6 +182,9 @@ def measure_sensitivity(source: GGUFModel, cal, unseen, guidance: Path, params: 
         matrices = layer_matrices(source, layer) if set(params.roles) - set(EXPERT_TENSORS) else {}
         routed = {s: routed_inputs_on_device(d) for s, d in data.items()}
         phases.done("read", routed)
+        encode.prepare_experts((fmt, weights[role].shape, plan[role][0] is not None, plan[role][1] is not None)
+                               for role in params.roles if role in EXPERT_TENSORS for fmt in params.formats)
+        phases.done("compiling ahead")
         for role in params.roles:
             if role in EXPERT_TENSORS:
                 rows += _routed_rows(layer, role, weights, plan, routed, fisher, params, phases)
