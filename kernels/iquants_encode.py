@@ -96,11 +96,30 @@ def plan_rows() -> int:
     return PLAN_ROWS if jax.default_backend() == "cpu" else ACCELERATOR_PLAN_ROWS
 
 
+def candidates_at_once() -> bool:
+    """Whether the searches score a sub-block's candidate scales all at once (``IQuantEncoder._best_candidate``)
+    on the backend a program is traced for: on an accelerator, where one at a time re-read the search's
+    (groups, grid points) terms from memory for each; the CPU keeps them in cache either way, and keeps
+    the order of sums its published bytes were made with."""
+    return jax.default_backend() != "cpu"
+
+
 def first_argmin(e: jax.Array) -> jax.Array:
     """argmin over the last axis, as two plain min reductions: XLA's CPU argmin (a variadic
     reduction) is tens of times slower than a min over the same 256-1024 grid points."""
     k = jnp.arange(e.shape[-1], dtype=jnp.int32)  # (K,)
     return jnp.min(jnp.where(e == jnp.min(e, axis=-1, keepdims=True), k, e.shape[-1]), axis=-1)  # (...,)
+
+
+def first_smallest(errors: jax.Array, values: jax.Array, default: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """What a scan over candidates (the last axis) keeps when it takes each candidate whose error is
+    strictly below the best so far, starting from an infinite error and ``default``: the smallest error
+    and the value of the first candidate that has it; inf and ``default`` where no error is below inf
+    (a NaN never is). errors, values (..., R), default (...) -> (...) x2."""
+    finite = jnp.where(errors < jnp.inf, errors, jnp.inf)  # (..., R): NaN as inf
+    best = jnp.min(finite, axis=-1)  # (...)
+    value = jnp.take_along_axis(values, first_argmin(finite)[..., None], axis=-1)[..., 0]  # (...)
+    return best, jnp.where(best < jnp.inf, value, default)
 
 
 def by_rows(fn: Callable[..., T], *args: Any, rows: int) -> T:
@@ -174,9 +193,44 @@ class IQuantEncoder(Encoder, IQuant):
         return jnp.sum(jnp.min(cls._scores(terms, s), axis=-1), axis=(2, 3))
 
     @classmethod
+    def _candidate_errors(cls, terms: dict[str, jax.Array], s: jax.Array) -> jax.Array:
+        """``_errors`` of R candidate scales per sub-block at once: s (n, J, R) -> (n, J, R).
+
+        Each score is ``_scores``' own expression. The candidates sit next to each other, inside the
+        grid points' reduction, so B and C are read once for all of them: scored one at a time, each
+        candidate read them again, (blocks, groups, K) floats per pass, which bound the search on a GPU.
+        """
+        ss = s[:, :, None, None, :, None]  # (n, J, 1, 1, R, 1)
+        scores = ss * (ss * terms["C"][..., None, :] - 2 * terms["B"][..., None, :])  # (n, J, P, h, R, K)
+        return jnp.sum(jnp.min(scores, axis=-1), axis=(2, 3))  # (n, J, R)
+
+    @classmethod
     def _points(cls, terms: dict[str, jax.Array], s: jax.Array) -> jax.Array:
         """The points of ``_errors``: grid indices (n, J, P, h)."""
         return first_argmin(cls._scores(terms, s))
+
+    @classmethod
+    def _best_candidate(cls, terms: dict[str, jax.Array], candidates: jax.Array, default: jax.Array,
+                        scale: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """The candidate (n, J, R) per sub-block whose scale ``scale(candidate)`` scores the smallest
+        ``_errors``, the first on ties, and that error; ``default`` and inf where none scores below inf.
+
+        On an accelerator all R at once (``_candidate_errors``); on the CPU one after the other, as a
+        scan, in the order of sums the published bytes were made with (the two orders of summing a
+        sub-block's groups differ in the last bit, which moves near-ties).
+        """
+        if candidates_at_once():
+            return first_smallest(cls._candidate_errors(terms, scale(candidates)), candidates, default)
+
+        def step(best, candidate):
+            err_b, c_b = best
+            err = cls._errors(terms, scale(candidate))  # (n, J)
+            better = err < err_b
+            return (jnp.where(better, err, err_b), jnp.where(better, candidate, c_b)), None
+
+        init = (jnp.full(default.shape, jnp.inf, jnp.float32), default)
+        (err, chosen), _ = jax.lax.scan(step, init, jnp.moveaxis(candidates, -1, 0))
+        return err, chosen
 
     @classmethod
     def _subblock_scales(cls, a: jax.Array, terms: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -190,15 +244,8 @@ class IQuantEncoder(Encoder, IQuant):
         amax = jnp.max(a.reshape(n, m // cls.sub_block, cls.sub_block), axis=-1)  # (n, J)
         s0 = amax / float(np.max(gguf_grid(cls.quant)))  # (n, J)
 
-        def step(best, ratio):
-            err_b, s_b = best
-            s = s0 / ratio
-            err = cls._errors(terms, s)  # (n, J)
-            better = err < err_b
-            return (jnp.where(better, err, err_b), jnp.where(better, s, s_b)), None
-
-        init = (jnp.full(s0.shape, jnp.inf, jnp.float32), s0)
-        (err, s), _ = jax.lax.scan(step, init, jnp.asarray(STAGE1_RATIOS, jnp.float32))
+        candidates = s0[..., None] / jnp.asarray(STAGE1_RATIOS, jnp.float32)  # (n, J, R)
+        err, s = cls._best_candidate(terms, candidates, s0, lambda s: s)  # (n, J) x2
         idx = cls._points(terms, s)[..., None]  # (n, J, P, h, 1)
         b = jnp.sum(jnp.take_along_axis(terms["B"], idx, axis=-1), axis=(2, 3, 4))  # (n, J)
         c = jnp.sum(jnp.take_along_axis(terms["C"], idx, axis=-1), axis=(2, 3, 4))  # (n, J)
@@ -221,17 +268,10 @@ class IQuantEncoder(Encoder, IQuant):
         l0 = jnp.clip(jnp.round(safe_div(s / cls.unit, d[:, None]) - 0.5), 0, 15)  # (n, J)
 
         def scale(l: jax.Array) -> jax.Array:
-            return d[:, None] * (0.5 + l) * jnp.float32(cls.unit)  # (n, J), gguf-py's products
+            return d.reshape(-1, *(1,) * (l.ndim - 1)) * (0.5 + l) * jnp.float32(cls.unit)  # gguf-py's products
 
-        def step(best, move):
-            err_b, l_b = best
-            l = jnp.clip(l0 + move, 0, 15)  # (n, J)
-            err = cls._errors(terms, scale(l))
-            better = err < err_b
-            return (jnp.where(better, err, err_b), jnp.where(better, l, l_b)), None
-
-        init = (jnp.full(l0.shape, jnp.inf, jnp.float32), l0)
-        (_, l), _ = jax.lax.scan(step, init, jnp.asarray(CODE_MOVES, jnp.float32))
+        codes = jnp.clip(l0[..., None] + jnp.asarray(CODE_MOVES, jnp.float32), 0, 15)  # (n, J, M)
+        _, l = cls._best_candidate(terms, codes, l0, scale)  # (n, J)
         return l, scale(l)
 
     @classmethod

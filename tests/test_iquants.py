@@ -145,6 +145,54 @@ def test_search_blocks_per_step_keep_random_weights_bytes(monkeypatch: pytest.Mo
     np.testing.assert_array_equal(np.asarray(cls.quantize_blocks(x, qw)), first)
 
 
+def test_first_smallest_is_the_scan_over_candidates() -> None:
+    """``first_smallest`` keeps what a scan taking each strictly better candidate keeps, from inf and the
+    default: the first of equal errors, and the default where every error is inf or NaN."""
+    errors = np.array([[3.0, 1.0, 1.0, 2.0], [np.inf, np.inf, np.inf, np.inf], [np.nan, 5.0, np.nan, 4.0],
+                       [np.nan] * 4, [2.0, np.nan, 2.0, -1.0]], np.float32)
+    values = np.arange(20, dtype=np.float32).reshape(5, 4) + 100
+    default = np.full(5, -7.0, np.float32)
+    want_err, want_val = np.full(5, np.inf, np.float32), default.copy()
+    for r in range(4):  # the scan
+        better = errors[:, r] < want_err
+        want_err, want_val = np.where(better, errors[:, r], want_err), np.where(better, values[:, r], want_val)
+    got_err, got_val = iquants_encode.first_smallest(jnp.asarray(errors), jnp.asarray(values), jnp.asarray(default))
+    np.testing.assert_array_equal(np.asarray(got_err), want_err)
+    np.testing.assert_array_equal(np.asarray(got_val), want_val)
+
+
+@pytest.mark.parametrize("fmt", ["iq2_xxs", "iq2_s", "iq3_xxs"])
+def test_candidates_at_once_choose_as_one_at_a_time(monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    """The accelerator's search scores a sub-block's candidate scales all at once
+    (``candidates_at_once``); on the CPU, with the same candidates, it writes the one-at-a-time bytes
+    but for near-ties (the sub-block's sums in another order), and errors as small, in the search and
+    in GPTQ's plans."""
+    cls = ENCODERS[fmt]
+    rng = np.random.default_rng(17)
+    x = jnp.asarray(0.02 * rng.standard_t(4, (96, 256)), jnp.float32)  # (n, 256)
+    qw = jnp.asarray(rng.gamma(1.0, 1.0, (96, 256)), jnp.float32)  # (n, 256)
+    h = damp_hessian(correlated_hessian(rng, 512, 2.0), 0.01).astype(np.float32)  # (cols, cols)
+    w = (0.02 * rng.standard_t(4, (16, 512))).astype(np.float32)  # (rows, cols)
+    importance = rng.gamma(1.0, 1.0, 512).astype(np.float32)
+
+    def run() -> tuple[np.ndarray, np.ndarray]:
+        jax.clear_caches()
+        return np.asarray(cls.quantize_blocks(x, qw)), quantize(w, fmt, importance, h)
+
+    one, one_gptq = run()
+    monkeypatch.setattr(iquants_encode, "candidates_at_once", lambda: True)
+    many, many_gptq = run()
+    weights = np.asarray(ggml_weights(x, qw, cls.sigma_factor))
+
+    def error(raw: np.ndarray) -> float:
+        return float(np.sum(weights * (np.asarray(x) - gguf_values(raw, fmt, x.shape)) ** 2))
+
+    assert np.mean(one == many) > 0.999 and np.mean(one_gptq == many_gptq) > 0.99
+    assert abs(error(many) / error(one) - 1) < 1e-4
+    gptq_err = [ref.output_error(w, dequantize(raw, fmt, w.shape), h) for raw in (one_gptq, many_gptq)]
+    assert abs(gptq_err[1] / gptq_err[0] - 1) < 1e-3
+
+
 def test_gptq_plans_search_in_row_chunks() -> None:
     """A plan's B and C hold every grid point of every group: chunked by rows, the plans are the
     whole search's bit for bit (stage 2 is not chunked: on the demo's real rows a chunk's sums moved d
