@@ -97,10 +97,13 @@ def plan_rows() -> int:
 
 
 def candidates_at_once() -> bool:
-    """Whether the searches score a sub-block's candidate scales all at once (``IQuantEncoder._best_candidate``)
-    on the backend a program is traced for: on an accelerator, where one at a time re-read the search's
-    (groups, grid points) terms from memory for each; the CPU keeps them in cache either way, and keeps
-    the order of sums its published bytes were made with."""
+    """Whether the least-squares search scores a sub-block's candidate scales all at once
+    (``IQuantEncoder._best_candidate``) on the backend a program is traced for: on an accelerator, where
+    one at a time re-read the search's (groups, grid points) terms from memory for each (1.6-2.2x at a
+    30B expert tensor on an H100, bench/RESULTS.md); the CPU keeps them in cache either way, and keeps
+    the order of sums its published bytes were made with. GPTQ's plans keep the scan everywhere: inside
+    its column loops the form at once took 2-4x the compilation (10-26 s a program on an H100) for
+    1-2 s a 30B layer of run time."""
     return jax.default_backend() != "cpu"
 
 
@@ -211,15 +214,15 @@ class IQuantEncoder(Encoder, IQuant):
 
     @classmethod
     def _best_candidate(cls, terms: dict[str, jax.Array], candidates: jax.Array, default: jax.Array,
-                        scale: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, jax.Array]:
+                        scale: Callable[[jax.Array], jax.Array], at_once: bool) -> tuple[jax.Array, jax.Array]:
         """The candidate (n, J, R) per sub-block whose scale ``scale(candidate)`` scores the smallest
         ``_errors``, the first on ties, and that error; ``default`` and inf where none scores below inf.
 
-        On an accelerator all R at once (``_candidate_errors``); on the CPU one after the other, as a
-        scan, in the order of sums the published bytes were made with (the two orders of summing a
-        sub-block's groups differ in the last bit, which moves near-ties).
+        ``at_once``: all R in one pass (``_candidate_errors``), else one after the other, as a scan, in
+        the order of sums the published bytes were made with (the two orders of summing a sub-block's
+        groups differ in the last bit, which moves near-ties); see ``candidates_at_once``.
         """
-        if candidates_at_once():
+        if at_once:
             return first_smallest(cls._candidate_errors(terms, scale(candidates)), candidates, default)
 
         def step(best, candidate):
@@ -233,7 +236,8 @@ class IQuantEncoder(Encoder, IQuant):
         return err, chosen
 
     @classmethod
-    def _subblock_scales(cls, a: jax.Array, terms: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def _subblock_scales(cls, a: jax.Array, terms: dict[str, jax.Array], at_once: bool = False
+                         ) -> tuple[jax.Array, jax.Array]:
         """Stage 1: float scale s (n, J) per sub-block and the sum C (n, J) of its points (the error's curvature).
 
         The candidates, max|x| / (ratio * max grid value), are scored with
@@ -245,7 +249,7 @@ class IQuantEncoder(Encoder, IQuant):
         s0 = amax / float(np.max(gguf_grid(cls.quant)))  # (n, J)
 
         candidates = s0[..., None] / jnp.asarray(STAGE1_RATIOS, jnp.float32)  # (n, J, R)
-        err, s = cls._best_candidate(terms, candidates, s0, lambda s: s)  # (n, J) x2
+        err, s = cls._best_candidate(terms, candidates, s0, lambda s: s, at_once)  # (n, J) x2
         idx = cls._points(terms, s)[..., None]  # (n, J, P, h, 1)
         b = jnp.sum(jnp.take_along_axis(terms["B"], idx, axis=-1), axis=(2, 3, 4))  # (n, J)
         c = jnp.sum(jnp.take_along_axis(terms["C"], idx, axis=-1), axis=(2, 3, 4))  # (n, J)
@@ -259,7 +263,8 @@ class IQuantEncoder(Encoder, IQuant):
         return d  # (n,)
 
     @classmethod
-    def _scale_codes(cls, terms: dict[str, jax.Array], d: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def _scale_codes(cls, terms: dict[str, jax.Array], d: jax.Array, s: jax.Array, at_once: bool = False
+                     ) -> tuple[jax.Array, jax.Array]:
         """Stage 3: scale codes l (n, J) for fp16 d (n,) and stage-1 scales s (n, J), and their scales (n, J).
 
         The code nearest to s and its neighbours are each scored with the
@@ -271,7 +276,7 @@ class IQuantEncoder(Encoder, IQuant):
             return d.reshape(-1, *(1,) * (l.ndim - 1)) * (0.5 + l) * jnp.float32(cls.unit)  # gguf-py's products
 
         codes = jnp.clip(l0[..., None] + jnp.asarray(CODE_MOVES, jnp.float32), 0, 15)  # (n, J, M)
-        _, l = cls._best_candidate(terms, codes, l0, scale)  # (n, J)
+        _, l = cls._best_candidate(terms, codes, l0, scale, at_once)  # (n, J)
         return l, scale(l)
 
     @classmethod
@@ -288,9 +293,10 @@ class IQuantEncoder(Encoder, IQuant):
         w = ggml_weights(x, qw, cls.sigma_factor)  # (n, 256)
         a, neg = jnp.abs(x), x < 0  # (n, 256) x2
         terms = cls._terms(a, w, cls._odd(neg))
-        s, c = cls._subblock_scales(a, terms)  # (n, J) x2
+        at_once = candidates_at_once()
+        s, c = cls._subblock_scales(a, terms, at_once)  # (n, J) x2
         d = cls._super_scale(s, c)  # (n,)
-        l, s = cls._scale_codes(terms, d, s)  # (n, J) x2
+        l, s = cls._scale_codes(terms, d, s, at_once)  # (n, J) x2
         idx = cls._points(terms, s)  # (n, J, P, h)
         return cls.pack(d, l, idx.reshape(n, -1), cls._flip_signs(a, w, neg, idx, terms["flip"]))
 

@@ -127,6 +127,11 @@ class Relaxation:
         """The decoded weights (n, B) of the rounded parts; ``chosen``: ``choice``'s (made here if None)."""
         raise NotImplementedError
 
+    def forward(self, theta: Params, const: dict[str, jax.Array], chosen: dict[str, jax.Array]) -> jax.Array:
+        """``values`` without their gradients' terms, bit for bit their forward pass: what a program that
+        takes no gradient decodes."""
+        return self.values(theta, const, chosen)
+
     def bounds(self) -> dict[str, float]:
         """Each parameter's bound: it stays in [-bound, bound]."""
         raise NotImplementedError
@@ -307,15 +312,23 @@ class CodebookRelaxation(Relaxation):
                 jax.lax.stop_gradient(self._scale_codes(theta, const)), self.choice(theta, const)["idx"], const["neg"])
 
     def values(self, theta, const, chosen=None):
-        cls = self.cls
         idx = (self.choice(theta, const) if chosen is None else chosen)["idx"]  # (n, G)
-        target = self._target(theta, const)  # (n, G, g)
-        n = idx.shape[0]
+        return self._decoded(theta, const, ste(self._target(theta, const), self.cls.grid()[idx]))
+
+    def forward(self, theta, const, chosen):
+        """The grid's values themselves where ``values`` adds the straight-through term, which is exactly 0
+        forward (target - target, the targets finite: stored values plus bounded offsets). A decode
+        program then reads no (n, G, g) targets beside the choice, which on a GPU held them in memory."""
+        return self._decoded(theta, const, self.cls.grid()[chosen["idx"]])
+
+    def _decoded(self, theta, const, magnitudes: jax.Array) -> jax.Array:
+        """The weights (n, 256) of each group's magnitudes (n, G, g) at the rounded scales, signs as stored."""
+        cls = self.cls
+        n = magnitudes.shape[0]
         l = self._scale_codes(theta, const)  # (n, J)
         db = fp16_scale(const["d"], theta["d"]) * (0.5 + l) * jnp.float32(cls.unit)  # (n, J), gguf-py's order
         per_weight = jnp.repeat(db, cls.sub_block, axis=1)  # (n, 256)
-        mag = ste(target, cls.grid()[idx]).reshape(n, QK_K)  # (n, 256)
-        values = per_weight * mag  # (n, 256)
+        values = per_weight * magnitudes.reshape(n, QK_K)  # (n, 256)
         return jnp.where(const["neg"] & ~jnp.isnan(values), -values, values)  # (n, 256), as dequantize_parts
 
 
@@ -548,7 +561,7 @@ def _decoder(fmt: str, shape: tuple[int, ...]) -> Callable:
     @jax.jit
     def decode(theta, const):
         chosen = relax.choice(theta, const)
-        return relax.values(theta, const, chosen).reshape(shape), chosen  # (..., rows, cols), {...}
+        return relax.forward(theta, const, chosen).reshape(shape), chosen  # (..., rows, cols), {...}
 
     return decode
 

@@ -163,10 +163,10 @@ def test_first_smallest_is_the_scan_over_candidates() -> None:
 
 @pytest.mark.parametrize("fmt", ["iq2_xxs", "iq2_s", "iq3_xxs"])
 def test_candidates_at_once_choose_as_one_at_a_time(monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
-    """The accelerator's search scores a sub-block's candidate scales all at once
+    """The accelerator's least-squares search scores a sub-block's candidate scales all at once
     (``candidates_at_once``); on the CPU, with the same candidates, it writes the one-at-a-time bytes
-    but for near-ties (the sub-block's sums in another order), and errors as small, in the search and
-    in GPTQ's plans."""
+    but for near-ties (the sub-block's sums in another order), with errors as small. GPTQ's plans keep
+    the scan: their bytes do not follow the setting."""
     cls = ENCODERS[fmt]
     rng = np.random.default_rng(17)
     x = jnp.asarray(0.02 * rng.standard_t(4, (96, 256)), jnp.float32)  # (n, 256)
@@ -187,10 +187,9 @@ def test_candidates_at_once_choose_as_one_at_a_time(monkeypatch: pytest.MonkeyPa
     def error(raw: np.ndarray) -> float:
         return float(np.sum(weights * (np.asarray(x) - gguf_values(raw, fmt, x.shape)) ** 2))
 
-    assert np.mean(one == many) > 0.999 and np.mean(one_gptq == many_gptq) > 0.99
+    assert np.mean(one == many) > 0.999
     assert abs(error(many) / error(one) - 1) < 1e-4
-    gptq_err = [ref.output_error(w, dequantize(raw, fmt, w.shape), h) for raw in (one_gptq, many_gptq)]
-    assert abs(gptq_err[1] / gptq_err[0] - 1) < 1e-3
+    np.testing.assert_array_equal(many_gptq, one_gptq)
 
 
 def test_gptq_plans_search_in_row_chunks() -> None:

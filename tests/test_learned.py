@@ -58,6 +58,9 @@ def test_learned_bytes_decode_to_the_values_the_loss_saw(fmt):
     decoded = gguf.quants.dequantize(written, cls.ggml_type).reshape(x.shape)
     assert not np.array_equal(written, raw)  # the point moved codes and scales
     np.testing.assert_array_equal(seen, decoded)
+    # a decode program's forward values (no straight-through terms) are the loss's, bit for bit
+    forward = jax.jit(relax.forward)(theta, const, relax.choice(theta, const))
+    np.testing.assert_array_equal(np.asarray(forward).reshape(x.shape), seen)
     # and the gradient reaches every parameter through the straight-through rounding
     grad = jax.grad(lambda t: jnp.sum(relax.values(t, const) * jnp.asarray(x.reshape(-1, cls.block_size))))(theta)
     for name, g in grad.items():
