@@ -6,6 +6,7 @@ least-squares search, rows per step of GPTQ's plans.
     python bench/speed/bench_iquant_steps.py --gpu --what plan            # GPTQ's plans instead
     python bench/speed/bench_iquant_steps.py --shape 8x256x512 --what plan --counts 64 16 8   # CPU
     python bench/speed/bench_iquant_steps.py --weights demo --counts 8 4 2 --formats iq2_xs iq2_s   # CPU
+    python bench/speed/bench_iquant_steps.py --gpu --counts 64 --candidates scan at-once   # the candidate scales
 
 `kernels.iquants_encode` searches a tensor's blocks in steps of `search_blocks()` blocks and
 plans GPTQ's block and sub-block scales in steps of `plan_rows()` rows (per expert:
@@ -21,7 +22,9 @@ searched on its own, so in exact arithmetic none moves; in float32 a count can c
 orders a sum, and a near-tie code moves).
 `--weights demo` takes the demo model's trained experts (every routed tensor of its GGUF, stacked:
 288 x 256 x 256) instead of random ones, with the same synthetic importance: random weights have
-almost no near-ties, trained ones a few. Times exclude compilation (the first call, its
+almost no near-ties, trained ones a few. `--candidates scan at-once` also sets, per row, whether the
+search scores a sub-block's candidate scales one at a time or all at once (`candidates_at_once`; the
+accelerator's default is at once). Times exclude compilation (the first call, its
 time printed beside), best of ``--repeats``; the bytes come back to the host inside the timing, as the pipeline's do.
 """
 
@@ -70,6 +73,10 @@ def main() -> None:
     parser.add_argument("--formats", nargs="*", choices=FORMATS, default=["iq2_xxs", "iq2_s"])
     parser.add_argument("--counts", nargs="*", type=int, default=[8, 64, 256],
                         help="blocks (search) or rows (plan) per step; the first is the baseline")
+    parser.add_argument("--candidates", nargs="*", choices=("default", "scan", "at-once"), default=["default"],
+                        help="how the least-squares search scores a sub-block's candidate scales, per row: the "
+                             "backend's default (`iquants_encode.candidates_at_once`), one at a time, or all at "
+                             "once; GPTQ's plans always scan")
     args = parser.parse_args()
 
     import jax
@@ -90,14 +97,17 @@ def main() -> None:
     method = "GPTQ" if hessians is not None else "least squares"
     print(f"device: {device.device_kind}; {args.weights} {args.shape}; {method}; "
           f"best of {args.repeats} after a compiling call; `iquants_encode.{setting}` set per row\n")
-    print(f"| format | {setting} | compiling call s | s | vs first | bytes equal to first | bytes unlike first "
-          "| experts per call |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| format | {setting} | candidates | compiling call s | s | vs first | bytes equal to first "
+          "| bytes unlike first | experts per call |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    backend_default = iquants_encode.candidates_at_once
     with jax.default_device(device):
         for fmt in args.formats:
             first_s, first_bytes = None, None
-            for count in args.counts:
+            for count, candidates in ((c, m) for c in args.counts for m in args.candidates):
                 setattr(iquants_encode, setting, count)
+                iquants_encode.candidates_at_once = {"default": backend_default, "scan": lambda: False,
+                                                     "at-once": lambda: True}[candidates]
                 jax.clear_caches()  # the programs read the count when traced
                 encode.clear_fitted_batches()
 
@@ -111,7 +121,7 @@ def main() -> None:
                 first_s = seconds if first_s is None else first_s
                 first_bytes = raw if first_bytes is None else first_bytes
                 batch = encode.fitted_batches().get((fmt, shape, hessians is not None), "CPU: by weights")
-                print(f"| {fmt} | {count} | {compiling_s:.1f} | {seconds:.3f} | {first_s / seconds:.2f}x "
+                print(f"| {fmt} | {count} | {candidates} | {compiling_s:.1f} | {seconds:.3f} | {first_s / seconds:.2f}x "
                       f"| {np.mean(raw == first_bytes):.4f} | {int(np.sum(raw != first_bytes))} | {batch} |",
                       flush=True)
 
