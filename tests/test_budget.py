@@ -471,3 +471,39 @@ def test_command_without_a_shared_expert_keeps_the_source_types(tiny_qwen3moe):
     assert "--allow-requantize" not in argv and "--imatrix" not in argv
     assert not any("shexp" in a for a in argv) and argv[-1] == "F32"
     assert [a for a in argv if a.startswith("blk.")] == [f"{t.removesuffix('.weight')}=q2_k" for t in formats]
+
+
+def test_a_quantize_unit_compiles_every_format_of_its_recipe_first(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """A recipe's quantize unit asks `encode.prepare_experts` for its own layer's programs and for the
+    routed formats of every other layer of the recipe (`formats_ahead`), before it rounds anything: on
+    an accelerator the programs compile side by side in the first unit, not one layer at a time."""
+    from moeheal.pipeline.gguf.model import open_model
+    from moeheal.pipeline.stages import quantize
+
+    recipe = {(0, "ffn_gate_exps"): "iq2_xxs", (0, "ffn_up_exps"): "q2_k", (0, "ffn_down_exps"): "iq2_s",
+              (1, "ffn_gate_exps"): "iq3_xxs", (1, "ffn_up_exps"): "q2_k", (1, "ffn_down_exps"): "iq2_s",
+              (1, "attn_q"): "q4_k"}
+    assert quantize.formats_ahead(recipe) == (
+        ("attn_q", "q4_k"), ("ffn_down_exps", "iq2_s"), ("ffn_gate_exps", "iq2_xxs"), ("ffn_gate_exps", "iq3_xxs"),
+        ("ffn_up_exps", "q2_k"))
+    asked: list[tuple] = []
+
+    class Asked(Exception):
+        pass
+
+    def prepare(jobs):
+        asked.extend(jobs)
+        raise Asked
+
+    monkeypatch.setattr(encode, "prepare_experts", prepare)
+    model = open_model(Path(__file__).resolve().parents[1] / "demo" / "model" / "demo-q8_0.gguf")
+    params = quantize.QuantizeParams(quant={}, round="ls", importance=False, layer=0)
+    with pytest.raises(Asked):
+        quantize.quantize_layer(tmp_path, model, None, params, 0, quantize.layer_formats(params, 0, recipe),
+                                ahead=quantize.formats_ahead(recipe))
+    shapes = {name: tuple(w.shape) for name, w in quantize.expert_weights(model, 0).items()}
+    assert sorted((fmt, tuple(shape)) for fmt, shape, _, _ in asked) == sorted([
+        ("iq2_xxs", shapes["ffn_gate_exps"]), ("iq3_xxs", shapes["ffn_gate_exps"]), ("q2_k", shapes["ffn_up_exps"]),
+        ("iq2_s", shapes["ffn_down_exps"])])  # layer 1's iq3_xxs gate too; attention is not a routed program
+    assert all(importance is False and hessians is False for _, _, importance, hessians in asked)

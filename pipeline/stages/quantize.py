@@ -286,6 +286,14 @@ def quantize_matrices(source: GGUFModel, layer: int, formats: dict[str, str], pa
     return arrays
 
 
+def formats_ahead(recipe: dict[tuple[int, str], str] | None) -> tuple[tuple[str, str], ...]:
+    """Every (role, format) pair of a recipe, whatever its layer: what a quantize unit compiles with its
+    own layer's programs (`quantize_layer`'s `ahead`). A 30B recipe gives most layers a new mix, and a
+    program compiled where a layer first needs it counts its seconds in that layer; compiled with the
+    first unit's, they run side by side and the later units find them ready."""
+    return tuple(sorted({(role, fmt) for (_, role), fmt in (recipe or {}).items()}))
+
+
 def layer_formats(params: QuantizeParams, layer: int, recipe: dict[tuple[int, str], str] | None
                   ) -> dict[str, str]:
     """The format of every tensor of `layer` quantized here: the routed ones in the variant's own
@@ -297,13 +305,14 @@ def layer_formats(params: QuantizeParams, layer: int, recipe: dict[tuple[int, st
 
 def quantize_layer(out: Path, source: GGUFModel, dump_root, params: QuantizeParams, layer: int,
                    formats: dict[str, str], unseen_root=None, log: Callable[[str], None] = print,
-                   guidance: Path | None = None) -> None:
+                   guidance: Path | None = None, ahead: tuple[tuple[str, str], ...] = ()) -> None:
     """Write `out/layer_<layer>.npz`: each quantized tensor's block bytes, format and the importance used.
 
     `formats` maps each tensor role of the layer to quantize (the routed experts, and whichever
     other roles a recipe chose) to its format. With learned rounding, `learned_curve.parquet` too
     (the unseen dump `unseen_root`, if any, measured at its start and end; with `guidance`, the
-    guidance stage's output, the loss weighted by its Fisher estimate).
+    guidance stage's output, the loss weighted by its Fisher estimate). `ahead`: (role, format) pairs
+    of other layers (`formats_ahead`), whose routed programs are compiled with this layer's.
     """
     out.mkdir(parents=True, exist_ok=True)
     phases = Phases()
@@ -318,15 +327,18 @@ def quantize_layer(out: Path, source: GGUFModel, dump_root, params: QuantizePara
     plan = importance_plan(weights, dump_root, layer, params, data)
     phases.done("statistics", plan)
     arrays: dict[str, np.ndarray] = {}
-    # learned rounding of a format without GPTQ: least squares starts it
-    gptq = {name: plan[name][1] is not None and encode.encoder_of(formats[name]).supports_gptq for name in weights}
-    encode.prepare_experts((formats[name], w.shape, plan[name][0] is not None, gptq[name])
-                           for name, w in weights.items())
+
+    def uses_gptq(name: str, fmt: str) -> bool:  # learned rounding of a format without GPTQ: least squares starts it
+        return plan[name][1] is not None and encode.encoder_of(fmt).supports_gptq
+
+    compiled = {(name, formats[name]) for name in weights} | {(role, f) for role, f in ahead if role in weights}
+    encode.prepare_experts((fmt, weights[name].shape, plan[name][0] is not None, uses_gptq(name, fmt))
+                           for name, fmt in sorted(compiled))
     phases.done("compiling ahead")
     for name, w in weights.items():
         importance, hessians = plan[name]
         fmt = formats[name]
-        hessians = hessians if gptq[name] else None
+        hessians = hessians if uses_gptq(name, fmt) else None
         arrays[name] = encode.quantize_experts(w, fmt, importance, hessians)  # (E, rows, bytes)
         arrays[f"{name}.shape"] = np.asarray(w.shape)
         arrays[f"{name}.format"] = np.asarray(fmt)
@@ -472,7 +484,7 @@ def build_quantize(out: Path, params: QuantizeParams, *, source: Path, dump: Pat
     held_out = open_dump(unseen, model.hp, model.moe_layers) if unseen is not None else None
     with one_blas_thread():
         quantize_layer(out, model, cal, params, params.layer, layer_formats(params, params.layer, chosen), held_out,
-                       log, guidance)
+                       log, guidance, formats_ahead(chosen))
 
 
 STAGE = Stage("quantize", "quant", build_quantize, outputs=("layer_{layer}.npz",))
