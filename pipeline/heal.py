@@ -335,26 +335,6 @@ class HealRun:
         return [self.result(self.calibrate(variant, layer))
                 for variant, layer in progress(mine, desc=f"shard {shard}/{shards}", unit="unit")]
 
-    def finishing_nodes(self) -> list[list[Node]]:
-        """Every evaluated variant's finishing units, one list a variant: its evaluation and its llama.cpp
-        check (each building the variant's GGUF first: its assembly, its e2e tuning). Our variants come
-        first, as configured, then the baseline and the outside files: the e2e units are the longest, so
-        a worker's every n-th variant (`shard_finishing`) spreads them over the workers."""
-        ours = [v for v in self.evaluated_variants() if v.kind != "external" and v is not UNHEALED]
-        rest = [v for v in self.evaluated_variants() if v not in ours]
-        return [[self.evaluate(v), self.llama_check(v)] for v in ours + rest]
-
-    def shard_finishing(self, shard: int, shards: int) -> list[StageResult | None]:
-        """Worker ``shard`` of ``shards``' share of the finishing units (`finishing_nodes`: every
-        ``shards``-th variant from the ``shard``-th), built after its per-layer units (`heal --workers`
-        runs its workers with `--finish`): what a single finishing process would otherwise build one after
-        the other while a core idles. A variant whose layers another worker has not finished yet has
-        them built here, each under its fingerprint's lock, so every stage is still built once and the
-        bytes are one process's. No publication: the `heal` afterwards finds them in the lake."""
-        mine = self.finishing_nodes()[shard::shards]
-        return [self.result(node) for nodes in progress(mine, desc=f"finishing {shard}/{shards}", unit="variant")
-                for node in nodes]
-
     # ---- evaluation ----------------------------------------------------------------
     def evaluated_variants(self) -> list[Variant]:
         """The baseline, then every variant in config order (ours and outside GGUFs alike)."""

@@ -99,12 +99,10 @@ def test_plan_units_lists_every_layer_of_every_variant(world, capsys):
 
 # ---- --workers ------------------------------------------------------------------------------------
 def test_heal_with_two_workers_gives_the_single_process_lake(world):
-    """`heal --workers 2`: two `--shard --finish` processes build the units, each once, then each its share of
-    the variants' evaluations; the command publishes. The lake is a single process's."""
+    """`heal --workers 2`: two `--shard` processes build the units, each once, then the rest in the command."""
     config = with_lake(world, "lake-workers")
     done = heal(config, "--workers", "2")
-    shares = [line for line in done.stdout.splitlines() if line.startswith(("shard 0/2:", "shard 1/2:"))]
-    assert len(shares) == 2 and all("finishing units in the lake" in line for line in shares), shares
+    assert "shard 0/2:" in done.stdout and "shard 1/2:" in done.stdout
     built = [line for line in done.stdout.splitlines() if "computing" in line and "quantize:v1:" in line]
     assert len(built) == 3, built  # every layer's unit once, by one worker or the other
     assert_same_lake(world.parent / "lake", config.parent / "lake-workers")

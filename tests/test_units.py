@@ -207,25 +207,6 @@ def test_shard_workers_build_each_unit_once_and_the_same_gguf(world, assembled, 
                    .read_bytes() for r in runs[1:])
 
 
-def test_finishing_units_split_by_variant_ours_first(world):
-    """`--finish` shares: one (evaluation, llama.cpp check) pair a variant, our variants first; every N-th
-    variant from the I-th, so the shares of N workers are the whole list, each variant in one of them."""
-    run = HealRun(load_config(world), log=Log())
-    nodes = run.finishing_nodes()
-    names = [node.params.variant for node, _ in nodes]
-    ours = [v.name for v in run.cfg.variants if v.kind != "external"]
-    assert names[:len(ours)] == ours and set(names) == {v.name for v in run.evaluated_variants()}
-    assert all(node.stage.name == "evaluate" and check.stage.name == "llama-check" for node, check in nodes)
-    shares = [nodes[i::2] for i in range(2)]
-    assert sorted(id(n) for share in shares for pair in share for n in pair) == sorted(id(n) for pair in nodes for n in pair)
-
-
-def test_finish_without_a_shard_is_one_line_and_exit_2(world, capsys):
-    assert main(["heal", "-c", str(world), "--finish"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "--finish" in err and "--shard" in err
-
-
 @pytest.mark.parametrize("shard", ["2/2", "1", "a/b", "1/-2", "0/0"])
 def test_a_bad_shard_is_one_line_and_exit_2(world, shard, capsys):
     assert main(["heal", "-c", str(world), "--shard", shard]) == 2

@@ -64,8 +64,6 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 def cmd_heal(args: argparse.Namespace) -> int:
     shard = parse_shard(args.shard) if args.shard else None
-    if args.finish and shard is None:
-        raise InputError("--finish: a shard's share of the finishing units; give --shard I/N with it")
     if args.workers < 1:
         raise InputError(f"--workers {args.workers}: expected a count of worker processes, at least 1")
     if args.workers > 1 and (shard is not None or args.executor == "ray"):
@@ -84,13 +82,8 @@ def cmd_heal(args: argparse.Namespace) -> int:
     run = _pipeline(args)
     if shard is not None:
         units = run.shard_units(*shard)
-        if args.finish:
-            finished = run.shard_finishing(*shard)
-            print(f"shard {shard[0]}/{shard[1]}: {len(units)} units and {len(finished)} finishing units in the lake; "
-                  "`moeheal heal` without --shard publishes once every shard has finished")
-        else:
-            print(f"shard {shard[0]}/{shard[1]}: {len(units)} units in the lake; `moeheal heal` without --shard "
-                  "assembles, evaluates and publishes once every shard has finished")
+        print(f"shard {shard[0]}/{shard[1]}: {len(units)} units in the lake; `moeheal heal` without --shard "
+              "assembles, evaluates and publishes once every shard has finished")
         return 0
     from moeheal.pipeline.estimate import long_heal_note
 
@@ -390,15 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--shard", metavar="I/N",
                            help="build only worker I's share of the per-layer quantize and calibrate units of N "
                                 "workers on this lake (one per GPU or host), then stop; run without it afterwards")
-            p.add_argument("--finish", action="store_true",
-                           help="with --shard: after the units, also build worker I's share of the variants' "
-                                "finishing units (every N-th variant's evaluation and llama.cpp check, with its "
-                                "assembly and e2e tuning); still no publication")
             p.add_argument("--workers", type=int, default=1, metavar="N",
-                           help="build the per-layer units, then the variants' finishing units, on N `--shard I/N "
-                                "--finish` processes at once on this machine (its cores; on one GPU they share it, "
-                                "no faster at 2 layers of a 30B in the one measurement, docs/real-sizes.md), then "
-                                "publish here; the same bytes as one process")
+                           help="build the per-layer units on N `--shard I/N` processes at once on this machine "
+                                "(its cores; on one GPU they share it, no faster at 2 layers of a 30B in the one "
+                                "measurement, docs/real-sizes.md), then the rest here; the same bytes as one process")
             p.add_argument("--executor", choices=("local", "ray"), default="local",
                            help="ray: the per-layer units (and what they read) as Ray tasks in the DAG's order, "
                                 "then the rest here (pip install 'moeheal[ray]'; docs/scale-out.md)")

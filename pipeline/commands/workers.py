@@ -1,5 +1,4 @@
-"""`moeheal heal --workers N`: the per-layer units, then the variants' finishing units, on N
-`heal --shard I/N --finish` processes at once; then the publication.
+"""`moeheal heal --workers N`: the per-layer units on N `heal --shard I/N` processes at once, then the rest.
 
 A heal's per-layer units alternate between host work (reading a layer's rows, packing, writing) and
 device work (learned rounding, the routed forwards): one process leaves the device idle while it reads
@@ -7,10 +6,7 @@ and the host idle while the device runs. Several shard workers on one lake overl
 stage is still built once, under its fingerprint's lock, so the bytes are the ones a single process
 writes (docs/scale-out.md). The workers do not preallocate device memory, so several share one GPU.
 On the 2-core CPU this is how `make heal` runs; on one H100, at 2 layers of the 30B shape, two workers
-were no faster than one process and held twice its device memory (docs/real-sizes.md). After its
-units each worker builds every N-th variant's evaluation and llama.cpp check (and the assembly and e2e
-tuning they read): on the demo's 2 cores the finishing units ran one at a time in one process, e2e's
-steps keeping about 1.5 of the cores busy (bench/RESULTS.md, "Where that run left a core idle").
+were no faster than one process and held twice its device memory (docs/real-sizes.md).
 
 Their output is merged line by line and a line another worker already printed is dropped, so a bad
 input is one line, not one per worker.
@@ -48,7 +44,7 @@ def share_the_device() -> None:
 
 def run_shard_workers(config: Path, workers: int, devices: int = 0,
                       echo: Callable[[str], None] = print) -> list[WorkerRun]:
-    """`moeheal heal -c config --shard i/workers --finish` for every i, all at once, until every one has ended.
+    """`moeheal heal -c config --shard i/workers` for every i, all at once, until every one has ended.
 
     `devices` > 0: worker i sees only device i mod `devices` (`CUDA_VISIBLE_DEVICES`), one GPU per
     worker on a machine with several; 0: every worker sees what this process sees. Each line a worker
@@ -76,7 +72,7 @@ def run_shard_workers(config: Path, workers: int, devices: int = 0,
             env = {**SHARED_DEVICE_ENV, **os.environ,  # the caller's own choice of preallocation stands
                    **({"CUDA_VISIBLE_DEVICES": str(i % devices)} if devices else {})}
             worker = subprocess.Popen([sys.executable, "-m", "moeheal", "heal", "-c", str(config),
-                                       "--shard", f"{i}/{workers}", "--finish"],
+                                       "--shard", f"{i}/{workers}"],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             reader = threading.Thread(target=follow, args=(i, time.perf_counter(), worker), daemon=True)
             reader.start()
