@@ -218,7 +218,7 @@ def prepare_experts(jobs: Iterable[tuple[str, tuple[int, int, int], bool, bool]]
         placement = _Placement.of(tuple(shape), None, devices)
         if placement.memory is None:
             return
-        n_expert, rows, cols = shape
+        n_expert, _, cols = shape
         specs = (jax.ShapeDtypeStruct(shape, jnp.float32),
                  jax.ShapeDtypeStruct((n_expert, cols), jnp.float32) if with_importance else None,
                  jax.ShapeDtypeStruct((n_expert, cols, cols), jnp.float32) if with_hessians else None)
@@ -353,7 +353,7 @@ def quantize_experts(
     w = _float32(w)  # (E, rows, cols), on the device already when the caller's arrays are
     if w.ndim != 3:
         raise ValueError(f"w: expected [n_expert, rows, cols], got shape {w.shape}")
-    n_expert, rows, cols = w.shape
+    n_expert, _, cols = w.shape
     _check_matrix(w, cls, "w")
     if importance is not None:
         importance = _float32(importance)
