@@ -179,9 +179,20 @@ def test_candidates_at_once_choose_as_one_at_a_time(monkeypatch: pytest.MonkeyPa
         jax.clear_caches()
         return np.asarray(cls.quantize_blocks(x, qw)), quantize(w, fmt, importance, h)
 
+    traced: list[tuple[int, ...]] = []  # the candidate scales' shapes the form at once was traced with
+    at_once = cls._candidate_errors.__func__
+
+    def spied(klass, terms, s):
+        traced.append(tuple(s.shape))
+        return at_once(klass, terms, s)
+
+    monkeypatch.setattr(iquants_encode.IQuantEncoder, "_candidate_errors", classmethod(spied))
     one, one_gptq = run()
+    assert traced == [], "the CPU's default scored the candidates at once"
     monkeypatch.setattr(iquants_encode, "candidates_at_once", lambda: True)
     many, many_gptq = run()
+    ratios, moves = len(iquants_encode.STAGE1_RATIOS), len(iquants_encode.CODE_MOVES)
+    assert sorted({shape[-1] for shape in traced}) == sorted({ratios, moves})  # stage 1 and stage 3, at once
     weights = np.asarray(ggml_weights(x, qw, cls.sigma_factor))
 
     def error(raw: np.ndarray) -> float:

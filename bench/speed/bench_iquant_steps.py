@@ -121,7 +121,8 @@ def main() -> None:
                 first_s = seconds if first_s is None else first_s
                 first_bytes = raw if first_bytes is None else first_bytes
                 batch = encode.fitted_batches().get((fmt, shape, hessians is not None), "CPU: by weights")
-                print(f"| {fmt} | {count} | {candidates} | {compiling_s:.1f} | {seconds:.3f} | {first_s / seconds:.2f}x "
+                print(f"| {fmt} | {count} | {candidates} | {compiling_s:.1f} | {seconds:.3f} "
+                      f"| {first_s / seconds:.2f}x "
                       f"| {np.mean(raw == first_bytes):.4f} | {int(np.sum(raw != first_bytes))} | {batch} |",
                       flush=True)
 
