@@ -100,10 +100,10 @@ def candidates_at_once() -> bool:
     """Whether the least-squares search scores a sub-block's candidate scales all at once
     (``IQuantEncoder._best_candidate``) on the backend a program is traced for: on an accelerator, where
     one at a time re-read the search's (groups, grid points) terms from memory for each (1.6-2.2x at a
-    30B expert tensor on an H100, bench/RESULTS.md); the CPU keeps them in cache either way, and keeps
-    the order of sums its published bytes were made with. GPTQ's plans keep the scan everywhere: inside
-    its column loops the form at once took 2-4x the compilation (10-26 s a program on an H100) for
-    1-2 s a 30B layer of run time."""
+    30B expert tensor on an H100, bench/RESULTS.md). The CPU would gain too (1.1-1.4x on the demo's experts)
+    but keeps the order of sums its published bytes were made with: the other order moves near-ties.
+    GPTQ's plans keep the scan everywhere: inside its column loops the form at once took 2-4x the
+    compilation (10-26 s a program on an H100) for 1-2 s a 30B layer of run time."""
     return jax.default_backend() != "cpu"
 
 
