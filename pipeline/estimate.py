@@ -103,9 +103,11 @@ def e2e_key(over_codebook: bool) -> str:
     return f"e2e:{CODEBOOK}" if over_codebook else "e2e"
 
 
-def invocation(key: str, shapes: Shapes, tokens: int = 0, formats: int = 1) -> Invocation:
+def invocation(key: str, shapes: Shapes, tokens: int = 0, formats: int = 1, layers: int | None = None) -> Invocation:
     """The size and work of one invocation of `key` over `tokens` (its calibration rows, its trace, e2e's
-    steps x sequence tokens, or the evaluated tokens; `formats`: a sensitivity stage's candidates)."""
+    steps x sequence tokens, or the evaluated tokens; `formats`: a sensitivity measurement's candidates,
+    over `layers` of the model's MoE layers: a unit's one, or all of them, as records made before the
+    measurement ran per layer timed it)."""
     stage = key.split(":")[0]
     if stage in PER_LAYER:
         return Invocation(key, shapes.routed, 0.0 if key == "quantize:rtn" else tokens * shapes.active)
@@ -114,7 +116,8 @@ def invocation(key: str, shapes: Shapes, tokens: int = 0, formats: int = 1) -> I
     if stage in FORWARD:
         return Invocation(key, shapes.n_moe * shapes.routed, tokens * shapes.forward)
     if stage == "sensitivity":
-        return Invocation(key, formats * shapes.n_moe * shapes.routed, formats * tokens * shapes.n_moe * shapes.active)
+        n = shapes.n_moe if layers is None else layers
+        return Invocation(key, formats * n * shapes.routed, formats * tokens * n * shapes.active)
     if stage in ("assemble", "llama-check", "llama-reference"):
         return Invocation(key, shapes.n_moe * shapes.routed, 0.0)
     return Invocation(key, 0.0, 0.0)
@@ -204,8 +207,8 @@ def node_invocation(name: str, params: Any, cfg: Any, shapes: Shapes, variant: A
         return invocation(name, shapes, eval_tokens(cfg))
     if name == "evaluate":
         return invocation(name, shapes, eval_tokens(cfg) * params.reps * max(1, len(params.bonus)))
-    if name == "sensitivity":
-        return invocation(name, shapes, cfg.unseen_tokens, formats=len(params.formats))
+    if name == "sensitivity":  # one layer's unit
+        return invocation(name, shapes, cfg.unseen_tokens, formats=len(params.formats), layers=1)
     return invocation(name, shapes)
 
 

@@ -204,20 +204,26 @@ class HealRun:
     def budget_variants(self) -> list[Variant]:
         return [v for v in self.cfg.healed_variants if v.budgeted]
 
-    def sensitivity(self, variant: Variant) -> Node:
-        """Per (layer, role, candidate format): bytes, the output error on the unseen dump and what it is
-        estimated to cost the model's KL there (the reference's Fisher over the unseen trace)."""
-        return self.declare(Node(sensitivity.STAGE, sensitivity.SensitivityParams.of(variant, self.source.arch),
-                                 key=(variant.name,), inputs={"source": self.cfg.source},
+    def sensitivity(self, variant: Variant, layer: int) -> Node:
+        """Layer `layer`'s unit of a budget's measurement: per (role, candidate format), bytes, the output
+        error on the unseen dump and what it is estimated to cost the model's KL there (the reference's
+        Fisher over the unseen trace)."""
+        params = dataclasses.replace(sensitivity.SensitivityParams.of(variant, self.source.arch), layer=layer)
+        return self.declare(Node(sensitivity.STAGE, params, key=(variant.name, layer),
+                                 inputs={"source": self.cfg.source},
                                  upstream={"dump": self.dump("calibration"), "unseen": self.dump("unseen"),
                                            "guidance": self.guidance("unseen")}))
+
+    def sensitivities(self, variant: Variant) -> dict[int, Node]:
+        """Every MoE layer's sensitivity unit of a budget variant, by layer."""
+        return {layer: self.sensitivity(variant, layer) for layer in self.source.moe_layers}
 
     def allocate(self, variant: Variant) -> Node:
         """The recipe of a budget variant: one format per (layer, role) under its budget."""
         params = allocate.AllocateParams.of(variant, budget_fixed(variant, self.source),
                                             where=f"{self.cfg.path}: [[variant]] {variant.name}")
         return self.declare(Node(allocate.STAGE, params, key=(variant.name,),
-                                 upstream={"sensitivity": self.sensitivity(variant)}))
+                                 upstream={"sensitivity": self.sensitivities(variant)}))
 
     def calibration_rows(self, variant: Variant, layer: int) -> Node:
         """What the (variant, layer) unit is quantized and healed on: the calibration dump, or with
@@ -312,28 +318,39 @@ class HealRun:
         return [self.result(self.calibrate(variant, layer)) for layer in layers]
 
     def unit_pairs(self) -> list[tuple[Variant, int]]:
-        """The per-layer units' (variant, layer) in DAG order: variants as configured, layers in order.
-        Each unit is a quantize stage and the calibrate stage that reads it."""
+        """The per-layer quantize units' (variant, layer) in DAG order: variants as configured, layers in
+        order. Each unit is a quantize stage and the calibrate stage that reads it."""
         return [(variant, layer) for variant in self.all_quantized_variants() for layer in self.source.moe_layers]
 
+    def measurement_units(self) -> list[tuple[Variant, int]]:
+        """The budgets' sensitivity units as (variant, layer): one per distinct measurement and MoE layer
+        (budget variants with the same knobs share theirs, `SensitivityParams`), layers in order."""
+        arch, measured = self.source.arch, []
+        for variant in self.budget_variants():
+            if all(sensitivity.SensitivityParams.of(variant, arch) != sensitivity.SensitivityParams.of(m, arch)
+                   for m in measured):
+                measured.append(variant)
+        return [(variant, layer) for variant in measured for layer in self.source.moe_layers]
+
     def unit_nodes(self) -> list[Node]:
-        """Every unit's calibrate node (its quantize node among its upstream), in `unit_pairs` order."""
-        return [self.calibrate(variant, layer) for variant, layer in self.unit_pairs()]
+        """Every per-layer unit's last node: each sensitivity unit first (a budget's quantize units wait for
+        all of its layers), then each quantize unit's calibrate node (its quantize node among its upstream)."""
+        return ([self.sensitivity(variant, layer) for variant, layer in self.measurement_units()]
+                + [self.calibrate(variant, layer) for variant, layer in self.unit_pairs()])
 
     def shard_units(self, shard: int, shards: int) -> list[StageResult]:
         """Worker ``shard`` of ``shards``' share of the per-layer units, built, and nothing after them.
 
-        Every ``shards``-th of `unit_pairs` from the ``shard``-th: each calibrate unit with
-        its quantize unit and what they read (dumps, a budget's recipe). Workers
-        on one lake share everything else through it: a stage is built under its
-        fingerprint's lock, so the first worker to reach a dump builds it and the
-        others wait and find it. No assembly, evaluation or publication: a
-        ``heal`` afterwards finds every unit cached and does those. The units are
-        the ones one process would build, so the healed GGUFs are the same bytes.
+        Every ``shards``-th of `unit_nodes` from the ``shard``-th: the sensitivity units first, spread
+        over the workers, then each calibrate unit with its quantize unit and what they read (dumps, a
+        budget's recipe). Workers on one lake share everything else through it: a stage is built under
+        its fingerprint's lock, so the first worker to reach a dump builds it and the others wait and
+        find it. No assembly, evaluation or publication: a ``heal`` afterwards finds every unit cached
+        and does those. The units are the ones one process would build, so the healed GGUFs are the same
+        bytes.
         """
-        mine = self.unit_pairs()[shard::shards]
-        return [self.result(self.calibrate(variant, layer))
-                for variant, layer in progress(mine, desc=f"shard {shard}/{shards}", unit="unit")]
+        mine = self.unit_nodes()[shard::shards]
+        return [self.result(node) for node in progress(mine, desc=f"shard {shard}/{shards}", unit="unit")]
 
     # ---- evaluation ----------------------------------------------------------------
     def evaluated_variants(self) -> list[Variant]:

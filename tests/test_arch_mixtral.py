@@ -351,7 +351,7 @@ def test_a_budget_over_every_tensor_measures_attention_through_the_familys_rope(
     change = sum(float(np.sum((numpy_attention({**params, "attn_q.weight": w_q}, x[s:e], hp)
                                - numpy_attention(params, x[s:e], hp)) ** 2)) for s, e in zip(starts, starts[1:]))
     expected = change / float(np.sum(np.square(unseen["1"]["yr"][:], dtype=np.float64)))
-    key = run.result(run.sensitivity(b_all)).fingerprint[:16]
+    key = tables.measurement_key([run.result(unit) for unit in run.sensitivities(b_all).values()])
     row = next(r for r in run.lake.read_table("sensitivity").to_pylist()
                if r["sensitivity"] == key and (r["layer"], r["role"], r["format"]) == (1, "attn_q", "q2_k"))
     assert row["rel_err"] == pytest.approx(expected, rel=1e-5)  # NEOX RoPE here would be 3e-3 off

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import shlex
 import subprocess
@@ -20,6 +21,7 @@ from moeheal.pipeline.config import load_config
 from moeheal.pipeline.errors import InputError
 from moeheal.pipeline.gguf.model import GGUFModel
 from moeheal.pipeline.heal import HealRun
+from moeheal.pipeline.publish.tables import measurement_key
 from moeheal.pipeline.data.fisher import read_fisher_values
 from moeheal.pipeline.data.units import EXPERT_TENSORS
 from bench.inputs.healworld import write_world
@@ -62,7 +64,7 @@ def variant(run: HealRun, name: str):
 
 def measured(run: HealRun, name: str) -> list[dict]:
     """The sensitivity rows of budget variant `name`'s measurement."""
-    key = run.result(run.sensitivity(variant(run, name))).fingerprint[:16]
+    key = measurement_key([run.result(unit) for unit in run.sensitivities(variant(run, name)).values()])
     return [r for r in run.lake.read_table("sensitivity").to_pylist() if r["sensitivity"] == key]
 
 
@@ -123,8 +125,9 @@ def test_budget_variant_knobs_and_fingerprints(budget_world):
     assert lo.knobs()["budget_bpw"] == 2.4 and lo.knobs()["formats"] == FORMATS and "quant" not in lo.knobs()
     planner = HealRun(load_config(config), plan=True)
 
-    def stage_of(s: str, v):  # quantize: its layer-0 unit
-        return planner.result(planner.quantize(v, 0) if s == "quantize" else getattr(planner, s)(v))
+    def stage_of(s: str, v):  # quantize and sensitivity: their layer-0 units
+        node = getattr(planner, s)(v, 0) if s in ("quantize", "sensitivity") else getattr(planner, s)(v)
+        return planner.result(node)
 
     fp = {v.name: {s: stage_of(s, v).fingerprint for s in ("sensitivity", "allocate", "quantize")}
           for v in (lo, hi, dataclasses.replace(lo, name="b_lo2", candidates=("tq2_0", "q2_k")))}
@@ -139,6 +142,26 @@ def test_budget_variant_knobs_and_fingerprints(budget_world):
     assert fp_cheap["sensitivity"] == fp["b_lo"]["sensitivity"] != fp_gptq["sensitivity"]  # measured with ls
     assert fp_cheap["quantize"] != fp["b_lo"]["quantize"]  # the recipe itself is quantized with GPTQ
     assert all(p.status in ("cached", "skipped") for p in HealRun(load_config(config), plan=True).plan())
+
+
+def test_the_sensitivity_units_come_first_one_per_measurement_and_layer(budget_world, capsys):
+    """`plan --units`: each distinct measurement's layers are units of their own (b_lo and b_hi share
+    theirs), before the quantize units, which a shard worker then spreads: the worker that builds a
+    layer's measurement is not the one that builds the next."""
+    config, run = budget_world
+    assert main(["plan", "-c", str(config), "--units", "--format", "json"]) == 0
+    units = json.loads(capsys.readouterr().out)
+    n_layer = run.source.hp.n_layer
+    assert [(u["variant"], u["layer"], u["stages"]) for u in units[:2 * n_layer]] == [
+        (name, layer, [f"sensitivity:{name}:{layer}"]) for name in ("b_lo", "b_all") for layer in range(n_layer)]
+    assert [u["stages"] for u in units[2 * n_layer:]] == [
+        [f"quantize:{v.name}:{layer}", f"calibrate:{v.name}:{layer}"] for v, layer in run.unit_pairs()]
+    assert {u["status"] for u in units} == {"cached"}
+    shard_of = {node.label: i for i in range(2) for node in run.unit_nodes()[i::2]}
+    assert [shard_of[f"sensitivity:b_lo:{layer}"] for layer in range(n_layer)] == [i % 2 for i in range(n_layer)]
+    b_hi = run.sensitivities(variant(run, "b_hi"))
+    assert [run.result(b_hi[layer]).fingerprint for layer in range(n_layer)] == [
+        run.result(run.sensitivity(variant(run, "b_lo"), layer)).fingerprint for layer in range(n_layer)]
 
 
 # ---- sensitivity ----------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from moeheal.pipeline.config import UNHEALED, Variant, _variant, e2e_schedule
 from moeheal.pipeline.estimate import Invocation, Shapes, codebook, e2e_key, invocation, rounding_key
 from moeheal.pipeline.gguf.model import open_model
 from moeheal.pipeline.sources.synth import LIKE
+from moeheal.pipeline.stages.sensitivity import SensitivityParams
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "demo"
@@ -206,7 +207,8 @@ def demo_observations(path: Path, name: str) -> list[Observation]:
     config = tomllib.loads((path.parent / "demo-heal.toml").read_text(encoding="utf-8"))
     cal, moce = config["calibration"], config.get("moce", {})
     tokens, unseen = cal["tokens"], cal.get("unseen_tokens", 0)
-    shapes = estimate.shapes_of(open_model(DEMO / config["model"]["reference"]))
+    model = open_model(DEMO / config["model"]["reference"])
+    shapes = estimate.shapes_of(model)
     healed = variants_of(config["variant"])
     distinct = {json.dumps(v.knobs(), sort_keys=True): v for v in healed}  # a unit serves every variant with its knobs
     per_round: dict[str, int] = defaultdict(int)
@@ -217,6 +219,10 @@ def demo_observations(path: Path, name: str) -> list[Observation]:
     tuned = [invocation(e2e_key(codebook(v.candidate_formats())), shapes, e2e_steps(v, tokens) * SEQ_TOKENS)
              for v in distinct.values() if v.e2e]  # an e2e stage per distinct tuned variant
     formats = [len(v.candidates) for v in healed if v.budgeted] or [0]
+    measured = []  # the distinct sensitivity measurements: a unit of each (before, one) per MoE layer
+    for v in (v for v in healed if v.budgeted):
+        if SensitivityParams.of(v, model.arch) not in measured:
+            measured.append(SensitivityParams.of(v, model.arch))
     out = []
     with open(path, newline="", encoding="utf-8") as f:
         for row in csv.DictReader(f):
@@ -230,7 +236,8 @@ def demo_observations(path: Path, name: str) -> list[Observation]:
             elif stage == "guidance":
                 invs = [invocation(stage, shapes, unseen)] * units
             elif stage == "sensitivity":
-                invs = [invocation(stage, shapes, unseen, formats=formats[0])] * units
+                layers = shapes.n_moe if units <= len(measured) else 1  # a record from before the units
+                invs = [invocation(stage, shapes, unseen, formats=formats[0], layers=layers)] * units
             elif stage == "e2e":
                 invs = tuned if len(tuned) == units else tuned[:1] * units
             elif stage in ("evaluate", "reference-logits"):

@@ -146,9 +146,11 @@ def plan_units(run, fmt: str) -> int:
     """`plan --units`: the per-layer units a heal executes (what `--shard I/N` splits, one Slurm array
     task or Ray task each), in order, each with its stages and whether they are in the lake."""
     status = {p.stage: p.status for p in run.plan()}
-    units = [{"unit": i, "variant": variant.name, "layer": layer,
-              "stages": [f"quantize:{variant.name}:{layer}", f"calibrate:{variant.name}:{layer}"]}
-             for i, (variant, layer) in enumerate(run.unit_pairs())]
+    units = []
+    for i, node in enumerate(run.unit_nodes()):  # a sensitivity unit alone; a calibrate unit with its quantize
+        name, layer = node.key
+        stages = [node.label] if node.stage.name == "sensitivity" else [f"quantize:{name}:{layer}", node.label]
+        units.append({"unit": i, "variant": name, "layer": layer, "stages": stages})
     for unit in units:
         unit["status"] = "cached" if all(status.get(s) == "cached" for s in unit["stages"]) else "compute"
     if fmt == "json":

@@ -9,6 +9,7 @@ some tables carries the others forward where their sources still match.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -122,32 +123,48 @@ def variants_table(run: HealRun, models: list[Result]) -> pa.Table:
     return pa.Table.from_pylist(rows)
 
 
-def sensitivity_table(results: list[Result]) -> pa.Table:
+def measurement_key(units: list[Result]) -> str:
+    """A sensitivity measurement's key in the tables (`sensitivity`): a digest of its per-layer units'
+    fingerprints in layer order, so budget variants with the same knobs, which share every unit, share it."""
+    return hashlib.sha256(" ".join(unit.fingerprint for unit in units).encode()).hexdigest()[:16]
+
+
+def measurements(run: HealRun, units: list[Result]) -> list[list[Result]]:
+    """`units`, every budget variant's sensitivity units (its MoE layers in order, `budget_variants`
+    order), cut into one list per budget variant."""
+    n = len(run.source.moe_layers)
+    return [units[i:i + n] for i in range(0, len(units), n)]
+
+
+def sensitivity_table(run: HealRun, units: list[Result]) -> pa.Table:
     """Every distinct sensitivity measurement of the run (budget variants with the same knobs share
-    one), its rows keyed by `sensitivity`, the stage's fingerprint prefix."""
+    one), its layers' rows keyed by `sensitivity` (`measurement_key`)."""
     parts, seen = [], set()
-    for result in results:
-        if result.fingerprint not in seen:
-            seen.add(result.fingerprint)
-            part = read_parts(result, "sensitivity")
-            parts.append(part.add_column(0, "sensitivity", pa.array([result.fingerprint[:16]] * part.num_rows)))
+    for measured in measurements(run, units):
+        key = measurement_key(measured)
+        if key not in seen:
+            seen.add(key)
+            part = pa.concat_tables([read_parts(unit, "sensitivity") for unit in measured])
+            parts.append(part.add_column(0, "sensitivity", pa.array([key] * part.num_rows)))
     return pa.concat_tables(parts)
 
 
 def recipe_table(run: HealRun, models: list[Result], measured: list[Result], allocations: list[Result]) -> pa.Table:
     """The formats of every evaluated variant's tensors in a role a recipe may choose, read from its
-    GGUF (`models`, in `evaluated_variants` order; `measured` and `allocations`, the budget
-    variants' sensitivity and allocate results in `budget_variants` order). chosen_by: "allocation"
-    (a budget's choice, with its predicted error and sensitivity, which must match the GGUF),
-    "config" (a routed tensor's configured format), "source" (a tensor our variant left as the
-    source stores it, or the shared down projection's `shexp_down`), "gguf" (an outside GGUF's)."""
-    budget = {v.name: (m, a) for v, m, a in zip(run.budget_variants(), measured, allocations, strict=True)}
+    GGUF (`models`, in `evaluated_variants` order; `measured`, the budget variants' sensitivity units,
+    each variant's MoE layers in order, and `allocations`, their allocate results, both in
+    `budget_variants` order). chosen_by: "allocation" (a budget's choice, with its predicted error and
+    its measurement's key, which must match the GGUF), "config" (a routed tensor's configured format),
+    "source" (a tensor our variant left as the source stores it, or the shared down projection's
+    `shexp_down`), "gguf" (an outside GGUF's)."""
+    keys = [measurement_key(units) for units in measurements(run, measured)]
+    budget = {v.name: (k, a) for v, k, a in zip(run.budget_variants(), keys, allocations, strict=True)}
     rows = []
     for variant, result in zip(run.evaluated_variants(), models, strict=True):
         written = gguf_recipe(open_model(model_path(run, variant, result)))
         sensitivity, predicted = None, {}
         if variant.name in budget:
-            sensitivity = budget[variant.name][0].fingerprint[:16]
+            sensitivity = budget[variant.name][0]
             predicted = {r["tensor"]: r for r in read_parts(budget[variant.name][1], "recipe").to_pylist()}
             if {r["tensor"]: r["format"] for r in written if r["tensor"] in predicted} != \
                     {t: r["format"] for t, r in predicted.items()}:
@@ -214,8 +231,8 @@ def table_declarations(run: HealRun) -> dict[str, Published]:
     def evaluations() -> list[Source]:
         return [run.evaluate(v) for v in evaluated]
 
-    def sensitivities() -> list[Source]:
-        return [run.sensitivity(v) for v in budgets]
+    def sensitivities() -> list[Source]:  # each budget's units, its layers in order
+        return [unit for v in budgets for unit in run.sensitivities(v).values()]
 
     def frontier_sources() -> list[Source]:  # the order frontier_relations reads them in
         return models() + [run.comparisons()] + [run.llama_check(v) for v in evaluated] + [run.llama_pairs()]
@@ -238,8 +255,8 @@ def table_declarations(run: HealRun) -> dict[str, Published]:
         "ridge_cv": units_of("ridge_cv"),
         "variants": Published(models, lambda results: variants_table(run, results)),
         "recipe": Published(lambda: models() + sensitivities() + [run.allocate(v) for v in budgets],
-                            lambda r: recipe_table(run, r[:n_models], r[n_models:n_models + n_budgets],
-                                                   r[n_models + n_budgets:])),
+                            lambda r: recipe_table(run, r[:n_models], r[n_models:-n_budgets or None],
+                                                   r[len(r) - n_budgets:])),
         "sizes": Published(models, lambda results: sizes_table(run, results)),
         "token_kld": Published(evaluations, concat_parts("token_kld")),
         "hitrate": Published(evaluations, concat_parts("hitrate")),
@@ -258,7 +275,7 @@ def table_declarations(run: HealRun) -> dict[str, Published]:
     if any(v.kind == "external" for v in evaluated):
         declared["frontier_pairs"] = Published(frontier_sources, frontier_query(run, "frontier_pairs"))
     if budgets:
-        declared["sensitivity"] = Published(sensitivities, sensitivity_table)
+        declared["sensitivity"] = Published(sensitivities, lambda results: sensitivity_table(run, results))
     tuned = [v for v in run.cfg.healed_variants if v.e2e]
     if tuned:
         declared["e2e_curve"] = Published(lambda: [run.e2e(v) for v in tuned], lambda results: pa.concat_tables(

@@ -4,6 +4,7 @@ the sensitivity measurement."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,11 +83,12 @@ def choose_recipe(sensitivity: pa.Table, params: AllocateParams, where: str) -> 
     return pa.Table.from_pylist(recipe, schema=RECIPE_SCHEMA), summary
 
 
-def build_allocation(out: Path, params: AllocateParams, *, sensitivity: Path, log: Log) -> None:
-    """The allocate stage: `recipe.parquet` and a one-row `allocation.parquet` from the sensitivity
-    stage's output (`sensitivity`)."""
-    table = read_part(sensitivity / "sensitivity.parquet",
-                      ("layer", "role", "format", "n_weights", "bytes", "kl_est"))
+def build_allocation(out: Path, params: AllocateParams, *, sensitivity: Mapping[int, Path], log: Log) -> None:
+    """The allocate stage: `recipe.parquet` and a one-row `allocation.parquet` from every layer's
+    sensitivity unit (`sensitivity`, by layer)."""
+    table = pa.concat_tables([read_part(sensitivity[layer] / "sensitivity.parquet",
+                                        ("layer", "role", "format", "n_weights", "bytes", "kl_est"))
+                              for layer in sorted(sensitivity)])
     recipe, summary = choose_recipe(table, params, params.where)
     log(f"[allocate] {params.where}: {summary['bpw']:.4f} bits per weight of {params.budget_bpw:g} "
         f"({summary['n_items']} tensors x {summary['n_formats']} formats, {summary['seconds']:.2f} s)")

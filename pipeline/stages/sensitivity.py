@@ -1,7 +1,8 @@
 """What each tensor's format costs, and the recipe a size budget buys.
 
-Sensitivity (stage `sensitivity`): for every layer, measured tensor role
-(`pipeline.model.roles`: the routed experts', and with budget_roles = "all" also the
+Sensitivity (stage `sensitivity`, one unit per MoE layer, so that the layers are measured in
+parallel wherever the quantize units are: `heal --workers`, `--shard`, Ray): for the unit's layer, every
+measured tensor role (`pipeline.model.roles`: the routed experts', and with budget_roles = "all" also the
 shared expert's and attention's) and candidate format, that one tensor is
 quantized with the variant's own importance knobs and rounding (or its
 `sensitivity_round`, "ls" to keep the measurement cheap under GPTQ), with the
@@ -34,7 +35,7 @@ format's: weights / block size * block bytes. A non-routed tensor may also
 stay as the source stores it, when that is a registered format: a row in the
 source's format with its stored bytes and rel_err 0.
 
-Allocation (stage `allocate`): one format per (layer, role) minimising the
+Allocation (stage `allocate`, over every layer's unit): one format per (layer, role) minimising the
 summed kl_est with the summed bytes within budget_bpw bits per covered weight
 (`kernels.allocate`, an exact multiple-choice knapsack); the chosen recipe is
 `recipe.parquet`, which the quantize stage of the variant reads.
@@ -64,7 +65,7 @@ from moeheal.pipeline.lake.files import write_parquet
 from moeheal.pipeline.lake.stage import Log, Stage
 from moeheal.pipeline.model import roles
 from moeheal.pipeline.model.routed import routed_inputs_on_device, routed_output
-from moeheal.pipeline.progress import Phases, progress
+from moeheal.pipeline.progress import Phases
 from moeheal.pipeline.stages.quantize import (
     QuantizeParams,
     expert_weights,
@@ -85,14 +86,15 @@ SENSITIVITY_SCHEMA = pa.schema([
 
 @dataclass(frozen=True)
 class SensitivityParams:
-    """What a sensitivity table depends on: the candidate formats, the measured roles, the variant's
-    quantization knobs (with no formats of its own: `quantize.quant` is None) and whether alpha
-    heals. Budget variants that share these share one table, whatever their budgets."""
+    """What a layer's sensitivity unit depends on: the candidate formats, the measured roles, the variant's
+    quantization knobs (with no formats of its own: `quantize.quant` is None), whether alpha heals, and
+    the layer. Budget variants that share the rest share one unit per layer, whatever their budgets."""
 
     formats: tuple[str, ...]
     roles: tuple[str, ...]
     alpha: bool
     quantize: QuantizeParams
+    layer: int | None = None  # the unit's layer (None: the knobs alone, before `HealRun.sensitivity` names it)
 
     @classmethod
     def of(cls, variant, arch) -> "SensitivityParams":
@@ -157,49 +159,49 @@ def _matrix_rows(source: GGUFModel, layer: int, role: str, matrices: dict[str, n
 
 def measure_sensitivity(source: GGUFModel, cal, unseen, guidance: Path, params: SensitivityParams,
                         log: Log = print) -> pa.Table:
-    """One row per (layer, role, format): bytes, the relative output error (unseen and in-sample) with
-    only that tensor quantized (after the variant's alpha, for a routed role), and its estimated cost
-    in KL by the unseen trace's Fisher (`guidance`, the guidance stage's store of that trace). Each
-    layer logs where its time went (`sensitivity layer 3: read ..., rounding ..., outputs ...`)."""
-    qp = params.quantize
+    """One row per (role, format) of layer `params.layer`: bytes, the relative output error (unseen and
+    in-sample) with only that tensor quantized (after the variant's alpha, for a routed role), and its
+    estimated cost in KL by the unseen trace's Fisher (`guidance`, the guidance stage's store of that
+    trace). The unit logs where its time went (`sensitivity layer 3: read ..., rounding ..., outputs ...`)."""
+    qp, layer = params.quantize, params.layer
+    assert layer is not None, "a sensitivity unit is one layer"
     extra = roles.dump_arrays(params.roles)
     in_rows = slice(0, qp.cal_tokens or None)
     seqs = {"in_sample": roles.clip_sequences(cal.sequences("sensitivity"), in_rows),
             "unseen": unseen.sequences("sensitivity")} if extra else {"in_sample": [], "unseen": []}
     rows = []
-    for layer in progress(source.moe_layers, desc="sensitivity", unit="layer"):
-        phases = Phases()
-        weights = expert_weights(source, layer)
-        data = {"in_sample": read_layer(cal[str(layer)], in_rows, extra),
-                "unseen": read_layer(unseen[str(layer)], slice(None), extra)}
-        phases.done("read", weights)
-        plan = importance_plan(weights, cal if qp.importance else None, layer, qp, data["in_sample"])
-        phases.done("statistics", plan)
-        fisher = read_fisher_values(guidance, layer)  # (T, d): the unseen dump's rows are the trace's tokens
-        if len(fisher) != len(data["unseen"]["yr"]):
-            raise InputError(f"{guidance}: layer {layer}: {len(fisher)} rows of guidance for an unseen dump of "
-                             f"{len(data['unseen']['yr'])}")
-        matrices = layer_matrices(source, layer) if set(params.roles) - set(EXPERT_TENSORS) else {}
-        routed = {s: routed_inputs_on_device(d) for s, d in data.items()}
-        phases.done("read", routed)
-        encode.prepare_experts((fmt, weights[role].shape, plan[role][0] is not None, plan[role][1] is not None)
-                               for role in params.roles if role in EXPERT_TENSORS for fmt in params.formats)
-        phases.done("compiling ahead")
-        for role in params.roles:
-            if role in EXPERT_TENSORS:
-                rows += _routed_rows(layer, role, weights, plan, routed, fisher, params, phases)
-            else:
-                rows += _matrix_rows(source, layer, role, matrices, data, seqs, fisher, params)
-                phases.done("other roles")
-        log(f"sensitivity layer {layer}: {phases}")
+    phases = Phases()
+    weights = expert_weights(source, layer)
+    data = {"in_sample": read_layer(cal[str(layer)], in_rows, extra),
+            "unseen": read_layer(unseen[str(layer)], slice(None), extra)}
+    phases.done("read", weights)
+    plan = importance_plan(weights, cal if qp.importance else None, layer, qp, data["in_sample"])
+    phases.done("statistics", plan)
+    fisher = read_fisher_values(guidance, layer)  # (T, d): the unseen dump's rows are the trace's tokens
+    if len(fisher) != len(data["unseen"]["yr"]):
+        raise InputError(f"{guidance}: layer {layer}: {len(fisher)} rows of guidance for an unseen dump of "
+                         f"{len(data['unseen']['yr'])}")
+    matrices = layer_matrices(source, layer) if set(params.roles) - set(EXPERT_TENSORS) else {}
+    routed = {s: routed_inputs_on_device(d) for s, d in data.items()}
+    phases.done("read", routed)
+    encode.prepare_experts((fmt, weights[role].shape, plan[role][0] is not None, plan[role][1] is not None)
+                           for role in params.roles if role in EXPERT_TENSORS for fmt in params.formats)
+    phases.done("compiling ahead")
+    for role in params.roles:
+        if role in EXPERT_TENSORS:
+            rows += _routed_rows(layer, role, weights, plan, routed, fisher, params, phases)
+        else:
+            rows += _matrix_rows(source, layer, role, matrices, data, seqs, fisher, params)
+            phases.done("other roles")
+    log(f"sensitivity layer {layer}: {phases}")
     return pa.Table.from_pylist(rows, schema=SENSITIVITY_SCHEMA)
 
 
 def build_sensitivity(out: Path, params: SensitivityParams, *, source: Path, dump: Path, unseen: Path,
                       guidance: Path, log: Log) -> None:
-    """The sensitivity stage: `sensitivity.parquet`, the `source`'s tensors measured on the
-    calibration (`dump`) and unseen (`unseen`) dumps, priced by the unseen trace's Fisher (`guidance`).
-    On one host BLAS thread, as the quantize unit whose code it runs (`kernels.threads`)."""
+    """One unit of the sensitivity stage: `sensitivity.parquet`, layer `params.layer` of the `source`
+    measured on the calibration (`dump`) and unseen (`unseen`) dumps, priced by the unseen trace's Fisher
+    (`guidance`). On one host BLAS thread, as the quantize unit whose code it runs (`kernels.threads`)."""
     model = open_model(source)
     with one_blas_thread():
         table = measure_sensitivity(model, open_dump(dump, model.hp, model.moe_layers),
