@@ -318,9 +318,13 @@ class HealRun:
         return [self.result(self.calibrate(variant, layer)) for layer in layers]
 
     def unit_pairs(self) -> list[tuple[Variant, int]]:
-        """The per-layer quantize units' (variant, layer) in DAG order: variants as configured, layers in
-        order. Each unit is a quantize stage and the calibrate stage that reads it."""
-        return [(variant, layer) for variant in self.all_quantized_variants() for layer in self.source.moe_layers]
+        """The per-layer quantize units' (variant, layer), layers in order, in the order workers take them:
+        our variants that read no recipe (as configured), then the budget variants (which wait for every
+        sensitivity unit), then the unhealed baseline's, whose units cost least, so that the worker that
+        finishes last has little left. Each unit is a quantize stage and the calibrate stage that reads it."""
+        healed = self.cfg.healed_variants
+        order = [v for v in healed if not v.budgeted] + [v for v in healed if v.budgeted] + [UNHEALED]
+        return [(variant, layer) for variant in order for layer in self.source.moe_layers]
 
     def measurement_units(self) -> list[tuple[Variant, int]]:
         """The budgets' sensitivity units as (variant, layer): one per distinct measurement and MoE layer

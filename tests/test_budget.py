@@ -146,8 +146,8 @@ def test_budget_variant_knobs_and_fingerprints(budget_world):
 
 def test_the_sensitivity_units_come_first_one_per_measurement_and_layer(budget_world, capsys):
     """`plan --units`: each distinct measurement's layers are units of their own (b_lo and b_hi share
-    theirs), before the quantize units, which a shard worker then spreads: the worker that builds a
-    layer's measurement is not the one that builds the next."""
+    theirs), before the quantize units, in the order the shard workers take them, which spreads a
+    measurement's layers: the worker that builds one layer is not the one that builds the next."""
     config, run = budget_world
     assert main(["plan", "-c", str(config), "--units", "--format", "json"]) == 0
     units = json.loads(capsys.readouterr().out)
@@ -156,6 +156,9 @@ def test_the_sensitivity_units_come_first_one_per_measurement_and_layer(budget_w
         (name, layer, [f"sensitivity:{name}:{layer}"]) for name in ("b_lo", "b_all") for layer in range(n_layer)]
     assert [u["stages"] for u in units[2 * n_layer:]] == [
         [f"quantize:{v.name}:{layer}", f"calibrate:{v.name}:{layer}"] for v, layer in run.unit_pairs()]
+    # the variants that read no recipe first, the budgets after them, the baseline's cheap units last
+    assert [u["variant"] for u in units[2 * n_layer::n_layer]] == [
+        "u_q2k", "u_q4k", "b_lo", "b_hi", "b_all", "unhealed"]
     assert {u["status"] for u in units} == {"cached"}
     shard_of = {node.label: i for i in range(2) for node in run.unit_nodes()[i::2]}
     assert [shard_of[f"sensitivity:b_lo:{layer}"] for layer in range(n_layer)] == [i % 2 for i in range(n_layer)]
@@ -273,6 +276,43 @@ def test_sensitivity_is_the_layer_output_error_with_one_tensor_quantized(budget_
     assert fisher.shape == delta.shape and np.all(fisher >= 0) and fisher.mean() > 0
     assert row["kl_est"] == pytest.approx(0.5 * np.sum(fisher * delta ** 2) / len(delta), rel=1e-4)
 
+
+
+def test_alpha_is_fitted_on_the_strided_calibration_rows_past_fit_rows(budget_world, monkeypatch):
+    """Past `FIT_ROWS` calibration rows (1,024 here, 256 allowed) a routed role's alpha and in-sample error
+    come from every 4th row: recomputed by hand on those rows, and unlike what all rows give."""
+    from moeheal.kernels.alpha import fit_alpha, relative_residual
+    from moeheal.pipeline.data.dumps import open_dump
+    from moeheal.pipeline.model.layers import moe_forward
+    from moeheal.pipeline.stages import sensitivity
+    from moeheal.pipeline.stages.quantize import QuantizeParams, expert_weights, importance_plan
+
+    _, run = budget_world
+    lo = variant(run, "b_lo")
+    cal, unseen = open_dump(run.result(run.dump("calibration")).path), open_dump(run.result(run.dump("unseen")).path)
+    assert cal["1"]["yr"].shape[0] == 1024
+    monkeypatch.setattr(sensitivity, "FIT_ROWS", 256)
+    params = dataclasses.replace(sensitivity.SensitivityParams.of(lo, run.source.arch), layer=1)
+    table = sensitivity.measure_sensitivity(run.source, cal, unseen, run.result(run.guidance("unseen")).path,
+                                            params, log=lambda line: None)
+    row = next(r for r in table.to_pylist() if (r["role"], r["format"]) == ("ffn_up_exps", "q2_k"))
+    weights = expert_weights(run.source, 1)
+    importance, _ = importance_plan(weights, cal, 1, QuantizeParams.knobs_of(lo, None))["ffn_up_exps"]
+    w = weights["ffn_up_exps"]
+    quantized = decode.dequantize(encode.quantize_experts(w, "q2_k", importance), "q2_k", w.shape)
+    experts = {f"{k}.weight": v for k, v in {**weights, "ffn_up_exps": quantized}.items()}
+
+    def routed(g, rows: slice) -> np.ndarray:
+        return np.asarray(moe_forward(experts, g["mixed"][:][rows], g["experts"][:][rows], g["weights"][:][rows]))
+
+    every4, every = slice(None, None, 4), slice(None)
+    alpha = fit_alpha(cal["1"]["yr"][:][every4], routed(cal["1"], every4))
+    assert row["alpha"] == pytest.approx(alpha, rel=1e-5)
+    assert row["alpha"] != pytest.approx(fit_alpha(cal["1"]["yr"][:], routed(cal["1"], every)), rel=1e-5)
+    assert row["rel_err_in_sample"] == pytest.approx(
+        relative_residual(cal["1"]["yr"][:][every4], alpha * routed(cal["1"], every4)), rel=1e-4)
+    assert row["rel_err"] == pytest.approx(relative_residual(unseen["1"]["yr"][:], alpha * routed(unseen["1"], every)),
+                                           rel=1e-4)
 
 # ---- allocation, recipe, sizes --------------------------------------------------------------
 def test_recipe_is_optimal_and_written_into_the_gguf(budget_world):

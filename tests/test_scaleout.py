@@ -89,8 +89,8 @@ def assert_same_lake(a: Path, b: Path) -> None:
 def test_plan_units_lists_every_layer_of_every_variant(world, capsys):
     assert main(["plan", "-c", str(world), "--units", "--format", "json"]) == 0
     units = json.loads(capsys.readouterr().out)
-    assert [(u["variant"], u["layer"]) for u in units] == [(v, l) for v in ("unhealed", "v1") for l in range(3)]
-    assert units[4]["stages"] == ["quantize:v1:1", "calibrate:v1:1"]
+    assert [(u["variant"], u["layer"]) for u in units] == [(v, l) for v in ("v1", "unhealed") for l in range(3)]
+    assert units[1]["stages"] == ["quantize:v1:1", "calibrate:v1:1"]
     assert {u["status"] for u in units} == {"cached"}
     fresh = with_lake(world, "lake-unplanned")
     assert main(["plan", "-c", str(fresh), "--units"]) == 0

@@ -8,7 +8,7 @@ quantized with the variant's own importance knobs and rounding (or its
 `sensitivity_round`, "ls" to keep the measurement cheap under GPTQ), with the
 quantize stage's code, while the rest of the layer stays at the source's
 precision. What it changes in the layer's output is measured on the dumped
-inputs, on the unseen dump (and in-sample on the calibration rows):
+inputs, on the unseen dump (and in-sample on `FIT_ROWS` of the calibration rows):
 
     rel_err = ||delta||^2 / ||y_ref||^2,  pooled over the trace's tokens,
     kl_est  = (1/2) sum_tc F_tc delta_tc^2 / T,
@@ -24,8 +24,8 @@ the rest of the model forgives, is cheap by rel_err, not by kl_est
 (bench/experiments/kl_sensitivity.py measures both against the model's KL with
 each tensor quantized alone). delta is, for a routed
 role, the routed block's output error after the variant's alpha (fitted on
-the calibration rows, as calibration fits it: y_ref - alpha y_q, with the
-dumped routing), for a shared-expert role the change of the gated shared
+at most `FIT_ROWS` of the calibration rows, evenly strided, as calibration fits it on
+all of them: y_ref - alpha y_q, with the dumped routing), for a shared-expert role the change of the gated shared
 output, for an attention role the change of the attention output (a
 sequence at a time; it enters the residual stream before the MoE block, and
 kl_est weighs it by the layer output's Fisher, leaving out the MoE block's
@@ -74,7 +74,12 @@ from moeheal.pipeline.stages.quantize import (
     matrix_plan,
 )
 
-OUTPUTS = ("sensitivity.parquet", "recipe.parquet", "allocation.parquet")
+# Calibration rows a routed role's alpha and in-sample error are measured on, evenly strided over the dump's:
+# alpha is one scalar per (role, format), which 8,192 rows of 2,048 channels fix far below the differences
+# between formats, while each of a layer's 15 candidates ran its routed block over every row (65,536 at
+# the default data, 8 times the unseen trace's 8,192): 4.3-4.5 s of a 30B layer's 10.7 s on an H100
+# (bench/RESULTS.md). The importance statistics still read every row.
+FIT_ROWS = 8192
 
 
 SENSITIVITY_SCHEMA = pa.schema([
@@ -159,8 +164,8 @@ def _matrix_rows(source: GGUFModel, layer: int, role: str, matrices: dict[str, n
 
 def measure_sensitivity(source: GGUFModel, cal, unseen, guidance: Path, params: SensitivityParams,
                         log: Log = print) -> pa.Table:
-    """One row per (role, format) of layer `params.layer`: bytes, the relative output error (unseen and
-    in-sample) with only that tensor quantized (after the variant's alpha, for a routed role), and its
+    """One row per (role, format) of layer `params.layer`: bytes, the relative output error (unseen, and
+    in-sample on the rows alpha is fitted on, `FIT_ROWS`) with only that tensor quantized (after the variant's alpha, for a routed role), and its
     estimated cost in KL by the unseen trace's Fisher (`guidance`, the guidance stage's store of that
     trace). The unit logs where its time went (`sensitivity layer 3: read ..., rounding ..., outputs ...`)."""
     qp, layer = params.quantize, params.layer
@@ -182,7 +187,9 @@ def measure_sensitivity(source: GGUFModel, cal, unseen, guidance: Path, params: 
         raise InputError(f"{guidance}: layer {layer}: {len(fisher)} rows of guidance for an unseen dump of "
                          f"{len(data['unseen']['yr'])}")
     matrices = layer_matrices(source, layer) if set(params.roles) - set(EXPERT_TENSORS) else {}
-    routed = {s: routed_inputs_on_device(d) for s, d in data.items()}
+    stride = -(-len(data["in_sample"]["yr"]) // FIT_ROWS)  # 1 up to FIT_ROWS rows: every row
+    fit = {name: a[::stride] for name, a in data["in_sample"].items()}  # (<= FIT_ROWS, ...) each
+    routed = {"in_sample": routed_inputs_on_device(fit), "unseen": routed_inputs_on_device(data["unseen"])}
     phases.done("read", routed)
     encode.prepare_experts((fmt, weights[role].shape, plan[role][0] is not None, plan[role][1] is not None)
                            for role in params.roles if role in EXPERT_TENSORS for fmt in params.formats)
