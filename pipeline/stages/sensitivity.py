@@ -25,8 +25,8 @@ the rest of the model forgives, is cheap by rel_err, not by kl_est
 each tensor quantized alone). delta is, for a routed
 role, the routed block's output error after the variant's alpha (fitted on
 at most `FIT_ROWS` of the calibration rows, evenly strided, as calibration fits it on
-all of them: y_ref - alpha y_q, with the dumped routing), for a shared-expert role the change of the gated shared
-output, for an attention role the change of the attention output (a
+all of them: y_ref - alpha y_q, with the dumped routing), for a shared-expert role
+the change of the gated shared output, for an attention role the change of the attention output (a
 sequence at a time; it enters the residual stream before the MoE block, and
 kl_est weighs it by the layer output's Fisher, leaving out the MoE block's
 Jacobian between the two). Ridge healing acts on the whole layer's residual through
@@ -76,9 +76,9 @@ from moeheal.pipeline.stages.quantize import (
 
 # Calibration rows a routed role's alpha and in-sample error are measured on, evenly strided over the dump's:
 # alpha is one scalar per (role, format), which 8,192 rows of 2,048 channels fix far below the differences
-# between formats, while each of a layer's 15 candidates ran its routed block over every row (65,536 at
-# the default data, 8 times the unseen trace's 8,192): 4.3-4.5 s of a 30B layer's 10.7 s on an H100
-# (bench/RESULTS.md). The importance statistics still read every row.
+# between formats, while each candidate (15 a layer in `init`'s recipe) ran its routed block over every row
+# (65,536 at the default data, 8 times the unseen trace's 8,192): 4.3-4.5 s of a 30B layer's 10.7 s on an
+# H100 (bench/RESULTS.md). The importance statistics still read every row.
 FIT_ROWS = 8192
 
 
@@ -165,9 +165,10 @@ def _matrix_rows(source: GGUFModel, layer: int, role: str, matrices: dict[str, n
 def measure_sensitivity(source: GGUFModel, cal, unseen, guidance: Path, params: SensitivityParams,
                         log: Log = print) -> pa.Table:
     """One row per (role, format) of layer `params.layer`: bytes, the relative output error (unseen, and
-    in-sample on the rows alpha is fitted on, `FIT_ROWS`) with only that tensor quantized (after the variant's alpha, for a routed role), and its
-    estimated cost in KL by the unseen trace's Fisher (`guidance`, the guidance stage's store of that
-    trace). The unit logs where its time went (`sensitivity layer 3: read ..., rounding ..., outputs ...`)."""
+    in-sample on the rows alpha is fitted on, `FIT_ROWS`) with only that tensor quantized (after the
+    variant's alpha, for a routed role), and its estimated cost in KL by the unseen trace's Fisher
+    (`guidance`, the guidance stage's store of that trace). The unit logs where its time went
+    (`sensitivity layer 3: read ..., rounding ..., outputs ...`)."""
     qp, layer = params.quantize, params.layer
     assert layer is not None, "a sensitivity unit is one layer"
     extra = roles.dump_arrays(params.roles)
