@@ -292,7 +292,8 @@ def test_alpha_is_fitted_on_the_strided_calibration_rows_past_fit_rows(budget_wo
     cal, unseen = open_dump(run.result(run.dump("calibration")).path), open_dump(run.result(run.dump("unseen")).path)
     assert cal["1"]["yr"].shape[0] == 1024
     monkeypatch.setattr(sensitivity, "FIT_ROWS", 256)
-    params = dataclasses.replace(sensitivity.SensitivityParams.of(lo, run.source.arch), layer=1)
+    params = dataclasses.replace(sensitivity.SensitivityParams.of(lo, run.source.arch), layer=1, formats=("q2_k",),
+                                 roles=("ffn_up_exps",))  # the one row recomputed below
     table = sensitivity.measure_sensitivity(run.source, cal, unseen, run.result(run.guidance("unseen")).path,
                                             params, log=lambda line: None)
     row = next(r for r in table.to_pylist() if (r["role"], r["format"]) == ("ffn_up_exps", "q2_k"))
