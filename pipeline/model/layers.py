@@ -292,8 +292,8 @@ def _moe_grouped(expert_weights: dict, mixed: jax.Array, experts: jax.Array, wei
     scan's thousands of one-block programs leave the device waiting between them; a group's products
     are large enough to keep it busy. Each slot's output is kept in the blocks' order and a token's k
     outputs are gathered back (`_tokens_from_slots`, as `_moe_batched` does). Forward only
-    (`moe_output`): the gather's gradient in the weights would add repeated experts' rows with atomics. `group` None: GROUPED_BLOCKS, fewer where
-    a group's gathered matrices would pass GROUPED_BYTES."""
+    (`moe_output`): the gather's gradient in the weights would add repeated experts' rows with atomics.
+    `group` None: GROUPED_BLOCKS, fewer where a group's gathered matrices would pass GROUPED_BYTES."""
     w_gate, w_up, w_down = (_expert_matrix(expert_weights, w) for w in ("gate", "up", "down"))
     N, d = mixed.shape
     k, n_expert = experts.shape[1], w_gate.shape[0]
