@@ -479,6 +479,46 @@ def test_a_steps_device_memory_does_not_grow_with_depth(tmp_path):
     assert deep <= shallow * 1.05 + (deep_grads - shallow_grads), (shallow, deep, shallow_grads, deep_grads)
 
 
+def test_layer_programs_compiled_ahead_are_the_ones_the_passes_run(tmp_path, caplog):
+    """`Tuner.compile_ahead` compiles each distinct layer's programs (two mixes of formats here: 2 x
+    (forward at the measurement batch, forward and backward at the step's)), and a measurement and a
+    step afterwards compile no layer program and give the same bits as a tuner that compiled none."""
+    import logging
+
+    from gguf import GGMLQuantizationType
+
+    from bench.inputs.ggufs import make_tiny_gguf
+    from moeheal.kernels import encode
+
+    source = GGUFModel(make_tiny_gguf(tmp_path / "src.gguf", arch="qwen3moe", seed=5, n_layer=3))
+    fmt = lambda name: "q8_0" if name.startswith("blk.0.") else "iq4_nl"  # noqa: E731 (two mixes)
+    copy_gguf(source, tmp_path / "mixed.gguf", {
+        n: (encode.quantize_experts(source.tensor(n), fmt(n)), GGMLQuantizationType[fmt(n).upper()])
+        for n in source.tensor_names if n.endswith("_exps.weight")})
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, source.hp.vocab_size, (2, 32)).astype(np.int32)
+    ids, logp, log_rest = (np.asarray(a) for a in top_k_distribution(
+        jax.nn.log_softmax(jnp.asarray(rng.standard_normal((2, 32, source.hp.vocab_size)), jnp.float32)), 8))
+    batch = (tokens, ids, logp, log_rest, np.ones((2, 32), np.float32))
+
+    def passes(tuner: Tuner) -> tuple[float, list[np.ndarray]]:
+        kl = tuner.mean_kl(tuner.theta0, batch)
+        _, grad = tuner.step(tuner.theta0, tuple(a[:1] for a in batch))
+        return kl, [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(grad)]
+
+    ahead = Tuner(GGUFModel(tmp_path / "mixed.gguf"), source)
+    assert len(set(ahead.specs)) == 2
+    assert ahead.compile_ahead(32, 2, 1) == 6
+    with caplog.at_level(logging.WARNING, logger="jax"), jax.log_compiles():
+        kl, grads = passes(ahead)
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finished XLA compilation")]
+    assert compiled and not [m for m in compiled if "layer_forward" in m or "layer_backward" in m], compiled
+    plain_kl, plain_grads = passes(Tuner(GGUFModel(tmp_path / "mixed.gguf"), source))
+    assert kl == plain_kl
+    for a, b in zip(grads, plain_grads, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_steps_draw_only_the_sequences_of_the_variants_calibration_rows():
     """With `cal_tokens`, e2e trains on the sequences quantization read, never the trace's rest."""
     from types import SimpleNamespace

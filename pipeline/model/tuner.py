@@ -12,9 +12,11 @@ reference itself through them for its output gradients. Neither writes a file fr
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -215,21 +217,60 @@ class Tuner:
             self._held += array.nbytes
         return array
 
-    def layer_inputs(self, i: int, theta: dict) -> tuple[dict, dict]:
-        """Layer i on the device, keyed by short name: (theta_i, tensors) with tensors = {"frozen": the
-        untuned tensors, "blocks": the tuned quantized ones' stored blocks, "floats": the tuned floats}."""
+    def _abstract(self, name: str, blocks: bool = False) -> jax.ShapeDtypeStruct:
+        """What `_device` would return for the tensor, as a shape and dtype: nothing read or moved."""
+        if blocks:
+            fmt, _ = self.layout[name]
+            return jax.ShapeDtypeStruct((self.model.raw(name).data.size // fmt.type_size, fmt.type_size), jnp.uint8)
+        return jax.ShapeDtypeStruct(tuple(self.model.shape(name)), self.dtype)
+
+    def _layer_tree(self, i: int, theta: dict, tensor: Callable[..., Any], param: Callable[[Any], Any]
+                    ) -> tuple[dict, dict]:
+        """Layer i's (theta_i, tensors), keyed by short name, with `tensor(name, blocks=...)` and
+        `param(leaf)` making the leaves: the arrays themselves (`layer_inputs`) or their shapes."""
         prefix = f"blk.{i}."
         names = [n for n in self.model.tensor_names if n.startswith(prefix)]
         short = {n: n[len(prefix):] for n in names}
-        tensors = {"frozen": {short[n]: self._device(n) for n in names if n not in self.layout and n not in self.floats},
-                   "blocks": {short[n]: self._device(n, blocks=True) for n in names if n in self.layout},
-                   "floats": {short[n]: self._device(n) for n in names if n in self.floats}}
-        theta_i = {"scales": {short[n]: [jnp.asarray(u, self.dtype) for u in theta["scales"][n]]
-                              for n in names if n in self.layout},
-                   "floats": {short[n]: jnp.asarray(theta["floats"][n], self.dtype) for n in names if n in self.floats},
-                   "codes": {short[n]: [jnp.asarray(u, self.dtype) for u in theta["codes"][n]]
-                             for n in names if n in theta["codes"]}}
+        tensors = {"frozen": {short[n]: tensor(n) for n in names if n not in self.layout and n not in self.floats},
+                   "blocks": {short[n]: tensor(n, blocks=True) for n in names if n in self.layout},
+                   "floats": {short[n]: tensor(n) for n in names if n in self.floats}}
+        theta_i = {"scales": {short[n]: [param(u) for u in theta["scales"][n]] for n in names if n in self.layout},
+                   "floats": {short[n]: param(theta["floats"][n]) for n in names if n in self.floats},
+                   "codes": {short[n]: [param(u) for u in theta["codes"][n]] for n in names if n in theta["codes"]}}
         return theta_i, tensors
+
+    def layer_inputs(self, i: int, theta: dict) -> tuple[dict, dict]:
+        """Layer i on the device, keyed by short name: (theta_i, tensors) with tensors = {"frozen": the
+        untuned tensors, "blocks": the tuned quantized ones' stored blocks, "floats": the tuned floats}."""
+        return self._layer_tree(i, theta, self._device, lambda u: jnp.asarray(u, self.dtype))
+
+    def compile_ahead(self, seq_tokens: int, measure_seqs: int, step_seqs: int | None = None) -> int:
+        """Compile, in parallel threads, every layer program a pass will run: each distinct layer's
+        forward for `measure_seqs` sequences of `seq_tokens` and, with `step_seqs`, its forward and
+        backward for a step of that many. Returns how many were compiled.
+
+        Why: the programs are compiled per distinct layer (`LayerSpec`), and a recipe gives a 30B's
+        layers several mixes of formats. Compiled where a pass first meets a layer, each waits for
+        the last on one host core (seconds each on a GPU) while the device idles; the host has more
+        cores. The jit finds the programs ready (the same trace, the same executables), so nothing
+        computed depends on this."""
+        shape = lambda *dims: jax.ShapeDtypeStruct(dims, self.dtype)  # noqa: E731
+        rope = shape(*self.arch.rope_tables(seq_tokens, self.hp)[0].shape)  # (T, r/2)
+        firsts = {spec: i for i, spec in reversed(list(enumerate(self.specs)))}  # each distinct layer's first index
+        jobs = []
+        for spec, i in firsts.items():
+            theta_i, tensors = self._layer_tree(i, self.theta0, self._abstract, lambda u: shape(*np.shape(u)))
+            for seqs in sorted({measure_seqs, *([step_seqs] if step_seqs else [])}):
+                h = shape(seqs, seq_tokens, self.hp.d_model)  # (B, T, d)
+                jobs.append(lambda s=spec, t=theta_i, x=tensors, h=h, r=rope: self._forward.lower(
+                    s, t, x, h, r, r).compile())
+                if seqs == step_seqs:
+                    jobs.append(lambda s=spec, t=theta_i, x=tensors, h=h, r=rope: self._backward.lower(
+                        s, t, x, h, r, r, h).compile())
+        with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+            for future in [pool.submit(job) for job in jobs]:
+                future.result()
+        return len(jobs)
 
     def head_inputs(self, theta: dict) -> tuple[dict, dict]:
         """(theta of the tensors outside the layers, those tensors and the output matrix) on the device."""

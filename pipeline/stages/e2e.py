@@ -35,7 +35,9 @@ the model (all of it where it fits: `pipeline.model.tuner.device_cache_bytes`); 
 moments, a few percent of the packed model, stay on the device and each layer's slice is updated
 there in turn, so a step moves no parameter across PCIe (docs/e2e-tuning.md, Real sizes). The
 curve's measurements run `MEASURE_SEQS` sequences per forward pass: the same per-token losses as
-one at a time, fewer passes over the layers.
+one at a time, fewer passes over the layers. Before the first pass every distinct layer's programs
+(a recipe's mixes of formats) are compiled side by side in threads (`Tuner.compile_ahead`), not one
+after the other where a pass first meets them.
 """
 
 from __future__ import annotations
@@ -179,6 +181,9 @@ def e2e_model(out: Path, assembled: GGUFModel, source: GGUFModel, traces_dir: Pa
     train_seqs = int(np.sum(starts < params.cal_tokens)) if params.cal_tokens else None
     tuner = Tuner(assembled, source, tune_codes=bool(params.code_lr))
     try:
+        ahead = time.perf_counter()
+        n_programs = tuner.compile_ahead(params.seq_tokens, MEASURE_SEQS, (params.batch_seqs or 1) if params.steps else None)
+        log(f"[e2e:{params.variant}] {n_programs} layer programs compiled ahead ({time.perf_counter() - ahead:.1f} s)")
         theta, rows = tune(tuner, calibration, unseen, params, log, train_seqs)
         copy_gguf(assembled, out / MODEL_FILE, tuner.replacements(theta))
     finally:
