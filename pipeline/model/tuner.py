@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -104,6 +105,15 @@ class BlockDecoder:
     def __call__(self, blocks: jax.Array, u: list[jax.Array], codes: list[jax.Array]) -> jax.Array:
         return self.fmt.dequantize_parts(tuned_parts(self.fmt, self.fmt.unpack(blocks), u, codes, self.round_scales,
                                                      self.dtype))  # (n, B)
+
+
+@cache
+def retuned_blocks(fmt: type, round_scales: bool = True, dtype: Any = jnp.float32) -> Callable[..., jax.Array]:
+    """The jitted re-packing of a format's stored blocks (n, type_size) with tuned scale changes and code
+    offsets (`tuned_parts`): one program per format and shape. Run op by op, a 30B layer's tensors
+    dispatched hundreds of small programs each, seconds per layer on a GPU."""
+    return jax.jit(lambda blocks, u, codes: fmt.pack(*tuned_parts(fmt, fmt.unpack(blocks), u, codes, round_scales,
+                                                                  dtype)))  # (n, type_size)
 
 
 def host(x: jax.Array) -> np.ndarray:
@@ -403,10 +413,9 @@ class Tuner:
         out = {}
         for name, (fmt, _) in self.layout.items():
             raw = self.model.raw(name)
-            parts = fmt.unpack(jnp.asarray(raw.data.reshape(-1, fmt.type_size)))
-            codes = [jnp.asarray(u) for u in theta["codes"].get(name, [])]
-            blocks = fmt.pack(*self.scale_parts(fmt, parts, [jnp.asarray(u) for u in theta["scales"][name]],
-                                                codes))  # (n_blocks, type_size)
+            blocks = retuned_blocks(fmt, self.round_scales, self.dtype)(
+                jnp.asarray(raw.data.reshape(-1, fmt.type_size)), [jnp.asarray(u) for u in theta["scales"][name]],
+                [jnp.asarray(u) for u in theta["codes"].get(name, [])])  # (n_blocks, type_size)
             out[name] = (np.asarray(blocks, np.uint8).reshape(raw.data.shape), raw.ggml_type)
         for name, u in theta["floats"].items():
             out[name] = (np.asarray(relative(self.model.tensor(name), np.asarray(u)), np.float32),
