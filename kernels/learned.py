@@ -55,9 +55,11 @@ Every function here is a pure function of arrays: no files, no config.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -695,6 +697,37 @@ def learn_layer(tensors: dict[str, LearnedTensor], fixed: dict[str, np.ndarray],
     raw = {name: np.asarray(_harden(t.fmt)(best[name], consts[name])).reshape(np.shape(t.raw))  # (..., rows, bytes)
            for name, t in tensors.items()}
     return raw, rows
+
+
+def prepare_tensors(jobs: Iterable[tuple[str, tuple[int, ...]]], settings: Settings) -> int:
+    """Compile ahead, in parallel threads, the programs ``learn_layer`` runs for each (format, shape) of
+    ``jobs``: its decoding, its update under ``settings`` and its hardening. Returns how many were compiled.
+
+    They are compiled once per process and (format, shape), where a layer first learns that format: on a
+    GPU seconds each, one after the other on one host core while the device idles, in whichever layer
+    of a recipe first holds the format. The quantize unit asks for every (role, format) of its recipe
+    with its own layer's (``pipeline.stages.quantize``), on hosts with more cores. The jit finds the
+    programs ready (the same trace, the same executables), so no result depends on this."""
+    def programs(fmt: str, shape: tuple[int, ...]) -> list[Callable[[], object]]:
+        relax, cls = relaxation(fmt), format_of(fmt)
+        blocks = jax.ShapeDtypeStruct((int(np.prod(shape)) // cls.block_size, cls.type_size), jnp.uint8)
+        const = jax.eval_shape(relax.const, blocks)
+        theta = jax.eval_shape(relax.init, const)
+        weights, chosen = jax.eval_shape(_decoder(fmt, shape), theta, const)
+        moments = (theta, theta) if settings.optimizer == "adam" else ()
+        scalar = jax.ShapeDtypeStruct((), jnp.float32)
+        per_group = {k: scalar for k in relax.bounds()}
+        step, decays = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((settings.steps,), jnp.float32)
+        return [lambda: _decoder(fmt, shape).lower(theta, const).compile(),
+                lambda: _updater(fmt, shape, settings.optimizer).lower(
+                    theta, moments, const, chosen, weights, step, decays, per_group, per_group).compile(),
+                lambda: _harden(fmt).lower(theta, const).compile()]
+
+    pending = [compile_one for fmt, shape in sorted(set(jobs)) for compile_one in programs(fmt, tuple(shape))]
+    with ThreadPoolExecutor(max(1, min(len(pending), os.cpu_count() or 1))) as pool:
+        for future in [pool.submit(compile_one) for compile_one in pending]:
+            future.result()
+    return len(pending)
 
 
 @cache

@@ -187,6 +187,46 @@ def test_learning_lowers_the_held_out_moe_output_error_below_gptq(fmt):
     assert test_rows[chosen["step"]] == pytest.approx(_held_out_error(learned, test), rel=1e-4)
 
 
+def test_programs_compiled_ahead_are_the_ones_learning_runs(caplog):
+    """`prepare_tensors` compiles each (format, shape)'s decoding, update and hardening (3 programs per
+    pair, in threads), and learning a layer of those formats and shapes afterwards compiles none of them:
+    the jit finds them ready. Shapes of this test alone (3 experts), so no earlier test compiled them."""
+    import logging
+
+    w, data = _small_layer(n_expert=3, tokens=600)
+    fmts = {"ffn_gate_exps": "q2_k", "ffn_up_exps": "iq2_xxs", "ffn_down_exps": "q2_k"}
+    start = {name: L.LearnedTensor(fmts[name], v.shape, encode.quantize_experts(v, fmts[name])) for name, v in w.items()}
+    settings = L.Settings(steps=3, batch_tokens=256, lr=0.01, eval_every=3, sub_lr=0.01, scale_lr=0.001,
+                          optimizer="adam")
+    jobs = [(t.fmt, t.shape) for t in start.values()]
+    assert L.prepare_tensors(jobs, settings) == 3 * len(set(jobs))
+    with caplog.at_level(logging.WARNING, logger="jax"), jax.log_compiles():
+        L.learn_layer(start, {}, data.take(np.arange(400)), data.take(np.arange(400, 600)), settings)
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finished XLA compilation")]
+    assert compiled and not [m for m in compiled if "jit(decode)" in m or "jit(update)" in m], compiled
+
+
+def test_a_learned_unit_compiles_its_recipes_programs_ahead_where_a_device_would(tmp_path, monkeypatch):
+    """On an accelerator the quantize unit compiles learned rounding's programs for its own formats and its
+    recipe's (`learned.prepare_tensors`, with the unit's own settings) before its GPTQ rounding; the CPU
+    leaves them to the jit. Here the unit is made to take the accelerator's path: it asks for every routed
+    (role, format) of the layer with the schedule the layer learns with, and writes its layer."""
+    from moeheal.pipeline.heal import HealRun
+    from moeheal.pipeline.stages import quantize
+
+    asked: list[tuple[list, L.Settings]] = []
+    prepare = L.prepare_tensors
+    monkeypatch.setattr(quantize, "on_accelerator", lambda: True)
+    monkeypatch.setattr(L, "prepare_tensors", lambda jobs, settings: asked.append((list(jobs), settings))
+                        or prepare(jobs, settings))
+    config = write_world(tmp_path, variants='[[variant]]\nname = "x"\nquant = "q2_k"\nround = "learned"\n'
+                                            'learned_steps = 2\n', moce_bonus=(0.0,))
+    run = HealRun(load_config(config), log=lambda _: None)
+    assert run.result(run.quantize(run.cfg.variants[0], 0)) is not None  # the unit and its dump, nothing after
+    [(jobs, settings)] = asked
+    assert sorted(jobs) == [("q2_k", (8, 256, 256))] * 3 and settings.steps == 2
+
+
 def test_the_loss_is_the_layers_output_error_with_the_shared_expert():
     """layer_error on float weights against the project's routed forward and the shared expert's
     output: zero at the reference weights, and the summed squared difference elsewhere."""

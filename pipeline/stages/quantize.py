@@ -73,6 +73,7 @@ import pyarrow as pa
 
 from moeheal.kernels import encode, learned
 from moeheal.kernels import importance as imp
+from moeheal.kernels.chunks import on_accelerator
 from moeheal.kernels.gptq import damp_hessian
 from moeheal.kernels.threads import one_blas_thread
 from moeheal.pipeline.data.dumps import open_dump, read_layer
@@ -334,6 +335,9 @@ def quantize_layer(out: Path, source: GGUFModel, dump_root, params: QuantizePara
     compiled = {(name, formats[name]) for name in weights} | {(role, f) for role, f in ahead if role in weights}
     encode.prepare_experts((fmt, weights[name].shape, plan[name][0] is not None, uses_gptq(name, fmt))
                            for name, fmt in sorted(compiled))
+    if learning and on_accelerator():  # on a CPU the jit compiles each as it first runs, here or not at all
+        learned.prepare_tensors(((fmt, weights[name].shape) for name, fmt in compiled),
+                                learned_settings(len(data["mixed"]), params))
     phases.done("compiling ahead")
     for name, w in weights.items():
         importance, hessians = plan[name]
@@ -384,6 +388,19 @@ def learned_schedule(train_rows: int, steps: int) -> tuple[int, int]:
     return max(LEARNED_MIN_STEPS, -(-train_rows // batch)), batch
 
 
+def held_out_cut(n_rows: int) -> int:
+    """Where learned rounding's training rows end and its held-out rows (the last 1/LEARNED_HOLDOUT) begin."""
+    return n_rows - max(1, n_rows // LEARNED_HOLDOUT)
+
+
+def learned_settings(n_rows: int, params: QuantizeParams) -> learned.Settings:
+    """Learned rounding's optimisation for a layer of `n_rows` calibration rows (`learned_schedule` over
+    the rows before `held_out_cut`)."""
+    steps, batch = learned_schedule(held_out_cut(n_rows), params.learned_steps or 0)
+    return learned.Settings(steps=steps, batch_tokens=batch, lr=LEARNED_LR, eval_every=max(1, steps // LEARNED_EVALS),
+                            sub_lr=LEARNED_SUB_LR, scale_lr=LEARNED_SCALE_LR, optimizer=LEARNED_OPTIMIZER)
+
+
 def learn_layer_rounding(arrays: dict[str, np.ndarray], source: GGUFModel, rows: dict[str, np.ndarray], unseen_root,
                          params: QuantizeParams, layer: int, log: Callable[[str], None],
                          guidance: Path | None = None) -> list[dict[str, Any]]:
@@ -398,7 +415,7 @@ def learn_layer_rounding(arrays: dict[str, np.ndarray], source: GGUFModel, rows:
                                            arrays[name]) for name in names}
     fixed = {r: source.tensor(f"blk.{layer}.{r}.weight") for r in roles.SHARED if shared_roles and r not in arrays}
     n = len(rows["mixed"])
-    cut = n - max(1, n // LEARNED_HOLDOUT)
+    cut = held_out_cut(n)
     cal = token_set(source, layer, rows, bool(shared_roles))
     if params.learned_loss in ("fisher", "fisher_channels"):
         assert guidance is not None, "a fisher-weighted unit reads the guidance stage's output"
@@ -411,11 +428,8 @@ def learn_layer_rounding(arrays: dict[str, np.ndarray], source: GGUFModel, rows:
     extra = {}
     if unseen_root is not None:
         extra["unseen"] = token_set(source, layer, read_layer(unseen_root[str(layer)], slice(None)), bool(shared_roles))
-    steps, batch = learned_schedule(cut, params.learned_steps or 0)
-    settings = learned.Settings(steps=steps, batch_tokens=batch, lr=LEARNED_LR,
-                                eval_every=max(1, steps // LEARNED_EVALS), sub_lr=LEARNED_SUB_LR,
-                                scale_lr=LEARNED_SCALE_LR, optimizer=LEARNED_OPTIMIZER)
-    raw, curve = learned.learn_layer(tensors, fixed, cal.take(slice(0, cut)), cal.take(slice(cut, n)), settings,
+    raw, curve = learned.learn_layer(tensors, fixed, cal.take(slice(0, cut)), cal.take(slice(cut, n)),
+                                     learned_settings(n, params),
                                      extra, lambda line: log(f"quantize layer {layer}: {line}"))
     for name, value in raw.items():
         arrays[name] = value
