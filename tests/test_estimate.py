@@ -47,17 +47,18 @@ def test_the_30b_shapes_deepest_h100_record_is_predicted_within_30_percent_by_th
 
 def test_the_recipes_h100_record_is_predicted_within_30_percent_with_its_codebook_units_priced_apart(records):
     """The budget recipe's units (GPTQ + learned rounding over IQ2_S and kin) cost more than `q2_k`'s at the
-    30B shape (about 3x in the records before the learned i-quant step's elementwise choice, 1.6x in `fa`'s)
-    and its e2e steps more than `q2_k`'s (its codebooks decoded in every step, and in `fa`'s records a
-    program compiled per distinct layer mix, which the fit charges to every layer: 2.6x); priced apart
-    (`:codebook`), its deepest (4-layer) record is predicted by the others."""
-    measured, predicted, unknown = fit.holdout(records["h100"], "bench/results/real-size/runs/fa_l4.json")
+    30B shape (about 3x in the records before the learned i-quant step's elementwise choice, 1.6x in `fa`'s,
+    1.36x in `fb`'s, whose first unit compiles every format's learned programs ahead) and its e2e steps more than `q2_k`'s (its codebooks decoded in every step; in `fa`'s records
+    also a program compiled per distinct layer mix where a pass first met it, charged by the fit to every
+    layer, 2.6x; `fb`'s compile them ahead, side by side); priced apart (`:codebook`), its deepest (4-layer)
+    record is predicted by the others."""
+    measured, predicted, unknown = fit.holdout(records["h100"], "bench/results/real-size/runs/fb_l4.json")
     assert measured > 200 and not unknown
     assert abs(predicted / measured - 1) < 0.30, (measured, predicted)
     h100 = estimate.load_cost_model()["devices"]["h100"]["constants"]
     runs = Path(fit.REPO) / "bench/results/real-size/runs"
-    recipe, q2_k = (fit.predict_at(runs / name, 48, h100) for name in ("fa_l4.json", "rs10_l4.json"))  # 65,536 tokens
-    assert recipe["quantize:learned:codebook"] > 1.4 * q2_k["quantize:learned"]
+    recipe, q2_k = (fit.predict_at(runs / name, 48, h100) for name in ("fb_l4.json", "rs10_l4.json"))  # 65,536 tokens
+    assert recipe["quantize:learned:codebook"] > 1.25 * q2_k["quantize:learned"]
     assert recipe["e2e:codebook"] > 1.1 * q2_k["e2e"]
 
 

@@ -55,15 +55,16 @@ OUT = REPO / "moeheal" / "data" / estimate.COST_MODEL
 # its stages' time being mostly the fixed cost of a tiny model, which the rates would carry to the 30B shape;
 # so is h200-levers/rs_levers.json, run on a lake with some units cached, whose clock charged two computed
 # healed dumps to other stages (its README). The H100's are the current code's three depths (real-size/runs/
-# rs10_*, and the recipe's three depths fa_l2-fa_l4, which price its sensitivity, guidance and i-quant units;
-# sp_l2-sp_l4 are the recipe before the search's candidate scales at once and sensitivity per layer, and
+# rs10_*, and the recipe's three depths fb_l2-fb_l4, which price its sensitivity, guidance and i-quant units;
+# fa_l2-fa_l4 are the recipe before sensitivity's FIT_ROWS and e2e's and learned rounding's programs
+# compiled ahead, sp_l2-sp_l4 before the search's candidate scales at once and sensitivity per layer, and
 # rc_l2/rc_l3 before learned rounding compiled per (format, shape), its per-layer compile priced as work;
 # rs9_* and rs8_* are earlier codes on other H100 machines); its earlier rs_l2/rs_l3 ran before XLA's Triton GEMM autotuning was turned off, the calibrate
 # unit's sums moved to the device and the dump ran layer by layer, 2-2.5x slower per stage, so a fit over
 # both priced neither.
 DEFAULT_RECORDS = ("bench/results/h200-65k/rs*.json", "bench/results/h200-budget/rs*.json",
                    "bench/results/h200-levers/rs_levers2.json", "bench/results/h100-*/rs*.json",
-                   "bench/results/real-size/runs/rs10_*.json", "bench/results/real-size/runs/fa_l*.json",
+                   "bench/results/real-size/runs/rs10_*.json", "bench/results/real-size/runs/fb_l*.json",
                    "bench/results/demo-cpu*/stage_times.csv")
 ONCE_PENALTY = 0.1  # see `fit`
 SIZE_PENALTY = 0.03  # see `fit`
