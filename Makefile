@@ -70,7 +70,7 @@ test: setup-test
 	$(PYTEST) -q -m "not gpu and not slow" -n 2 --dist loadfile --no-loadscope-reorder
 
 # The tests marked `slow`, outside CI's time: the 200-round publishing stress test (tests/test_publish.py,
-# minutes) and what `moeheal init` writes healed on all six families (tests/test_families_init_heal.py; qwen3moe's is also healed in CI through the installed wheel, tests/test_wheel_init.py).
+# minutes), what `moeheal init` writes healed on all six families (tests/test_families_init_heal.py; qwen3moe's is also healed in CI through the installed wheel, tests/test_wheel_init.py) and a learned quantize unit taking the accelerator's compile-ahead path (tests/test_learned.py).
 test-slow: setup-test
 	$(PYTEST) -q -m "slow and not gpu" -n 2 --dist loadfile --no-loadscope-reorder
 

@@ -206,6 +206,7 @@ def test_programs_compiled_ahead_are_the_ones_learning_runs(caplog):
     assert compiled and not [m for m in compiled if "jit(decode)" in m or "jit(update)" in m], compiled
 
 
+@pytest.mark.slow  # a world's dump for one unit, 16 s of a CI worker: `make test-slow`; the GPU runs take this path
 def test_a_learned_unit_compiles_its_recipes_programs_ahead_where_a_device_would(tmp_path, monkeypatch):
     """On an accelerator the quantize unit compiles learned rounding's programs for its own formats and its
     recipe's (`learned.prepare_tensors`, with the unit's own settings) before its GPTQ rounding; the CPU
