@@ -277,7 +277,6 @@ def test_sensitivity_is_the_layer_output_error_with_one_tensor_quantized(budget_
     assert row["kl_est"] == pytest.approx(0.5 * np.sum(fisher * delta ** 2) / len(delta), rel=1e-4)
 
 
-
 def test_alpha_is_fitted_on_the_strided_calibration_rows_past_fit_rows(budget_world, monkeypatch):
     """Past `FIT_ROWS` calibration rows (1,024 here, 256 allowed) a routed role's alpha and in-sample error
     come from every 4th row: recomputed by hand on those rows, and unlike what all rows give."""
@@ -314,6 +313,7 @@ def test_alpha_is_fitted_on_the_strided_calibration_rows_past_fit_rows(budget_wo
         relative_residual(cal["1"]["yr"][:][every4], alpha * routed(cal["1"], every4)), rel=1e-4)
     assert row["rel_err"] == pytest.approx(relative_residual(unseen["1"]["yr"][:], alpha * routed(unseen["1"], every)),
                                            rel=1e-4)
+
 
 # ---- allocation, recipe, sizes --------------------------------------------------------------
 def test_recipe_is_optimal_and_written_into_the_gguf(budget_world):

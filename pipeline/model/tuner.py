@@ -179,8 +179,7 @@ class Tuner:
     def _part_shapes(self, name: str, indices: Iterable[int]) -> list[jax.ShapeDtypeStruct]:
         """The shapes of a quantized tensor's `unpack` parts at `indices`, without decoding it."""
         fmt, _ = self.layout[name]
-        blocks = jax.ShapeDtypeStruct((self.model.raw(name).data.size // fmt.type_size, fmt.type_size), jnp.uint8)
-        parts = jax.eval_shape(fmt.unpack, blocks)
+        parts = jax.eval_shape(fmt.unpack, self._abstract(name, blocks=True))
         return [parts[i] for i in indices]
 
     def _fp16_parts(self, name: str) -> list[jax.ShapeDtypeStruct]:
